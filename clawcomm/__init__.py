@@ -1,0 +1,19 @@
+"""clawcomm: a collective-communication engine for distributed training.
+
+``import clawcomm`` registers the ``"clawcomm"`` torch.distributed backend for
+CPU tensors::
+
+    import clawcomm
+    import torch.distributed as dist
+    dist.init_process_group("clawcomm")
+
+Settings are read from ``CLAWCOMM_*`` environment variables when a group is
+created; the README lists them.
+"""
+
+from clawcomm._backend import BACKEND_NAME, backend_of, register
+
+__all__ = ["BACKEND_NAME", "backend_of", "register"]
+__version__ = "0.1.0"
+
+register()

@@ -1,0 +1,33 @@
+"""Registration of the ``"clawcomm"`` backend with torch.distributed."""
+
+from __future__ import annotations
+
+import datetime
+
+import torch.distributed as dist
+
+from clawcomm import _C
+
+BACKEND_NAME = "clawcomm"
+
+
+def _create_backend(store, rank: int, size: int, timeout: datetime.timedelta):
+    return _C.ClawcommBackend(store, rank, size, timeout)
+
+
+def register() -> None:
+    """Registers the backend once; later calls do nothing."""
+    if BACKEND_NAME.upper() in dist.Backend.backend_list or BACKEND_NAME in dist.Backend.backend_list:
+        return
+    dist.Backend.register_backend(BACKEND_NAME, _create_backend, devices=["cpu"])
+
+
+def backend_of(group=None) -> _C.ClawcommBackend:
+    """The clawcomm backend object behind ``group`` (default: the world)."""
+    import torch
+
+    pg = group if group is not None else dist.group.WORLD
+    backend = pg._get_backend(torch.device("cpu"))
+    if not isinstance(backend, _C.ClawcommBackend):
+        raise ValueError(f"group {pg} does not use the clawcomm backend for cpu")
+    return backend

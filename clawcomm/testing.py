@@ -1,0 +1,148 @@
+"""Run a function on N local ranks: the one helper every clawcomm test uses.
+
+    from clawcomm.testing import run_ranks
+
+    def body(rank, world_size):
+        t = torch.full((4,), float(rank))
+        dist.all_reduce(t)
+        return t
+
+    results = run_ranks(body, world_size=3)   # one result per rank
+
+Each rank is a forked process that joins a fresh process group (FileStore
+rendezvous in a temporary directory, so tests never fight over ports), runs
+``fn(rank, world_size, *args)``, and sends back its return value. A rank that
+raises makes ``run_ranks`` raise ``RankFailure`` carrying every rank's
+traceback; a rank that outlives ``timeout`` is killed and reported as hung.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import pickle
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["RankFailure", "run_ranks"]
+
+
+class RankFailure(AssertionError):
+    """One or more ranks raised or hung. ``errors`` maps rank -> traceback text."""
+
+    def __init__(self, errors: dict[int, str]):
+        self.errors = errors
+        text = "\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
+        super().__init__(f"{len(errors)} rank(s) failed:\n{text}")
+
+
+def _child(fn, rank, world_size, args, backend, env, store_path, pg_timeout, init, conn):
+    try:
+        os.environ.update(env)
+        os.environ["RANK"] = str(rank)
+        os.environ["WORLD_SIZE"] = str(world_size)
+        os.environ["LOCAL_RANK"] = str(rank)
+        import torch
+        import torch.distributed as dist
+
+        import clawcomm  # noqa: F401  (registers the backend in this process)
+
+        torch.set_num_threads(1)
+        if init:
+            store = dist.FileStore(store_path, world_size)
+            dist.init_process_group(
+                backend,
+                store=store,
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=pg_timeout),
+            )
+        try:
+            result = fn(rank, world_size, *args)
+        finally:
+            if init and dist.is_initialized():
+                dist.destroy_process_group()
+        # Plain pickle, so tensors travel by value rather than as shared-memory
+        # handles that die with this process.
+        conn.send_bytes(pickle.dumps(("ok", result)))
+    except BaseException:  # noqa: BLE001  (report everything to the parent)
+        conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
+    finally:
+        conn.close()
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "clawcomm",
+    env: dict[str, str] | None = None,
+    timeout: float = 120.0,
+    pg_timeout: float = 60.0,
+    init: bool = True,
+    allow_failures: bool = False,
+) -> list[Any]:
+    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` forked ranks.
+
+    Returns the ranks' return values in rank order. With
+    ``allow_failures=True`` a failed rank's entry is a ``RankFailure`` holding
+    its traceback (or the exit code if it died) instead of raising.
+    """
+    ctx = mp.get_context("fork")
+    env = {k: str(v) for k, v in (env or {}).items()}
+    with tempfile.TemporaryDirectory(prefix="clawcomm-test-") as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs, conns = [], []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe(duplex=False)
+            p = ctx.Process(
+                target=_child,
+                args=(fn, rank, world_size, args, backend, env, store_path, pg_timeout, init, child),
+                daemon=True,
+            )
+            p.start()
+            child.close()
+            procs.append(p)
+            conns.append(parent)
+        results: list[Any] = [None] * world_size
+        errors: dict[int, str] = {}
+        deadline = _now() + timeout
+        for rank, (p, c) in enumerate(zip(procs, conns)):
+            remaining = max(0.0, deadline - _now())
+            if c.poll(remaining):
+                try:
+                    status, value = pickle.loads(c.recv_bytes())
+                except EOFError:
+                    status, value = "error", "rank exited without reporting"
+            else:
+                status, value = "error", None
+            if status == "ok":
+                results[rank] = value
+            else:
+                p.join(timeout=1)
+                if value is None:
+                    value = (
+                        f"rank hung for more than {timeout} s"
+                        if p.is_alive()
+                        else f"rank died with exit code {p.exitcode}"
+                    )
+                errors[rank] = value
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if errors and not allow_failures:
+            raise RankFailure(errors)
+        for rank, text in errors.items():
+            results[rank] = RankFailure({rank: text})
+        return results
+
+
+def _now() -> float:
+    import time
+
+    return time.monotonic()

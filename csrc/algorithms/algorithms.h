@@ -1,0 +1,50 @@
+// Collective algorithms, one per file, each a free function over a Channel.
+//
+// Buffers are raw bytes; element type and reduce operator come from the
+// channel's signature. Steps and bytes on the wire for each are written down
+// in docs/algorithms.md, and narrated above each implementation.
+#pragma once
+
+#include <cstddef>
+#include <vector>
+
+#include "algorithms/channel.h"
+
+namespace clawcomm {
+
+// All-reduce of `count` elements in place. AVG is left as a SUM; the caller
+// divides.
+void ringAllReduce(Channel& ch, void* buf, size_t count);
+void treeAllReduce(Channel& ch, void* buf, size_t count);
+
+// In place over a buffer that holds one chunk per rank, back to back, of
+// counts[r] elements: afterwards chunk `rank` holds the reduction of every
+// rank's chunk `rank` (the other chunks hold partial sums).
+void ringReduceScatter(Channel& ch, void* buf, const std::vector<size_t>& counts);
+
+// In place over the same layout: chunk `rank` is this rank's input;
+// afterwards every chunk holds its owner's input.
+void ringAllGather(Channel& ch, void* buf, const std::vector<size_t>& counts);
+
+void binomialBroadcast(Channel& ch, void* buf, size_t bytes, int root);
+
+// Reduces into `buf` on `root`. `buf` is used as the accumulator on every
+// rank, so non-roots pass a scratch copy of their input.
+void binomialReduce(Channel& ch, void* buf, size_t count, int root);
+
+// Rank r's `bytes` from `in` land at out + r * bytes on `root`.
+void linearGather(Channel& ch, const void* in, void* out, size_t bytes, int root);
+// Rank r receives in + r * bytes from `root` into `out`.
+void linearScatter(Channel& ch, const void* in, void* out, size_t bytes, int root);
+
+// Uneven all-to-all: sendBytes[p] bytes (at the running offset in `in`) go to
+// rank p, recvBytes[p] bytes from rank p land at the running offset in `out`.
+void pairwiseAllToAll(Channel& ch, const void* in, const std::vector<size_t>& sendBytes,
+                      void* out, const std::vector<size_t>& recvBytes);
+
+void disseminationBarrier(Channel& ch);
+
+// CLAWCOMM_ALGO=auto's choice for an all-reduce of `bytes` over `size` ranks.
+bool allReduceUsesTree(size_t bytes, int size, const Settings& settings);
+
+}  // namespace clawcomm

@@ -1,0 +1,34 @@
+#include "algorithms/channel.h"
+
+namespace clawcomm {
+
+Channel::Channel(Messenger& messenger, const OpSignature& sig, Clock::time_point deadline,
+                 const Settings& settings)
+    : messenger_(messenger),
+      sig_(sig),
+      deadline_(deadline),
+      settings_(settings),
+      sendSteps_(size_t(messenger.size()), 0),
+      recvSteps_(size_t(messenger.size()), 0) {}
+
+void Channel::send(int peer, const void* buf, size_t bytes) {
+  pending_.push_back(messenger_.sendCollective(peer, sig_, sendSteps_[peer]++, buf, bytes));
+}
+
+void Channel::recv(int peer, void* buf, size_t bytes) {
+  pending_.push_back(
+      messenger_.recvCollective(peer, sig_, recvSteps_[peer]++, buf, bytes, /*reduce=*/false));
+}
+
+void Channel::recvReduce(int peer, void* buf, size_t bytes) {
+  pending_.push_back(
+      messenger_.recvCollective(peer, sig_, recvSteps_[peer]++, buf, bytes, /*reduce=*/true));
+}
+
+void Channel::wait() {
+  if (pending_.empty()) return;
+  messenger_.waitAll(pending_, deadline_);
+  pending_.clear();
+}
+
+}  // namespace clawcomm

@@ -1,0 +1,32 @@
+// The segmented ring pipeline shared by ring all-reduce, reduce-scatter and
+// all-gather.
+#pragma once
+
+#include <cstddef>
+#include <vector>
+
+#include "algorithms/channel.h"
+
+namespace clawcomm {
+
+struct RingStep {
+  int sendChunk;  // chunk sent to rank + 1
+  int recvChunk;  // chunk received from rank - 1
+  bool reduce;    // combine into recvChunk (true) or overwrite it (false)
+};
+
+// Runs `steps` around the ring over `buf`, whose chunk c holds counts[c]
+// elements starting at the sum of the counts before it.
+//
+// Each chunk is cut into the same number of segments (at most
+// settings().segmentBytes each) and the segments flow as a wavefront: in
+// wave w, segment j runs step w - j. So segment 0 can already be in step 2
+// while segment 5 is still in step 0, and a step never waits for the whole
+// chunk of the step before it.
+void ringPipeline(Channel& ch, void* buf, const std::vector<size_t>& counts,
+                  const std::vector<RingStep>& steps);
+
+// Chunk index `i` modulo the ring size, for negative i too.
+inline int ringIndex(int i, int n) { return ((i % n) + n) % n; }
+
+}  // namespace clawcomm

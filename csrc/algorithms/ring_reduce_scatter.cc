@@ -1,0 +1,22 @@
+// Ring reduce-scatter, in place: the first half of the ring all-reduce.
+//
+// Steps s = 0 .. n-2: rank r sends chunk r-s-1 to r+1 and reduces chunk
+// r-s-2 from r-1 into its buffer. After the last step chunk r is complete.
+// Bytes sent per rank: (n-1)/n N; steps: n-1. Chunks may have any sizes
+// (counts[c] elements each), so uneven splits need no padding.
+#include "algorithms/algorithms.h"
+#include "algorithms/ring.h"
+
+namespace clawcomm {
+
+void ringReduceScatter(Channel& ch, void* buf, const std::vector<size_t>& counts) {
+  const int n = ch.size();
+  const int r = ch.rank();
+  std::vector<RingStep> steps;
+  for (int s = 0; s < n - 1; ++s) {
+    steps.push_back({ringIndex(r - s - 1, n), ringIndex(r - s - 2, n), /*reduce=*/true});
+  }
+  ringPipeline(ch, buf, counts, steps);
+}
+
+}  // namespace clawcomm

@@ -1,0 +1,430 @@
+#include "comm/communicator.h"
+
+#include <cstring>
+#include <numeric>
+
+#include "algorithms/algorithms.h"
+#include "algorithms/channel.h"
+#include "comm/rendezvous.h"
+#include "common/errors.h"
+#include "reduce/reduce_kernels.h"
+#include "transport/messenger.h"
+
+namespace clawcomm {
+
+struct Communicator::Op {
+  OpSignature sig;
+  std::function<void(Channel&)> run;  // collectives
+  RequestPtr request;
+  // Point-to-point.
+  bool pointToPoint = false;
+  bool isSend = false;
+  void* buf = nullptr;
+  size_t bytes = 0;
+  int peer = -1;
+  uint64_t tag = 0;
+  TransferPtr transfer;
+  Clock::time_point deadline;
+};
+
+namespace {
+
+// Rethrows `e` as the same error type with `message` in front of its text.
+std::exception_ptr withContext(std::exception_ptr e, const std::string& message) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const TimeoutError& x) {
+    return std::make_exception_ptr(TimeoutError(message + x.what()));
+  } catch (const PeerError& x) {
+    return std::make_exception_ptr(PeerError(message + x.what()));
+  } catch (const MismatchError& x) {
+    return std::make_exception_ptr(MismatchError(message + x.what()));
+  } catch (const InvalidArgument& x) {
+    return std::make_exception_ptr(InvalidArgument(message + x.what()));
+  } catch (const std::exception& x) {
+    return std::make_exception_ptr(Error(message + x.what()));
+  } catch (...) {
+    return std::make_exception_ptr(Error(message + "unknown error"));
+  }
+}
+
+std::string errorText(std::exception_ptr e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+    return "unknown error";
+  }
+}
+
+std::string opPrefix(OpType t) { return CLAWCOMM_CONCAT("clawcomm::", opTypeName(t), ": "); }
+
+void checkDataType(OpType op, DataType dtype) {
+  CLAWCOMM_ARG_CHECK(dtype < DataType::kNumTypes, opPrefix(op), "unsupported dtype code ",
+                     int(dtype));
+}
+
+void checkReduceOp(OpType op, DataType dtype, ReduceOp redop) {
+  checkDataType(op, dtype);
+  CLAWCOMM_ARG_CHECK(reduceOpSupported(dtype, redop), opPrefix(op), "reduce op ",
+                     reduceOpName(redop), " is not defined on ", dataTypeName(dtype),
+                     redop == ReduceOp::kAvg ? " (avg needs a floating point dtype)"
+                                             : " (bitwise ops need an integer or bool dtype)");
+}
+
+}  // namespace
+
+Communicator::Communicator(std::shared_ptr<Store> store, int rank, int size,
+                           std::chrono::milliseconds timeout, Settings settings)
+    : rank_(rank), size_(size), timeout_(timeout), settings_(std::move(settings)) {
+  CLAWCOMM_ARG_CHECK(size >= 1 && rank >= 0 && rank < size, "clawcomm: rank ", rank,
+                     " is not in a group of ", size, " ranks");
+  auto conns = rendezvous(*store, rank, size, settings_, Clock::now() + timeout_);
+  transports_.resize(size_t(size));
+  for (int p = 0; p < size; ++p) transports_[p] = p == rank ? "self" : conns[p]->kind();
+  messenger_ = std::make_unique<Messenger>(rank, size, std::move(conns), settings_.spinMicros);
+  thread_ = std::thread([this] { progressLoop(); });
+}
+
+Communicator::~Communicator() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+  if (!broken_) messenger_->close(Clock::now() + std::chrono::seconds(2));
+}
+
+std::string Communicator::transportOf(int peer) const {
+  CLAWCOMM_ARG_CHECK(peer >= 0 && peer < size_, "clawcomm: rank ", peer,
+                     " is not in a group of ", size_, " ranks");
+  return transports_[peer];
+}
+
+std::string Communicator::allReduceAlgorithm(size_t bytes) const {
+  return allReduceUsesTree(bytes, size_, settings_) ? "tree" : "ring";
+}
+
+void Communicator::checkRoot(OpType op, int root) const {
+  CLAWCOMM_ARG_CHECK(root >= 0 && root < size_, opPrefix(op), "root ", root,
+                     " is out of range for a group of ", size_, " ranks");
+}
+
+void Communicator::checkCounts(OpType op, const std::vector<size_t>& counts,
+                               const char* what) const {
+  CLAWCOMM_ARG_CHECK(counts.size() == size_t(size_), opPrefix(op), what, " has ",
+                     counts.size(), " entries for a group of ", size_, " ranks");
+}
+
+// ---------------------------------------------------------------------------
+// Public operations: check arguments here, on the caller's thread, then hand
+// one closure to the progress thread.
+
+RequestPtr Communicator::allReduce(void* buf, size_t count, DataType dtype, ReduceOp op,
+                                   Callback cb) {
+  checkReduceOp(OpType::kAllReduce, dtype, op);
+  const bool tree = allReduceUsesTree(count * elementSize(dtype), size_, settings_);
+  OpSignature sig{OpType::kAllReduce, dtype, op, -1, count};
+  sig.algo = tree ? 2 : 1;
+  const int n = size_;
+  return enqueueCollective(
+      sig,
+      [=](Channel& ch) {
+        if (tree) {
+          treeAllReduce(ch, buf, count);
+        } else {
+          ringAllReduce(ch, buf, count);
+        }
+        if (op == ReduceOp::kAvg) divideInPlace(dtype, buf, count, n);
+      },
+      std::move(cb));
+}
+
+RequestPtr Communicator::reduceScatter(const void* in, void* out, std::vector<size_t> counts,
+                                       DataType dtype, ReduceOp op, Callback cb) {
+  checkReduceOp(OpType::kReduceScatter, dtype, op);
+  checkCounts(OpType::kReduceScatter, counts, "counts");
+  const size_t total = std::accumulate(counts.begin(), counts.end(), size_t(0));
+  OpSignature sig{OpType::kReduceScatter, dtype, op, -1, total};
+  const int r = rank_, n = size_;
+  return enqueueCollective(
+      sig,
+      [=](Channel& ch) {
+        const size_t es = elementSize(dtype);
+        // The ring reduces in place, so it works on a copy of the input.
+        std::vector<uint8_t> work(total * es);
+        if (total) std::memcpy(work.data(), in, total * es);
+        ringReduceScatter(ch, work.data(), counts);
+        const size_t offset = std::accumulate(counts.begin(), counts.begin() + r, size_t(0));
+        if (counts[r]) std::memcpy(out, work.data() + offset * es, counts[r] * es);
+        if (op == ReduceOp::kAvg) divideInPlace(dtype, out, counts[r], n);
+      },
+      std::move(cb));
+}
+
+RequestPtr Communicator::allGather(const void* in, void* out, std::vector<size_t> counts,
+                                   DataType dtype, Callback cb) {
+  checkDataType(OpType::kAllGather, dtype);
+  checkCounts(OpType::kAllGather, counts, "counts");
+  const size_t total = std::accumulate(counts.begin(), counts.end(), size_t(0));
+  OpSignature sig{OpType::kAllGather, dtype, ReduceOp::kSum, -1, total};
+  const int r = rank_;
+  return enqueueCollective(
+      sig,
+      [=](Channel& ch) {
+        const size_t es = elementSize(dtype);
+        const size_t offset = std::accumulate(counts.begin(), counts.begin() + r, size_t(0));
+        uint8_t* mine = static_cast<uint8_t*>(out) + offset * es;
+        if (counts[r] && mine != in) std::memmove(mine, in, counts[r] * es);
+        ringAllGather(ch, out, counts);
+      },
+      std::move(cb));
+}
+
+RequestPtr Communicator::broadcast(void* buf, size_t count, DataType dtype, int root,
+                                   Callback cb) {
+  checkDataType(OpType::kBroadcast, dtype);
+  checkRoot(OpType::kBroadcast, root);
+  OpSignature sig{OpType::kBroadcast, dtype, ReduceOp::kSum, root, count};
+  const size_t bytes = count * elementSize(dtype);
+  return enqueueCollective(
+      sig, [=](Channel& ch) { binomialBroadcast(ch, buf, bytes, root); }, std::move(cb));
+}
+
+RequestPtr Communicator::reduce(void* buf, size_t count, DataType dtype, ReduceOp op, int root,
+                                Callback cb) {
+  checkReduceOp(OpType::kReduce, dtype, op);
+  checkRoot(OpType::kReduce, root);
+  OpSignature sig{OpType::kReduce, dtype, op, root, count};
+  const int r = rank_, n = size_;
+  return enqueueCollective(
+      sig,
+      [=](Channel& ch) {
+        const size_t bytes = count * elementSize(dtype);
+        if (r == root) {
+          binomialReduce(ch, buf, count, root);
+          if (op == ReduceOp::kAvg) divideInPlace(dtype, buf, count, n);
+        } else {
+          // Non-roots accumulate their subtree in scratch, leaving `buf` as it was.
+          std::vector<uint8_t> scratch(bytes);
+          if (bytes) std::memcpy(scratch.data(), buf, bytes);
+          binomialReduce(ch, scratch.data(), count, root);
+        }
+      },
+      std::move(cb));
+}
+
+RequestPtr Communicator::gather(const void* in, void* out, size_t count, DataType dtype, int root,
+                                Callback cb) {
+  checkDataType(OpType::kGather, dtype);
+  checkRoot(OpType::kGather, root);
+  OpSignature sig{OpType::kGather, dtype, ReduceOp::kSum, root, count};
+  const size_t bytes = count * elementSize(dtype);
+  return enqueueCollective(
+      sig, [=](Channel& ch) { linearGather(ch, in, out, bytes, root); }, std::move(cb));
+}
+
+RequestPtr Communicator::scatter(const void* in, void* out, size_t count, DataType dtype,
+                                 int root, Callback cb) {
+  checkDataType(OpType::kScatter, dtype);
+  checkRoot(OpType::kScatter, root);
+  OpSignature sig{OpType::kScatter, dtype, ReduceOp::kSum, root, count};
+  const size_t bytes = count * elementSize(dtype);
+  return enqueueCollective(
+      sig, [=](Channel& ch) { linearScatter(ch, in, out, bytes, root); }, std::move(cb));
+}
+
+RequestPtr Communicator::allToAll(const void* in, std::vector<size_t> sendCounts, void* out,
+                                  std::vector<size_t> recvCounts, DataType dtype, Callback cb) {
+  checkDataType(OpType::kAllToAll, dtype);
+  checkCounts(OpType::kAllToAll, sendCounts, "send counts");
+  checkCounts(OpType::kAllToAll, recvCounts, "receive counts");
+  CLAWCOMM_ARG_CHECK(sendCounts[rank_] == recvCounts[rank_], opPrefix(OpType::kAllToAll),
+                     "rank ", rank_, " sends ", sendCounts[rank_], " elements to itself but expects ",
+                     recvCounts[rank_]);
+  // Per-pair sizes differ by design, so the count is not part of the
+  // signature; each frame's byte count is still checked on arrival.
+  OpSignature sig{OpType::kAllToAll, dtype, ReduceOp::kSum, -1, 0};
+  const size_t es = elementSize(dtype);
+  for (auto& c : sendCounts) c *= es;
+  for (auto& c : recvCounts) c *= es;
+  return enqueueCollective(
+      sig, [=](Channel& ch) { pairwiseAllToAll(ch, in, sendCounts, out, recvCounts); },
+      std::move(cb));
+}
+
+RequestPtr Communicator::barrier(Callback cb) {
+  OpSignature sig{OpType::kBarrier, DataType::kUInt8, ReduceOp::kSum, -1, 0};
+  return enqueueCollective(sig, [](Channel& ch) { disseminationBarrier(ch); }, std::move(cb));
+}
+
+RequestPtr Communicator::send(const void* buf, size_t bytes, int peer, uint64_t tag,
+                              Callback cb) {
+  CLAWCOMM_ARG_CHECK(peer >= 0 && peer < size_, "clawcomm::send: destination rank ", peer,
+                     " is out of range for a group of ", size_, " ranks");
+  CLAWCOMM_ARG_CHECK(peer != rank_, "clawcomm::send: rank ", rank_, " cannot send to itself");
+  return enqueuePointToPoint(true, const_cast<void*>(buf), bytes, peer, tag, std::move(cb));
+}
+
+RequestPtr Communicator::recv(void* buf, size_t bytes, int peer, uint64_t tag, Callback cb) {
+  CLAWCOMM_ARG_CHECK(peer >= -1 && peer < size_, "clawcomm::recv: source rank ", peer,
+                     " is out of range for a group of ", size_, " ranks");
+  CLAWCOMM_ARG_CHECK(peer != rank_, "clawcomm::recv: rank ", rank_,
+                     " cannot receive from itself");
+  CLAWCOMM_ARG_CHECK(peer != -1 || size_ > 1,
+                     "clawcomm::recv: no other rank to receive from in a group of 1");
+  return enqueuePointToPoint(false, buf, bytes, peer, tag, std::move(cb));
+}
+
+// ---------------------------------------------------------------------------
+// Queue and progress thread.
+
+RequestPtr Communicator::enqueueCollective(const OpSignature& sig,
+                                           std::function<void(Channel&)> run, Callback cb) {
+  auto op = std::make_unique<Op>();
+  op->sig = sig;
+  op->run = std::move(run);
+  op->request = std::make_shared<Request>(std::move(cb));
+  RequestPtr request = op->request;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    CLAWCOMM_ARG_CHECK(!stopping_, opPrefix(sig.type), "the communicator is shutting down");
+    op->sig.seq = nextSeq_++;
+    queue_.push_back(std::move(op));
+  }
+  cv_.notify_one();
+  return request;
+}
+
+RequestPtr Communicator::enqueuePointToPoint(bool isSend, void* buf, size_t bytes, int peer,
+                                             uint64_t tag, Callback cb) {
+  auto op = std::make_unique<Op>();
+  op->sig.type = isSend ? OpType::kSend : OpType::kRecv;
+  op->pointToPoint = true;
+  op->isSend = isSend;
+  op->buf = buf;
+  op->bytes = bytes;
+  op->peer = peer;
+  op->tag = tag;
+  op->request = std::make_shared<Request>(std::move(cb));
+  RequestPtr request = op->request;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    CLAWCOMM_ARG_CHECK(!stopping_, opPrefix(op->sig.type), "the communicator is shutting down");
+    queue_.push_back(std::move(op));
+  }
+  cv_.notify_one();
+  return request;
+}
+
+void Communicator::fail(std::exception_ptr error) {
+  if (!broken_) {
+    broken_ = error;
+    messenger_->abort(CLAWCOMM_CONCAT("rank ", rank_, " failed: ", errorText(error)));
+  }
+  for (auto& op : pointToPoint_) op->request->complete(error);
+  pointToPoint_.clear();
+}
+
+void Communicator::runCollective(Op& op) {
+  std::exception_ptr error;
+  try {
+    Channel ch(*messenger_, op.sig, Clock::now() + timeout_, settings_);
+    op.run(ch);
+  } catch (const TimeoutError&) {
+    error = withContext(std::current_exception(),
+                        CLAWCOMM_CONCAT(opPrefix(op.sig.type), "rank ", rank_, " waited ",
+                                        timeout_.count() / 1000.0, " s (the group's timeout); "));
+  } catch (...) {
+    error = withContext(std::current_exception(), opPrefix(op.sig.type));
+  }
+  if (error) fail(error);
+  op.request->complete(error);
+}
+
+void Communicator::progressLoop() {
+  Clock::time_point idleSince = Clock::now();
+  Clock::time_point stopDeadline = Clock::time_point::max();
+  while (true) {
+    std::unique_ptr<Op> op;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      if (queue_.empty() && pointToPoint_.empty()) {
+        cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      }
+      if (!queue_.empty()) {
+        op = std::move(queue_.front());
+        queue_.pop_front();
+      } else if (stopping_) {
+        if (pointToPoint_.empty()) break;
+        // Give in-flight sends and receives a grace period, then fail them.
+        if (stopDeadline == Clock::time_point::max()) {
+          stopDeadline = Clock::now() + std::min<Clock::duration>(timeout_, std::chrono::seconds(5));
+        }
+      }
+    }
+
+    if (op) {
+      idleSince = Clock::now();
+      if (broken_) {
+        op->request->complete(withContext(
+            broken_, CLAWCOMM_CONCAT(opPrefix(op->sig.type),
+                                     "the communicator was aborted by an earlier error: ")));
+        continue;
+      }
+      if (!op->pointToPoint) {
+        runCollective(*op);
+      } else {
+        op->deadline = Clock::now() + timeout_;
+        try {
+          op->transfer = op->isSend
+                             ? messenger_->sendPointToPoint(op->peer, op->tag, op->buf, op->bytes)
+                             : messenger_->recvPointToPoint(op->peer, op->tag, op->buf, op->bytes);
+          pointToPoint_.push_back(std::move(op));
+        } catch (...) {
+          std::exception_ptr error = withContext(std::current_exception(), "clawcomm::recv: ");
+          fail(error);
+          op->request->complete(error);
+        }
+      }
+    }
+    if (pointToPoint_.empty()) continue;
+
+    // Move point-to-point bytes and complete what finished.
+    try {
+      const bool moved = messenger_->progress();
+      for (size_t i = 0; i < pointToPoint_.size();) {
+        Op& p = *pointToPoint_[i];
+        if (p.transfer->complete) {
+          p.request->complete(nullptr, p.transfer->peer);
+          pointToPoint_.erase(pointToPoint_.begin() + long(i));
+        } else {
+          ++i;
+        }
+      }
+      if (moved || op) {
+        idleSince = Clock::now();
+      } else if (!pointToPoint_.empty()) {
+        std::vector<TransferPtr> waiting;
+        Clock::time_point deadline = stopDeadline;
+        for (auto& p : pointToPoint_) {
+          waiting.push_back(p->transfer);
+          deadline = std::min(deadline, p->deadline);
+        }
+        bool empty;
+        {
+          std::lock_guard<std::mutex> lock(mutex_);
+          empty = queue_.empty();
+        }
+        if (empty) messenger_->pause(idleSince, deadline, waiting);
+      }
+    } catch (...) {
+      const Op& first = *pointToPoint_.front();
+      fail(withContext(std::current_exception(), opPrefix(first.sig.type)));
+    }
+  }
+}
+
+}  // namespace clawcomm

@@ -1,0 +1,116 @@
+// A communicator: one group of ranks, its connections, and the progress
+// thread that runs its operations.
+//
+// Every public operation checks its arguments on the calling thread (so a
+// bad call fails before any byte is sent), fills one queue entry and returns
+// a Request at once. The progress thread runs collectives one at a time in
+// issue order — the order that matches them across ranks — while sends and
+// receives only post their transfers and complete whenever the bytes have
+// moved, so `irecv` before `isend` on both sides of a pair never deadlocks.
+//
+// After the first failure (a dead peer, a timeout, a mismatch) the
+// communicator aborts: peers are told, and every pending and later operation
+// fails with the same error, naming what went wrong.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "comm/request.h"
+#include "common/dtype.h"
+#include "common/op.h"
+#include "common/settings.h"
+#include "common/store.h"
+
+namespace clawcomm {
+
+class Channel;
+class Messenger;
+
+class Communicator {
+ public:
+  using Callback = Request::Callback;
+
+  // Connects to every rank of the group through `store` (blocking).
+  Communicator(std::shared_ptr<Store> store, int rank, int size,
+               std::chrono::milliseconds timeout, Settings settings = Settings::fromEnv());
+  // Finishes queued operations, says goodbye to the peers, and joins.
+  ~Communicator();
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  void setTimeout(std::chrono::milliseconds timeout) { timeout_ = timeout; }
+  const Settings& settings() const { return settings_; }
+  // "shm", "tcp" or "self": how this rank reaches `peer`.
+  std::string transportOf(int peer) const;
+  // "ring" or "tree": what all_reduce of `bytes` would use.
+  std::string allReduceAlgorithm(size_t bytes) const;
+
+  // Buffers must stay valid until the request completes.
+  RequestPtr allReduce(void* buf, size_t count, DataType dtype, ReduceOp op, Callback cb = {});
+  // `in` holds counts[r] elements for each rank r, back to back; `out`
+  // receives this rank's counts[rank] reduced elements.
+  RequestPtr reduceScatter(const void* in, void* out, std::vector<size_t> counts, DataType dtype,
+                           ReduceOp op, Callback cb = {});
+  // `in` holds counts[rank] elements; `out` receives every rank's, back to back.
+  RequestPtr allGather(const void* in, void* out, std::vector<size_t> counts, DataType dtype,
+                       Callback cb = {});
+  RequestPtr broadcast(void* buf, size_t count, DataType dtype, int root, Callback cb = {});
+  // The result lands in `buf` on root; other ranks' `buf` is left unchanged.
+  RequestPtr reduce(void* buf, size_t count, DataType dtype, ReduceOp op, int root,
+                    Callback cb = {});
+  // `out` (root only) receives `count` elements per rank.
+  RequestPtr gather(const void* in, void* out, size_t count, DataType dtype, int root,
+                    Callback cb = {});
+  // `in` (root only) holds `count` elements per rank.
+  RequestPtr scatter(const void* in, void* out, size_t count, DataType dtype, int root,
+                     Callback cb = {});
+  // sendCounts[p] elements go to rank p, recvCounts[p] come from rank p.
+  RequestPtr allToAll(const void* in, std::vector<size_t> sendCounts, void* out,
+                      std::vector<size_t> recvCounts, DataType dtype, Callback cb = {});
+  RequestPtr barrier(Callback cb = {});
+  RequestPtr send(const void* buf, size_t bytes, int peer, uint64_t tag, Callback cb = {});
+  // peer == -1 receives from any rank; Request::sourceRank() tells which.
+  RequestPtr recv(void* buf, size_t bytes, int peer, uint64_t tag, Callback cb = {});
+
+ private:
+  struct Op;
+
+  RequestPtr enqueueCollective(const OpSignature& sig, std::function<void(Channel&)> run,
+                               Callback cb);
+  RequestPtr enqueuePointToPoint(bool isSend, void* buf, size_t bytes, int peer, uint64_t tag,
+                                 Callback cb);
+  void checkRoot(OpType op, int root) const;
+  void checkCounts(OpType op, const std::vector<size_t>& counts, const char* what) const;
+  void progressLoop();
+  void runCollective(Op& op);
+  void fail(std::exception_ptr error);
+
+  int rank_;
+  int size_;
+  std::chrono::milliseconds timeout_;
+  Settings settings_;
+  std::unique_ptr<Messenger> messenger_;
+  std::vector<std::string> transports_;
+
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<std::unique_ptr<Op>> queue_;
+  bool stopping_ = false;
+  uint64_t nextSeq_ = 0;  // guarded by mutex_
+
+  // Owned by the progress thread.
+  std::vector<std::unique_ptr<Op>> pointToPoint_;
+  std::exception_ptr broken_;
+  std::thread thread_;
+};
+
+}  // namespace clawcomm

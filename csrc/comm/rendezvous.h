@@ -1,0 +1,21 @@
+// Connecting a group: through the Store, agree on a random job token, learn
+// which ranks share a host, create the endpoints each rank needs, exchange
+// their addresses, connect every pair, and drop the setup resources (shm
+// names, listening sockets) once every rank is connected.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "common/settings.h"
+#include "common/store.h"
+#include "transport/transport.h"
+
+namespace clawcomm {
+
+// Returns one connection per rank (null for `rank` itself).
+std::vector<std::unique_ptr<Connection>> rendezvous(Store& store, int rank, int size,
+                                                    const Settings& settings,
+                                                    Clock::time_point deadline);
+
+}  // namespace clawcomm

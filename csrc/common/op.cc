@@ -1,0 +1,40 @@
+#include "common/op.h"
+
+#include "common/errors.h"
+
+namespace clawcomm {
+
+const char* opTypeName(OpType t) {
+  switch (t) {
+    case OpType::kAllReduce: return "all_reduce";
+    case OpType::kReduceScatter: return "reduce_scatter";
+    case OpType::kAllGather: return "all_gather";
+    case OpType::kBroadcast: return "broadcast";
+    case OpType::kReduce: return "reduce";
+    case OpType::kGather: return "gather";
+    case OpType::kScatter: return "scatter";
+    case OpType::kAllToAll: return "all_to_all";
+    case OpType::kBarrier: return "barrier";
+    case OpType::kSend: return "send";
+    case OpType::kRecv: return "recv";
+  }
+  return "unknown-op";
+}
+
+std::string OpSignature::describe() const {
+  std::string s = CLAWCOMM_CONCAT(opTypeName(type), " #", seq);
+  if (type != OpType::kBarrier && type != OpType::kAllToAll) {
+    s += CLAWCOMM_CONCAT(" of ", count, " ", dataTypeName(dtype), " elements");
+  } else if (type == OpType::kAllToAll) {
+    s += CLAWCOMM_CONCAT(" of ", dataTypeName(dtype));
+  }
+  const bool reducing = type == OpType::kAllReduce || type == OpType::kReduceScatter ||
+                        type == OpType::kReduce;
+  if (reducing) s += CLAWCOMM_CONCAT(" (", reduceOpName(redop), ")");
+  if (root >= 0) s += CLAWCOMM_CONCAT(" (root ", root, ")");
+  if (algo == 1) s += " with the ring algorithm";
+  if (algo == 2) s += " with the tree algorithm";
+  return s;
+}
+
+}  // namespace clawcomm

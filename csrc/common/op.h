@@ -1,0 +1,46 @@
+// What every rank must agree on for one operation.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "common/dtype.h"
+
+namespace clawcomm {
+
+enum class OpType : uint8_t {
+  kAllReduce = 0,
+  kReduceScatter,
+  kAllGather,
+  kBroadcast,
+  kReduce,
+  kGather,
+  kScatter,
+  kAllToAll,
+  kBarrier,
+  kSend,
+  kRecv,
+};
+
+const char* opTypeName(OpType t);
+
+// The signature a collective carries in every frame header; the receiver
+// compares it with its own and fails both ranks on any difference.
+struct OpSignature {
+  OpType type = OpType::kBarrier;
+  DataType dtype = DataType::kUInt8;
+  ReduceOp redop = ReduceOp::kSum;
+  int32_t root = -1;     // -1 for unrooted ops
+  uint64_t count = 0;    // elements all ranks must agree on (0: not compared)
+  uint64_t seq = 0;      // collective sequence number in this communicator
+  uint8_t algo = 0;      // which algorithm moves the bytes (0: the op's only one)
+
+  bool sameAs(const OpSignature& o) const {
+    return type == o.type && dtype == o.dtype && redop == o.redop && root == o.root &&
+           count == o.count && seq == o.seq && algo == o.algo;
+  }
+  // "all_reduce #5 of 4096 float32 elements (sum)"
+  std::string describe() const;
+};
+
+}  // namespace clawcomm

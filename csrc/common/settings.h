@@ -1,0 +1,42 @@
+// Every CLAWCOMM_* environment setting, declared and read in one place.
+//
+// Settings are read when a communicator is created, so tests can change the
+// environment between groups. The README's "Settings" table mirrors this file.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+namespace clawcomm {
+
+enum class TransportChoice { kAuto, kShm, kTcp };
+enum class AlgoChoice { kAuto, kRing, kTree };
+
+struct Settings {
+  // CLAWCOMM_TRANSPORT=auto|shm|tcp. auto: shared memory to peers on the same
+  // host, TCP to the others.
+  TransportChoice transport = TransportChoice::kAuto;
+  // CLAWCOMM_ALGO=auto|ring|tree. auto picks by the cost model in
+  // docs/algorithms.md (see algorithms/selection.cc).
+  AlgoChoice algo = AlgoChoice::kAuto;
+  // CLAWCOMM_SHM_RING_BYTES: bytes of each one-way shared-memory ring.
+  size_t shmRingBytes = size_t(4) << 20;
+  // CLAWCOMM_SEGMENT_BYTES: ring algorithms pipeline each chunk in segments of
+  // at most this many bytes.
+  size_t segmentBytes = size_t(1) << 20;
+  // CLAWCOMM_TREE_MAX_BYTES: with algo=auto, all-reduce messages up to this
+  // size use the tree (recursive doubling); 0 means "use the cost model".
+  size_t treeMaxBytes = 0;
+  // CLAWCOMM_SPIN_US: how long a wait spins before it starts to sleep.
+  int spinMicros = 50;
+  // CLAWCOMM_SOCKET_ADDR: the IPv4 address this rank publishes for TCP peers.
+  // Empty means: resolve the host name, falling back to 127.0.0.1.
+  std::string socketAddr;
+  // CLAWCOMM_DEBUG=1 prints connection and algorithm choices to stderr.
+  bool debug = false;
+
+  // Reads the environment; throws InvalidArgument naming a bad value.
+  static Settings fromEnv();
+};
+
+}  // namespace clawcomm

@@ -1,0 +1,732 @@
+// The torch.distributed adapter: a c10d::Backend over clawcomm::Communicator.
+//
+// This is the only file that includes torch. Each override checks its
+// tensors (one shared set of helpers, every message naming the op), lays
+// them out as flat contiguous buffers (staging copies for non-contiguous or
+// list arguments), queues one engine operation and returns a Work whose
+// future completes on the engine's progress thread, after the results have
+// been copied back into the caller's tensors.
+#include <pybind11/chrono.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+#include <torch/extension.h>
+
+#include <atomic>
+#include <numeric>
+
+#include "comm/communicator.h"
+#include "common/errors.h"
+
+namespace clawcomm {
+namespace {
+
+using c10d::OpType;
+using TensorList = std::vector<at::Tensor>;
+
+class StoreAdapter : public Store {
+ public:
+  explicit StoreAdapter(c10::intrusive_ptr<c10d::Store> store) : store_(std::move(store)) {}
+  void set(const std::string& key, const std::vector<uint8_t>& value) override {
+    store_->set(key, value);
+  }
+  std::vector<uint8_t> get(const std::string& key) override { return store_->get(key); }
+
+ private:
+  c10::intrusive_ptr<c10d::Store> store_;
+};
+
+// Engine errors become torch.distributed.DistBackendError in Python; argument
+// errors become ValueError.
+[[noreturn]] void rethrowForTorch(std::exception_ptr e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const InvalidArgument& x) {
+    TORCH_CHECK_VALUE(false, x.what());
+  } catch (const c10::Error&) {
+    throw;
+  } catch (const std::exception& x) {
+    C10_THROW_ERROR(DistBackendError, x.what());
+  }
+  C10_THROW_ERROR(DistBackendError, "clawcomm: unknown error");
+}
+
+// ---------------------------------------------------------------------------
+// Argument checks shared by every op.
+
+DataType toDataType(const char* op, at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return DataType::kFloat32;
+    case at::kDouble: return DataType::kFloat64;
+    case at::kHalf: return DataType::kFloat16;
+    case at::kBFloat16: return DataType::kBFloat16;
+    case at::kChar: return DataType::kInt8;
+    case at::kByte: return DataType::kUInt8;
+    case at::kInt: return DataType::kInt32;
+    case at::kLong: return DataType::kInt64;
+    case at::kBool: return DataType::kBool;
+    default:
+      TORCH_CHECK_VALUE(false, "clawcomm::", op, ": dtype ", t,
+                        " is not supported (float32, float64, float16, bfloat16, int8, uint8, "
+                        "int32, int64, bool are)");
+  }
+}
+
+ReduceOp toReduceOp(const char* op, const c10d::ReduceOp& r) {
+  switch (r.op_) {
+    case c10d::ReduceOp::SUM: return ReduceOp::kSum;
+    case c10d::ReduceOp::AVG: return ReduceOp::kAvg;
+    case c10d::ReduceOp::PRODUCT: return ReduceOp::kProduct;
+    case c10d::ReduceOp::MIN: return ReduceOp::kMin;
+    case c10d::ReduceOp::MAX: return ReduceOp::kMax;
+    case c10d::ReduceOp::BAND: return ReduceOp::kBand;
+    case c10d::ReduceOp::BOR: return ReduceOp::kBor;
+    case c10d::ReduceOp::BXOR: return ReduceOp::kBxor;
+    default:
+      TORCH_CHECK_VALUE(false, "clawcomm does not support reduce op ", int(r.op_), " in ", op,
+                        " (PREMUL_SUM is not implemented)");
+  }
+}
+
+void checkTensor(const char* op, const at::Tensor& t) {
+  TORCH_CHECK_VALUE(t.defined(), "clawcomm::", op, ": got an undefined tensor");
+  TORCH_CHECK_VALUE(t.layout() == at::kStrided, "clawcomm::", op, ": got a ", t.layout(),
+                    " tensor; clawcomm handles dense (strided) tensors only");
+  TORCH_CHECK_VALUE(t.device().is_cpu(), "clawcomm::", op, ": got a tensor on ", t.device(),
+                    "; the clawcomm backend handles cpu tensors");
+}
+
+// Checks every tensor and that they share one dtype; returns it.
+DataType checkTensors(const char* op, const TensorList& ts) {
+  TORCH_CHECK_VALUE(!ts.empty(), "clawcomm::", op, ": got an empty tensor list");
+  for (const auto& t : ts) {
+    checkTensor(op, t);
+    TORCH_CHECK_VALUE(t.scalar_type() == ts[0].scalar_type(), "clawcomm::", op,
+                      ": tensors mix dtypes ", ts[0].scalar_type(), " and ", t.scalar_type());
+  }
+  return toDataType(op, ts[0].scalar_type());
+}
+
+const at::Tensor& single(const char* op, const TensorList& ts) {
+  TORCH_CHECK_VALUE(ts.size() == 1, "clawcomm::", op, ": expects one tensor per call, got ",
+                    ts.size());
+  return ts[0];
+}
+
+void checkNumel(const char* op, const char* what, int64_t got, int64_t expected) {
+  TORCH_CHECK_VALUE(got == expected, "clawcomm::", op, ": ", what, " has ", got,
+                    " elements, expected ", expected);
+}
+
+void checkSameDtype(const char* op, const at::Tensor& a, const at::Tensor& b) {
+  TORCH_CHECK_VALUE(a.scalar_type() == b.scalar_type(), "clawcomm::", op,
+                    ": input and output dtypes differ (", a.scalar_type(), " vs ",
+                    b.scalar_type(), ")");
+}
+
+// A contiguous view of `t`, or a contiguous copy when `t` is strided.
+at::Tensor flat(const at::Tensor& t) { return t.contiguous().view({-1}); }
+
+// Flattens a list into one new contiguous buffer.
+at::Tensor concat(const TensorList& ts) {
+  if (ts.empty()) return at::empty({0});
+  TensorList flats;
+  for (const auto& t : ts) flats.push_back(t.reshape({-1}));
+  return at::cat(flats);
+}
+
+// Copies consecutive slices of `buffer` into each tensor of `outs`.
+void splitInto(const at::Tensor& buffer, const TensorList& outs) {
+  int64_t offset = 0;
+  for (const auto& o : outs) {
+    o.copy_(buffer.narrow(0, offset, o.numel()).view(o.sizes()));
+    offset += o.numel();
+  }
+}
+
+std::vector<size_t> numels(const TensorList& ts) {
+  std::vector<size_t> out;
+  for (const auto& t : ts) out.push_back(size_t(t.numel()));
+  return out;
+}
+
+// ---------------------------------------------------------------------------
+// Work.
+
+// What completes when the engine finishes: shared by the Work and the engine
+// callback, so that neither keeps the other alive.
+struct Completion {
+  c10::intrusive_ptr<c10::ivalue::Future> future =
+      c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+  TensorList outputs;              // what the future yields
+  std::function<void()> finalize;  // copies results back into the caller's tensors
+  TensorList keepAlive;            // staging buffers the engine reads or writes
+};
+
+class ClawcommWork : public c10d::Work {
+ public:
+  ClawcommWork(int rank, OpType type, std::shared_ptr<Completion> completion)
+      : Work(rank, type), completion_(std::move(completion)) {}
+
+  void attach(RequestPtr request) { request_ = std::move(request); }
+
+  bool isCompleted() override { return request_->isCompleted(); }
+  bool isSuccess() const override { return request_->isCompleted() && !request_->exception(); }
+  std::exception_ptr exception() const override { return request_->exception(); }
+  int sourceRank() const override { return request_->sourceRank(); }
+  std::vector<at::Tensor> result() override { return completion_->outputs; }
+  void synchronize() override {}
+
+  bool wait(std::chrono::milliseconds timeout) override {
+    const bool done = request_->waitFor(
+        timeout == kNoTimeout ? std::chrono::milliseconds(-1) : timeout);
+    if (!done) {
+      C10_THROW_ERROR(DistBackendError,
+                      c10::str("clawcomm: Work::wait timed out after ", timeout.count(),
+                               " ms; the operation is still running"));
+    }
+    if (auto e = request_->exception()) rethrowForTorch(e);
+    return true;
+  }
+
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return completion_->future; }
+
+ private:
+  std::shared_ptr<Completion> completion_;
+  RequestPtr request_;
+};
+
+// Completes when every child does (coalesced point-to-point and collectives).
+class CoalescedWork : public c10d::Work {
+ public:
+  CoalescedWork(int rank, std::vector<c10::intrusive_ptr<c10d::Work>> children)
+      : Work(rank, OpType::COALESCED),
+        children_(std::move(children)),
+        future_(c10::make_intrusive<c10::ivalue::Future>(
+            c10::ListType::create(c10::TensorType::get()))) {
+    if (children_.empty()) {
+      future_->markCompleted(c10::IValue(TensorList{}));
+      return;
+    }
+    auto remaining = std::make_shared<std::atomic<size_t>>(children_.size());
+    auto future = future_;
+    for (auto& child : children_) {
+      child->getFuture()->addCallback([remaining, future](c10::ivalue::Future& f) {
+        if (f.hasError()) {
+          if (!future->completed()) future->setErrorIfNeeded(f.exception_ptr());
+        } else if (--*remaining == 0 && !future->completed()) {
+          future->markCompleted(c10::IValue(TensorList{}));
+        }
+      });
+    }
+  }
+
+  bool isCompleted() override {
+    for (auto& c : children_) {
+      if (!c->isCompleted()) return false;
+    }
+    return true;
+  }
+  bool isSuccess() const override {
+    for (auto& c : children_) {
+      if (!c->isSuccess()) return false;
+    }
+    return true;
+  }
+  std::exception_ptr exception() const override {
+    for (auto& c : children_) {
+      if (auto e = c->exception()) return e;
+    }
+    return nullptr;
+  }
+  bool wait(std::chrono::milliseconds timeout) override {
+    for (auto& c : children_) c->wait(timeout);
+    return true;
+  }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+ private:
+  std::vector<c10::intrusive_ptr<c10d::Work>> children_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+// ---------------------------------------------------------------------------
+// The backend.
+
+class ClawcommBackend : public c10d::Backend {
+ public:
+  ClawcommBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                  std::chrono::milliseconds timeout)
+      : Backend(rank, size) {
+    try {
+      comm_ = std::make_unique<Communicator>(std::make_shared<StoreAdapter>(store), rank, size,
+                                             timeout);
+    } catch (...) {
+      rethrowForTorch(std::current_exception());
+    }
+  }
+
+  const std::string getBackendName() const override { return "clawcomm"; }
+  bool supportsCoalescing() const override { return true; }
+  void setTimeout(std::chrono::milliseconds timeout) override { comm_->setTimeout(timeout); }
+  Communicator& communicator() { return *comm_; }
+
+  void startCoalescing() override {
+    TORCH_CHECK(!coalescing_, "clawcomm: startCoalescing called twice without endCoalescing");
+    coalescing_ = true;
+    coalesced_.clear();
+  }
+
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override {
+    TORCH_CHECK(coalescing_, "clawcomm: endCoalescing without startCoalescing");
+    coalescing_ = false;
+    return c10::make_intrusive<CoalescedWork>(getRank(), std::move(coalesced_));
+  }
+
+  c10::intrusive_ptr<c10d::Work> allreduce(TensorList& tensors,
+                                           const c10d::AllreduceOptions& opts) override {
+    const char* op = "allreduce";
+    const DataType dt = checkTensors(op, tensors);
+    const at::Tensor& t = single(op, tensors);
+    const ReduceOp redop = toReduceOp(op, opts.reduceOp);
+    at::Tensor buf = flat(t);
+    return launch(OpType::ALLREDUCE, {t}, {buf}, copyBack(buf, t), [&](auto cb) {
+      return comm_->allReduce(buf.data_ptr(), size_t(buf.numel()), dt, redop, cb);
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      TensorList& tensors, const c10d::AllreduceCoalescedOptions& opts) override {
+    const char* op = "allreduce_coalesced";
+    const DataType dt = checkTensors(op, tensors);
+    const ReduceOp redop = toReduceOp(op, opts.reduceOp);
+    at::Tensor buf = concat(tensors);
+    TensorList outs = tensors;
+    return launch(OpType::ALLREDUCE_COALESCED, outs, {buf}, [buf, outs] { splitInto(buf, outs); },
+                  [&](auto cb) {
+                    return comm_->allReduce(buf.data_ptr(), size_t(buf.numel()), dt, redop, cb);
+                  });
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce(TensorList& tensors,
+                                        const c10d::ReduceOptions& opts) override {
+    const char* op = "reduce";
+    const DataType dt = checkTensors(op, tensors);
+    const at::Tensor& t = single(op, tensors);
+    const ReduceOp redop = toReduceOp(op, opts.reduceOp);
+    const int root = int(opts.rootRank);
+    at::Tensor buf = flat(t);
+    return launch(OpType::REDUCE, {t}, {buf}, copyBack(buf, t), [&](auto cb) {
+      return comm_->reduce(buf.data_ptr(), size_t(buf.numel()), dt, redop, root, cb);
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(TensorList& tensors,
+                                            const c10d::BroadcastOptions& opts) override {
+    const char* op = "broadcast";
+    const DataType dt = checkTensors(op, tensors);
+    const at::Tensor& t = single(op, tensors);
+    const int root = int(opts.rootRank);
+    at::Tensor buf = flat(t);
+    return launch(OpType::BROADCAST, {t}, {buf}, copyBack(buf, t), [&](auto cb) {
+      return comm_->broadcast(buf.data_ptr(), size_t(buf.numel()), dt, root, cb);
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<TensorList>& outputs, TensorList& inputs,
+                                           const c10d::AllgatherOptions&) override {
+    const char* op = "allgather";
+    const DataType dt = checkTensors(op, inputs);
+    const at::Tensor& in = single(op, inputs);
+    TORCH_CHECK_VALUE(outputs.size() == 1, "clawcomm::allgather: expects one output list, got ",
+                      outputs.size());
+    TensorList outs = outputs[0];
+    TORCH_CHECK_VALUE(int(outs.size()) == getSize(), "clawcomm::allgather: output list has ",
+                      outs.size(), " tensors for a group of ", getSize(), " ranks");
+    checkTensors(op, outs);
+    checkSameDtype(op, in, outs[0]);
+    checkNumel(op, "this rank's output slot", outs[getRank()].numel(), in.numel());
+    const std::vector<size_t> counts = numels(outs);
+    const int64_t total = std::accumulate(counts.begin(), counts.end(), int64_t(0));
+    at::Tensor src = flat(in);
+    at::Tensor buf = at::empty({total}, in.options());
+    return launch(OpType::ALLGATHER, outs, {src, buf}, [buf, outs] { splitInto(buf, outs); },
+                  [&](auto cb) {
+                    return comm_->allGather(src.data_ptr(), buf.data_ptr(), counts, dt, cb);
+                  });
+  }
+
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions&) override {
+    const char* op = "all_gather_into_tensor";
+    const DataType dt = checkTensors(op, {input, output});
+    checkNumel(op, "the output", output.numel(), input.numel() * getSize());
+    at::Tensor src = flat(input);
+    at::Tensor buf = flat(output);
+    std::vector<size_t> counts(static_cast<size_t>(getSize()), static_cast<size_t>(input.numel()));
+    return launch(OpType::_ALLGATHER_BASE, {output}, {src, buf}, copyBack(buf, output),
+                  [&](auto cb) {
+                    return comm_->allGather(src.data_ptr(), buf.data_ptr(), counts, dt, cb);
+                  });
+  }
+
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      TensorList& outputs, TensorList& inputs, const c10d::AllgatherOptions&) override {
+    const char* op = "allgather_into_tensor_coalesced";
+    TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "clawcomm::", op, ": ", outputs.size(),
+                      " outputs for ", inputs.size(), " inputs");
+    TensorList all = inputs;
+    all.insert(all.end(), outputs.begin(), outputs.end());
+    const DataType dt = checkTensors(op, all);
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      checkNumel(op, "an output", outputs[i].numel(), inputs[i].numel() * getSize());
+    }
+    // One all-gather of the concatenated inputs: rank-major [r0: in0 in1 ..][r1: ..].
+    at::Tensor src = concat(inputs);
+    at::Tensor buf = at::empty({src.numel() * getSize()}, src.options());
+    std::vector<size_t> counts(static_cast<size_t>(getSize()), static_cast<size_t>(src.numel()));
+    const int n = getSize();
+    TensorList outs = outputs;
+    auto finalize = [buf, outs, inputs, n] {
+      const int64_t per = buf.numel() / n;
+      for (int r = 0; r < n; ++r) {
+        int64_t offset = 0;
+        for (size_t i = 0; i < outs.size(); ++i) {
+          const int64_t m = inputs[i].numel();
+          outs[i].view({-1}).narrow(0, r * m, m).copy_(buf.narrow(0, r * per + offset, m));
+          offset += m;
+        }
+      }
+    };
+    return launch(OpType::COALESCED, outs, {src, buf}, finalize, [&](auto cb) {
+      return comm_->allGather(src.data_ptr(), buf.data_ptr(), counts, dt, cb);
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<TensorList>& outputLists,
+                                                     TensorList& inputs,
+                                                     const c10d::AllgatherOptions&) override {
+    const char* op = "allgather_coalesced";
+    const DataType dt = checkTensors(op, inputs);
+    TORCH_CHECK_VALUE(outputLists.size() == inputs.size(), "clawcomm::", op, ": ",
+                      outputLists.size(), " output lists for ", inputs.size(), " inputs");
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      TORCH_CHECK_VALUE(int(outputLists[i].size()) == getSize(), "clawcomm::", op,
+                        ": output list ", i, " has ", outputLists[i].size(),
+                        " tensors for a group of ", getSize(), " ranks");
+      for (const auto& o : outputLists[i]) checkNumel(op, "an output", o.numel(), inputs[i].numel());
+    }
+    at::Tensor src = concat(inputs);
+    at::Tensor buf = at::empty({src.numel() * getSize()}, src.options());
+    std::vector<size_t> counts(static_cast<size_t>(getSize()), static_cast<size_t>(src.numel()));
+    TensorList flatOuts;  // rank-major, matching the gathered layout
+    for (int r = 0; r < getSize(); ++r) {
+      for (auto& list : outputLists) flatOuts.push_back(list[r]);
+    }
+    return launch(OpType::ALLGATHER_COALESCED, flatOuts, {src, buf},
+                  [buf, flatOuts] { splitInto(buf, flatOuts); }, [&](auto cb) {
+                    return comm_->allGather(src.data_ptr(), buf.data_ptr(), counts, dt, cb);
+                  });
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<TensorList>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override {
+    const char* op = "reduce_scatter";
+    const DataType dt = checkTensors(op, outputs);
+    const at::Tensor& out = single(op, outputs);
+    TORCH_CHECK_VALUE(inputs.size() == 1, "clawcomm::", op, ": expects one input list, got ",
+                      inputs.size());
+    TORCH_CHECK_VALUE(int(inputs[0].size()) == getSize(), "clawcomm::", op, ": input list has ",
+                      inputs[0].size(), " tensors for a group of ", getSize(), " ranks");
+    checkTensors(op, inputs[0]);
+    checkSameDtype(op, inputs[0][0], out);
+    checkNumel(op, "the output", out.numel(), inputs[0][getRank()].numel());
+    const ReduceOp redop = toReduceOp(op, opts.reduceOp);
+    at::Tensor src = concat(inputs[0]);
+    at::Tensor buf = flat(out);
+    const std::vector<size_t> counts = numels(inputs[0]);
+    return launch(OpType::REDUCE_SCATTER, {out}, {src, buf}, copyBack(buf, out), [&](auto cb) {
+      return comm_->reduceScatter(src.data_ptr(), buf.data_ptr(), counts, dt, redop, cb);
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override {
+    const char* op = "reduce_scatter_tensor";
+    const DataType dt = checkTensors(op, {input, output});
+    checkNumel(op, "the input", input.numel(), output.numel() * getSize());
+    const ReduceOp redop = toReduceOp(op, opts.reduceOp);
+    at::Tensor src = flat(input);
+    at::Tensor buf = flat(output);
+    std::vector<size_t> counts(static_cast<size_t>(getSize()), static_cast<size_t>(output.numel()));
+    return launch(OpType::_REDUCE_SCATTER_BASE, {output}, {src, buf}, copyBack(buf, output),
+                  [&](auto cb) {
+                    return comm_->reduceScatter(src.data_ptr(), buf.data_ptr(), counts, dt,
+                                                redop, cb);
+                  });
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      TensorList& outputs, TensorList& inputs, const c10d::ReduceScatterOptions& opts) override {
+    const char* op = "reduce_scatter_tensor_coalesced";
+    TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "clawcomm::", op, ": ", outputs.size(),
+                      " outputs for ", inputs.size(), " inputs");
+    TensorList all = inputs;
+    all.insert(all.end(), outputs.begin(), outputs.end());
+    const DataType dt = checkTensors(op, all);
+    const ReduceOp redop = toReduceOp(op, opts.reduceOp);
+    const int n = getSize();
+    // Rank-major input: chunk r is every input's r-th slice, back to back.
+    TensorList pieces;
+    int64_t perRank = 0;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      checkNumel(op, "an input", inputs[i].numel(), outputs[i].numel() * n);
+      perRank += outputs[i].numel();
+    }
+    for (int r = 0; r < n; ++r) {
+      for (size_t i = 0; i < inputs.size(); ++i) {
+        const int64_t m = outputs[i].numel();
+        pieces.push_back(inputs[i].reshape({-1}).narrow(0, r * m, m));
+      }
+    }
+    at::Tensor src = pieces.empty() ? at::empty({0}) : at::cat(pieces);
+    at::Tensor buf = at::empty({perRank}, src.options());
+    std::vector<size_t> counts(static_cast<size_t>(n), static_cast<size_t>(perRank));
+    TensorList outs = outputs;
+    return launch(OpType::COALESCED, outs, {src, buf}, [buf, outs] { splitInto(buf, outs); },
+                  [&](auto cb) {
+                    return comm_->reduceScatter(src.data_ptr(), buf.data_ptr(), counts, dt,
+                                                redop, cb);
+                  });
+  }
+
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& outputSplits,
+                                               std::vector<int64_t>& inputSplits,
+                                               const c10d::AllToAllOptions&) override {
+    const char* op = "alltoall_base";
+    const DataType dt = checkTensors(op, {input, output});
+    const int n = getSize();
+    auto countsOf = [&](const at::Tensor& t, const std::vector<int64_t>& splits,
+                        const char* what) {
+      const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
+      const int64_t rowElems = rows == 0 ? 0 : t.numel() / rows;
+      std::vector<size_t> counts(static_cast<size_t>(n));
+      if (splits.empty()) {
+        TORCH_CHECK_VALUE(rows % n == 0, "clawcomm::", op, ": ", what, " has ", rows,
+                          " rows, not divisible by the group size ", n,
+                          "; pass split sizes for uneven splits");
+        for (auto& c : counts) c = size_t(rows / n * rowElems);
+      } else {
+        TORCH_CHECK_VALUE(int(splits.size()) == n, "clawcomm::", op, ": ", what, " split sizes have ",
+                          splits.size(), " entries for a group of ", n, " ranks");
+        int64_t sum = 0;
+        for (int p = 0; p < n; ++p) {
+          TORCH_CHECK_VALUE(splits[p] >= 0, "clawcomm::", op, ": negative split size ",
+                            splits[p], " for rank ", p);
+          sum += splits[p];
+          counts[p] = size_t(splits[p] * rowElems);
+        }
+        TORCH_CHECK_VALUE(sum == rows, "clawcomm::", op, ": ", what, " split sizes add up to ",
+                          sum, " rows but the tensor has ", rows);
+      }
+      return counts;
+    };
+    const auto sendCounts = countsOf(input, inputSplits, "the input");
+    const auto recvCounts = countsOf(output, outputSplits, "the output");
+    at::Tensor src = flat(input);
+    at::Tensor buf = flat(output);
+    return launch(OpType::ALLTOALL_BASE, {output}, {src, buf}, copyBack(buf, output),
+                  [&](auto cb) {
+                    return comm_->allToAll(src.data_ptr(), sendCounts, buf.data_ptr(),
+                                           recvCounts, dt, cb);
+                  });
+  }
+
+  c10::intrusive_ptr<c10d::Work> alltoall(TensorList& outputs, TensorList& inputs,
+                                          const c10d::AllToAllOptions&) override {
+    const char* op = "alltoall";
+    TORCH_CHECK_VALUE(int(outputs.size()) == getSize() && int(inputs.size()) == getSize(),
+                      "clawcomm::", op, ": expects ", getSize(), " inputs and outputs, got ",
+                      inputs.size(), " and ", outputs.size());
+    TensorList all = inputs;
+    all.insert(all.end(), outputs.begin(), outputs.end());
+    const DataType dt = checkTensors(op, all);
+    at::Tensor src = concat(inputs);
+    const auto recvCounts = numels(outputs);
+    at::Tensor buf = at::empty(
+        {int64_t(std::accumulate(recvCounts.begin(), recvCounts.end(), size_t(0)))},
+        src.options());
+    const auto sendCounts = numels(inputs);
+    TensorList outs = outputs;
+    return launch(OpType::ALLTOALL, outs, {src, buf}, [buf, outs] { splitInto(buf, outs); },
+                  [&](auto cb) {
+                    return comm_->allToAll(src.data_ptr(), sendCounts, buf.data_ptr(),
+                                           recvCounts, dt, cb);
+                  });
+  }
+
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<TensorList>& outputs, TensorList& inputs,
+                                        const c10d::GatherOptions& opts) override {
+    const char* op = "gather";
+    const DataType dt = checkTensors(op, inputs);
+    const at::Tensor& in = single(op, inputs);
+    const int root = int(opts.rootRank);
+    TORCH_CHECK_VALUE(root >= 0 && root < getSize(), "clawcomm::gather: root ", root,
+                      " is out of range for a group of ", getSize(), " ranks");
+    at::Tensor src = flat(in);
+    TensorList outs;
+    at::Tensor buf;
+    if (getRank() == root) {
+      TORCH_CHECK_VALUE(outputs.size() == 1 && int(outputs[0].size()) == getSize(),
+                        "clawcomm::gather: the root needs one output list of ", getSize(),
+                        " tensors");
+      outs = outputs[0];
+      checkTensors(op, outs);
+      for (const auto& o : outs) checkNumel(op, "an output", o.numel(), in.numel());
+      checkSameDtype(op, in, outs[0]);
+      buf = at::empty({in.numel() * getSize()}, in.options());
+    } else {
+      TORCH_CHECK_VALUE(outputs.empty() || (outputs.size() == 1 && outputs[0].empty()),
+                        "clawcomm::gather: only the root (rank ", root,
+                        ") takes output tensors");
+      buf = at::empty({0}, in.options());
+    }
+    return launch(OpType::GATHER, outs, {src, buf}, [buf, outs] { splitInto(buf, outs); },
+                  [&](auto cb) {
+                    return comm_->gather(src.data_ptr(), buf.data_ptr(), size_t(in.numel()), dt,
+                                         root, cb);
+                  });
+  }
+
+  c10::intrusive_ptr<c10d::Work> scatter(TensorList& outputs, std::vector<TensorList>& inputs,
+                                         const c10d::ScatterOptions& opts) override {
+    const char* op = "scatter";
+    const DataType dt = checkTensors(op, outputs);
+    const at::Tensor& out = single(op, outputs);
+    const int root = int(opts.rootRank);
+    TORCH_CHECK_VALUE(root >= 0 && root < getSize(), "clawcomm::scatter: root ", root,
+                      " is out of range for a group of ", getSize(), " ranks");
+    at::Tensor src;
+    if (getRank() == root) {
+      TORCH_CHECK_VALUE(inputs.size() == 1 && int(inputs[0].size()) == getSize(),
+                        "clawcomm::scatter: the root needs one input list of ", getSize(),
+                        " tensors");
+      checkTensors(op, inputs[0]);
+      for (const auto& i : inputs[0]) checkNumel(op, "an input", i.numel(), out.numel());
+      checkSameDtype(op, inputs[0][0], out);
+      src = concat(inputs[0]);
+    } else {
+      TORCH_CHECK_VALUE(inputs.empty() || (inputs.size() == 1 && inputs[0].empty()),
+                        "clawcomm::scatter: only the root (rank ", root, ") takes input tensors");
+      src = at::empty({0}, out.options());
+    }
+    at::Tensor buf = flat(out);
+    return launch(OpType::SCATTER, {out}, {src, buf}, copyBack(buf, out), [&](auto cb) {
+      return comm_->scatter(src.data_ptr(), buf.data_ptr(), size_t(out.numel()), dt, root, cb);
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> send(TensorList& tensors, int dstRank, int tag) override {
+    const char* op = "send";
+    checkTensors(op, tensors);
+    const at::Tensor& t = single(op, tensors);
+    at::Tensor buf = flat(t);
+    return launch(OpType::SEND, {t}, {buf}, nullptr, [&](auto cb) {
+      return comm_->send(buf.data_ptr(), size_t(buf.nbytes()), dstRank, uint64_t(tag), cb);
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> recv(TensorList& tensors, int srcRank, int tag) override {
+    return receive("recv", OpType::RECV, tensors, srcRank, tag);
+  }
+
+  c10::intrusive_ptr<c10d::Work> recvAnysource(TensorList& tensors, int tag) override {
+    return receive("recv_anysource", OpType::RECVANYSOURCE, tensors, -1, tag);
+  }
+
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions&) override {
+    return launch(OpType::BARRIER, {}, {}, nullptr, [&](auto cb) { return comm_->barrier(cb); });
+  }
+
+ private:
+  static std::function<void()> copyBack(const at::Tensor& buf, const at::Tensor& target) {
+    if (buf.data_ptr() == target.data_ptr() && target.is_contiguous()) return nullptr;
+    return [buf, target] { target.copy_(buf.view(target.sizes())); };
+  }
+
+  c10::intrusive_ptr<c10d::Work> receive(const char* op, OpType type, TensorList& tensors,
+                                         int srcRank, int tag) {
+    checkTensors(op, tensors);
+    const at::Tensor& t = single(op, tensors);
+    at::Tensor buf = flat(t);
+    return launch(type, {t}, {buf}, copyBack(buf, t), [&](auto cb) {
+      return comm_->recv(buf.data_ptr(), size_t(buf.nbytes()), srcRank, uint64_t(tag), cb);
+    });
+  }
+
+  // Queues one engine operation. `outputs` is what the future yields,
+  // `keepAlive` the buffers the engine touches, `finalize` runs on success
+  // before the future completes.
+  template <typename Issue>
+  c10::intrusive_ptr<c10d::Work> launch(OpType type, TensorList outputs, TensorList keepAlive,
+                                        std::function<void()> finalize, Issue issue) {
+    auto completion = std::make_shared<Completion>();
+    completion->outputs = std::move(outputs);
+    completion->keepAlive = std::move(keepAlive);
+    completion->finalize = std::move(finalize);
+    auto work = c10::make_intrusive<ClawcommWork>(getRank(), type, completion);
+    Request::Callback cb = [completion](std::exception_ptr error) {
+      if (!error && completion->finalize) {
+        try {
+          completion->finalize();
+        } catch (...) {
+          error = std::current_exception();
+        }
+      }
+      completion->keepAlive.clear();
+      if (error) {
+        completion->future->setError(error);
+        std::rethrow_exception(error);
+      }
+      completion->future->markCompleted(c10::IValue(completion->outputs));
+    };
+    try {
+      work->attach(issue(std::move(cb)));
+    } catch (...) {
+      rethrowForTorch(std::current_exception());
+    }
+    if (coalescing_) coalesced_.push_back(work);
+    return work;
+  }
+
+  std::unique_ptr<Communicator> comm_;
+  bool coalescing_ = false;
+  std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;
+};
+
+}  // namespace
+}  // namespace clawcomm
+
+PYBIND11_MODULE(_C, m) {
+  namespace py = pybind11;
+  using clawcomm::ClawcommBackend;
+  m.doc() = "clawcomm's compiled core: the c10d backend over the C++ engine.";
+  py::module::import("torch.distributed");
+  py::class_<ClawcommBackend, c10d::Backend, c10::intrusive_ptr<ClawcommBackend>>(
+      m, "ClawcommBackend")
+      .def(py::init<const c10::intrusive_ptr<c10d::Store>&, int, int, std::chrono::milliseconds>(),
+           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
+           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "transport_of",
+          [](ClawcommBackend& b, int peer) { return b.communicator().transportOf(peer); },
+          py::arg("peer"), "How this rank reaches `peer`: 'shm', 'tcp' or 'self'.")
+      .def(
+          "all_reduce_algorithm",
+          [](ClawcommBackend& b, size_t bytes) {
+            return b.communicator().allReduceAlgorithm(bytes);
+          },
+          py::arg("nbytes"), "'ring' or 'tree': what all_reduce of `nbytes` bytes uses.");
+}

@@ -1,0 +1,448 @@
+#include "transport/messenger.h"
+
+#include <sched.h>
+#include <time.h>
+
+#include <algorithm>
+#include <cstring>
+#include <thread>
+
+#include "common/errors.h"
+#include "reduce/reduce_kernels.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define CLAWCOMM_CPU_RELAX() _mm_pause()
+#else
+#define CLAWCOMM_CPU_RELAX() ((void)0)
+#endif
+
+namespace clawcomm {
+namespace {
+
+constexpr uint32_t kFrameMagic = 0x434c4d46;  // "CLMF"
+constexpr size_t kHeaderBytes = sizeof(FrameHeader);
+// Frames up to this size are assembled contiguously and written in one call.
+constexpr size_t kSmallFrameBytes = 4096;
+const uint8_t kZeros[8] = {0};
+
+size_t padTo8(size_t n) { return (n + 7) & ~size_t(7); }
+
+OpSignature signatureOf(const FrameHeader& h) {
+  OpSignature s;
+  s.type = h.opType;
+  s.dtype = h.dtype;
+  s.redop = h.redop;
+  s.root = h.root;
+  s.count = h.count;
+  s.seq = h.seq;
+  s.algo = h.algo;
+  return s;
+}
+
+}  // namespace
+
+Messenger::Messenger(int rank, int size, std::vector<std::unique_ptr<Connection>> connections,
+                     int spinMicros)
+    : rank_(rank), size_(size), spinMicros_(spinMicros), peers_(size_t(size)) {
+  CLAWCOMM_CHECK_EQ(connections.size(), size_t(size));
+  for (int p = 0; p < size; ++p) {
+    peers_[p].conn = std::move(connections[p]);
+    CLAWCOMM_CHECK((p == rank) == (peers_[p].conn == nullptr), "connection to rank ", p);
+  }
+}
+
+Messenger::~Messenger() = default;
+
+const char* Messenger::transportOf(int peer) const {
+  return peers_[peer].conn ? peers_[peer].conn->kind() : "self";
+}
+
+TransferPtr Messenger::sendCollective(int peer, const OpSignature& sig, uint32_t step,
+                                      const void* src, size_t bytes) {
+  CLAWCOMM_CHECK(peer >= 0 && peer < size_ && peer != rank_, "send to rank ", peer);
+  auto t = std::make_shared<Transfer>();
+  t->mode = Transfer::Mode::kSend;
+  t->peer = peer;
+  t->collective = true;
+  t->src = static_cast<const uint8_t*>(src);
+  t->bytes = bytes;
+  FrameHeader& h = t->header;
+  h.magic = kFrameMagic;
+  h.kind = FrameKind::kCollective;
+  h.opType = sig.type;
+  h.dtype = sig.dtype;
+  h.redop = sig.redop;
+  h.seq = sig.seq;
+  h.count = sig.count;
+  h.payloadBytes = bytes;
+  h.root = sig.root;
+  h.step = step;
+  h.algo = sig.algo;
+  peers_[peer].sendQueue.push_back(t);
+  return t;
+}
+
+TransferPtr Messenger::recvCollective(int peer, const OpSignature& sig, uint32_t step, void* dst,
+                                      size_t bytes, bool reduce) {
+  CLAWCOMM_CHECK(peer >= 0 && peer < size_ && peer != rank_, "recv from rank ", peer);
+  auto t = std::make_shared<Transfer>();
+  t->mode = reduce ? Transfer::Mode::kRecvReduce : Transfer::Mode::kRecvCopy;
+  t->peer = peer;
+  t->collective = true;
+  t->expect = sig;
+  t->step = step;
+  t->dst = static_cast<uint8_t*>(dst);
+  t->bytes = bytes;
+  peers_[peer].postedCollective.push_back(t);
+  return t;
+}
+
+TransferPtr Messenger::sendPointToPoint(int peer, uint64_t tag, const void* src, size_t bytes) {
+  CLAWCOMM_CHECK(peer >= 0 && peer < size_ && peer != rank_, "send to rank ", peer);
+  auto t = std::make_shared<Transfer>();
+  t->mode = Transfer::Mode::kSend;
+  t->peer = peer;
+  t->tag = tag;
+  t->src = static_cast<const uint8_t*>(src);
+  t->bytes = bytes;
+  FrameHeader& h = t->header;
+  h.magic = kFrameMagic;
+  h.kind = FrameKind::kPointToPoint;
+  h.opType = OpType::kSend;
+  h.seq = tag;
+  h.payloadBytes = bytes;
+  h.root = -1;
+  peers_[peer].sendQueue.push_back(t);
+  return t;
+}
+
+TransferPtr Messenger::recvPointToPoint(int peer, uint64_t tag, void* dst, size_t bytes) {
+  auto t = std::make_shared<Transfer>();
+  t->mode = Transfer::Mode::kRecvCopy;
+  t->peer = peer;
+  t->tag = tag;
+  t->dst = static_cast<uint8_t*>(dst);
+  t->bytes = bytes;
+  // An unexpected frame that already arrived (or is arriving) is claimed
+  // first, oldest first, so messages between a pair with one tag stay FIFO.
+  for (int p = 0; p < size_; ++p) {
+    if (p == rank_ || (peer >= 0 && p != peer)) continue;
+    PeerState& ps = peers_[p];
+    for (auto it = ps.unexpected.begin(); it != ps.unexpected.end(); ++it) {
+      Transfer& stash = **it;
+      if (stash.tag != tag || stash.claimedBy) continue;
+      if (stash.bytes != bytes) {
+        throw MismatchError(CLAWCOMM_CONCAT("rank ", p, " sent ", stash.bytes, " bytes with tag ",
+                                            tag, ", rank ", rank_, " expected ", bytes));
+      }
+      t->peer = p;
+      if (stash.complete) {
+        deliver(stash, *t);
+        ps.unexpected.erase(it);
+      } else {
+        stash.claimedBy = t;
+      }
+      return t;
+    }
+  }
+  if (peer >= 0) {
+    peers_[peer].postedPointToPoint.push_back(t);
+  } else {
+    anySource_.push_back(t);
+  }
+  return t;
+}
+
+void Messenger::deliver(Transfer& stash, Transfer& recv) {
+  if (stash.bytes) std::memcpy(recv.dst, stash.stash.data(), stash.bytes);
+  recv.done = stash.bytes;
+  recv.complete = true;
+}
+
+bool Messenger::progress() {
+  bool moved = false;
+  for (int p = 0; p < size_; ++p) {
+    if (p == rank_) continue;
+    PeerState& ps = peers_[p];
+    moved |= progressSend(ps);
+    moved |= progressRecv(p, ps);
+  }
+  return moved;
+}
+
+bool Messenger::progressSend(PeerState& ps) {
+  bool moved = false;
+  while (!ps.sendQueue.empty()) {
+    Transfer& t = *ps.sendQueue.front();
+    const size_t payloadEnd = kHeaderBytes + t.bytes;
+    const size_t total = padTo8(payloadEnd);
+    if (t.done == 0 && total <= kSmallFrameBytes) {
+      // Small frame: one contiguous write keeps latency to a single store
+      // (shm) or a single packet (tcp).
+      ps.scratch.resize(kSmallFrameBytes);
+      std::memcpy(ps.scratch.data(), &t.header, kHeaderBytes);
+      if (t.bytes) std::memcpy(ps.scratch.data() + kHeaderBytes, t.src, t.bytes);
+      std::memset(ps.scratch.data() + payloadEnd, 0, total - payloadEnd);
+    }
+    while (t.done < total) {
+      const uint8_t* p;
+      size_t n;
+      if (total <= kSmallFrameBytes) {
+        p = ps.scratch.data() + t.done;
+        n = total - t.done;
+      } else if (t.done < kHeaderBytes) {
+        p = reinterpret_cast<const uint8_t*>(&t.header) + t.done;
+        n = kHeaderBytes - t.done;
+      } else if (t.done < payloadEnd) {
+        p = t.src + (t.done - kHeaderBytes);
+        n = payloadEnd - t.done;
+      } else {
+        p = kZeros;
+        n = total - t.done;
+      }
+      const size_t w = ps.conn->write(p, n);
+      if (w == 0) return moved;
+      t.done += w;
+      moved = true;
+    }
+    t.complete = true;
+    ps.sendQueue.pop_front();
+  }
+  return moved;
+}
+
+bool Messenger::progressRecv(int peer, PeerState& ps) {
+  bool moved = false;
+  Connection& c = *ps.conn;
+  while (true) {
+    if (ps.headerFill < kHeaderBytes) {
+      const Readable r = c.peek();
+      if (r.size == 0) return moved;
+      const size_t n = std::min(r.size, kHeaderBytes - ps.headerFill);
+      std::memcpy(ps.header + ps.headerFill, r.data, n);
+      c.consume(n);
+      ps.headerFill += n;
+      moved = true;
+      if (ps.headerFill < kHeaderBytes) continue;
+      FrameHeader h;
+      std::memcpy(&h, ps.header, kHeaderBytes);
+      if (h.magic != kFrameMagic) {
+        throw PeerError(CLAWCOMM_CONCAT("corrupt stream from rank ", peer, " (frame magic ",
+                                        h.magic, ")"));
+      }
+      ps.target.reset();
+      ps.frameDone = 0;
+      if (h.kind == FrameKind::kClose) {
+        ps.closed = true;
+        ps.headerFill = 0;
+        continue;
+      }
+    }
+    FrameHeader h;
+    std::memcpy(&h, ps.header, kHeaderBytes);
+    if (!ps.target) {
+      ps.target = match(peer, ps, h);
+      if (!ps.target) return moved;  // back-pressure: its receive is not posted yet
+    }
+    Transfer& t = *ps.target;
+    const size_t payload = h.payloadBytes;
+    const size_t total = padTo8(payload);
+    while (ps.frameDone < total) {
+      const Readable r = c.peek();
+      if (r.size == 0) return moved;
+      size_t n;
+      if (ps.frameDone < payload) {
+        n = std::min(r.size, payload - ps.frameDone);
+        if (t.mode == Transfer::Mode::kRecvReduce) {
+          const size_t es = elementSize(t.expect.dtype);
+          n -= n % es;
+          if (n == 0) return moved;  // the rest of an element is still in flight
+          reduceInto(t.expect.dtype, t.expect.redop, t.dst + ps.frameDone, r.data, n / es);
+        } else {
+          std::memcpy(t.dst + ps.frameDone, r.data, n);
+        }
+        t.done += n;
+      } else {
+        n = std::min(r.size, total - ps.frameDone);
+      }
+      c.consume(n);
+      ps.frameDone += n;
+      moved = true;
+    }
+    finishReceive(peer, ps, ps.target);
+    ps.target.reset();
+    ps.headerFill = 0;
+    moved = true;
+  }
+}
+
+TransferPtr Messenger::match(int peer, PeerState& ps, const FrameHeader& h) {
+  if (h.kind == FrameKind::kCollective) {
+    if (ps.postedCollective.empty()) return nullptr;
+    TransferPtr t = ps.postedCollective.front();
+    const OpSignature got = signatureOf(h);
+    if (!got.sameAs(t->expect)) {
+      throw MismatchError(CLAWCOMM_CONCAT("rank ", peer, " called ", got.describe(), ", rank ",
+                                          rank_, " called ", t->expect.describe()));
+    }
+    if (h.step != t->step || h.payloadBytes != t->bytes) {
+      throw MismatchError(CLAWCOMM_CONCAT("rank ", peer, " sent message ", h.step, " of ",
+                                          h.payloadBytes, " bytes, rank ", rank_,
+                                          " expected message ", t->step, " of ", t->bytes,
+                                          " bytes (do the ranks pass different sizes?)"));
+    }
+    ps.postedCollective.pop_front();
+    return t;
+  }
+  CLAWCOMM_CHECK(h.kind == FrameKind::kPointToPoint, "frame kind ", int(h.kind));
+  auto take = [&](std::list<TransferPtr>& posted) -> TransferPtr {
+    for (auto it = posted.begin(); it != posted.end(); ++it) {
+      if ((*it)->tag != h.seq) continue;
+      TransferPtr t = *it;
+      if (t->bytes != h.payloadBytes) {
+        throw MismatchError(CLAWCOMM_CONCAT("rank ", peer, " sent ", h.payloadBytes,
+                                            " bytes with tag ", h.seq, ", rank ", rank_,
+                                            " expected ", t->bytes));
+      }
+      posted.erase(it);
+      t->peer = peer;
+      return t;
+    }
+    return nullptr;
+  };
+  if (TransferPtr t = take(ps.postedPointToPoint)) return t;
+  if (TransferPtr t = take(anySource_)) return t;
+  auto stash = std::make_shared<Transfer>();
+  stash->mode = Transfer::Mode::kRecvCopy;
+  stash->peer = peer;
+  stash->tag = h.seq;
+  stash->bytes = h.payloadBytes;
+  stash->unexpected = true;
+  stash->stash.resize(h.payloadBytes);
+  stash->dst = stash->stash.data();
+  ps.unexpected.push_back(stash);
+  return stash;
+}
+
+void Messenger::finishReceive(int peer, PeerState& ps, const TransferPtr& t) {
+  t->complete = true;
+  if (t->unexpected && t->claimedBy) {
+    // An unexpected frame that a receive claimed while it was arriving.
+    deliver(*t, *t->claimedBy);
+    ps.unexpected.remove(t);
+  }
+  (void)peer;
+}
+
+void Messenger::waitAll(const std::vector<TransferPtr>& transfers, Clock::time_point deadline) {
+  Clock::time_point idleSince = Clock::now();
+  while (true) {
+    const bool moved = progress();
+    bool all = true;
+    for (const auto& t : transfers) all &= t->complete;
+    if (all) return;
+    if (moved) {
+      idleSince = Clock::now();
+      continue;
+    }
+    pause(idleSince, deadline, transfers);
+  }
+}
+
+std::string Messenger::describeWait(const Transfer& t) const {
+  if (t.mode == Transfer::Mode::kSend) {
+    return CLAWCOMM_CONCAT("rank ", t.peer, " to take ", t.bytes, " bytes (", t.done,
+                           " frame bytes written)");
+  }
+  if (t.peer < 0) return CLAWCOMM_CONCAT("any rank to send ", t.bytes, " bytes");
+  return CLAWCOMM_CONCAT("rank ", t.peer, " to send ", t.bytes, " bytes (", t.done,
+                         " received)");
+}
+
+void Messenger::checkPeers(const std::vector<TransferPtr>& waitingOn) {
+  for (const auto& t : waitingOn) {
+    if (!t->complete && t->peer >= 0 && peers_[t->peer].closed) {
+      throw PeerError(CLAWCOMM_CONCAT("rank ", t->peer,
+                                      " shut down its communicator while rank ", rank_,
+                                      " waits for ", describeWait(*t)));
+    }
+  }
+  for (int p = 0; p < size_; ++p) {
+    if (p != rank_ && !peers_[p].closed) peers_[p].conn->checkPeer();
+  }
+}
+
+void Messenger::pause(Clock::time_point idleSince, Clock::time_point deadline,
+                      const std::vector<TransferPtr>& waitingOn) {
+  const Clock::time_point now = Clock::now();
+  const auto idle = std::chrono::duration_cast<std::chrono::microseconds>(now - idleSince);
+  if (idle.count() < spinMicros_) {
+    for (int i = 0; i < 64; ++i) CLAWCOMM_CPU_RELAX();
+    return;
+  }
+  if (now >= nextHealthCheck_) {
+    nextHealthCheck_ = now + std::chrono::milliseconds(10);
+    checkPeers(waitingOn);
+    if (now >= deadline) {
+      const Transfer* first = nullptr;
+      for (const auto& t : waitingOn) {
+        if (!t->complete) {
+          first = t.get();
+          break;
+        }
+      }
+      throw TimeoutError(CLAWCOMM_CONCAT("timed out waiting for ",
+                                         first ? describeWait(*first) : std::string("nothing")));
+    }
+  }
+  // Yield first (another rank may share this core), then sleep in growing
+  // steps so that an idle communicator costs almost nothing.
+  if (idle < std::chrono::milliseconds(2)) {
+    sched_yield();
+  } else {
+    const long ns = idle < std::chrono::milliseconds(50) ? 50'000 : 500'000;
+    timespec ts{0, ns};
+    nanosleep(&ts, nullptr);
+  }
+}
+
+void Messenger::abort(const std::string& reason) noexcept {
+  for (int p = 0; p < size_; ++p) {
+    if (p == rank_) continue;
+    try {
+      peers_[p].conn->abort(reason);
+    } catch (...) {
+    }
+  }
+}
+
+void Messenger::close(Clock::time_point deadline) noexcept {
+  try {
+    for (int p = 0; p < size_; ++p) {
+      if (p == rank_) continue;
+      auto t = std::make_shared<Transfer>();
+      t->peer = p;
+      t->header.magic = kFrameMagic;
+      t->header.kind = FrameKind::kClose;
+      peers_[p].sendQueue.push_back(t);
+    }
+    bool pending = true;
+    while (pending && Clock::now() < deadline) {
+      pending = false;
+      bool moved = false;
+      for (int p = 0; p < size_; ++p) {
+        if (p == rank_) continue;
+        moved |= progressSend(peers_[p]);
+        pending |= !peers_[p].sendQueue.empty();
+      }
+      if (pending && !moved) std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    for (int p = 0; p < size_; ++p) {
+      if (p != rank_) peers_[p].conn->close();
+    }
+  } catch (...) {
+  }
+}
+
+}  // namespace clawcomm

@@ -1,0 +1,141 @@
+// Framing, matching and progress over a set of Connections.
+//
+// Every message is a frame: a 64-byte header, the payload, and zero padding
+// to a multiple of 8 bytes. Collective frames carry the operation's signature
+// (type, dtype, count, reduce op, root, sequence number) and the receiver
+// compares it with its own before it touches the payload, so ranks that call
+// different collectives fail with a clear error instead of corrupting data.
+//
+// Matching:
+//   * collective frames from a peer are matched in order against the receives
+//     posted for that peer. A frame that arrives before its receive is posted
+//     stays in the stream (back-pressure); collectives are issued in the same
+//     order everywhere, so the receive always comes.
+//   * point-to-point frames are matched by (source, tag) in arrival order;
+//     one with no posted receive is copied aside ("unexpected") so that the
+//     frames behind it keep flowing.
+//   * a receive in reduce mode combines the payload into its buffer straight
+//     out of the transport's memory, with no intermediate copy.
+//
+// One thread (the communicator's progress thread) owns a Messenger.
+#pragma once
+
+#include <deque>
+#include <list>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/op.h"
+#include "transport/transport.h"
+
+namespace clawcomm {
+
+enum class FrameKind : uint8_t { kCollective = 1, kPointToPoint = 2, kClose = 3 };
+
+struct FrameHeader {
+  uint32_t magic;
+  FrameKind kind;
+  OpType opType;
+  DataType dtype;
+  ReduceOp redop;
+  uint64_t seq;           // collective: sequence number; point-to-point: tag
+  uint64_t count;         // collective: the signature's count
+  uint64_t payloadBytes;
+  int32_t root;
+  uint32_t step;          // collective: index of this message between the pair
+  uint8_t algo;           // collective: OpSignature::algo
+  uint8_t reserved[23];
+};
+static_assert(sizeof(FrameHeader) == 64, "frame header is 64 bytes");
+
+struct Transfer {
+  enum class Mode { kSend, kRecvCopy, kRecvReduce };
+  Mode mode = Mode::kSend;
+  int peer = -1;              // -1: any source, until matched
+  FrameHeader header{};       // sends: the header on the wire
+  OpSignature expect{};       // collective receives: what the sender must have
+  bool collective = false;
+  uint32_t step = 0;
+  uint64_t tag = 0;
+  const uint8_t* src = nullptr;
+  uint8_t* dst = nullptr;
+  size_t bytes = 0;
+  size_t done = 0;            // sends: frame bytes written; receives: payload bytes
+  bool complete = false;
+  // Unexpected point-to-point frames land here until a receive claims them.
+  bool unexpected = false;
+  std::vector<uint8_t> stash;
+  std::shared_ptr<Transfer> claimedBy;
+};
+using TransferPtr = std::shared_ptr<Transfer>;
+
+class Messenger {
+ public:
+  // `connections[r]` reaches rank r; connections[rank] is null.
+  Messenger(int rank, int size, std::vector<std::unique_ptr<Connection>> connections,
+            int spinMicros);
+  ~Messenger();
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  const char* transportOf(int peer) const;
+
+  TransferPtr sendCollective(int peer, const OpSignature& sig, uint32_t step, const void* src,
+                             size_t bytes);
+  TransferPtr recvCollective(int peer, const OpSignature& sig, uint32_t step, void* dst,
+                             size_t bytes, bool reduce);
+  TransferPtr sendPointToPoint(int peer, uint64_t tag, const void* src, size_t bytes);
+  // peer == -1 receives from any source; the matched peer is stored in `peer`.
+  TransferPtr recvPointToPoint(int peer, uint64_t tag, void* dst, size_t bytes);
+
+  // One non-blocking pass over every connection. True if any byte moved.
+  bool progress();
+
+  // Drives progress until every transfer completes. Throws TimeoutError at
+  // `deadline`, PeerError if a peer dies or aborts meanwhile.
+  void waitAll(const std::vector<TransferPtr>& transfers, Clock::time_point deadline);
+
+  // Spin / yield / sleep between idle progress passes, checking peer health
+  // and the deadline. `idleSince` is when progress last moved a byte.
+  void pause(Clock::time_point idleSince, Clock::time_point deadline,
+             const std::vector<TransferPtr>& waitingOn);
+
+  // Tells every peer that this rank gives up, with the reason.
+  void abort(const std::string& reason) noexcept;
+
+  // Sends a close frame to every peer and flushes what is queued.
+  void close(Clock::time_point deadline) noexcept;
+
+ private:
+  struct PeerState {
+    std::unique_ptr<Connection> conn;
+    std::deque<TransferPtr> sendQueue;
+    std::deque<TransferPtr> postedCollective;
+    std::list<TransferPtr> postedPointToPoint;
+    std::list<TransferPtr> unexpected;  // stash transfers, in arrival order
+    uint8_t header[sizeof(FrameHeader)];
+    size_t headerFill = 0;
+    TransferPtr target;                 // receive the current frame goes to
+    size_t frameDone = 0;               // payload + padding consumed
+    bool closed = false;                // the peer sent its close frame
+    std::vector<uint8_t> scratch;       // small frames are assembled here
+  };
+
+  bool progressSend(PeerState& ps);
+  bool progressRecv(int peer, PeerState& ps);
+  TransferPtr match(int peer, PeerState& ps, const FrameHeader& h);
+  void finishReceive(int peer, PeerState& ps, const TransferPtr& t);
+  static void deliver(Transfer& stash, Transfer& recv);
+  void checkPeers(const std::vector<TransferPtr>& waitingOn);
+  std::string describeWait(const Transfer& t) const;
+
+  int rank_;
+  int size_;
+  int spinMicros_;
+  std::vector<PeerState> peers_;
+  std::list<TransferPtr> anySource_;
+  Clock::time_point nextHealthCheck_{};
+};
+
+}  // namespace clawcomm

@@ -1,0 +1,255 @@
+#include "transport/shm/connection.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <thread>
+
+#include "common/errors.h"
+
+namespace clawcomm {
+namespace {
+
+constexpr uint64_t kSegmentMagic = 0x636c6177'73686d31ull;  // "claw" "shm1"
+constexpr size_t kHeaderBytes = 128;
+constexpr size_t kReasonBytes = 384;
+
+// kClosed: the writer shut down cleanly; what it wrote stays readable.
+enum RingState : uint32_t { kOpen = 0, kAborted = 1, kClosed = 2 };
+
+// Control block of one ring. head and tail live on their own cache lines so
+// the producer and the consumer never write the same line.
+struct alignas(64) RingControl {
+  std::atomic<uint64_t> head;  // bytes ever written, by the producer
+  char pad0[56];
+  std::atomic<uint64_t> tail;  // bytes ever consumed, by the consumer
+  char pad1[56];
+  std::atomic<uint32_t> producerState;
+  std::atomic<uint32_t> consumerState;
+  char pad2[56];
+  char producerReason[kReasonBytes];
+  char consumerReason[kReasonBytes];
+};
+static_assert(sizeof(RingControl) % 64 == 0, "ring control must be cache aligned");
+static_assert(std::atomic<uint64_t>::is_always_lock_free, "need lock-free atomics in shm");
+
+struct SegmentHeader {
+  uint64_t magic;
+  int32_t pid;
+  int32_t rank;
+  int32_t size;
+  uint64_t ringBytes;
+};
+
+size_t segmentBytes(int size, size_t ringBytes) {
+  return kHeaderBytes + size_t(size) * (sizeof(RingControl) + ringBytes);
+}
+
+// True when `pid` has exited (gone, or a zombie not yet reaped).
+bool processGone(int pid) {
+  if (kill(pid, 0) != 0 && errno == ESRCH) return true;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  if (!stat) return true;
+  std::string line;
+  std::getline(stat, line);
+  const size_t close = line.rfind(')');
+  if (close == std::string::npos || close + 2 >= line.size()) return false;
+  const char state = line[close + 2];
+  return state == 'Z' || state == 'X';
+}
+
+void writeReason(char* dst, const std::string& reason) {
+  std::snprintf(dst, kReasonBytes, "%s", reason.c_str());
+}
+
+}  // namespace
+
+class ShmMapping {
+ public:
+  ShmMapping(void* base, size_t bytes) : base_(static_cast<uint8_t*>(base)), bytes_(bytes) {}
+  ~ShmMapping() { munmap(base_, bytes_); }
+  SegmentHeader* header() const { return reinterpret_cast<SegmentHeader*>(base_); }
+  RingControl* ring(int peer) const {
+    return reinterpret_cast<RingControl*>(base_ + kHeaderBytes +
+                                          size_t(peer) * (sizeof(RingControl) + ringBytes()));
+  }
+  uint8_t* ringData(int peer) const { return reinterpret_cast<uint8_t*>(ring(peer) + 1); }
+  size_t ringBytes() const { return header()->ringBytes; }
+
+ private:
+  uint8_t* base_;
+  size_t bytes_;
+};
+
+namespace {
+
+class ShmConnection : public Connection {
+ public:
+  ShmConnection(int rank, int peer, std::shared_ptr<ShmMapping> own,
+                std::shared_ptr<ShmMapping> remote)
+      : rank_(rank),
+        peer_(peer),
+        peerPid_(remote->header()->pid),
+        own_(std::move(own)),
+        remote_(std::move(remote)),
+        in_(own_->ring(peer)),
+        inData_(own_->ringData(peer)),
+        out_(remote_->ring(rank)),
+        outData_(remote_->ringData(rank)),
+        cap_(own_->ringBytes()) {}
+
+  // Producer side: copy into the peer's ring, wrapping at its end.
+  size_t write(const void* data, size_t n) override {
+    const uint64_t head = out_->head.load(std::memory_order_relaxed);
+    const uint64_t tail = out_->tail.load(std::memory_order_acquire);
+    n = std::min<size_t>(n, cap_ - size_t(head - tail));
+    if (n == 0) return 0;
+    const size_t off = size_t(head % cap_);
+    const size_t first = std::min(n, cap_ - off);
+    std::memcpy(outData_ + off, data, first);
+    if (n > first) std::memcpy(outData_, static_cast<const uint8_t*>(data) + first, n - first);
+    out_->head.store(head + n, std::memory_order_release);
+    return n;
+  }
+
+  Readable peek() override {
+    const uint64_t head = in_->head.load(std::memory_order_acquire);
+    const uint64_t tail = in_->tail.load(std::memory_order_relaxed);
+    const size_t off = size_t(tail % cap_);
+    return Readable{inData_ + off, std::min<size_t>(size_t(head - tail), cap_ - off)};
+  }
+
+  void consume(size_t n) override {
+    in_->tail.store(in_->tail.load(std::memory_order_relaxed) + n, std::memory_order_release);
+  }
+
+  void checkPeer() override {
+    if (in_->producerState.load(std::memory_order_acquire) == kAborted) {
+      throw PeerError(CLAWCOMM_CONCAT("rank ", peer_, " aborted: ", in_->producerReason));
+    }
+    if (out_->consumerState.load(std::memory_order_acquire) == kAborted) {
+      throw PeerError(CLAWCOMM_CONCAT("rank ", peer_, " aborted: ", out_->consumerReason));
+    }
+    if (in_->producerState.load(std::memory_order_acquire) == kClosed) return;
+    if (processGone(peerPid_)) {
+      throw PeerError(CLAWCOMM_CONCAT("rank ", peer_, " (pid ", peerPid_, ") died"));
+    }
+  }
+
+  void abort(const std::string& reason) override {
+    writeReason(out_->producerReason, reason);
+    out_->producerState.store(kAborted, std::memory_order_release);
+    writeReason(in_->consumerReason, reason);
+    in_->consumerState.store(kAborted, std::memory_order_release);
+  }
+
+  void close() override {
+    uint32_t open = kOpen;
+    out_->producerState.compare_exchange_strong(open, kClosed, std::memory_order_release);
+  }
+
+  const char* kind() const override { return "shm"; }
+
+ private:
+  int rank_;
+  int peer_;
+  int peerPid_;
+  std::shared_ptr<ShmMapping> own_;
+  std::shared_ptr<ShmMapping> remote_;
+  RingControl* in_;
+  uint8_t* inData_;
+  RingControl* out_;
+  uint8_t* outData_;
+  size_t cap_;
+};
+
+std::shared_ptr<ShmMapping> mapSegment(int fd, size_t bytes, const std::string& name) {
+  void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (base == MAP_FAILED) {
+    throw Error(CLAWCOMM_CONCAT("clawcomm shm: mmap of ", name, " (", bytes,
+                                " bytes) failed: ", std::strerror(errno)));
+  }
+  return std::make_shared<ShmMapping>(base, bytes);
+}
+
+}  // namespace
+
+ShmEndpoint::ShmEndpoint(const std::string& jobToken, int rank, int size, size_t ringBytes)
+    : name_("/clawcomm-" + jobToken + "-" + std::to_string(rank)),
+      rank_(rank),
+      size_(size),
+      ringBytes_(ringBytes) {
+  CLAWCOMM_CHECK(ringBytes % 64 == 0, "ring bytes ", ringBytes);
+  const int fd = shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0) {
+    throw Error(CLAWCOMM_CONCAT("clawcomm shm: cannot create ", name_, ": ",
+                                std::strerror(errno)));
+  }
+  const size_t bytes = segmentBytes(size, ringBytes);
+  if (ftruncate(fd, off_t(bytes)) != 0) {
+    const int err = errno;
+    ::close(fd);
+    shm_unlink(name_.c_str());
+    throw Error(CLAWCOMM_CONCAT("clawcomm shm: cannot size ", name_, " to ", bytes,
+                                " bytes: ", std::strerror(err),
+                                " (is /dev/shm large enough? lower CLAWCOMM_SHM_RING_BYTES)"));
+  }
+  try {
+    own_ = mapSegment(fd, bytes, name_);
+  } catch (...) {
+    ::close(fd);
+    shm_unlink(name_.c_str());
+    throw;
+  }
+  ::close(fd);
+  SegmentHeader* h = own_->header();
+  h->pid = int32_t(getpid());
+  h->rank = rank;
+  h->size = size;
+  h->ringBytes = ringBytes;
+  std::atomic_thread_fence(std::memory_order_release);
+  h->magic = kSegmentMagic;
+}
+
+ShmEndpoint::~ShmEndpoint() { finishSetup(); }
+
+std::unique_ptr<Connection> ShmEndpoint::connect(int peer, const std::string& peerAddress,
+                                                 Clock::time_point deadline) {
+  int fd = -1;
+  while ((fd = shm_open(peerAddress.c_str(), O_RDWR, 0600)) < 0) {
+    if (errno != ENOENT || Clock::now() > deadline) {
+      throw PeerError(CLAWCOMM_CONCAT("clawcomm shm: rank ", rank_, " cannot open rank ", peer,
+                                      "'s segment ", peerAddress, ": ", std::strerror(errno)));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  auto remote = mapSegment(fd, segmentBytes(size_, ringBytes_), peerAddress);
+  ::close(fd);
+  const SegmentHeader* h = remote->header();
+  if (h->magic != kSegmentMagic || h->size != size_ || h->rank != peer ||
+      h->ringBytes != ringBytes_) {
+    throw Error(CLAWCOMM_CONCAT("clawcomm shm: segment ", peerAddress, " holds rank ", h->rank,
+                                " of ", h->size, " with ", h->ringBytes,
+                                "-byte rings; rank ", rank_, " expected rank ", peer, " of ",
+                                size_, " with ", ringBytes_,
+                                "-byte rings (is CLAWCOMM_SHM_RING_BYTES the same everywhere?)"));
+  }
+  return std::make_unique<ShmConnection>(rank_, peer, own_, std::move(remote));
+}
+
+void ShmEndpoint::finishSetup() {
+  if (!unlinked_) {
+    shm_unlink(name_.c_str());
+    unlinked_ = true;
+  }
+}
+
+}  // namespace clawcomm

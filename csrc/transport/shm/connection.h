@@ -1,0 +1,39 @@
+// Shared-memory transport between ranks on one host.
+//
+// Each rank creates one segment holding, for every peer, a single-producer
+// single-consumer byte ring that the peer writes and this rank reads. A
+// connection therefore reads from its own segment and writes into the peer's.
+// The segment is unlinked as soon as every peer has mapped it
+// (finishSetup), so a SIGKILL of every rank leaves nothing in /dev/shm.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "transport/transport.h"
+
+namespace clawcomm {
+
+class ShmMapping;
+
+class ShmEndpoint : public Endpoint {
+ public:
+  // Creates "/clawcomm-<jobToken>-<rank>" sized for `size` inbound rings.
+  ShmEndpoint(const std::string& jobToken, int rank, int size, size_t ringBytes);
+  ~ShmEndpoint() override;
+
+  std::string address() const override { return name_; }
+  std::unique_ptr<Connection> connect(int peer, const std::string& peerAddress,
+                                      Clock::time_point deadline) override;
+  void finishSetup() override;
+
+ private:
+  std::string name_;
+  int rank_;
+  int size_;
+  size_t ringBytes_;
+  std::shared_ptr<ShmMapping> own_;
+  bool unlinked_ = false;
+};
+
+}  // namespace clawcomm

@@ -1,0 +1,78 @@
+// The transport interface: an ordered, reliable byte stream to one peer.
+//
+// Everything above this file (framing, matching, algorithms) is written
+// against Connection and Endpoint only; it never names shared memory or TCP.
+// Every call is non-blocking: the messenger drives all connections from one
+// progress thread and decides itself when to spin and when to sleep.
+//
+// Alignment contract: the writer only ever produces frames whose lengths are
+// multiples of 8 bytes, and a transport never splits an aligned 8-byte word
+// across two readable regions. So a reader that reduces elements straight
+// out of the region returned by peek() never sees an element cut in two
+// except at the end of what has arrived so far.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace clawcomm {
+
+using Clock = std::chrono::steady_clock;
+
+struct Readable {
+  const uint8_t* data = nullptr;
+  size_t size = 0;
+};
+
+class Connection {
+ public:
+  virtual ~Connection() = default;
+
+  // Appends up to `n` bytes to the outgoing stream; returns how many were taken.
+  virtual size_t write(const void* data, size_t n) = 0;
+
+  // The longest contiguous run of received, unconsumed bytes. May be empty.
+  virtual Readable peek() = 0;
+
+  // Releases the first `n` bytes returned by peek().
+  virtual void consume(size_t n) = 0;
+
+  // Throws PeerError when the peer died, aborted, or closed the stream with
+  // bytes still expected. Called from the slow path of every wait.
+  virtual void checkPeer() = 0;
+
+  // Marks the stream as aborted for the peer, with a reason it can report.
+  virtual void abort(const std::string& reason) = 0;
+
+  // Clean shutdown: tells the peer no more bytes follow.
+  virtual void close() = 0;
+
+  // A file descriptor to poll for readability, or -1 (shared memory).
+  virtual int pollFd() const { return -1; }
+
+  virtual const char* kind() const = 0;
+};
+
+// This rank's side of one transport: the local resources (a listening socket,
+// an inbound shared-memory segment) and the address peers use to reach them.
+class Endpoint {
+ public:
+  virtual ~Endpoint() = default;
+
+  // What peers pass to connect() to reach this rank.
+  virtual std::string address() const = 0;
+
+  // Establishes the stream with `peer`, whose endpoint published
+  // `peerAddress`. Both ranks of a pair call it; it may block until `deadline`.
+  virtual std::unique_ptr<Connection> connect(int peer, const std::string& peerAddress,
+                                              Clock::time_point deadline) = 0;
+
+  // Called once every peer has connected: drop what is no longer needed to
+  // accept peers (the segment name, the listening socket).
+  virtual void finishSetup() = 0;
+};
+
+}  // namespace clawcomm
