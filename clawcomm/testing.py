@@ -80,6 +80,7 @@ def run_ranks(
     *args: Any,
     backend: str = "clawcomm",
     env: dict[str, str] | None = None,
+    rank_env: list[dict[str, str]] | None = None,
     timeout: float = 120.0,
     pg_timeout: float = 60.0,
     init: bool = True,
@@ -88,6 +89,7 @@ def run_ranks(
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` forked ranks.
 
     Returns the ranks' return values in rank order. With
+    ``env`` is set on every rank, ``rank_env[r]`` on rank r only. With
     ``allow_failures=True`` a failed rank's entry is a ``RankFailure`` holding
     its traceback (or the exit code if it died) instead of raising.
     """
@@ -100,7 +102,9 @@ def run_ranks(
             parent, child = ctx.Pipe(duplex=False)
             p = ctx.Process(
                 target=_child,
-                args=(fn, rank, world_size, args, backend, env, store_path, pg_timeout, init, child),
+                args=(fn, rank, world_size, args, backend,
+                      {**env, **{k: str(v) for k, v in (rank_env[rank] if rank_env else {}).items()}},
+                      store_path, pg_timeout, init, child),
                 daemon=True,
             )
             p.start()

@@ -35,7 +35,7 @@ inline float halfToFloat(uint16_t h) {
   const uint32_t sign = uint32_t(h & 0x8000u) << 16;
   const uint32_t twoH = uint32_t(h) << 17;  // drop the sign
   // Normal numbers: shift exponent/mantissa into place and rebias by 2^112.
-  const float normal = bitsToFloat((twoH >> 4) + (0x70u << 23)) * bitsToFloat(0x07800000u);
+  const float normal = bitsToFloat((twoH >> 4) + (0xE0u << 23)) * bitsToFloat(0x07800000u);
   // Subnormals: use the float unit to normalise.
   const float denorm = bitsToFloat((twoH >> 17) | (126u << 23)) - 0.5f;
   const uint32_t bits = twoH < (1u << 27) ? floatToBits(denorm) : floatToBits(normal);

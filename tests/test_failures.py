@@ -1,0 +1,221 @@
+"""Errors instead of hangs: dead peers, mismatched collectives, timeouts, bad
+arguments, and shared-memory segments that never outlive the job."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from clawcomm.testing import RankFailure, run_ranks
+
+TRANSPORTS = [{"CLAWCOMM_TRANSPORT": "shm"}, {"CLAWCOMM_TRANSPORT": "tcp"}]
+
+
+def _segments():
+    return {f for f in os.listdir("/dev/shm") if f.startswith("clawcomm-")}
+
+
+def _error_text(result) -> str:
+    assert isinstance(result, RankFailure), f"expected this rank to fail, it returned {result!r}"
+    return next(iter(result.errors.values()))
+
+
+# --- a rank killed mid-collective ------------------------------------------
+
+
+def _killed_mid_collective(rank, ws):
+    big = torch.ones(4 * 1024 * 1024)
+    dist.all_reduce(big)  # everybody is connected and working
+    if rank == ws - 1:
+        dist.all_reduce(big, async_op=True)
+        time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    errors = []
+    for _ in range(2):  # the pending op and a later one must both fail
+        try:
+            for _ in range(1000):
+                dist.all_reduce(big)
+            errors.append("no error")
+        except Exception as e:  # noqa: BLE001
+            errors.append(str(e))
+    return errors, time.monotonic() - start
+
+
+@pytest.mark.parametrize("env", TRANSPORTS, ids=["shm", "tcp"])
+def test_killed_rank_fails_every_survivor_naming_it(env):
+    before = _segments()
+    results = run_ranks(_killed_mid_collective, 3, env=env, pg_timeout=20, timeout=90,
+                        allow_failures=True)
+    assert isinstance(results[2], RankFailure)  # the killed rank
+    for rank in (0, 1):
+        errors, elapsed = results[rank]
+        assert all("rank 2" in e for e in errors), errors
+        assert "aborted by an earlier error" in errors[1] or "rank 2" in errors[1]
+        assert elapsed < 20, f"rank {rank} took {elapsed:.1f}s to notice"
+    assert _segments() <= before
+
+
+# --- mismatched collectives --------------------------------------------------
+
+
+def _mismatch(rank, ws, kind):
+    t = torch.ones(4)
+    odd = rank == ws - 1
+    if kind == "op":
+        if odd:
+            dist.broadcast(t, 0)
+        else:
+            dist.all_reduce(t)
+    elif kind == "count":
+        dist.all_reduce(torch.ones(5) if odd else t)
+    elif kind == "dtype":
+        dist.all_reduce(t.double() if odd else t)
+    elif kind == "redop":
+        dist.all_reduce(t, dist.ReduceOp.MAX if odd else dist.ReduceOp.SUM)
+    elif kind == "root":
+        dist.broadcast(t, 1 if odd else 0)
+    return "no error"
+
+
+@pytest.mark.parametrize("kind", ["op", "count", "dtype", "redop", "root"])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_mismatched_collectives_fail_on_every_rank(world_size, kind):
+    results = run_ranks(_mismatch, world_size, kind, pg_timeout=10, timeout=60,
+                        allow_failures=True)
+    texts = [_error_text(r) for r in results]
+    # The rank that sees the mismatch names both sides; the others learn of it.
+    assert any(" called " in t for t in texts), texts
+    for t in texts:
+        assert "DistBackendError" in t and "clawcomm::" in t, t
+
+
+def test_count_mismatch_message_names_both_counts():
+    texts = [_error_text(r) for r in run_ranks(_mismatch, 2, "count", allow_failures=True)]
+    joined = "\n".join(texts)
+    assert "of 4 float32 elements" in joined and "of 5 float32 elements" in joined, joined
+
+
+# --- timeouts ---------------------------------------------------------------
+
+
+def _late_rank(rank, ws):
+    start = time.monotonic()
+    if rank == 1:
+        time.sleep(4)
+    try:
+        dist.all_reduce(torch.ones(3))
+        return "no error", time.monotonic() - start
+    except Exception as e:  # noqa: BLE001
+        return str(e), time.monotonic() - start
+
+
+def test_timeout_names_op_peer_and_wait():
+    results = run_ranks(_late_rank, 2, pg_timeout=2, timeout=60)
+    text, elapsed = results[0]
+    assert "clawcomm::all_reduce" in text and "timed out" in text and "rank 1" in text, text
+    assert "2 s" in text, text
+    assert 1.5 < elapsed < 4, elapsed
+    # The late rank does not hang either: rank 0 aborted the communicator.
+    late_text, late_elapsed = results[1]
+    assert late_text != "no error" and late_elapsed < 10, results[1]
+
+
+def _recv_nobody_sends(rank, ws):
+    if rank == 0:
+        try:
+            dist.recv(torch.empty(2), 1)
+        except Exception as e:  # noqa: BLE001
+            return str(e)
+    else:
+        time.sleep(3)
+    return "no error"
+
+
+def test_recv_without_send_times_out():
+    results = run_ranks(_recv_nobody_sends, 2, pg_timeout=1, timeout=60)
+    assert "timed out" in results[0] and "rank 1" in results[0], results[0]
+
+
+# --- bad arguments ----------------------------------------------------------
+
+
+def _bad_arguments(rank, ws):
+    messages = {}
+
+    def expect(name, fn):
+        try:
+            fn()
+            messages[name] = "no error"
+        except (ValueError, RuntimeError) as e:
+            messages[name] = f"{type(e).__name__}: {e}"
+
+    expect("output size", lambda: dist.all_gather_into_tensor(torch.empty(3), torch.ones(2)))
+    expect("mixed dtypes", lambda: dist.all_gather([torch.empty(2), torch.empty(2).double()],
+                                                   torch.ones(2)))
+    expect("sparse", lambda: dist.broadcast(torch.ones(3).to_sparse(), 0))
+    expect("device", lambda: dist.all_reduce(torch.ones(3, device="meta")))
+    expect("avg on ints", lambda: dist.all_reduce(torch.ones(3, dtype=torch.int32),
+                                                  dist.ReduceOp.AVG))
+    expect("band on floats", lambda: dist.all_reduce(torch.ones(3), dist.ReduceOp.BAND))
+    expect("dtype", lambda: dist.all_reduce(torch.ones(3, dtype=torch.complex128)))
+    expect("root", lambda: dist.get_default_group().broadcast([torch.ones(1)], 5))
+    expect("split sizes", lambda: dist.all_to_all_single(torch.empty(4), torch.ones(4),
+                                                         [1, 1], [3, 3]))
+    expect("unsupported op", lambda: dist.monitored_barrier())
+    # Nothing was sent by any of those: the group still works.
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    messages["after"] = t.tolist()
+    return messages
+
+
+def test_bad_arguments_fail_clearly_before_sending():
+    m = run_ranks(_bad_arguments, 2)[0]
+    assert "clawcomm::all_gather_into_tensor" in m["output size"] and "3 elements" in m["output size"]
+    assert "mix dtypes" in m["mixed dtypes"]
+    assert "dense" in m["sparse"] or "sparse" in m["sparse"].lower(), m["sparse"]
+    assert "meta" in m["device"] and "cpu" in m["device"], m["device"]
+    assert "avg" in m["avg on ints"] and "int32" in m["avg on ints"], m["avg on ints"]
+    assert "band" in m["band on floats"], m["band on floats"]
+    assert m["dtype"] != "no error"
+    assert "root 5" in m["root"], m["root"]
+    assert "split sizes" in m["split sizes"], m["split sizes"]
+    assert "clawcomm" in m["unsupported op"] and "support" in m["unsupported op"], m["unsupported op"]
+    assert m["after"] == [2.0, 2.0]
+
+
+def test_inconsistent_settings_are_reported():
+    with pytest.raises(RankFailure, match="CLAWCOMM_TRANSPORT"):
+        # Only rank 1 asks for TCP: rendezvous refuses rather than hanging.
+        run_ranks(_nothing, 2, rank_env=[{}, {"CLAWCOMM_TRANSPORT": "tcp"}], timeout=60,
+                  pg_timeout=10)
+
+
+def _nothing(rank, ws):
+    return None
+
+
+# --- shared memory never outlives the job -----------------------------------
+
+
+def _all_killed(rank, ws):
+    dist.all_reduce(torch.ones(1000))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_dev_shm_is_clean_after_every_rank_is_killed():
+    before = _segments()
+    run_ranks(_all_killed, 4, timeout=60, allow_failures=True)
+    assert _segments() <= before
+
+
+def test_dev_shm_is_clean_after_normal_exit():
+    before = _segments()
+    run_ranks(lambda r, w: dist.all_reduce(torch.ones(10)) and None, 3)
+    assert _segments() <= before
