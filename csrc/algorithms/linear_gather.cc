@@ -29,6 +29,8 @@ void linearScatter(Channel& ch, const void* in, void* out, size_t bytes, int roo
   if (ch.rank() != root) {
     ch.recv(root, out, bytes);
     ch.wait();
+    ch.send(root, nullptr, 0);
+    ch.wait();
     return;
   }
   const uint8_t* i = static_cast<const uint8_t*>(in);
@@ -37,6 +39,7 @@ void linearScatter(Channel& ch, const void* in, void* out, size_t bytes, int roo
       if (bytes && i + p * bytes != out) std::memmove(out, i + p * bytes, bytes);
     } else {
       ch.send(p, i + p * bytes, bytes);
+      ch.recv(p, nullptr, 0);
     }
   }
   ch.wait();

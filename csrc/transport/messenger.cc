@@ -295,6 +295,15 @@ TransferPtr Messenger::match(int peer, PeerState& ps, const FrameHeader& h) {
     ps.postedCollective.pop_front();
     return t;
   }
+  if (h.kind == FrameKind::kAbort) {
+    auto reason = std::make_shared<Transfer>();
+    reason->abortReason = true;
+    reason->peer = peer;
+    reason->bytes = h.payloadBytes;
+    reason->stash.resize(h.payloadBytes);
+    reason->dst = reason->stash.data();
+    return reason;
+  }
   CLAWCOMM_CHECK(h.kind == FrameKind::kPointToPoint, "frame kind ", int(h.kind));
   auto take = [&](std::list<TransferPtr>& posted) -> TransferPtr {
     for (auto it = posted.begin(); it != posted.end(); ++it) {
@@ -327,6 +336,10 @@ TransferPtr Messenger::match(int peer, PeerState& ps, const FrameHeader& h) {
 
 void Messenger::finishReceive(int peer, PeerState& ps, const TransferPtr& t) {
   t->complete = true;
+  if (t->abortReason) {
+    const std::string reason(t->stash.begin(), t->stash.end());
+    throw PeerError(CLAWCOMM_CONCAT("rank ", peer, " aborted: ", reason.c_str()));
+  }
   if (t->unexpected && t->claimedBy) {
     // An unexpected frame that a receive claimed while it was arriving.
     deliver(*t, *t->claimedBy);
@@ -368,9 +381,18 @@ void Messenger::checkPeers(const std::vector<TransferPtr>& waitingOn) {
                                       " waits for ", describeWait(*t)));
     }
   }
+  // Report every failed peer, not just the first: when one rank dies, the
+  // others abort too, and the dead one must still be named.
+  std::string failures;
   for (int p = 0; p < size_; ++p) {
-    if (p != rank_ && !peers_[p].closed) peers_[p].conn->checkPeer();
+    if (p == rank_ || peers_[p].closed) continue;
+    try {
+      peers_[p].conn->checkPeer();
+    } catch (const PeerError& e) {
+      failures += failures.empty() ? e.what() : std::string("; ") + e.what();
+    }
   }
+  if (!failures.empty()) throw PeerError(failures);
 }
 
 void Messenger::pause(Clock::time_point idleSince, Clock::time_point deadline,
@@ -408,10 +430,30 @@ void Messenger::pause(Clock::time_point idleSince, Clock::time_point deadline,
 }
 
 void Messenger::abort(const std::string& reason) noexcept {
+  // Best effort: where the outgoing stream sits between frames, append an
+  // abort frame with the reason, then cut the connection.
+  std::vector<uint8_t> frame(kHeaderBytes + kAbortReasonBytes, 0);
+  FrameHeader h{};
+  h.magic = kFrameMagic;
+  h.kind = FrameKind::kAbort;
+  h.payloadBytes = kAbortReasonBytes;
+  std::memcpy(frame.data(), &h, kHeaderBytes);
+  std::memcpy(frame.data() + kHeaderBytes, reason.data(),
+              std::min(reason.size(), kAbortReasonBytes - 1));
+  const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(50);
   for (int p = 0; p < size_; ++p) {
     if (p == rank_) continue;
+    PeerState& ps = peers_[p];
     try {
-      peers_[p].conn->abort(reason);
+      if (ps.sendQueue.empty() || ps.sendQueue.front()->done == 0) {
+        size_t written = 0;
+        while (written < frame.size() && Clock::now() < deadline) {
+          const size_t w = ps.conn->write(frame.data() + written, frame.size() - written);
+          written += w;
+          if (w == 0) std::this_thread::sleep_for(std::chrono::microseconds(100));
+        }
+      }
+      ps.conn->abort(reason);
     } catch (...) {
     }
   }

@@ -31,7 +31,10 @@
 
 namespace clawcomm {
 
-enum class FrameKind : uint8_t { kCollective = 1, kPointToPoint = 2, kClose = 3 };
+// kAbort carries the aborting rank's reason (kAbortReasonBytes of text), so a
+// peer learns why, not just that the stream ended.
+enum class FrameKind : uint8_t { kCollective = 1, kPointToPoint = 2, kClose = 3, kAbort = 4 };
+constexpr size_t kAbortReasonBytes = 448;
 
 struct FrameHeader {
   uint32_t magic;
@@ -65,6 +68,7 @@ struct Transfer {
   bool complete = false;
   // Unexpected point-to-point frames land here until a receive claims them.
   bool unexpected = false;
+  bool abortReason = false;  // an abort frame's text
   std::vector<uint8_t> stash;
   std::shared_ptr<Transfer> claimedBy;
 };
