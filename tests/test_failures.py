@@ -172,11 +172,15 @@ def _bad_arguments(rank, ws):
     expect("mixed dtypes", lambda: dist.all_gather([torch.empty(2), torch.empty(2).double()],
                                                    torch.ones(2)))
     expect("sparse", lambda: dist.broadcast(torch.ones(3).to_sparse(), 0))
-    expect("device", lambda: dist.all_reduce(torch.ones(3, device="meta")))
+    # torch routes a non-cpu tensor to that device's backend before we see it
+    # (no CUDA here anyway), so call the backend object directly.
+    from clawcomm import backend_of
+
+    expect("device", lambda: backend_of().allreduce([torch.ones(3, device="meta")]))
     expect("avg on ints", lambda: dist.all_reduce(torch.ones(3, dtype=torch.int32),
                                                   dist.ReduceOp.AVG))
     expect("band on floats", lambda: dist.all_reduce(torch.ones(3), dist.ReduceOp.BAND))
-    expect("dtype", lambda: dist.all_reduce(torch.ones(3, dtype=torch.complex128)))
+    expect("dtype", lambda: dist.all_reduce(torch.ones(3, dtype=torch.int16)))
     def bad_root():
         opts = dist.BroadcastOptions()
         opts.rootRank = 5
@@ -185,7 +189,7 @@ def _bad_arguments(rank, ws):
     expect("root", bad_root)
     expect("split sizes", lambda: dist.all_to_all_single(torch.empty(4), torch.ones(4),
                                                          [1, 1], [3, 3]))
-    expect("unsupported op", lambda: dist.monitored_barrier())
+    expect("unsupported op", lambda: backend_of().monitored_barrier())
     # Nothing was sent by any of those: the group still works.
     t = torch.ones(2)
     dist.all_reduce(t)
@@ -201,7 +205,7 @@ def test_bad_arguments_fail_clearly_before_sending():
     assert "meta" in m["device"] and "cpu" in m["device"], m["device"]
     assert "avg" in m["avg on ints"] and "int32" in m["avg on ints"], m["avg on ints"]
     assert "band" in m["band on floats"], m["band on floats"]
-    assert m["dtype"] != "no error"
+    assert "clawcomm::allreduce" in m["dtype"] and "Short" in m["dtype"], m["dtype"]
     assert "root 5" in m["root"], m["root"]
     assert "split sizes" in m["split sizes"], m["split sizes"]
     assert "clawcomm" in m["unsupported op"] and "support" in m["unsupported op"], m["unsupported op"]
