@@ -240,3 +240,21 @@ def test_object_collectives():
         assert objs == ["from-0-0", "from-0-1", "from-0-2"]
         assert got == f"to-{rank}"
         assert gathered == ([0, 10, 20] if rank == 0 else None)
+
+
+# --- torchrun ---------------------------------------------------------------------
+
+
+def test_torchrun_example_runs_unchanged():
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+         "--rdzv-endpoint=127.0.0.1:0", "--rdzv-backend=c10d",
+         os.path.join(root, "examples", "ddp_torchrun.py")],
+        capture_output=True, text=True, timeout=180, cwd=root,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "parameters identical on 2 ranks" in proc.stdout

@@ -131,6 +131,12 @@ def sweep_movement(rank, ws):
     s = float(sum(range(ws)))
     check(failures, "all_reduce_coalesced", torch.cat([a, b]),
           torch.cat([torch.full((3,), s), torch.full((5,), 2 * s)]))
+    # all_gather_coalesced: outs[r][i] receives rank r's i-th input.
+    outs = [[torch.empty(2), torch.empty(3, 1)] for _ in range(ws)]
+    dist.all_gather_coalesced(outs, [torch.full((2,), float(rank)), torch.full((3, 1), -float(rank))])
+    for r in range(ws):
+        check(failures, "all_gather_coalesced", torch.cat([outs[r][0], outs[r][1].flatten()]),
+              torch.tensor([r, r, -r, -r, -r], dtype=torch.float32))
     outs = [torch.empty(2 * ws), torch.empty(3 * ws)]
     with dist._coalescing_manager(async_ops=True) as cm:
         dist.all_gather_into_tensor(outs[0], torch.full((2,), float(rank)))

@@ -408,21 +408,22 @@ class ClawcommBackend : public c10d::Backend {
                                                      const c10d::AllgatherOptions&) override {
     const char* op = "allgather_coalesced";
     const DataType dt = checkTensors(op, inputs);
-    TORCH_CHECK_VALUE(outputLists.size() == inputs.size(), "clawcomm::", op, ": ",
-                      outputLists.size(), " output lists for ", inputs.size(), " inputs");
-    for (size_t i = 0; i < inputs.size(); ++i) {
-      TORCH_CHECK_VALUE(int(outputLists[i].size()) == getSize(), "clawcomm::", op,
-                        ": output list ", i, " has ", outputLists[i].size(),
-                        " tensors for a group of ", getSize(), " ranks");
-      for (const auto& o : outputLists[i]) checkNumel(op, "an output", o.numel(), inputs[i].numel());
+    // outputLists[r][i] receives rank r's inputs[i].
+    TORCH_CHECK_VALUE(int(outputLists.size()) == getSize(), "clawcomm::", op, ": ",
+                      outputLists.size(), " output lists for a group of ", getSize(), " ranks");
+    for (int r = 0; r < getSize(); ++r) {
+      TORCH_CHECK_VALUE(outputLists[r].size() == inputs.size(), "clawcomm::", op,
+                        ": output list ", r, " has ", outputLists[r].size(), " tensors for ",
+                        inputs.size(), " inputs");
+      for (size_t i = 0; i < inputs.size(); ++i) {
+        checkNumel(op, "an output", outputLists[r][i].numel(), inputs[i].numel());
+      }
     }
     at::Tensor src = concat(inputs);
     at::Tensor buf = at::empty({src.numel() * getSize()}, src.options());
     std::vector<size_t> counts(static_cast<size_t>(getSize()), static_cast<size_t>(src.numel()));
     TensorList flatOuts;  // rank-major, matching the gathered layout
-    for (int r = 0; r < getSize(); ++r) {
-      for (auto& list : outputLists) flatOuts.push_back(list[r]);
-    }
+    for (auto& list : outputLists) flatOuts.insert(flatOuts.end(), list.begin(), list.end());
     return launch(OpType::ALLGATHER_COALESCED, flatOuts, {src, buf},
                   [buf, flatOuts] { splitInto(buf, flatOuts); }, [&](auto cb) {
                     return comm_->allGather(src.data_ptr(), buf.data_ptr(), counts, dt, cb);
