@@ -20,7 +20,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def sources(pattern):
-    return sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, pattern), recursive=True))
+    return sorted(
+        os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, pattern), recursive=True)
+    )
 
 
 cpp_sources = [s for s in sources("csrc/**/*.cc")]

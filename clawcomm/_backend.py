@@ -17,7 +17,10 @@ def _create_backend(store, rank: int, size: int, timeout: datetime.timedelta):
 
 def register() -> None:
     """Registers the backend once; later calls do nothing."""
-    if BACKEND_NAME.upper() in dist.Backend.backend_list or BACKEND_NAME in dist.Backend.backend_list:
+    if (
+        BACKEND_NAME.upper() in dist.Backend.backend_list
+        or BACKEND_NAME in dist.Backend.backend_list
+    ):
         return
     dist.Backend.register_backend(BACKEND_NAME, _create_backend, devices=["cpu"])
 

@@ -60,14 +60,18 @@ def run(nproc: int = 2) -> int:
     rows = run_ranks(_body, nproc, timeout=600, pg_timeout=300)[0]
     factor = 2 * (nproc - 1) / nproc
     print(f"# clawcomm demo: float32 all_reduce (sum) on {nproc} local ranks, median time")
-    print(f"# {'size (B)':>10} {'clawcomm us':>12} {'busbw GB/s':>11} {'gloo us':>10} "
-          f"{'busbw GB/s':>11} {'speedup':>8} {'correct':>8}")
+    print(
+        f"# {'size (B)':>10} {'clawcomm us':>12} {'busbw GB/s':>11} {'gloo us':>10} "
+        f"{'busbw GB/s':>11} {'speedup':>8} {'correct':>8}"
+    )
     all_ok = True
     for row in rows:
         (tc, okc), (tg, okg) = row["clawcomm"], row["gloo"]
         bus_c = row["bytes"] * factor / tc / 1e9
         bus_g = row["bytes"] * factor / tg / 1e9
         all_ok &= okc and okg
-        print(f"  {row['bytes']:>10} {tc * 1e6:>12.1f} {bus_c:>11.2f} {tg * 1e6:>10.1f} "
-              f"{bus_g:>11.2f} {tg / tc:>7.1f}x {'yes' if okc and okg else 'NO':>8}")
+        print(
+            f"  {row['bytes']:>10} {tc * 1e6:>12.1f} {bus_c:>11.2f} {tg * 1e6:>10.1f} "
+            f"{bus_g:>11.2f} {tg / tc:>7.1f}x {'yes' if okc and okg else 'NO':>8}"
+        )
     return 0 if all_ok else 1

@@ -102,9 +102,18 @@ def run_ranks(
             parent, child = ctx.Pipe(duplex=False)
             p = ctx.Process(
                 target=_child,
-                args=(fn, rank, world_size, args, backend,
-                      {**env, **{k: str(v) for k, v in (rank_env[rank] if rank_env else {}).items()}},
-                      store_path, pg_timeout, init, child),
+                args=(
+                    fn,
+                    rank,
+                    world_size,
+                    args,
+                    backend,
+                    {**env, **{k: str(v) for k, v in (rank_env[rank] if rank_env else {}).items()}},
+                    store_path,
+                    pg_timeout,
+                    init,
+                    child,
+                ),
                 daemon=True,
             )
             p.start()
@@ -114,7 +123,7 @@ def run_ranks(
         results: list[Any] = [None] * world_size
         errors: dict[int, str] = {}
         deadline = _now() + timeout
-        for rank, (p, c) in enumerate(zip(procs, conns)):
+        for rank, (p, c) in enumerate(zip(procs, conns, strict=False)):
             remaining = max(0.0, deadline - _now())
             if c.poll(remaining):
                 try:

@@ -25,7 +25,7 @@ def main():
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(rank)
     w_true = torch.randn(32, 1, generator=torch.Generator().manual_seed(42))
-    for step in range(50):
+    for _ in range(50):
         x = torch.randn(64, 32, generator=g)
         loss = nn.functional.mse_loss(model(x), x @ w_true)
         opt.zero_grad()

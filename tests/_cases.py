@@ -90,8 +90,12 @@ def expected_reduce(tensors: list[torch.Tensor], op: str) -> torch.Tensor:
 def check(failures: list[str], what: str, got: torch.Tensor, want: torch.Tensor) -> None:
     try:
         if got.dtype in FLOATS:
-            torch.testing.assert_close(got, want, rtol=1e-2 if got.element_size() == 2 else 1e-6,
-                                       atol=1e-2 if got.element_size() == 2 else 1e-6)
+            torch.testing.assert_close(
+                got,
+                want,
+                rtol=1e-2 if got.element_size() == 2 else 1e-6,
+                atol=1e-2 if got.element_size() == 2 else 1e-6,
+            )
         else:
             assert torch.equal(got, want), f"{got[:8]} != {want[:8]}"
     except AssertionError as e:

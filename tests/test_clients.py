@@ -18,13 +18,17 @@ GLOBAL_BATCH = 24  # divisible by 1, 2, 3, 4
 
 def make_model(seed=0):
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    return nn.Sequential(
+        nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)
+    )
 
 
 def batches():
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(GLOBAL_BATCH, 8, generator=g), torch.randn(GLOBAL_BATCH, 4, generator=g))
-            for _ in range(STEPS)]
+    return [
+        (torch.randn(GLOBAL_BATCH, 8, generator=g), torch.randn(GLOBAL_BATCH, 4, generator=g))
+        for _ in range(STEPS)
+    ]
 
 
 def reference_params(optim="sgd"):
@@ -48,7 +52,7 @@ def local_shard(x, rank, ws):
 
 def assert_params_close(got, want):
     assert len(got) == len(want)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=False):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
@@ -251,10 +255,19 @@ def test_torchrun_example_runs_unchanged():
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-         "--rdzv-endpoint=127.0.0.1:0", "--rdzv-backend=c10d",
-         os.path.join(root, "examples", "ddp_torchrun.py")],
-        capture_output=True, text=True, timeout=180, cwd=root,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "--rdzv-endpoint=127.0.0.1:0",
+            "--rdzv-backend=c10d",
+            os.path.join(root, "examples", "ddp_torchrun.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=root,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "parameters identical on 2 ranks" in proc.stdout

@@ -97,25 +97,36 @@ def sweep_movement(rank, ws):
             blocks = [all_inputs(f"{case}/a2a/{src}", ws, n, dtype) for src in range(ws)]
             out = torch.empty(n * ws, dtype=dtype)
             dist.all_to_all_single(out, torch.cat(blocks[rank]))
-            check(failures, f"all_to_all_single/{case}", out,
-                  torch.cat([blocks[src][rank] for src in range(ws)]))
+            check(
+                failures,
+                f"all_to_all_single/{case}",
+                out,
+                torch.cat([blocks[src][rank] for src in range(ws)]),
+            )
 
             outs = [torch.empty(n, dtype=dtype) for _ in range(ws)]
             dist.all_to_all(outs, [b.clone() for b in blocks[rank]])
-            check(failures, f"all_to_all/{case}", torch.cat(outs),
-                  torch.cat([blocks[src][rank] for src in range(ws)]))
+            check(
+                failures,
+                f"all_to_all/{case}",
+                torch.cat(outs),
+                torch.cat([blocks[src][rank] for src in range(ws)]),
+            )
 
     # Uneven all-to-all: rank i sends (i + j) % 3 rows of 2 to rank j (some empty).
     def rows(i, j):
         return (i + j) % 3
 
-    send = torch.cat([torch.full((rows(rank, j), 2), rank * 10 + j, dtype=torch.int32)
-                      for j in range(ws)])
+    send = torch.cat(
+        [torch.full((rows(rank, j), 2), rank * 10 + j, dtype=torch.int32) for j in range(ws)]
+    )
     out = torch.empty(sum(rows(i, rank) for i in range(ws)), 2, dtype=torch.int32)
-    dist.all_to_all_single(out, send, [rows(i, rank) for i in range(ws)],
-                           [rows(rank, j) for j in range(ws)])
-    want = torch.cat([torch.full((rows(i, rank), 2), i * 10 + rank, dtype=torch.int32)
-                      for i in range(ws)])
+    dist.all_to_all_single(
+        out, send, [rows(i, rank) for i in range(ws)], [rows(rank, j) for j in range(ws)]
+    )
+    want = torch.cat(
+        [torch.full((rows(i, rank), 2), i * 10 + rank, dtype=torch.int32) for i in range(ws)]
+    )
     check(failures, "all_to_all_single/uneven", out, want)
 
     # Uneven reduce_scatter (list form): rank r's output has r + 1 elements.
@@ -129,30 +140,52 @@ def sweep_movement(rank, ws):
     a, b = torch.full((3,), float(rank)), torch.full((5,), float(rank * 2))
     dist.all_reduce_coalesced([a, b])
     s = float(sum(range(ws)))
-    check(failures, "all_reduce_coalesced", torch.cat([a, b]),
-          torch.cat([torch.full((3,), s), torch.full((5,), 2 * s)]))
+    check(
+        failures,
+        "all_reduce_coalesced",
+        torch.cat([a, b]),
+        torch.cat([torch.full((3,), s), torch.full((5,), 2 * s)]),
+    )
     # all_gather_coalesced: outs[r][i] receives rank r's i-th input.
     outs = [[torch.empty(2), torch.empty(3, 1)] for _ in range(ws)]
-    dist.all_gather_coalesced(outs, [torch.full((2,), float(rank)), torch.full((3, 1), -float(rank))])
+    dist.all_gather_coalesced(
+        outs, [torch.full((2,), float(rank)), torch.full((3, 1), -float(rank))]
+    )
     for r in range(ws):
-        check(failures, "all_gather_coalesced", torch.cat([outs[r][0], outs[r][1].flatten()]),
-              torch.tensor([r, r, -r, -r, -r], dtype=torch.float32))
+        check(
+            failures,
+            "all_gather_coalesced",
+            torch.cat([outs[r][0], outs[r][1].flatten()]),
+            torch.tensor([r, r, -r, -r, -r], dtype=torch.float32),
+        )
     outs = [torch.empty(2 * ws), torch.empty(3 * ws)]
     with dist._coalescing_manager(async_ops=True) as cm:
         dist.all_gather_into_tensor(outs[0], torch.full((2,), float(rank)))
         dist.all_gather_into_tensor(outs[1], torch.full((3,), float(-rank)))
     cm.wait()
-    check(failures, "all_gather_into_tensor/coalesced", outs[0],
-          torch.arange(ws).float().repeat_interleave(2))
-    check(failures, "all_gather_into_tensor/coalesced", outs[1],
-          -torch.arange(ws).float().repeat_interleave(3))
+    check(
+        failures,
+        "all_gather_into_tensor/coalesced",
+        outs[0],
+        torch.arange(ws).float().repeat_interleave(2),
+    )
+    check(
+        failures,
+        "all_gather_into_tensor/coalesced",
+        outs[1],
+        -torch.arange(ws).float().repeat_interleave(3),
+    )
     outs = [torch.empty(2), torch.empty(1)]
     with dist._coalescing_manager(async_ops=True) as cm:
         dist.reduce_scatter_tensor(outs[0], torch.arange(2 * ws).float())
         dist.reduce_scatter_tensor(outs[1], torch.ones(ws))
     cm.wait()
-    check(failures, "reduce_scatter_tensor/coalesced", outs[0],
-          torch.arange(2 * ws).float()[2 * rank : 2 * rank + 2] * ws)
+    check(
+        failures,
+        "reduce_scatter_tensor/coalesced",
+        outs[0],
+        torch.arange(2 * ws).float()[2 * rank : 2 * rank + 2] * ws,
+    )
     check(failures, "reduce_scatter_tensor/coalesced", outs[1], torch.full((1,), float(ws)))
 
     dist.barrier()
@@ -213,12 +246,20 @@ def sweep_point_to_point(rank, ws):
         dist.send(torch.tensor([rank, rank]), 0, tag=7)
     # batch_isend_irecv (coalesced p2p) in both directions around the ring.
     a, b = torch.empty(4), torch.empty(4)
-    ops = [dist.P2POp(dist.irecv, a, prv), dist.P2POp(dist.isend, torch.full((4,), rank + 0.5), nxt),
-           dist.P2POp(dist.isend, torch.full((4,), rank - 0.5), prv), dist.P2POp(dist.irecv, b, nxt)]
+    ops = [
+        dist.P2POp(dist.irecv, a, prv),
+        dist.P2POp(dist.isend, torch.full((4,), rank + 0.5), nxt),
+        dist.P2POp(dist.isend, torch.full((4,), rank - 0.5), prv),
+        dist.P2POp(dist.irecv, b, nxt),
+    ]
     for w in dist.batch_isend_irecv(ops):
         w.wait()
-    check(failures, "batch_isend_irecv", torch.cat([a, b]),
-          torch.cat([torch.full((4,), prv + 0.5), torch.full((4,), nxt - 0.5)]))
+    check(
+        failures,
+        "batch_isend_irecv",
+        torch.cat([a, b]),
+        torch.cat([torch.full((4,), prv + 0.5), torch.full((4,), nxt - 0.5)]),
+    )
     # Point-to-point interleaved with a collective issued in between.
     got = torch.empty(3)
     r = dist.irecv(got, prv)
@@ -244,13 +285,21 @@ def sweep_non_contiguous(rank, ws):
     src = (base + rank).t()
     big = torch.empty(ws * 6, 4)
     dist.all_gather_into_tensor(big, src)
-    check(failures, "all_gather_into_tensor/non-contiguous input", big,
-          torch.cat([(base + r).t() for r in range(ws)]))
+    check(
+        failures,
+        "all_gather_into_tensor/non-contiguous input",
+        big,
+        torch.cat([(base + r).t() for r in range(ws)]),
+    )
     del out
     outs = [torch.empty(4, 6).t() for _ in range(ws)]
     dist.all_gather(outs, src)
-    check(failures, "all_gather/non-contiguous outputs", torch.stack(outs),
-          torch.stack([(base + r).t() for r in range(ws)]))
+    check(
+        failures,
+        "all_gather/non-contiguous outputs",
+        torch.stack(outs),
+        torch.stack([(base + r).t() for r in range(ws)]),
+    )
     return failures
 
 
@@ -274,8 +323,13 @@ def sweep_subgroups(rank, ws):
     return failures
 
 
-SWEEPS = [sweep_reductions, sweep_movement, sweep_point_to_point, sweep_non_contiguous,
-          sweep_subgroups]
+SWEEPS = [
+    sweep_reductions,
+    sweep_movement,
+    sweep_point_to_point,
+    sweep_non_contiguous,
+    sweep_subgroups,
+]
 
 
 def run_sweeps(rank, ws, sweeps):

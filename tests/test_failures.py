@@ -50,8 +50,9 @@ def _killed_mid_collective(rank, ws):
 @pytest.mark.parametrize("env", TRANSPORTS, ids=["shm", "tcp"])
 def test_killed_rank_fails_every_survivor_naming_it(env):
     before = _segments()
-    results = run_ranks(_killed_mid_collective, 3, env=env, pg_timeout=20, timeout=90,
-                        allow_failures=True)
+    results = run_ranks(
+        _killed_mid_collective, 3, env=env, pg_timeout=20, timeout=90, allow_failures=True
+    )
     assert isinstance(results[2], RankFailure)  # the killed rank
     for rank in (0, 1):
         errors, elapsed = results[rank]
@@ -169,26 +170,31 @@ def _bad_arguments(rank, ws):
             messages[name] = f"{type(e).__name__}: {e}"
 
     expect("output size", lambda: dist.all_gather_into_tensor(torch.empty(3), torch.ones(2)))
-    expect("mixed dtypes", lambda: dist.all_gather([torch.empty(2), torch.empty(2).double()],
-                                                   torch.ones(2)))
+    expect(
+        "mixed dtypes",
+        lambda: dist.all_gather([torch.empty(2), torch.empty(2).double()], torch.ones(2)),
+    )
     expect("sparse", lambda: dist.broadcast(torch.ones(3).to_sparse(), 0))
     # torch routes a non-cpu tensor to that device's backend before we see it
     # (no CUDA here anyway), so call the backend object directly.
     from clawcomm import backend_of
 
     expect("device", lambda: backend_of().allreduce([torch.ones(3, device="meta")]))
-    expect("avg on ints", lambda: dist.all_reduce(torch.ones(3, dtype=torch.int32),
-                                                  dist.ReduceOp.AVG))
+    expect(
+        "avg on ints", lambda: dist.all_reduce(torch.ones(3, dtype=torch.int32), dist.ReduceOp.AVG)
+    )
     expect("band on floats", lambda: dist.all_reduce(torch.ones(3), dist.ReduceOp.BAND))
     expect("dtype", lambda: dist.all_reduce(torch.ones(3, dtype=torch.int16)))
+
     def bad_root():
         opts = dist.BroadcastOptions()
         opts.rootRank = 5
         dist.group.WORLD.broadcast([torch.ones(1)], opts)
 
     expect("root", bad_root)
-    expect("split sizes", lambda: dist.all_to_all_single(torch.empty(4), torch.ones(4),
-                                                         [1, 1], [3, 3]))
+    expect(
+        "split sizes", lambda: dist.all_to_all_single(torch.empty(4), torch.ones(4), [1, 1], [3, 3])
+    )
     expect("unsupported op", lambda: backend_of().monitored_barrier())
     # Nothing was sent by any of those: the group still works.
     t = torch.ones(2)
@@ -199,7 +205,9 @@ def _bad_arguments(rank, ws):
 
 def test_bad_arguments_fail_clearly_before_sending():
     m = run_ranks(_bad_arguments, 2)[0]
-    assert "clawcomm::all_gather_into_tensor" in m["output size"] and "3 elements" in m["output size"]
+    assert (
+        "clawcomm::all_gather_into_tensor" in m["output size"] and "3 elements" in m["output size"]
+    )
     assert "dtypes" in m["mixed dtypes"], m["mixed dtypes"]  # torch may reject it first
     assert "dense" in m["sparse"] or "sparse" in m["sparse"].lower(), m["sparse"]
     assert "meta" in m["device"] and "cpu" in m["device"], m["device"]
@@ -208,15 +216,18 @@ def test_bad_arguments_fail_clearly_before_sending():
     assert "clawcomm::allreduce" in m["dtype"] and "Short" in m["dtype"], m["dtype"]
     assert "root 5" in m["root"], m["root"]
     assert "split sizes" in m["split sizes"], m["split sizes"]
-    assert "clawcomm" in m["unsupported op"] and "support" in m["unsupported op"], m["unsupported op"]
+    assert "clawcomm" in m["unsupported op"] and "support" in m["unsupported op"], m[
+        "unsupported op"
+    ]
     assert m["after"] == [2.0, 2.0]
 
 
 def test_inconsistent_settings_are_reported():
     with pytest.raises(RankFailure, match="CLAWCOMM_TRANSPORT"):
         # Only rank 1 asks for TCP: rendezvous refuses rather than hanging.
-        run_ranks(_nothing, 2, rank_env=[{}, {"CLAWCOMM_TRANSPORT": "tcp"}], timeout=60,
-                  pg_timeout=10)
+        run_ranks(
+            _nothing, 2, rank_env=[{}, {"CLAWCOMM_TRANSPORT": "tcp"}], timeout=60, pg_timeout=10
+        )
 
 
 def _nothing(rank, ws):

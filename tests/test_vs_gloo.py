@@ -33,7 +33,7 @@ def _compare(rank, ws):
 
     def both(name, fn):
         a, b = fn(None), fn(gloo)
-        for x, y in zip(a, b):
+        for x, y in zip(a, b, strict=False):
             if not _close(x, y):
                 mismatches.append(f"{name}: clawcomm {x.flatten()[:4]} gloo {y.flatten()[:4]}")
 
@@ -86,9 +86,15 @@ def _compare(rank, ws):
                 dist.scatter(out, ins, src=0, group=group)
                 return [out]
 
-            for name, fn in [("reduce_scatter", rs), ("all_gather", ag), ("broadcast", bc),
-                             ("reduce", red), ("all_to_all", a2a), ("gather", ga),
-                             ("scatter", sc)]:
+            for name, fn in [
+                ("reduce_scatter", rs),
+                ("all_gather", ag),
+                ("broadcast", bc),
+                ("reduce", red),
+                ("all_to_all", a2a),
+                ("gather", ga),
+                ("scatter", sc),
+            ]:
                 both(f"{name}/{dtype}/{n}", fn)
     return mismatches
 

@@ -39,8 +39,8 @@ void linearScatter(Channel& ch, const void* in, void* out, size_t bytes, int roo
 
 // Uneven all-to-all: sendBytes[p] bytes (at the running offset in `in`) go to
 // rank p, recvBytes[p] bytes from rank p land at the running offset in `out`.
-void pairwiseAllToAll(Channel& ch, const void* in, const std::vector<size_t>& sendBytes,
-                      void* out, const std::vector<size_t>& recvBytes);
+void pairwiseAllToAll(Channel& ch, const void* in, const std::vector<size_t>& sendBytes, void* out,
+                      const std::vector<size_t>& recvBytes);
 
 void disseminationBarrier(Channel& ch);
 

@@ -11,8 +11,8 @@
 
 namespace clawcomm {
 
-void pairwiseAllToAll(Channel& ch, const void* in, const std::vector<size_t>& sendBytes,
-                      void* out, const std::vector<size_t>& recvBytes) {
+void pairwiseAllToAll(Channel& ch, const void* in, const std::vector<size_t>& sendBytes, void* out,
+                      const std::vector<size_t>& recvBytes) {
   const int n = ch.size();
   const int r = ch.rank();
   std::vector<size_t> sendOff(size_t(n) + 1, 0), recvOff(size_t(n) + 1, 0);

@@ -27,6 +27,8 @@ void ringPipeline(Channel& ch, void* buf, const std::vector<size_t>& counts,
                   const std::vector<RingStep>& steps);
 
 // Chunk index `i` modulo the ring size, for negative i too.
-inline int ringIndex(int i, int n) { return ((i % n) + n) % n; }
+inline int ringIndex(int i, int n) {
+  return ((i % n) + n) % n;
+}
 
 }  // namespace clawcomm

@@ -58,7 +58,9 @@ std::string errorText(std::exception_ptr e) {
   }
 }
 
-std::string opPrefix(OpType t) { return CLAWCOMM_CONCAT("clawcomm::", opTypeName(t), ": "); }
+std::string opPrefix(OpType t) {
+  return CLAWCOMM_CONCAT("clawcomm::", opTypeName(t), ": ");
+}
 
 void checkDataType(OpType op, DataType dtype) {
   CLAWCOMM_ARG_CHECK(dtype < DataType::kNumTypes, opPrefix(op), "unsupported dtype code ",
@@ -98,8 +100,8 @@ Communicator::~Communicator() {
 }
 
 std::string Communicator::transportOf(int peer) const {
-  CLAWCOMM_ARG_CHECK(peer >= 0 && peer < size_, "clawcomm: rank ", peer,
-                     " is not in a group of ", size_, " ranks");
+  CLAWCOMM_ARG_CHECK(peer >= 0 && peer < size_, "clawcomm: rank ", peer, " is not in a group of ",
+                     size_, " ranks");
   return transports_[peer];
 }
 
@@ -114,8 +116,8 @@ void Communicator::checkRoot(OpType op, int root) const {
 
 void Communicator::checkCounts(OpType op, const std::vector<size_t>& counts,
                                const char* what) const {
-  CLAWCOMM_ARG_CHECK(counts.size() == size_t(size_), opPrefix(op), what, " has ",
-                     counts.size(), " entries for a group of ", size_, " ranks");
+  CLAWCOMM_ARG_CHECK(counts.size() == size_t(size_), opPrefix(op), what, " has ", counts.size(),
+                     " entries for a group of ", size_, " ranks");
 }
 
 // ---------------------------------------------------------------------------
@@ -183,8 +185,7 @@ RequestPtr Communicator::allGather(const void* in, void* out, std::vector<size_t
       std::move(cb));
 }
 
-RequestPtr Communicator::broadcast(void* buf, size_t count, DataType dtype, int root,
-                                   Callback cb) {
+RequestPtr Communicator::broadcast(void* buf, size_t count, DataType dtype, int root, Callback cb) {
   checkDataType(OpType::kBroadcast, dtype);
   checkRoot(OpType::kBroadcast, root);
   OpSignature sig{OpType::kBroadcast, dtype, ReduceOp::kSum, root, count};
@@ -226,8 +227,8 @@ RequestPtr Communicator::gather(const void* in, void* out, size_t count, DataTyp
       sig, [=](Channel& ch) { linearGather(ch, in, out, bytes, root); }, std::move(cb));
 }
 
-RequestPtr Communicator::scatter(const void* in, void* out, size_t count, DataType dtype,
-                                 int root, Callback cb) {
+RequestPtr Communicator::scatter(const void* in, void* out, size_t count, DataType dtype, int root,
+                                 Callback cb) {
   checkDataType(OpType::kScatter, dtype);
   checkRoot(OpType::kScatter, root);
   OpSignature sig{OpType::kScatter, dtype, ReduceOp::kSum, root, count};
@@ -241,8 +242,8 @@ RequestPtr Communicator::allToAll(const void* in, std::vector<size_t> sendCounts
   checkDataType(OpType::kAllToAll, dtype);
   checkCounts(OpType::kAllToAll, sendCounts, "send counts");
   checkCounts(OpType::kAllToAll, recvCounts, "receive counts");
-  CLAWCOMM_ARG_CHECK(sendCounts[rank_] == recvCounts[rank_], opPrefix(OpType::kAllToAll),
-                     "rank ", rank_, " sends ", sendCounts[rank_], " elements to itself but expects ",
+  CLAWCOMM_ARG_CHECK(sendCounts[rank_] == recvCounts[rank_], opPrefix(OpType::kAllToAll), "rank ",
+                     rank_, " sends ", sendCounts[rank_], " elements to itself but expects ",
                      recvCounts[rank_]);
   // Per-pair sizes differ by design, so the count is not part of the
   // signature; each frame's byte count is still checked on arrival.
@@ -260,8 +261,7 @@ RequestPtr Communicator::barrier(Callback cb) {
   return enqueueCollective(sig, [](Channel& ch) { disseminationBarrier(ch); }, std::move(cb));
 }
 
-RequestPtr Communicator::send(const void* buf, size_t bytes, int peer, uint64_t tag,
-                              Callback cb) {
+RequestPtr Communicator::send(const void* buf, size_t bytes, int peer, uint64_t tag, Callback cb) {
   CLAWCOMM_ARG_CHECK(peer >= 0 && peer < size_, "clawcomm::send: destination rank ", peer,
                      " is out of range for a group of ", size_, " ranks");
   CLAWCOMM_ARG_CHECK(peer != rank_, "clawcomm::send: rank ", rank_, " cannot send to itself");
@@ -271,8 +271,7 @@ RequestPtr Communicator::send(const void* buf, size_t bytes, int peer, uint64_t 
 RequestPtr Communicator::recv(void* buf, size_t bytes, int peer, uint64_t tag, Callback cb) {
   CLAWCOMM_ARG_CHECK(peer >= -1 && peer < size_, "clawcomm::recv: source rank ", peer,
                      " is out of range for a group of ", size_, " ranks");
-  CLAWCOMM_ARG_CHECK(peer != rank_, "clawcomm::recv: rank ", rank_,
-                     " cannot receive from itself");
+  CLAWCOMM_ARG_CHECK(peer != rank_, "clawcomm::recv: rank ", rank_, " cannot receive from itself");
   CLAWCOMM_ARG_CHECK(peer != -1 || size_ > 1,
                      "clawcomm::recv: no other rank to receive from in a group of 1");
   return enqueuePointToPoint(false, buf, bytes, peer, tag, std::move(cb));
@@ -361,7 +360,8 @@ void Communicator::progressLoop() {
         if (pointToPoint_.empty()) break;
         // Give in-flight sends and receives a grace period, then fail them.
         if (stopDeadline == Clock::time_point::max()) {
-          stopDeadline = Clock::now() + std::min<Clock::duration>(timeout_, std::chrono::seconds(5));
+          stopDeadline =
+              Clock::now() + std::min<Clock::duration>(timeout_, std::chrono::seconds(5));
         }
       }
     }

@@ -39,8 +39,8 @@ class Communicator {
   using Callback = Request::Callback;
 
   // Connects to every rank of the group through `store` (blocking).
-  Communicator(std::shared_ptr<Store> store, int rank, int size,
-               std::chrono::milliseconds timeout, Settings settings = Settings::fromEnv());
+  Communicator(std::shared_ptr<Store> store, int rank, int size, std::chrono::milliseconds timeout,
+               Settings settings = Settings::fromEnv());
   // Finishes queued operations, says goodbye to the peers, and joins.
   ~Communicator();
 

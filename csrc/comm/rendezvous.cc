@@ -15,8 +15,12 @@
 namespace clawcomm {
 namespace {
 
-std::vector<uint8_t> bytesOf(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
-std::string stringOf(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
+std::vector<uint8_t> bytesOf(const std::string& s) {
+  return std::vector<uint8_t>(s.begin(), s.end());
+}
+std::string stringOf(const std::vector<uint8_t>& v) {
+  return std::string(v.begin(), v.end());
+}
 
 // Ranks with equal host identities share memory: the host name plus the boot
 // id, so that two machines with the same name never pair up.
@@ -101,12 +105,11 @@ std::vector<std::unique_ptr<Connection>> rendezvous(Store& store, int rank, int 
   for (int p = 0; p < size; ++p) {
     if (p == rank) continue;
     const char* kind = useShm[p] ? "shm" : "tcp";
-    const std::string addr =
-        stringOf(store.get(CLAWCOMM_CONCAT("clawcomm/addr/", kind, "/", p)));
+    const std::string addr = stringOf(store.get(CLAWCOMM_CONCAT("clawcomm/addr/", kind, "/", p)));
     conns[p] = (useShm[p] ? shm : tcp)->connect(p, addr, deadline);
     if (settings.debug) {
-      std::cerr << "clawcomm: rank " << rank << " -> rank " << p << " over " << kind << " ("
-                << addr << ")\n";
+      std::cerr << "clawcomm: rank " << rank << " -> rank " << p << " over " << kind << " (" << addr
+                << ")\n";
     }
   }
 

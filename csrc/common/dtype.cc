@@ -5,20 +5,15 @@ namespace clawcomm {
 size_t elementSize(DataType t) {
   switch (t) {
     case DataType::kFloat64:
-    case DataType::kInt64:
-      return 8;
+    case DataType::kInt64: return 8;
     case DataType::kFloat32:
-    case DataType::kInt32:
-      return 4;
+    case DataType::kInt32: return 4;
     case DataType::kFloat16:
-    case DataType::kBFloat16:
-      return 2;
+    case DataType::kBFloat16: return 2;
     case DataType::kInt8:
     case DataType::kUInt8:
-    case DataType::kBool:
-      return 1;
-    default:
-      return 0;
+    case DataType::kBool: return 1;
+    default: return 0;
   }
 }
 
@@ -52,21 +47,18 @@ const char* reduceOpName(ReduceOp op) {
 }
 
 bool isFloatingPoint(DataType t) {
-  return t == DataType::kFloat32 || t == DataType::kFloat64 ||
-         t == DataType::kFloat16 || t == DataType::kBFloat16;
+  return t == DataType::kFloat32 || t == DataType::kFloat64 || t == DataType::kFloat16 ||
+         t == DataType::kBFloat16;
 }
 
 bool reduceOpSupported(DataType t, ReduceOp op) {
   if (t >= DataType::kNumTypes || op >= ReduceOp::kNumOps) return false;
   switch (op) {
-    case ReduceOp::kAvg:
-      return isFloatingPoint(t);
+    case ReduceOp::kAvg: return isFloatingPoint(t);
     case ReduceOp::kBand:
     case ReduceOp::kBor:
-    case ReduceOp::kBxor:
-      return !isFloatingPoint(t);
-    default:
-      return true;
+    case ReduceOp::kBxor: return !isFloatingPoint(t);
+    default: return true;
   }
 }
 

@@ -57,32 +57,31 @@ std::string concat(const Args&... args) {
 #define CLAWCOMM_CONCAT(...) ::clawcomm::detail::concat(__VA_ARGS__)
 
 // Invariant checks: a failure is a clawcomm bug; the message shows both values.
-#define CLAWCOMM_CHECK(cond, ...)                                                         \
-  do {                                                                                    \
-    if (!(cond)) {                                                                        \
-      ::clawcomm::detail::checkFailed(__FILE__, __LINE__,                                 \
+#define CLAWCOMM_CHECK(cond, ...)                                                                  \
+  do {                                                                                             \
+    if (!(cond)) {                                                                                 \
+      ::clawcomm::detail::checkFailed(__FILE__, __LINE__,                                          \
                                       CLAWCOMM_CONCAT("check failed: " #cond " ", ##__VA_ARGS__)); \
-    }                                                                                     \
+    }                                                                                              \
   } while (0)
 
-#define CLAWCOMM_CHECK_EQ(a, b, ...)                                                      \
-  do {                                                                                    \
-    const auto& va_ = (a);                                                                \
-    const auto& vb_ = (b);                                                                \
-    if (!(va_ == vb_)) {                                                                  \
-      ::clawcomm::detail::checkFailed(                                                    \
-          __FILE__, __LINE__,                                                             \
-          CLAWCOMM_CONCAT("check failed: " #a " == " #b " (", va_, " vs ", vb_, ") ",     \
-                          ##__VA_ARGS__));                                                \
-    }                                                                                     \
+#define CLAWCOMM_CHECK_EQ(a, b, ...)                                                           \
+  do {                                                                                         \
+    const auto& va_ = (a);                                                                     \
+    const auto& vb_ = (b);                                                                     \
+    if (!(va_ == vb_)) {                                                                       \
+      ::clawcomm::detail::checkFailed(__FILE__, __LINE__,                                      \
+                                      CLAWCOMM_CONCAT("check failed: " #a " == " #b " (", va_, \
+                                                      " vs ", vb_, ") ", ##__VA_ARGS__));      \
+    }                                                                                          \
   } while (0)
 
 // Argument validation: throws InvalidArgument with a message that names the op.
-#define CLAWCOMM_ARG_CHECK(cond, ...)                                   \
-  do {                                                                  \
-    if (!(cond)) {                                                      \
-      throw ::clawcomm::InvalidArgument(CLAWCOMM_CONCAT(__VA_ARGS__));  \
-    }                                                                   \
+#define CLAWCOMM_ARG_CHECK(cond, ...)                                  \
+  do {                                                                 \
+    if (!(cond)) {                                                     \
+      throw ::clawcomm::InvalidArgument(CLAWCOMM_CONCAT(__VA_ARGS__)); \
+    }                                                                  \
   } while (0)
 
 }  // namespace clawcomm

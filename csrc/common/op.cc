@@ -28,8 +28,8 @@ std::string OpSignature::describe() const {
   } else if (type == OpType::kAllToAll) {
     s += CLAWCOMM_CONCAT(" of ", dataTypeName(dtype));
   }
-  const bool reducing = type == OpType::kAllReduce || type == OpType::kReduceScatter ||
-                        type == OpType::kReduce;
+  const bool reducing =
+      type == OpType::kAllReduce || type == OpType::kReduceScatter || type == OpType::kReduce;
   if (reducing) s += CLAWCOMM_CONCAT(" (", reduceOpName(redop), ")");
   if (root >= 0) s += CLAWCOMM_CONCAT(" (root ", root, ")");
   if (algo == 1) s += " with the ring algorithm";

@@ -30,10 +30,10 @@ struct OpSignature {
   OpType type = OpType::kBarrier;
   DataType dtype = DataType::kUInt8;
   ReduceOp redop = ReduceOp::kSum;
-  int32_t root = -1;     // -1 for unrooted ops
-  uint64_t count = 0;    // elements all ranks must agree on (0: not compared)
-  uint64_t seq = 0;      // collective sequence number in this communicator
-  uint8_t algo = 0;      // which algorithm moves the bytes (0: the op's only one)
+  int32_t root = -1;   // -1 for unrooted ops
+  uint64_t count = 0;  // elements all ranks must agree on (0: not compared)
+  uint64_t seq = 0;    // collective sequence number in this communicator
+  uint8_t algo = 0;    // which algorithm moves the bytes (0: the op's only one)
 
   bool sameAs(const OpSignature& o) const {
     return type == o.type && dtype == o.dtype && redop == o.redop && root == o.root &&

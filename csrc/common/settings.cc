@@ -29,19 +29,27 @@ Settings Settings::fromEnv() {
   Settings s;
   if (const char* v = env("CLAWCOMM_TRANSPORT")) {
     std::string t = v;
-    if (t == "auto") s.transport = TransportChoice::kAuto;
-    else if (t == "shm") s.transport = TransportChoice::kShm;
-    else if (t == "tcp") s.transport = TransportChoice::kTcp;
-    else throw InvalidArgument(CLAWCOMM_CONCAT("clawcomm: CLAWCOMM_TRANSPORT=", t,
-                                               " is not one of auto, shm, tcp"));
+    if (t == "auto")
+      s.transport = TransportChoice::kAuto;
+    else if (t == "shm")
+      s.transport = TransportChoice::kShm;
+    else if (t == "tcp")
+      s.transport = TransportChoice::kTcp;
+    else
+      throw InvalidArgument(
+          CLAWCOMM_CONCAT("clawcomm: CLAWCOMM_TRANSPORT=", t, " is not one of auto, shm, tcp"));
   }
   if (const char* v = env("CLAWCOMM_ALGO")) {
     std::string a = v;
-    if (a == "auto") s.algo = AlgoChoice::kAuto;
-    else if (a == "ring") s.algo = AlgoChoice::kRing;
-    else if (a == "tree") s.algo = AlgoChoice::kTree;
-    else throw InvalidArgument(CLAWCOMM_CONCAT("clawcomm: CLAWCOMM_ALGO=", a,
-                                               " is not one of auto, ring, tree"));
+    if (a == "auto")
+      s.algo = AlgoChoice::kAuto;
+    else if (a == "ring")
+      s.algo = AlgoChoice::kRing;
+    else if (a == "tree")
+      s.algo = AlgoChoice::kTree;
+    else
+      throw InvalidArgument(
+          CLAWCOMM_CONCAT("clawcomm: CLAWCOMM_ALGO=", a, " is not one of auto, ring, tree"));
   }
   // Ring sizes are rounded to 64 bytes so that frames stay aligned.
   s.shmRingBytes = envBytes("CLAWCOMM_SHM_RING_BYTES", s.shmRingBytes, 4096) & ~size_t(63);

@@ -21,7 +21,9 @@ inline uint32_t floatToBits(float f) {
   return u;
 }
 
-inline float bf16ToFloat(uint16_t h) { return bitsToFloat(uint32_t(h) << 16); }
+inline float bf16ToFloat(uint16_t h) {
+  return bitsToFloat(uint32_t(h) << 16);
+}
 
 inline uint16_t floatToBf16(float f) {
   uint32_t u = floatToBits(f);

@@ -11,31 +11,45 @@ namespace {
 
 struct Sum {
   template <typename T>
-  static T apply(T a, T b) { return a + b; }
+  static T apply(T a, T b) {
+    return a + b;
+  }
 };
 struct Prod {
   template <typename T>
-  static T apply(T a, T b) { return a * b; }
+  static T apply(T a, T b) {
+    return a * b;
+  }
 };
 struct Min {
   template <typename T>
-  static T apply(T a, T b) { return b < a ? b : a; }
+  static T apply(T a, T b) {
+    return b < a ? b : a;
+  }
 };
 struct Max {
   template <typename T>
-  static T apply(T a, T b) { return a < b ? b : a; }
+  static T apply(T a, T b) {
+    return a < b ? b : a;
+  }
 };
 struct Band {
   template <typename T>
-  static T apply(T a, T b) { return a & b; }
+  static T apply(T a, T b) {
+    return a & b;
+  }
 };
 struct Bor {
   template <typename T>
-  static T apply(T a, T b) { return a | b; }
+  static T apply(T a, T b) {
+    return a | b;
+  }
 };
 struct Bxor {
   template <typename T>
-  static T apply(T a, T b) { return a ^ b; }
+  static T apply(T a, T b) {
+    return a ^ b;
+  }
 };
 
 // Straight loops over restrict pointers: g++ -O2/-O3 vectorises these.

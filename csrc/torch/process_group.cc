@@ -7,13 +7,13 @@
 // future completes on the engine's progress thread, after the results have
 // been copied back into the caller's tensors.
 #include <pybind11/chrono.h>
-#include <torch/csrc/distributed/c10d/Backend.hpp>
-#include <torch/csrc/distributed/c10d/Store.hpp>
-#include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/extension.h>
 
 #include <atomic>
 #include <numeric>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include "comm/communicator.h"
 #include "common/errors.h"
@@ -120,12 +120,14 @@ void checkNumel(const char* op, const char* what, int64_t got, int64_t expected)
 
 void checkSameDtype(const char* op, const at::Tensor& a, const at::Tensor& b) {
   TORCH_CHECK_VALUE(a.scalar_type() == b.scalar_type(), "clawcomm::", op,
-                    ": input and output dtypes differ (", a.scalar_type(), " vs ",
-                    b.scalar_type(), ")");
+                    ": input and output dtypes differ (", a.scalar_type(), " vs ", b.scalar_type(),
+                    ")");
 }
 
 // A contiguous view of `t`, or a contiguous copy when `t` is strided.
-at::Tensor flat(const at::Tensor& t) { return t.contiguous().view({-1}); }
+at::Tensor flat(const at::Tensor& t) {
+  return t.contiguous().view({-1});
+}
 
 // Flattens a list into one new contiguous buffer.
 at::Tensor concat(const TensorList& ts) {
@@ -178,8 +180,8 @@ class ClawcommWork : public c10d::Work {
   void synchronize() override {}
 
   bool wait(std::chrono::milliseconds timeout) override {
-    const bool done = request_->waitFor(
-        timeout == kNoTimeout ? std::chrono::milliseconds(-1) : timeout);
+    const bool done =
+        request_->waitFor(timeout == kNoTimeout ? std::chrono::milliseconds(-1) : timeout);
     if (!done) {
       C10_THROW_ERROR(DistBackendError,
                       c10::str("clawcomm: Work::wait timed out after ", timeout.count(),
@@ -302,10 +304,11 @@ class ClawcommBackend : public c10d::Backend {
     const ReduceOp redop = toReduceOp(op, opts.reduceOp);
     at::Tensor buf = concat(tensors);
     TensorList outs = tensors;
-    return launch(OpType::ALLREDUCE_COALESCED, outs, {buf}, [buf, outs] { splitInto(buf, outs); },
-                  [&](auto cb) {
-                    return comm_->allReduce(buf.data_ptr(), size_t(buf.numel()), dt, redop, cb);
-                  });
+    return launch(
+        OpType::ALLREDUCE_COALESCED, outs, {buf}, [buf, outs] { splitInto(buf, outs); },
+        [&](auto cb) {
+          return comm_->allReduce(buf.data_ptr(), size_t(buf.numel()), dt, redop, cb);
+        });
   }
 
   c10::intrusive_ptr<c10d::Work> reduce(TensorList& tensors,
@@ -322,7 +325,7 @@ class ClawcommBackend : public c10d::Backend {
   }
 
   c10::intrusive_ptr<c10d::Work> broadcast(TensorList& tensors,
-                                            const c10d::BroadcastOptions& opts) override {
+                                           const c10d::BroadcastOptions& opts) override {
     const char* op = "broadcast";
     const DataType dt = checkTensors(op, tensors);
     const at::Tensor& t = single(op, tensors);
@@ -350,10 +353,9 @@ class ClawcommBackend : public c10d::Backend {
     const int64_t total = std::accumulate(counts.begin(), counts.end(), int64_t(0));
     at::Tensor src = flat(in);
     at::Tensor buf = at::empty({total}, in.options());
-    return launch(OpType::ALLGATHER, outs, {src, buf}, [buf, outs] { splitInto(buf, outs); },
-                  [&](auto cb) {
-                    return comm_->allGather(src.data_ptr(), buf.data_ptr(), counts, dt, cb);
-                  });
+    return launch(
+        OpType::ALLGATHER, outs, {src, buf}, [buf, outs] { splitInto(buf, outs); },
+        [&](auto cb) { return comm_->allGather(src.data_ptr(), buf.data_ptr(), counts, dt, cb); });
   }
 
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
@@ -364,10 +366,9 @@ class ClawcommBackend : public c10d::Backend {
     at::Tensor src = flat(input);
     at::Tensor buf = flat(output);
     std::vector<size_t> counts(static_cast<size_t>(getSize()), static_cast<size_t>(input.numel()));
-    return launch(OpType::_ALLGATHER_BASE, {output}, {src, buf}, copyBack(buf, output),
-                  [&](auto cb) {
-                    return comm_->allGather(src.data_ptr(), buf.data_ptr(), counts, dt, cb);
-                  });
+    return launch(
+        OpType::_ALLGATHER_BASE, {output}, {src, buf}, copyBack(buf, output),
+        [&](auto cb) { return comm_->allGather(src.data_ptr(), buf.data_ptr(), counts, dt, cb); });
   }
 
   c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
@@ -412,9 +413,9 @@ class ClawcommBackend : public c10d::Backend {
     TORCH_CHECK_VALUE(int(outputLists.size()) == getSize(), "clawcomm::", op, ": ",
                       outputLists.size(), " output lists for a group of ", getSize(), " ranks");
     for (int r = 0; r < getSize(); ++r) {
-      TORCH_CHECK_VALUE(outputLists[r].size() == inputs.size(), "clawcomm::", op,
-                        ": output list ", r, " has ", outputLists[r].size(), " tensors for ",
-                        inputs.size(), " inputs");
+      TORCH_CHECK_VALUE(outputLists[r].size() == inputs.size(), "clawcomm::", op, ": output list ",
+                        r, " has ", outputLists[r].size(), " tensors for ", inputs.size(),
+                        " inputs");
       for (size_t i = 0; i < inputs.size(); ++i) {
         checkNumel(op, "an output", outputLists[r][i].numel(), inputs[i].numel());
       }
@@ -424,10 +425,10 @@ class ClawcommBackend : public c10d::Backend {
     std::vector<size_t> counts(static_cast<size_t>(getSize()), static_cast<size_t>(src.numel()));
     TensorList flatOuts;  // rank-major, matching the gathered layout
     for (auto& list : outputLists) flatOuts.insert(flatOuts.end(), list.begin(), list.end());
-    return launch(OpType::ALLGATHER_COALESCED, flatOuts, {src, buf},
-                  [buf, flatOuts] { splitInto(buf, flatOuts); }, [&](auto cb) {
-                    return comm_->allGather(src.data_ptr(), buf.data_ptr(), counts, dt, cb);
-                  });
+    return launch(
+        OpType::ALLGATHER_COALESCED, flatOuts, {src, buf},
+        [buf, flatOuts] { splitInto(buf, flatOuts); },
+        [&](auto cb) { return comm_->allGather(src.data_ptr(), buf.data_ptr(), counts, dt, cb); });
   }
 
   c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
@@ -461,11 +462,10 @@ class ClawcommBackend : public c10d::Backend {
     at::Tensor src = flat(input);
     at::Tensor buf = flat(output);
     std::vector<size_t> counts(static_cast<size_t>(getSize()), static_cast<size_t>(output.numel()));
-    return launch(OpType::_REDUCE_SCATTER_BASE, {output}, {src, buf}, copyBack(buf, output),
-                  [&](auto cb) {
-                    return comm_->reduceScatter(src.data_ptr(), buf.data_ptr(), counts, dt,
-                                                redop, cb);
-                  });
+    return launch(
+        OpType::_REDUCE_SCATTER_BASE, {output}, {src, buf}, copyBack(buf, output), [&](auto cb) {
+          return comm_->reduceScatter(src.data_ptr(), buf.data_ptr(), counts, dt, redop, cb);
+        });
   }
 
   c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
@@ -495,11 +495,11 @@ class ClawcommBackend : public c10d::Backend {
     at::Tensor buf = at::empty({perRank}, src.options());
     std::vector<size_t> counts(static_cast<size_t>(n), static_cast<size_t>(perRank));
     TensorList outs = outputs;
-    return launch(OpType::COALESCED, outs, {src, buf}, [buf, outs] { splitInto(buf, outs); },
-                  [&](auto cb) {
-                    return comm_->reduceScatter(src.data_ptr(), buf.data_ptr(), counts, dt,
-                                                redop, cb);
-                  });
+    return launch(
+        OpType::COALESCED, outs, {src, buf}, [buf, outs] { splitInto(buf, outs); },
+        [&](auto cb) {
+          return comm_->reduceScatter(src.data_ptr(), buf.data_ptr(), counts, dt, redop, cb);
+        });
   }
 
   c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
@@ -509,8 +509,7 @@ class ClawcommBackend : public c10d::Backend {
     const char* op = "alltoall_base";
     const DataType dt = checkTensors(op, {input, output});
     const int n = getSize();
-    auto countsOf = [&](const at::Tensor& t, const std::vector<int64_t>& splits,
-                        const char* what) {
+    auto countsOf = [&](const at::Tensor& t, const std::vector<int64_t>& splits, const char* what) {
       const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
       const int64_t rowElems = rows == 0 ? 0 : t.numel() / rows;
       std::vector<size_t> counts(static_cast<size_t>(n));
@@ -520,17 +519,18 @@ class ClawcommBackend : public c10d::Backend {
                           "; pass split sizes for uneven splits");
         for (auto& c : counts) c = size_t(rows / n * rowElems);
       } else {
-        TORCH_CHECK_VALUE(int(splits.size()) == n, "clawcomm::", op, ": ", what, " split sizes have ",
-                          splits.size(), " entries for a group of ", n, " ranks");
+        TORCH_CHECK_VALUE(int(splits.size()) == n, "clawcomm::", op, ": ", what,
+                          " split sizes have ", splits.size(), " entries for a group of ", n,
+                          " ranks");
         int64_t sum = 0;
         for (int p = 0; p < n; ++p) {
-          TORCH_CHECK_VALUE(splits[p] >= 0, "clawcomm::", op, ": negative split size ",
-                            splits[p], " for rank ", p);
+          TORCH_CHECK_VALUE(splits[p] >= 0, "clawcomm::", op, ": negative split size ", splits[p],
+                            " for rank ", p);
           sum += splits[p];
           counts[p] = size_t(splits[p] * rowElems);
         }
-        TORCH_CHECK_VALUE(sum == rows, "clawcomm::", op, ": ", what, " split sizes add up to ",
-                          sum, " rows but the tensor has ", rows);
+        TORCH_CHECK_VALUE(sum == rows, "clawcomm::", op, ": ", what, " split sizes add up to ", sum,
+                          " rows but the tensor has ", rows);
       }
       return counts;
     };
@@ -538,11 +538,9 @@ class ClawcommBackend : public c10d::Backend {
     const auto recvCounts = countsOf(output, outputSplits, "the output");
     at::Tensor src = flat(input);
     at::Tensor buf = flat(output);
-    return launch(OpType::ALLTOALL_BASE, {output}, {src, buf}, copyBack(buf, output),
-                  [&](auto cb) {
-                    return comm_->allToAll(src.data_ptr(), sendCounts, buf.data_ptr(),
-                                           recvCounts, dt, cb);
-                  });
+    return launch(OpType::ALLTOALL_BASE, {output}, {src, buf}, copyBack(buf, output), [&](auto cb) {
+      return comm_->allToAll(src.data_ptr(), sendCounts, buf.data_ptr(), recvCounts, dt, cb);
+    });
   }
 
   c10::intrusive_ptr<c10d::Work> alltoall(TensorList& outputs, TensorList& inputs,
@@ -557,15 +555,14 @@ class ClawcommBackend : public c10d::Backend {
     at::Tensor src = concat(inputs);
     const auto recvCounts = numels(outputs);
     at::Tensor buf = at::empty(
-        {int64_t(std::accumulate(recvCounts.begin(), recvCounts.end(), size_t(0)))},
-        src.options());
+        {int64_t(std::accumulate(recvCounts.begin(), recvCounts.end(), size_t(0)))}, src.options());
     const auto sendCounts = numels(inputs);
     TensorList outs = outputs;
-    return launch(OpType::ALLTOALL, outs, {src, buf}, [buf, outs] { splitInto(buf, outs); },
-                  [&](auto cb) {
-                    return comm_->allToAll(src.data_ptr(), sendCounts, buf.data_ptr(),
-                                           recvCounts, dt, cb);
-                  });
+    return launch(
+        OpType::ALLTOALL, outs, {src, buf}, [buf, outs] { splitInto(buf, outs); },
+        [&](auto cb) {
+          return comm_->allToAll(src.data_ptr(), sendCounts, buf.data_ptr(), recvCounts, dt, cb);
+        });
   }
 
   c10::intrusive_ptr<c10d::Work> gather(std::vector<TensorList>& outputs, TensorList& inputs,
@@ -590,15 +587,14 @@ class ClawcommBackend : public c10d::Backend {
       buf = at::empty({in.numel() * getSize()}, in.options());
     } else {
       TORCH_CHECK_VALUE(outputs.empty() || (outputs.size() == 1 && outputs[0].empty()),
-                        "clawcomm::gather: only the root (rank ", root,
-                        ") takes output tensors");
+                        "clawcomm::gather: only the root (rank ", root, ") takes output tensors");
       buf = at::empty({0}, in.options());
     }
-    return launch(OpType::GATHER, outs, {src, buf}, [buf, outs] { splitInto(buf, outs); },
-                  [&](auto cb) {
-                    return comm_->gather(src.data_ptr(), buf.data_ptr(), size_t(in.numel()), dt,
-                                         root, cb);
-                  });
+    return launch(
+        OpType::GATHER, outs, {src, buf}, [buf, outs] { splitInto(buf, outs); },
+        [&](auto cb) {
+          return comm_->gather(src.data_ptr(), buf.data_ptr(), size_t(in.numel()), dt, root, cb);
+        });
   }
 
   c10::intrusive_ptr<c10d::Work> scatter(TensorList& outputs, std::vector<TensorList>& inputs,
@@ -715,8 +711,8 @@ PYBIND11_MODULE(_C, m) {
   using clawcomm::ClawcommBackend;
   m.doc() = "clawcomm's compiled core: the c10d backend over the C++ engine.";
   py::module::import("torch.distributed");
-  py::class_<ClawcommBackend, c10d::Backend, c10::intrusive_ptr<ClawcommBackend>>(
-      m, "ClawcommBackend")
+  py::class_<ClawcommBackend, c10d::Backend, c10::intrusive_ptr<ClawcommBackend>>(m,
+                                                                                  "ClawcommBackend")
       .def(py::init<const c10::intrusive_ptr<c10d::Store>&, int, int, std::chrono::milliseconds>(),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
            py::call_guard<py::gil_scoped_release>())

@@ -26,7 +26,9 @@ constexpr size_t kHeaderBytes = sizeof(FrameHeader);
 constexpr size_t kSmallFrameBytes = 4096;
 const uint8_t kZeros[8] = {0};
 
-size_t padTo8(size_t n) { return (n + 7) & ~size_t(7); }
+size_t padTo8(size_t n) {
+  return (n + 7) & ~size_t(7);
+}
 
 OpSignature signatureOf(const FrameHeader& h) {
   OpSignature s;
@@ -228,8 +230,8 @@ bool Messenger::progressRecv(int peer, PeerState& ps) {
       FrameHeader h;
       std::memcpy(&h, ps.header, kHeaderBytes);
       if (h.magic != kFrameMagic) {
-        throw PeerError(CLAWCOMM_CONCAT("corrupt stream from rank ", peer, " (frame magic ",
-                                        h.magic, ")"));
+        throw PeerError(
+            CLAWCOMM_CONCAT("corrupt stream from rank ", peer, " (frame magic ", h.magic, ")"));
       }
       ps.target.reset();
       ps.frameDone = 0;
@@ -369,16 +371,14 @@ std::string Messenger::describeWait(const Transfer& t) const {
                            " frame bytes written)");
   }
   if (t.peer < 0) return CLAWCOMM_CONCAT("any rank to send ", t.bytes, " bytes");
-  return CLAWCOMM_CONCAT("rank ", t.peer, " to send ", t.bytes, " bytes (", t.done,
-                         " received)");
+  return CLAWCOMM_CONCAT("rank ", t.peer, " to send ", t.bytes, " bytes (", t.done, " received)");
 }
 
 void Messenger::checkPeers(const std::vector<TransferPtr>& waitingOn) {
   for (const auto& t : waitingOn) {
     if (!t->complete && t->peer >= 0 && peers_[t->peer].closed) {
-      throw PeerError(CLAWCOMM_CONCAT("rank ", t->peer,
-                                      " shut down its communicator while rank ", rank_,
-                                      " waits for ", describeWait(*t)));
+      throw PeerError(CLAWCOMM_CONCAT("rank ", t->peer, " shut down its communicator while rank ",
+                                      rank_, " waits for ", describeWait(*t)));
     }
   }
   // Report every failed peer, not just the first: when one rank dies, the

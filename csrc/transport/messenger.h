@@ -42,12 +42,12 @@ struct FrameHeader {
   OpType opType;
   DataType dtype;
   ReduceOp redop;
-  uint64_t seq;           // collective: sequence number; point-to-point: tag
-  uint64_t count;         // collective: the signature's count
+  uint64_t seq;    // collective: sequence number; point-to-point: tag
+  uint64_t count;  // collective: the signature's count
   uint64_t payloadBytes;
   int32_t root;
-  uint32_t step;          // collective: index of this message between the pair
-  uint8_t algo;           // collective: OpSignature::algo
+  uint32_t step;  // collective: index of this message between the pair
+  uint8_t algo;   // collective: OpSignature::algo
   uint8_t reserved[23];
 };
 static_assert(sizeof(FrameHeader) == 64, "frame header is 64 bytes");
@@ -55,16 +55,16 @@ static_assert(sizeof(FrameHeader) == 64, "frame header is 64 bytes");
 struct Transfer {
   enum class Mode { kSend, kRecvCopy, kRecvReduce };
   Mode mode = Mode::kSend;
-  int peer = -1;              // -1: any source, until matched
-  FrameHeader header{};       // sends: the header on the wire
-  OpSignature expect{};       // collective receives: what the sender must have
+  int peer = -1;         // -1: any source, until matched
+  FrameHeader header{};  // sends: the header on the wire
+  OpSignature expect{};  // collective receives: what the sender must have
   bool collective = false;
   uint32_t step = 0;
   uint64_t tag = 0;
   const uint8_t* src = nullptr;
   uint8_t* dst = nullptr;
   size_t bytes = 0;
-  size_t done = 0;            // sends: frame bytes written; receives: payload bytes
+  size_t done = 0;  // sends: frame bytes written; receives: payload bytes
   bool complete = false;
   // Unexpected point-to-point frames land here until a receive claims them.
   bool unexpected = false;
@@ -120,10 +120,10 @@ class Messenger {
     std::list<TransferPtr> unexpected;  // stash transfers, in arrival order
     uint8_t header[sizeof(FrameHeader)];
     size_t headerFill = 0;
-    TransferPtr target;                 // receive the current frame goes to
-    size_t frameDone = 0;               // payload + padding consumed
-    bool closed = false;                // the peer sent its close frame
-    std::vector<uint8_t> scratch;       // small frames are assembled here
+    TransferPtr target;            // receive the current frame goes to
+    size_t frameDone = 0;          // payload + padding consumed
+    bool closed = false;           // the peer sent its close frame
+    std::vector<uint8_t> scratch;  // small frames are assembled here
   };
 
   bool progressSend(PeerState& ps);

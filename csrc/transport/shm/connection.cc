@@ -190,8 +190,7 @@ ShmEndpoint::ShmEndpoint(const std::string& jobToken, int rank, int size, size_t
   CLAWCOMM_CHECK(ringBytes % 64 == 0, "ring bytes ", ringBytes);
   const int fd = shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   if (fd < 0) {
-    throw Error(CLAWCOMM_CONCAT("clawcomm shm: cannot create ", name_, ": ",
-                                std::strerror(errno)));
+    throw Error(CLAWCOMM_CONCAT("clawcomm shm: cannot create ", name_, ": ", std::strerror(errno)));
   }
   const size_t bytes = segmentBytes(size, ringBytes);
   if (ftruncate(fd, off_t(bytes)) != 0) {
@@ -219,7 +218,9 @@ ShmEndpoint::ShmEndpoint(const std::string& jobToken, int rank, int size, size_t
   h->magic = kSegmentMagic;
 }
 
-ShmEndpoint::~ShmEndpoint() { finishSetup(); }
+ShmEndpoint::~ShmEndpoint() {
+  finishSetup();
+}
 
 std::unique_ptr<Connection> ShmEndpoint::connect(int peer, const std::string& peerAddress,
                                                  Clock::time_point deadline) {
@@ -237,9 +238,8 @@ std::unique_ptr<Connection> ShmEndpoint::connect(int peer, const std::string& pe
   if (h->magic != kSegmentMagic || h->size != size_ || h->rank != peer ||
       h->ringBytes != ringBytes_) {
     throw Error(CLAWCOMM_CONCAT("clawcomm shm: segment ", peerAddress, " holds rank ", h->rank,
-                                " of ", h->size, " with ", h->ringBytes,
-                                "-byte rings; rank ", rank_, " expected rank ", peer, " of ",
-                                size_, " with ", ringBytes_,
+                                " of ", h->size, " with ", h->ringBytes, "-byte rings; rank ",
+                                rank_, " expected rank ", peer, " of ", size_, " with ", ringBytes_,
                                 "-byte rings (is CLAWCOMM_SHM_RING_BYTES the same everywhere?)"));
   }
   return std::make_unique<ShmConnection>(rank_, peer, own_, std::move(remote));

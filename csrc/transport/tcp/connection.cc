@@ -28,7 +28,9 @@ struct Hello {
   uint64_t token;
 };
 
-std::string sysError(const char* what) { return CLAWCOMM_CONCAT(what, ": ", std::strerror(errno)); }
+std::string sysError(const char* what) {
+  return CLAWCOMM_CONCAT(what, ": ", std::strerror(errno));
+}
 
 int remainingMs(Clock::time_point deadline) {
   auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
@@ -234,8 +236,8 @@ std::unique_ptr<Connection> TcpEndpoint::connect(int peer, const std::string& pe
     addr.sin_family = AF_INET;
     addr.sin_port = htons(uint16_t(std::stoi(peerAddress.substr(colon + 1))));
     if (inet_pton(AF_INET, peerAddress.substr(0, colon).c_str(), &addr.sin_addr) != 1) {
-      throw Error(CLAWCOMM_CONCAT("clawcomm tcp: rank ", peer, " published a bad address ",
-                                  peerAddress));
+      throw Error(
+          CLAWCOMM_CONCAT("clawcomm tcp: rank ", peer, " published a bad address ", peerAddress));
     }
     while (true) {
       int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
