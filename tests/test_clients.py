@@ -59,16 +59,24 @@ def assert_params_close(got, want):
 # --- DDP --------------------------------------------------------------------
 
 
-def _ddp(rank, ws, bucket_cap_mb):
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    model = DDP(make_model(), bucket_cap_mb=bucket_cap_mb)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+def train_on_shards(model, opt, rank, ws):
+    """Each rank trains on its shard of every global batch; returns the parameters
+    (gathered whole where FSDP2 shards them)."""
     for x, y in batches():
         opt.zero_grad()
         nn.functional.mse_loss(model(local_shard(x, rank, ws)), local_shard(y, rank, ws)).backward()
         opt.step()
-    return [p.detach().clone() for p in model.parameters()]
+    return [
+        (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for p in model.parameters()
+    ]
+
+
+def _ddp(rank, ws, bucket_cap_mb):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(make_model(), bucket_cap_mb=bucket_cap_mb)
+    return train_on_shards(model, torch.optim.SGD(model.parameters(), lr=0.1), rank, ws)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -91,12 +99,7 @@ def _ddp_comm_hook(rank, ws):
     model = DDP(make_model())
     # The stock allreduce hook chains .then() on our Work's future.
     model.register_comm_hook(dist.group.WORLD, default_hooks.allreduce_hook)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for x, y in batches():
-        opt.zero_grad()
-        nn.functional.mse_loss(model(local_shard(x, rank, ws)), local_shard(y, rank, ws)).backward()
-        opt.step()
-    return [p.detach().clone() for p in model.parameters()]
+    return train_on_shards(model, torch.optim.SGD(model.parameters(), lr=0.1), rank, ws)
 
 
 def test_ddp_comm_hook_future_chaining():
@@ -114,13 +117,10 @@ def _zero(rank, ws):
 
     model = DDP(make_model())
     opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=0.01)
-    for x, y in batches():
-        opt.zero_grad()
-        nn.functional.mse_loss(model(local_shard(x, rank, ws)), local_shard(y, rank, ws)).backward()
-        opt.step()
+    params = train_on_shards(model, opt, rank, ws)
     opt.consolidate_state_dict(to=0)
     n_states = len(opt.state_dict()["state"]) if rank == 0 else None
-    return [p.detach().clone() for p in model.parameters()], n_states
+    return params, n_states
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -145,12 +145,7 @@ def _fsdp2(rank, ws, reshard):
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for x, y in batches():
-        opt.zero_grad()
-        nn.functional.mse_loss(model(local_shard(x, rank, ws)), local_shard(y, rank, ws)).backward()
-        opt.step()
-    return [p.full_tensor().detach().clone() for p in model.parameters()]
+    return train_on_shards(model, torch.optim.SGD(model.parameters(), lr=0.1), rank, ws)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

@@ -79,10 +79,10 @@ void checkReduceOp(OpType op, DataType dtype, ReduceOp redop) {
 
 Communicator::Communicator(std::shared_ptr<Store> store, int rank, int size,
                            std::chrono::milliseconds timeout, Settings settings)
-    : rank_(rank), size_(size), timeout_(timeout), settings_(std::move(settings)) {
+    : rank_(rank), size_(size), timeoutMs_(timeout.count()), settings_(std::move(settings)) {
   CLAWCOMM_ARG_CHECK(size >= 1 && rank >= 0 && rank < size, "clawcomm: rank ", rank,
                      " is not in a group of ", size, " ranks");
-  auto conns = rendezvous(*store, rank, size, settings_, Clock::now() + timeout_);
+  auto conns = rendezvous(*store, rank, size, settings_, Clock::now() + this->timeout());
   transports_.resize(size_t(size));
   for (int p = 0; p < size; ++p) transports_[p] = p == rank ? "self" : conns[p]->kind();
   messenger_ = std::make_unique<Messenger>(rank, size, std::move(conns), settings_.spinMicros);
@@ -330,12 +330,12 @@ void Communicator::fail(std::exception_ptr error) {
 void Communicator::runCollective(Op& op) {
   std::exception_ptr error;
   try {
-    Channel ch(*messenger_, op.sig, Clock::now() + timeout_, settings_);
+    Channel ch(*messenger_, op.sig, Clock::now() + this->timeout(), settings_);
     op.run(ch);
   } catch (const TimeoutError&) {
     error = withContext(std::current_exception(),
                         CLAWCOMM_CONCAT(opPrefix(op.sig.type), "rank ", rank_, " waited ",
-                                        timeout_.count() / 1000.0, " s (the group's timeout); "));
+                                        timeoutMs_.load() / 1000.0, " s (the group's timeout); "));
   } catch (...) {
     error = withContext(std::current_exception(), opPrefix(op.sig.type));
   }
@@ -361,7 +361,7 @@ void Communicator::progressLoop() {
         // Give in-flight sends and receives a grace period, then fail them.
         if (stopDeadline == Clock::time_point::max()) {
           stopDeadline =
-              Clock::now() + std::min<Clock::duration>(timeout_, std::chrono::seconds(5));
+              Clock::now() + std::min<Clock::duration>(this->timeout(), std::chrono::seconds(5));
         }
       }
     }
@@ -377,7 +377,7 @@ void Communicator::progressLoop() {
       if (!op->pointToPoint) {
         runCollective(*op);
       } else {
-        op->deadline = Clock::now() + timeout_;
+        op->deadline = Clock::now() + this->timeout();
         try {
           op->transfer = op->isSend
                              ? messenger_->sendPointToPoint(op->peer, op->tag, op->buf, op->bytes)

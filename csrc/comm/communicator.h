@@ -13,6 +13,7 @@
 // fails with the same error, naming what went wrong.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -46,8 +47,9 @@ class Communicator {
 
   int rank() const { return rank_; }
   int size() const { return size_; }
-  std::chrono::milliseconds timeout() const { return timeout_; }
-  void setTimeout(std::chrono::milliseconds timeout) { timeout_ = timeout; }
+  std::chrono::milliseconds timeout() const { return std::chrono::milliseconds(timeoutMs_); }
+  // Applies to operations that start after the call.
+  void setTimeout(std::chrono::milliseconds timeout) { timeoutMs_ = timeout.count(); }
   const Settings& settings() const { return settings_; }
   // "shm", "tcp" or "self": how this rank reaches `peer`.
   std::string transportOf(int peer) const;
@@ -96,7 +98,7 @@ class Communicator {
 
   int rank_;
   int size_;
-  std::chrono::milliseconds timeout_;
+  std::atomic<int64_t> timeoutMs_;  // set by users, read by the progress thread
   Settings settings_;
   std::unique_ptr<Messenger> messenger_;
   std::vector<std::string> transports_;

@@ -22,7 +22,14 @@ if not dist.is_available():
     print("Distributed not available, skipping tests", file=sys.stderr)
     sys.exit(0)
 
+from torch.testing._internal.common_distributed import DistTestCases  # noqa: E402
 from torch.testing._internal.common_utils import run_tests  # noqa: E402
+
+# Tell the suite what clawcomm implements, the way a backend plugin does: it
+# reads these sets when distributed_test is imported, to decide what to skip.
+# (No "gpu"/"cuda": clawcomm is a CPU backend.)
+for feature in ("ddp", "subgroup", "plugin"):
+    DistTestCases.backend_feature[feature].add("clawcomm")
 from torch.testing._internal.distributed.distributed_test import (  # noqa: E402
     DistributedTest,
     TestDistBackend,
