@@ -133,7 +133,7 @@ def test_timeout_names_op_peer_and_wait():
     results = run_ranks(_late_rank, 2, pg_timeout=2, timeout=60)
     text, elapsed = results[0]
     assert "clawcomm::all_reduce" in text and "timed out" in text and "rank 1" in text, text
-    assert "2 s" in text, text
+    assert "timeout after 2 s" in text, text
     assert 1.5 < elapsed < 4, elapsed
     # The late rank does not hang either: rank 0 aborted the communicator.
     late_text, late_elapsed = results[1]
@@ -252,3 +252,20 @@ def test_dev_shm_is_clean_after_normal_exit():
     before = _segments()
     run_ranks(lambda r, w: dist.all_reduce(torch.ones(10)) and None, 3)
     assert _segments() <= before
+
+
+# --- a rank that finishes and exits is not a dead rank ----------------------
+
+
+def _exit_right_after_last_op(rank, ws):
+    out = torch.empty(ws * 2_000_000)
+    dist.all_gather_into_tensor(out, torch.full((2_000_000,), float(rank)))
+    if rank == ws - 1:
+        os._exit(0)  # no destroy_process_group: peers must still finish reading its frames
+    return out.view(ws, -1)[:, 0].tolist()
+
+
+def test_rank_exiting_after_its_last_op_is_not_reported_dead():
+    results = run_ranks(_exit_right_after_last_op, 3, allow_failures=True)
+    assert isinstance(results[2], RankFailure)  # it never reported: it exited
+    assert results[0] == results[1] == [0.0, 1.0, 2.0], results[:2]

@@ -53,6 +53,12 @@ class Communicator {
   const Settings& settings() const { return settings_; }
   // "shm", "tcp" or "self": how this rank reaches `peer`.
   std::string transportOf(int peer) const;
+  // How many collectives this rank has issued: the same on every rank that
+  // issued the same ones, which is what torch's desync checks compare.
+  uint64_t collectivesIssued() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return nextSeq_;
+  }
   // "ring" or "tree": what all_reduce of `bytes` would use.
   std::string allReduceAlgorithm(size_t bytes) const;
 

@@ -271,6 +271,10 @@ class ClawcommBackend : public c10d::Backend {
   const std::string getBackendName() const override { return "clawcomm"; }
   bool supportsCoalescing() const override { return true; }
   void setTimeout(std::chrono::milliseconds timeout) override { comm_->setTimeout(timeout); }
+  // Collectives are numbered from 0 in issue order on every rank, so the
+  // group's sequence number needs no agreement step.
+  void setSequenceNumberForGroup() override {}
+  uint64_t getSequenceNumberForGroup() override { return comm_->collectivesIssued(); }
   Communicator& communicator() { return *comm_; }
 
   void startCoalescing() override {

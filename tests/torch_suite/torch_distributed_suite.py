@@ -6,6 +6,10 @@ Run the way torch's test/distributed/test_distributed_spawn.py runs it:
         python -m pytest tests/torch_suite/torch_distributed_suite.py -q
 
 and with BACKEND=gloo for the comparison (docs/torch_suite.md has the counts).
+
+Many tests are gated on the literal name (`BACKEND == "gloo"`). To run exactly
+the tests gloo runs, but on clawcomm, add CLAWCOMM_SUITE_AS_GLOO=1 with
+BACKEND=gloo: every group that asks for gloo then gets clawcomm.
 The file name keeps it out of the default test run; tests/test_torch_suite.py
 runs a selected subset in CI.
 """
@@ -36,6 +40,20 @@ from torch.testing._internal.distributed.distributed_test import (  # noqa: E402
 )
 
 BACKEND = os.environ["BACKEND"]
+
+if os.environ.get("CLAWCOMM_SUITE_AS_GLOO") == "1":
+    _init_process_group, _new_group = dist.init_process_group, dist.new_group
+
+    def _clawcomm_for_gloo(backend):
+        return "clawcomm" if str(backend).lower() == "gloo" else backend
+
+    def init_process_group(backend=None, *args, **kwargs):
+        return _init_process_group(_clawcomm_for_gloo(backend), *args, **kwargs)
+
+    def new_group(*args, backend=None, **kwargs):
+        return _new_group(*args, backend=_clawcomm_for_gloo(backend), **kwargs)
+
+    dist.init_process_group, dist.new_group = init_process_group, new_group
 
 
 class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):

@@ -139,6 +139,11 @@ class ShmConnection : public Connection {
       throw PeerError(CLAWCOMM_CONCAT("rank ", peer_, " aborted: ", out_->consumerReason));
     }
     if (in_->producerState.load(std::memory_order_acquire) == kClosed) return;
+    // A peer that exited after its last send (without shutting the
+    // communicator down) is only a failure once what it wrote is consumed.
+    if (in_->head.load(std::memory_order_acquire) != in_->tail.load(std::memory_order_relaxed)) {
+      return;
+    }
     if (processGone(peerPid_)) {
       throw PeerError(CLAWCOMM_CONCAT("rank ", peer_, " (pid ", peerPid_, ") died"));
     }
