@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
 
 import torch.distributed as dist
@@ -23,6 +24,9 @@ def register() -> None:
     ):
         return
     dist.Backend.register_backend(BACKEND_NAME, _create_backend, devices=["cpu"])
+    # Stop every progress thread before Python finalizes: a thread that runs a
+    # completion callback during finalization would be killed mid-way.
+    atexit.register(_C._shutdown_all)
 
 
 def backend_of(group=None) -> _C.ClawcommBackend:

@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <numeric>
+#include <set>
 
 #include "algorithms/algorithms.h"
 #include "algorithms/channel.h"
@@ -77,6 +78,15 @@ void checkReduceOp(OpType op, DataType dtype, ReduceOp redop) {
 
 }  // namespace
 
+namespace {
+// Every live communicator, for shutdownAll().
+std::mutex registryMutex;
+std::set<Communicator*>& registry() {
+  static auto* live = new std::set<Communicator*>();  // never destroyed: used at exit
+  return *live;
+}
+}  // namespace
+
 Communicator::Communicator(std::shared_ptr<Store> store, int rank, int size,
                            std::chrono::milliseconds timeout, Settings settings)
     : rank_(rank), size_(size), timeoutMs_(timeout.count()), settings_(std::move(settings)) {
@@ -87,16 +97,36 @@ Communicator::Communicator(std::shared_ptr<Store> store, int rank, int size,
   for (int p = 0; p < size; ++p) transports_[p] = p == rank ? "self" : conns[p]->kind();
   messenger_ = std::make_unique<Messenger>(rank, size, std::move(conns), settings_.spinMicros);
   thread_ = std::thread([this] { progressLoop(); });
+  std::lock_guard<std::mutex> lock(registryMutex);
+  registry().insert(this);
 }
 
 Communicator::~Communicator() {
+  shutdown();
+  std::lock_guard<std::mutex> lock(registryMutex);
+  registry().erase(this);
+}
+
+void Communicator::shutdown() {
+  CLAWCOMM_CHECK(!onProgressThread(), "shutdown() called from the progress thread");
+  std::call_once(shutdownOnce_, [this] {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+    if (!broken_) messenger_->close(Clock::now() + std::chrono::seconds(2));
+  });
+}
+
+void Communicator::shutdownAll() {
+  std::vector<Communicator*> live;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    stopping_ = true;
+    std::lock_guard<std::mutex> lock(registryMutex);
+    live.assign(registry().begin(), registry().end());
   }
-  cv_.notify_all();
-  thread_.join();
-  if (!broken_) messenger_->close(Clock::now() + std::chrono::seconds(2));
+  for (Communicator* c : live) c->shutdown();
 }
 
 std::string Communicator::transportOf(int peer) const {

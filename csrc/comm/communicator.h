@@ -42,8 +42,18 @@ class Communicator {
   // Connects to every rank of the group through `store` (blocking).
   Communicator(std::shared_ptr<Store> store, int rank, int size, std::chrono::milliseconds timeout,
                Settings settings = Settings::fromEnv());
-  // Finishes queued operations, says goodbye to the peers, and joins.
+  // Calls shutdown().
   ~Communicator();
+
+  // Finishes queued operations, says goodbye to the peers, and joins the
+  // progress thread. Idempotent. Must not be called from the progress thread
+  // (see onProgressThread()).
+  void shutdown();
+  bool onProgressThread() const { return std::this_thread::get_id() == thread_.get_id(); }
+
+  // Shuts down every communicator still alive in this process: called at
+  // interpreter exit, before Python finalization stops threads that touch it.
+  static void shutdownAll();
 
   int rank() const { return rank_; }
   int size() const { return size_; }
@@ -119,6 +129,7 @@ class Communicator {
   std::vector<std::unique_ptr<Op>> pointToPoint_;
   std::exception_ptr broken_;
   std::thread thread_;
+  std::once_flag shutdownOnce_;
 };
 
 }  // namespace clawcomm

@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <numeric>
+#include <thread>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -265,6 +266,15 @@ class ClawcommBackend : public c10d::Backend {
                                              timeout);
     } catch (...) {
       rethrowForTorch(std::current_exception());
+    }
+  }
+
+  ~ClawcommBackend() override {
+    if (comm_ && comm_->onProgressThread()) {
+      // The last reference went away inside a completion callback, on the
+      // communicator's own progress thread, which cannot join itself: let
+      // another thread finish the shutdown once the callback has returned.
+      std::thread([comm = std::move(comm_)]() mutable { comm.reset(); }).detach();
     }
   }
 
@@ -730,4 +740,7 @@ PYBIND11_MODULE(_C, m) {
             return b.communicator().allReduceAlgorithm(bytes);
           },
           py::arg("nbytes"), "'ring' or 'tree': what all_reduce of `nbytes` bytes uses.");
+  m.def("_shutdown_all", &clawcomm::Communicator::shutdownAll,
+        py::call_guard<py::gil_scoped_release>(),
+        "Shuts down every live communicator (registered with atexit by clawcomm).");
 }
