@@ -416,7 +416,7 @@ void Communicator::progressLoop() {
                              : messenger_->recvPointToPoint(op->peer, op->tag, op->buf, op->bytes);
           pointToPoint_.push_back(std::move(op));
         } catch (...) {
-          std::exception_ptr error = withContext(std::current_exception(), "clawcomm::recv: ");
+          std::exception_ptr error = withContext(std::current_exception(), opPrefix(op->sig.type));
           fail(error);
           op->request->complete(error);
         }

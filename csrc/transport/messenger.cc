@@ -347,7 +347,6 @@ void Messenger::finishReceive(int peer, PeerState& ps, const TransferPtr& t) {
     deliver(*t, *t->claimedBy);
     ps.unexpected.remove(t);
   }
-  (void)peer;
 }
 
 void Messenger::waitAll(const std::vector<TransferPtr>& transfers, Clock::time_point deadline) {
