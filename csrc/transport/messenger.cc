@@ -60,29 +60,34 @@ const char* Messenger::transportOf(int peer) const {
   return peers_[peer].conn ? peers_[peer].conn->kind() : "self";
 }
 
-TransferPtr Messenger::sendCollective(int peer, const OpSignature& sig, uint32_t step,
-                                      const void* src, size_t bytes) {
+TransferPtr Messenger::queueSend(int peer, const FrameHeader& header, const void* src,
+                                 size_t bytes) {
   CLAWCOMM_CHECK(peer >= 0 && peer < size_ && peer != rank_, "send to rank ", peer);
   auto t = std::make_shared<Transfer>();
   t->mode = Transfer::Mode::kSend;
   t->peer = peer;
-  t->collective = true;
   t->src = static_cast<const uint8_t*>(src);
   t->bytes = bytes;
-  FrameHeader& h = t->header;
-  h.magic = kFrameMagic;
+  t->header = header;
+  t->header.magic = kFrameMagic;
+  t->header.payloadBytes = bytes;
+  peers_[peer].sendQueue.push_back(t);
+  return t;
+}
+
+TransferPtr Messenger::sendCollective(int peer, const OpSignature& sig, uint32_t step,
+                                      const void* src, size_t bytes) {
+  FrameHeader h{};
   h.kind = FrameKind::kCollective;
   h.opType = sig.type;
   h.dtype = sig.dtype;
   h.redop = sig.redop;
   h.seq = sig.seq;
   h.count = sig.count;
-  h.payloadBytes = bytes;
   h.root = sig.root;
   h.step = step;
   h.algo = sig.algo;
-  peers_[peer].sendQueue.push_back(t);
-  return t;
+  return queueSend(peer, h, src, bytes);
 }
 
 TransferPtr Messenger::recvCollective(int peer, const OpSignature& sig, uint32_t step, void* dst,
@@ -91,7 +96,6 @@ TransferPtr Messenger::recvCollective(int peer, const OpSignature& sig, uint32_t
   auto t = std::make_shared<Transfer>();
   t->mode = reduce ? Transfer::Mode::kRecvReduce : Transfer::Mode::kRecvCopy;
   t->peer = peer;
-  t->collective = true;
   t->expect = sig;
   t->step = step;
   t->dst = static_cast<uint8_t*>(dst);
@@ -101,22 +105,12 @@ TransferPtr Messenger::recvCollective(int peer, const OpSignature& sig, uint32_t
 }
 
 TransferPtr Messenger::sendPointToPoint(int peer, uint64_t tag, const void* src, size_t bytes) {
-  CLAWCOMM_CHECK(peer >= 0 && peer < size_ && peer != rank_, "send to rank ", peer);
-  auto t = std::make_shared<Transfer>();
-  t->mode = Transfer::Mode::kSend;
-  t->peer = peer;
-  t->tag = tag;
-  t->src = static_cast<const uint8_t*>(src);
-  t->bytes = bytes;
-  FrameHeader& h = t->header;
-  h.magic = kFrameMagic;
+  FrameHeader h{};
   h.kind = FrameKind::kPointToPoint;
   h.opType = OpType::kSend;
   h.seq = tag;
-  h.payloadBytes = bytes;
   h.root = -1;
-  peers_[peer].sendQueue.push_back(t);
-  return t;
+  return queueSend(peer, h, src, bytes);
 }
 
 TransferPtr Messenger::recvPointToPoint(int peer, uint64_t tag, void* dst, size_t bytes) {

@@ -58,7 +58,6 @@ struct Transfer {
   int peer = -1;         // -1: any source, until matched
   FrameHeader header{};  // sends: the header on the wire
   OpSignature expect{};  // collective receives: what the sender must have
-  bool collective = false;
   uint32_t step = 0;
   uint64_t tag = 0;
   const uint8_t* src = nullptr;
@@ -126,6 +125,8 @@ class Messenger {
     std::vector<uint8_t> scratch;  // small frames are assembled here
   };
 
+  // Queues one outgoing frame; fills the header's magic and payload size.
+  TransferPtr queueSend(int peer, const FrameHeader& header, const void* src, size_t bytes);
   bool progressSend(PeerState& ps);
   bool progressRecv(int peer, PeerState& ps);
   TransferPtr match(int peer, PeerState& ps, const FrameHeader& h);
