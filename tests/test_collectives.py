@@ -355,6 +355,18 @@ def test_large_messages(world_size, config):
     assert not failures, "\n".join(failures)
 
 
+def test_mixed_transports_two_hosts_of_two_ranks():
+    """What a two-host job does: shm inside each host, TCP across."""
+    hosts = [{"CLAWCOMM_HOST_ID": h} for h in ("host-a", "host-a", "host-b", "host-b")]
+    transports = run_ranks(_transports, 4, rank_env=hosts)
+    assert transports[0][0] == ["self", "shm", "tcp", "tcp"]
+    assert transports[3][0] == ["tcp", "tcp", "shm", "self"]
+    sweeps = [sweep_reductions, sweep_movement, sweep_point_to_point, sweep_large]
+    results = run_ranks(run_sweeps, 4, sweeps, rank_env=hosts, timeout=300)
+    failures = [f"rank {r}: {f}" for r, fs in enumerate(results) for f in fs]
+    assert not failures, "\n".join(failures[:40])
+
+
 def _transports(rank, ws):
     from clawcomm import backend_of
 

@@ -61,8 +61,9 @@ std::vector<std::unique_ptr<Connection>> rendezvous(Store& store, int rank, int 
   const uint64_t token = std::stoull(tokenHex, nullptr, 16);
 
   // 2. Where everybody runs, and which transport setting they use.
-  const std::string me = hostIdentity() + "|" + transportName(settings.transport) + "|" +
-                         std::to_string(settings.shmRingBytes);
+  const std::string host = settings.hostId.empty() ? hostIdentity() : settings.hostId;
+  const std::string me =
+      host + "|" + transportName(settings.transport) + "|" + std::to_string(settings.shmRingBytes);
   store.set("clawcomm/host/" + std::to_string(rank), bytesOf(me));
   std::vector<std::string> hosts(static_cast<size_t>(size));
   std::vector<bool> useShm(static_cast<size_t>(size), false);

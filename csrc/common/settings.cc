@@ -57,6 +57,7 @@ Settings Settings::fromEnv() {
   s.treeMaxBytes = envBytes("CLAWCOMM_TREE_MAX_BYTES", s.treeMaxBytes, 0);
   s.spinMicros = int(envBytes("CLAWCOMM_SPIN_US", size_t(s.spinMicros), 0));
   if (const char* v = env("CLAWCOMM_SOCKET_ADDR")) s.socketAddr = v;
+  if (const char* v = env("CLAWCOMM_HOST_ID")) s.hostId = v;
   if (const char* v = env("CLAWCOMM_DEBUG")) s.debug = std::string(v) != "0";
   return s;
 }

@@ -32,6 +32,10 @@ struct Settings {
   // CLAWCOMM_SOCKET_ADDR: the IPv4 address this rank publishes for TCP peers.
   // Empty means: resolve the host name, falling back to 127.0.0.1.
   std::string socketAddr;
+  // CLAWCOMM_HOST_ID: the identity that decides which ranks share memory.
+  // Empty means host name plus boot id. Set it to tell apart containers on
+  // one machine that do not share /dev/shm (or to simulate hosts in tests).
+  std::string hostId;
   // CLAWCOMM_DEBUG=1 prints connection and algorithm choices to stderr.
   bool debug = false;
 
