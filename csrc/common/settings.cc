@@ -1,6 +1,7 @@
 #include "common/settings.h"
 
 #include <cstdlib>
+#include <initializer_list>
 #include <string>
 
 #include "common/errors.h"
@@ -23,34 +24,25 @@ size_t envBytes(const char* name, size_t fallback, size_t minimum) {
   return size_t(n);
 }
 
+// The index of the variable's value in `choices` (0, the first, when unset).
+int envChoice(const char* name, std::initializer_list<const char*> choices) {
+  const char* v = env(name);
+  if (!v) return 0;
+  std::string allowed;
+  int i = 0;
+  for (const char* c : choices) {
+    if (std::string(v) == c) return i;
+    allowed += (i++ ? ", " : "") + std::string(c);
+  }
+  throw InvalidArgument(CLAWCOMM_CONCAT("clawcomm: ", name, "=", v, " is not one of ", allowed));
+}
+
 }  // namespace
 
 Settings Settings::fromEnv() {
   Settings s;
-  if (const char* v = env("CLAWCOMM_TRANSPORT")) {
-    std::string t = v;
-    if (t == "auto")
-      s.transport = TransportChoice::kAuto;
-    else if (t == "shm")
-      s.transport = TransportChoice::kShm;
-    else if (t == "tcp")
-      s.transport = TransportChoice::kTcp;
-    else
-      throw InvalidArgument(
-          CLAWCOMM_CONCAT("clawcomm: CLAWCOMM_TRANSPORT=", t, " is not one of auto, shm, tcp"));
-  }
-  if (const char* v = env("CLAWCOMM_ALGO")) {
-    std::string a = v;
-    if (a == "auto")
-      s.algo = AlgoChoice::kAuto;
-    else if (a == "ring")
-      s.algo = AlgoChoice::kRing;
-    else if (a == "tree")
-      s.algo = AlgoChoice::kTree;
-    else
-      throw InvalidArgument(
-          CLAWCOMM_CONCAT("clawcomm: CLAWCOMM_ALGO=", a, " is not one of auto, ring, tree"));
-  }
+  s.transport = TransportChoice(envChoice("CLAWCOMM_TRANSPORT", {"auto", "shm", "tcp"}));
+  s.algo = AlgoChoice(envChoice("CLAWCOMM_ALGO", {"auto", "ring", "tree"}));
   // Ring sizes are rounded to 64 bytes so that frames stay aligned.
   s.shmRingBytes = envBytes("CLAWCOMM_SHM_RING_BYTES", s.shmRingBytes, 4096) & ~size_t(63);
   s.segmentBytes = envBytes("CLAWCOMM_SEGMENT_BYTES", s.segmentBytes, 64);
