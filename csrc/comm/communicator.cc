@@ -1,5 +1,7 @@
 #include "comm/communicator.h"
 
+#include <sched.h>
+
 #include <cstring>
 #include <numeric>
 #include <set>
@@ -94,7 +96,16 @@ Communicator::Communicator(std::shared_ptr<Store> store, int rank, int size,
                      " is not in a group of ", size, " ranks");
   auto conns = rendezvous(*store, rank, size, settings_, Clock::now() + this->timeout());
   transports_.resize(size_t(size));
-  for (int p = 0; p < size; ++p) transports_[p] = p == rank ? "self" : conns[p]->kind();
+  int localRanks = 1;
+  for (int p = 0; p < size; ++p) {
+    transports_[p] = p == rank ? "self" : conns[p]->kind();
+    localRanks += transports_[p] == "shm";
+  }
+  if (settings_.spinMicros < 0) {
+    cpu_set_t cpus;
+    const int cores = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
+    settings_.spinMicros = localRanks > cores ? 5 : 50;
+  }
   messenger_ = std::make_unique<Messenger>(rank, size, std::move(conns), settings_.spinMicros);
   thread_ = std::thread([this] { progressLoop(); });
   std::lock_guard<std::mutex> lock(registryMutex);
@@ -162,7 +173,7 @@ RequestPtr Communicator::allReduce(void* buf, size_t count, DataType dtype, Redu
   sig.algo = tree ? 2 : 1;
   const int n = size_;
   return enqueueCollective(
-      sig,
+      sig, count * elementSize(dtype),
       [=](Channel& ch) {
         if (tree) {
           treeAllReduce(ch, buf, count);
@@ -182,7 +193,7 @@ RequestPtr Communicator::reduceScatter(const void* in, void* out, std::vector<si
   OpSignature sig{OpType::kReduceScatter, dtype, op, -1, total};
   const int r = rank_, n = size_;
   return enqueueCollective(
-      sig,
+      sig, total * elementSize(dtype),
       [=](Channel& ch) {
         const size_t es = elementSize(dtype);
         // The ring reduces in place, so it works on a copy of the input.
@@ -204,7 +215,7 @@ RequestPtr Communicator::allGather(const void* in, void* out, std::vector<size_t
   OpSignature sig{OpType::kAllGather, dtype, ReduceOp::kSum, -1, total};
   const int r = rank_;
   return enqueueCollective(
-      sig,
+      sig, total * elementSize(dtype),
       [=](Channel& ch) {
         const size_t es = elementSize(dtype);
         const size_t offset = std::accumulate(counts.begin(), counts.begin() + r, size_t(0));
@@ -221,7 +232,7 @@ RequestPtr Communicator::broadcast(void* buf, size_t count, DataType dtype, int 
   OpSignature sig{OpType::kBroadcast, dtype, ReduceOp::kSum, root, count};
   const size_t bytes = count * elementSize(dtype);
   return enqueueCollective(
-      sig, [=](Channel& ch) { binomialBroadcast(ch, buf, bytes, root); }, std::move(cb));
+      sig, bytes, [=](Channel& ch) { binomialBroadcast(ch, buf, bytes, root); }, std::move(cb));
 }
 
 RequestPtr Communicator::reduce(void* buf, size_t count, DataType dtype, ReduceOp op, int root,
@@ -231,7 +242,7 @@ RequestPtr Communicator::reduce(void* buf, size_t count, DataType dtype, ReduceO
   OpSignature sig{OpType::kReduce, dtype, op, root, count};
   const int r = rank_, n = size_;
   return enqueueCollective(
-      sig,
+      sig, count * elementSize(dtype),
       [=](Channel& ch) {
         const size_t bytes = count * elementSize(dtype);
         if (r == root) {
@@ -254,7 +265,8 @@ RequestPtr Communicator::gather(const void* in, void* out, size_t count, DataTyp
   OpSignature sig{OpType::kGather, dtype, ReduceOp::kSum, root, count};
   const size_t bytes = count * elementSize(dtype);
   return enqueueCollective(
-      sig, [=](Channel& ch) { linearGather(ch, in, out, bytes, root); }, std::move(cb));
+      sig, bytes * size_t(size_), [=](Channel& ch) { linearGather(ch, in, out, bytes, root); },
+      std::move(cb));
 }
 
 RequestPtr Communicator::scatter(const void* in, void* out, size_t count, DataType dtype, int root,
@@ -264,7 +276,8 @@ RequestPtr Communicator::scatter(const void* in, void* out, size_t count, DataTy
   OpSignature sig{OpType::kScatter, dtype, ReduceOp::kSum, root, count};
   const size_t bytes = count * elementSize(dtype);
   return enqueueCollective(
-      sig, [=](Channel& ch) { linearScatter(ch, in, out, bytes, root); }, std::move(cb));
+      sig, bytes * size_t(size_), [=](Channel& ch) { linearScatter(ch, in, out, bytes, root); },
+      std::move(cb));
 }
 
 RequestPtr Communicator::allToAll(const void* in, std::vector<size_t> sendCounts, void* out,
@@ -282,13 +295,13 @@ RequestPtr Communicator::allToAll(const void* in, std::vector<size_t> sendCounts
   for (auto& c : sendCounts) c *= es;
   for (auto& c : recvCounts) c *= es;
   return enqueueCollective(
-      sig, [=](Channel& ch) { pairwiseAllToAll(ch, in, sendCounts, out, recvCounts); },
-      std::move(cb));
+      sig, std::accumulate(sendCounts.begin(), sendCounts.end(), size_t(0)),
+      [=](Channel& ch) { pairwiseAllToAll(ch, in, sendCounts, out, recvCounts); }, std::move(cb));
 }
 
 RequestPtr Communicator::barrier(Callback cb) {
   OpSignature sig{OpType::kBarrier, DataType::kUInt8, ReduceOp::kSum, -1, 0};
-  return enqueueCollective(sig, [](Channel& ch) { disseminationBarrier(ch); }, std::move(cb));
+  return enqueueCollective(sig, 0, [](Channel& ch) { disseminationBarrier(ch); }, std::move(cb));
 }
 
 RequestPtr Communicator::send(const void* buf, size_t bytes, int peer, uint64_t tag, Callback cb) {
@@ -310,20 +323,42 @@ RequestPtr Communicator::recv(void* buf, size_t bytes, int peer, uint64_t tag, C
 // ---------------------------------------------------------------------------
 // Queue and progress thread.
 
-RequestPtr Communicator::enqueueCollective(const OpSignature& sig,
+RequestPtr Communicator::enqueueCollective(const OpSignature& sig, size_t bytes,
                                            std::function<void(Channel&)> run, Callback cb) {
   auto op = std::make_unique<Op>();
   op->sig = sig;
   op->run = std::move(run);
   op->request = std::make_shared<Request>(std::move(cb));
   RequestPtr request = op->request;
+  bool runHere = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     CLAWCOMM_ARG_CHECK(!stopping_, opPrefix(sig.type), "the communicator is shutting down");
     op->sig.seq = nextSeq_++;
-    queue_.push_back(std::move(op));
+    // Small and nothing ahead of it: run it right here. The progress thread
+    // stays parked until it is done (inlineBusy_), so one thread at a time
+    // drives the messenger and issue order is kept.
+    runHere = bytes <= settings_.inlineMaxBytes && queue_.empty() && !threadBusy_ && !inlineBusy_;
+    if (runHere) {
+      inlineBusy_ = true;
+    } else {
+      queue_.push_back(std::move(op));
+    }
   }
-  cv_.notify_one();
+  if (!runHere) {
+    cv_.notify_one();
+    return request;
+  }
+  runCollective(*op);
+  bool queued;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    inlineBusy_ = false;
+    queued = !queue_.empty() || stopping_;
+  }
+  // Wake the progress thread only if work arrived meanwhile: a wake-up
+  // costs a system call here and a core's worth of scheduling on the peer.
+  if (queued) cv_.notify_one();
   return request;
 }
 
@@ -358,6 +393,12 @@ void Communicator::fail(std::exception_ptr error) {
 }
 
 void Communicator::runCollective(Op& op) {
+  if (broken_) {
+    op.request->complete(withContext(
+        broken_, CLAWCOMM_CONCAT(opPrefix(op.sig.type),
+                                 "the communicator was aborted by an earlier error: ")));
+    return;
+  }
   std::exception_ptr error;
   try {
     Channel ch(*messenger_, op.sig, Clock::now() + this->timeout(), settings_);
@@ -383,11 +424,13 @@ void Communicator::progressLoop() {
     {
       std::unique_lock<std::mutex> lock(mutex_);
       if (queue_.empty() && pointToPoint_.empty()) {
-        cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+        threadBusy_ = false;
+        cv_.wait(lock, [&] { return !inlineBusy_ && (stopping_ || !queue_.empty()); });
       }
       if (!queue_.empty()) {
         op = std::move(queue_.front());
         queue_.pop_front();
+        threadBusy_ = true;
       } else if (stopping_) {
         if (pointToPoint_.empty()) break;
         // Give in-flight sends and receives a grace period, then fail them.
@@ -400,16 +443,16 @@ void Communicator::progressLoop() {
 
     if (op) {
       idleSince = Clock::now();
-      if (broken_) {
-        op->request->complete(withContext(
-            broken_, CLAWCOMM_CONCAT(opPrefix(op->sig.type),
-                                     "the communicator was aborted by an earlier error: ")));
-        continue;
-      }
       if (!op->pointToPoint) {
         runCollective(*op);
       } else {
         op->deadline = Clock::now() + this->timeout();
+        if (broken_) {
+          op->request->complete(withContext(
+              broken_, CLAWCOMM_CONCAT(opPrefix(op->sig.type),
+                                       "the communicator was aborted by an earlier error: ")));
+          continue;
+        }
         try {
           op->transfer = op->isSend
                              ? messenger_->sendPointToPoint(op->peer, op->tag, op->buf, op->bytes)

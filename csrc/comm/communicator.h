@@ -3,10 +3,11 @@
 //
 // Every public operation checks its arguments on the calling thread (so a
 // bad call fails before any byte is sent), fills one queue entry and returns
-// a Request at once. The progress thread runs collectives one at a time in
-// issue order — the order that matches them across ranks — while sends and
-// receives only post their transfers and complete whenever the bytes have
-// moved, so `irecv` before `isend` on both sides of a pair never deadlocks.
+// a Request at once. (Small collectives issued while the queue is empty run
+// to completion on the caller's thread instead: see inlineMaxBytes.) The progress thread runs
+// collectives one at a time in issue order — the order that matches them across ranks — while sends
+// and receives only post their transfers and complete whenever the bytes have moved, so `irecv`
+// before `isend` on both sides of a pair never deadlocks.
 //
 // After the first failure (a dead peer, a timeout, a mismatch) the
 // communicator aborts: peers are told, and every pending and later operation
@@ -102,8 +103,10 @@ class Communicator {
  private:
   struct Op;
 
-  RequestPtr enqueueCollective(const OpSignature& sig, std::function<void(Channel&)> run,
-                               Callback cb);
+  // `bytes`: the op's payload on this rank, which decides whether it may run
+  // inline on the caller's thread (Settings::inlineMaxBytes).
+  RequestPtr enqueueCollective(const OpSignature& sig, size_t bytes,
+                               std::function<void(Channel&)> run, Callback cb);
   RequestPtr enqueuePointToPoint(bool isSend, void* buf, size_t bytes, int peer, uint64_t tag,
                                  Callback cb);
   void checkRoot(OpType op, int root) const;
@@ -124,9 +127,15 @@ class Communicator {
   std::deque<std::unique_ptr<Op>> queue_;
   bool stopping_ = false;
   uint64_t nextSeq_ = 0;  // guarded by mutex_
+  // Who drives the messenger (guarded by mutex_): the progress thread while
+  // it runs an op or has sends/receives in flight, or a caller running a
+  // small collective inline. Never both.
+  bool threadBusy_ = false;
+  bool inlineBusy_ = false;
 
   // Owned by the progress thread.
   std::vector<std::unique_ptr<Op>> pointToPoint_;
+  // Owned by whichever thread drives the messenger.
   std::exception_ptr broken_;
   std::thread thread_;
   std::once_flag shutdownOnce_;

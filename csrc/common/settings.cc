@@ -39,6 +39,10 @@ int envChoice(const char* name, std::initializer_list<const char*> choices) {
 
 }  // namespace
 
+SimdChoice simdChoiceFromEnv() {
+  return SimdChoice(envChoice("CLAWCOMM_SIMD", {"auto", "avx512", "avx2", "portable"}));
+}
+
 Settings Settings::fromEnv() {
   Settings s;
   s.transport = TransportChoice(envChoice("CLAWCOMM_TRANSPORT", {"auto", "shm", "tcp"}));
@@ -47,7 +51,8 @@ Settings Settings::fromEnv() {
   s.shmRingBytes = envBytes("CLAWCOMM_SHM_RING_BYTES", s.shmRingBytes, 4096) & ~size_t(63);
   s.segmentBytes = envBytes("CLAWCOMM_SEGMENT_BYTES", s.segmentBytes, 64);
   s.treeMaxBytes = envBytes("CLAWCOMM_TREE_MAX_BYTES", s.treeMaxBytes, 0);
-  s.spinMicros = int(envBytes("CLAWCOMM_SPIN_US", size_t(s.spinMicros), 0));
+  if (env("CLAWCOMM_SPIN_US")) s.spinMicros = int(envBytes("CLAWCOMM_SPIN_US", 0, 0));
+  s.inlineMaxBytes = envBytes("CLAWCOMM_INLINE_BYTES", s.inlineMaxBytes, 0);
   if (const char* v = env("CLAWCOMM_SOCKET_ADDR")) s.socketAddr = v;
   if (const char* v = env("CLAWCOMM_HOST_ID")) s.hostId = v;
   if (const char* v = env("CLAWCOMM_DEBUG")) s.debug = std::string(v) != "0";

@@ -11,6 +11,11 @@ namespace clawcomm {
 
 enum class TransportChoice { kAuto, kShm, kTcp };
 enum class AlgoChoice { kAuto, kRing, kTree };
+enum class SimdChoice { kAuto, kAvx512, kAvx2, kPortable };
+
+// CLAWCOMM_SIMD=auto|avx512|avx2|portable: the most the element-wise kernels
+// may use (auto: the best this CPU has). Process-wide, read once.
+SimdChoice simdChoiceFromEnv();
 
 struct Settings {
   // CLAWCOMM_TRANSPORT=auto|shm|tcp. auto: shared memory to peers on the same
@@ -27,8 +32,16 @@ struct Settings {
   // CLAWCOMM_TREE_MAX_BYTES: with algo=auto, all-reduce messages up to this
   // size use the tree (recursive doubling); 0 means "use the cost model".
   size_t treeMaxBytes = 0;
-  // CLAWCOMM_SPIN_US: how long a wait spins before it starts to sleep.
-  int spinMicros = 50;
+  // CLAWCOMM_SPIN_US: how long a wait spins before it sleeps. Unset (-1)
+  // means 50 us, or 5 us when this host runs more ranks of the group than
+  // it has cores (spinning would steal the core a peer needs).
+  int spinMicros = -1;
+  // CLAWCOMM_INLINE_BYTES: a collective of at most this many bytes, issued
+  // while nothing else is queued, runs on the calling thread instead of
+  // being handed to the progress thread, which saves two thread wake-ups.
+  // Larger ones always run on the progress thread, so that the caller can
+  // compute while they move. 0 disables.
+  size_t inlineMaxBytes = size_t(1) << 20;
   // CLAWCOMM_SOCKET_ADDR: the IPv4 address this rank publishes for TCP peers.
   // Empty means: resolve the host name, falling back to 127.0.0.1.
   std::string socketAddr;

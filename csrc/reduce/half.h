@@ -1,7 +1,8 @@
 // Scalar float16 / bfloat16 <-> float32 conversions (round to nearest even).
 //
 // Written with plain integer operations so that loops calling them vectorise
-// without F16C; the SIMD variants picked at run time come with the bench issue.
+// without F16C: the portable kernels use them, and the F16C / AVX-512 ones use
+// them for the tail of a block.
 #pragma once
 
 #include <cstdint>

@@ -1,138 +1,209 @@
+// Run-time dispatch of the element-wise kernels over three builds of the same
+// loops (reduce/kernel_loops.h): portable, AVX2 + F16C, and AVX-512.
 #include "reduce/reduce_kernels.h"
 
-#include <algorithm>
 #include <cstdint>
 
 #include "common/errors.h"
+#include "common/settings.h"
 #include "reduce/half.h"
+#include "reduce/kernel_loops.h"
+
+#if defined(__x86_64__)
+// g++ 12 warns about the deliberately undefined lanes inside its own AVX-512
+// conversion intrinsics (avx512fintrin.h); nothing here reads them.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#define CLAWCOMM_X86 1
+#define CLAWCOMM_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define CLAWCOMM_TARGET_AVX512 \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+#endif
 
 namespace clawcomm {
 namespace {
 
-struct Sum {
-  template <typename T>
-  static T apply(T a, T b) {
-    return a + b;
-  }
-};
-struct Prod {
-  template <typename T>
-  static T apply(T a, T b) {
-    return a * b;
-  }
-};
-struct Min {
-  template <typename T>
-  static T apply(T a, T b) {
-    return b < a ? b : a;
-  }
-};
-struct Max {
-  template <typename T>
-  static T apply(T a, T b) {
-    return a < b ? b : a;
-  }
-};
-struct Band {
-  template <typename T>
-  static T apply(T a, T b) {
-    return a & b;
-  }
-};
-struct Bor {
-  template <typename T>
-  static T apply(T a, T b) {
-    return a | b;
-  }
-};
-struct Bxor {
-  template <typename T>
-  static T apply(T a, T b) {
-    return a ^ b;
-  }
+using Reduce = void (*)(DataType, ReduceOp, void*, const void*, size_t);
+using ToFloat = void (*)(DataType, const void*, float*, size_t);
+using FromFloat = void (*)(DataType, const float*, void*, size_t);
+
+struct KernelTable {
+  Reduce reduce;
+  ToFloat toFloat;
+  FromFloat fromFloat;
 };
 
-// Straight loops over restrict pointers: g++ -O2/-O3 vectorises these.
-template <typename T, typename Op>
-void loop(void* dstv, const void* srcv, size_t n) {
-  T* __restrict dst = static_cast<T*>(dstv);
-  const T* __restrict src = static_cast<const T*>(srcv);
-  for (size_t i = 0; i < n; ++i) dst[i] = Op::template apply<T>(dst[i], src[i]);
+void reducePortable(DataType t, ReduceOp op, void* dst, const void* src, size_t n) {
+  kernels::reduce<kernels::PortableCvt>(t, op, dst, src, n);
+}
+void toFloatPortable(DataType t, const void* src, float* dst, size_t n) {
+  kernels::toFloat<kernels::PortableCvt>(t, src, dst, n);
+}
+void fromFloatPortable(DataType t, const float* src, void* dst, size_t n) {
+  kernels::fromFloat<kernels::PortableCvt>(t, src, dst, n);
 }
 
-// 16-bit floats: widen a block to float32, combine, round back. Blocks keep
-// the temporaries in L1.
-template <typename Op, float (*ToF)(uint16_t), uint16_t (*FromF)(float)>
-void loop16(void* dstv, const void* srcv, size_t n) {
-  uint16_t* __restrict dst = static_cast<uint16_t*>(dstv);
-  const uint16_t* __restrict src = static_cast<const uint16_t*>(srcv);
-  constexpr size_t kBlock = 512;
-  float a[kBlock], b[kBlock];
-  for (size_t base = 0; base < n; base += kBlock) {
-    const size_t m = std::min(kBlock, n - base);
-    for (size_t i = 0; i < m; ++i) a[i] = ToF(dst[base + i]);
-    for (size_t i = 0; i < m; ++i) b[i] = ToF(src[base + i]);
-    for (size_t i = 0; i < m; ++i) a[i] = Op::template apply<float>(a[i], b[i]);
-    for (size_t i = 0; i < m; ++i) dst[base + i] = FromF(a[i]);
+#ifdef CLAWCOMM_X86
+
+// float16 through the F16C instructions, 8 lanes at a time. (Called once per
+// 512-element block, so these are plain calls: a target-specific function
+// cannot be force-inlined into the generic loop templates.)
+struct F16cCvt {
+  static CLAWCOMM_TARGET_AVX2 void halfToFloat(const uint16_t* s, float* d, size_t n) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
+      _mm256_storeu_ps(d + i, _mm256_cvtph_ps(h));
+    }
+    for (; i < n; ++i) d[i] = clawcomm::halfToFloat(s[i]);
   }
+  static CLAWCOMM_TARGET_AVX2 void floatToHalf(const float* s, uint16_t* d, size_t n) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      const __m128i h =
+          _mm256_cvtps_ph(_mm256_loadu_ps(s + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i), h);
+    }
+    for (; i < n; ++i) d[i] = clawcomm::floatToHalf(s[i]);
+  }
+};
+
+// float16 through AVX-512F, 16 lanes at a time.
+struct Avx512Cvt {
+  static CLAWCOMM_TARGET_AVX512 void halfToFloat(const uint16_t* s, float* d, size_t n) {
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i));
+      _mm512_storeu_ps(d + i, _mm512_cvtph_ps(h));
+    }
+    F16cCvt::halfToFloat(s + i, d + i, n - i);
+  }
+  static CLAWCOMM_TARGET_AVX512 void floatToHalf(const float* s, uint16_t* d, size_t n) {
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+      const __m256i h =
+          _mm512_cvtps_ph(_mm512_loadu_ps(s + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i), h);
+    }
+    F16cCvt::floatToHalf(s + i, d + i, n - i);
+  }
+};
+
+CLAWCOMM_TARGET_AVX2 void reduceAvx2(DataType t, ReduceOp op, void* dst, const void* src,
+                                     size_t n) {
+  kernels::reduce<F16cCvt>(t, op, dst, src, n);
+}
+CLAWCOMM_TARGET_AVX2 void toFloatAvx2(DataType t, const void* src, float* dst, size_t n) {
+  kernels::toFloat<F16cCvt>(t, src, dst, n);
+}
+CLAWCOMM_TARGET_AVX2 void fromFloatAvx2(DataType t, const float* src, void* dst, size_t n) {
+  kernels::fromFloat<F16cCvt>(t, src, dst, n);
 }
 
-// Bool is stored as one byte holding 0 or 1: SUM and MAX are OR, PRODUCT and
-// MIN are AND, which keeps results 0 or 1 as torch does.
-template <typename Op>
-void dispatchArith(DataType type, void* dst, const void* src, size_t n) {
-  switch (type) {
-    case DataType::kFloat32: return loop<float, Op>(dst, src, n);
-    case DataType::kFloat64: return loop<double, Op>(dst, src, n);
-    case DataType::kInt8: return loop<int8_t, Op>(dst, src, n);
-    case DataType::kUInt8: return loop<uint8_t, Op>(dst, src, n);
-    case DataType::kInt32: return loop<int32_t, Op>(dst, src, n);
-    case DataType::kInt64: return loop<int64_t, Op>(dst, src, n);
-    case DataType::kFloat16: return loop16<Op, halfToFloat, floatToHalf>(dst, src, n);
-    case DataType::kBFloat16: return loop16<Op, bf16ToFloat, floatToBf16>(dst, src, n);
-    default: CLAWCOMM_CHECK(false, "unexpected dtype ", dataTypeName(type));
-  }
+CLAWCOMM_TARGET_AVX512 void reduceAvx512(DataType t, ReduceOp op, void* dst, const void* src,
+                                         size_t n) {
+  kernels::reduce<Avx512Cvt>(t, op, dst, src, n);
+}
+CLAWCOMM_TARGET_AVX512 void toFloatAvx512(DataType t, const void* src, float* dst, size_t n) {
+  kernels::toFloat<Avx512Cvt>(t, src, dst, n);
+}
+CLAWCOMM_TARGET_AVX512 void fromFloatAvx512(DataType t, const float* src, void* dst, size_t n) {
+  kernels::fromFloat<Avx512Cvt>(t, src, dst, n);
 }
 
-template <typename Op>
-void dispatchBitwise(DataType type, void* dst, const void* src, size_t n) {
-  switch (type) {
-    case DataType::kInt8: return loop<int8_t, Op>(dst, src, n);
-    case DataType::kUInt8:
-    case DataType::kBool: return loop<uint8_t, Op>(dst, src, n);
-    case DataType::kInt32: return loop<int32_t, Op>(dst, src, n);
-    case DataType::kInt64: return loop<int64_t, Op>(dst, src, n);
-    default: CLAWCOMM_CHECK(false, "bitwise op on ", dataTypeName(type));
-  }
+#endif  // CLAWCOMM_X86
+
+const KernelTable& tableFor(SimdLevel level) {
+  static const KernelTable portable{reducePortable, toFloatPortable, fromFloatPortable};
+#ifdef CLAWCOMM_X86
+  static const KernelTable avx2{reduceAvx2, toFloatAvx2, fromFloatAvx2};
+  static const KernelTable avx512{reduceAvx512, toFloatAvx512, fromFloatAvx512};
+  CLAWCOMM_ARG_CHECK(level <= detectSimdLevel(), "clawcomm: this CPU does not support ",
+                     simdLevelName(level), " kernels (best: ", simdLevelName(detectSimdLevel()),
+                     ")");
+  if (level == SimdLevel::kAvx512) return avx512;
+  if (level == SimdLevel::kAvx2) return avx2;
+#else
+  CLAWCOMM_ARG_CHECK(level == SimdLevel::kPortable, "clawcomm: ", simdLevelName(level),
+                     " kernels exist on x86-64 only");
+#endif
+  return portable;
+}
+
+const KernelTable& active() {
+  static const KernelTable& table = tableFor(activeSimdLevel());
+  return table;
 }
 
 }  // namespace
 
-void reduceInto(DataType type, ReduceOp op, void* dst, const void* src, size_t n) {
-  if (n == 0) return;
-  if (type == DataType::kBool) {
-    switch (op) {
-      case ReduceOp::kSum:
-      case ReduceOp::kMax:
-      case ReduceOp::kBor: return loop<uint8_t, Bor>(dst, src, n);
-      case ReduceOp::kProduct:
-      case ReduceOp::kMin:
-      case ReduceOp::kBand: return loop<uint8_t, Band>(dst, src, n);
-      case ReduceOp::kBxor: return loop<uint8_t, Bxor>(dst, src, n);
-      default: CLAWCOMM_CHECK(false, "op ", reduceOpName(op), " on bool");
+const char* simdLevelName(SimdLevel level) {
+  switch (level) {
+    case SimdLevel::kPortable: return "portable";
+    case SimdLevel::kAvx2: return "avx2";
+    case SimdLevel::kAvx512: return "avx512";
+  }
+  return "?";
+}
+
+SimdLevel detectSimdLevel() {
+#ifdef CLAWCOMM_X86
+  static const SimdLevel level = [] {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
+      return SimdLevel::kAvx512;
     }
-  }
-  switch (op) {
-    case ReduceOp::kSum:
-    case ReduceOp::kAvg: return dispatchArith<Sum>(type, dst, src, n);
-    case ReduceOp::kProduct: return dispatchArith<Prod>(type, dst, src, n);
-    case ReduceOp::kMin: return dispatchArith<Min>(type, dst, src, n);
-    case ReduceOp::kMax: return dispatchArith<Max>(type, dst, src, n);
-    case ReduceOp::kBand: return dispatchBitwise<Band>(type, dst, src, n);
-    case ReduceOp::kBor: return dispatchBitwise<Bor>(type, dst, src, n);
-    case ReduceOp::kBxor: return dispatchBitwise<Bxor>(type, dst, src, n);
-    default: CLAWCOMM_CHECK(false, "unexpected reduce op ", int(op));
-  }
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c")) {
+      return SimdLevel::kAvx2;
+    }
+    return SimdLevel::kPortable;
+  }();
+  return level;
+#else
+  return SimdLevel::kPortable;
+#endif
+}
+
+SimdLevel activeSimdLevel() {
+  static const SimdLevel level = [] {
+    const SimdLevel best = detectSimdLevel();
+    switch (simdChoiceFromEnv()) {
+      case SimdChoice::kPortable: return SimdLevel::kPortable;
+      case SimdChoice::kAvx2: return std::min(best, SimdLevel::kAvx2);
+      default: return best;
+    }
+  }();
+  return level;
+}
+
+void reduceInto(DataType type, ReduceOp op, void* dst, const void* src, size_t n) {
+  if (n) active().reduce(type, op, dst, src, n);
+}
+
+void toFloat32(DataType type, const void* src, float* dst, size_t n) {
+  if (n) active().toFloat(type, src, dst, n);
+}
+
+void fromFloat32(DataType type, const float* src, void* dst, size_t n) {
+  if (n) active().fromFloat(type, src, dst, n);
+}
+
+void reduceIntoAt(SimdLevel level, DataType type, ReduceOp op, void* dst, const void* src,
+                  size_t n) {
+  const KernelTable& t = tableFor(level);
+  if (n) t.reduce(type, op, dst, src, n);
+}
+
+void toFloat32At(SimdLevel level, DataType type, const void* src, float* dst, size_t n) {
+  const KernelTable& t = tableFor(level);
+  if (n) t.toFloat(type, src, dst, n);
+}
+
+void fromFloat32At(SimdLevel level, DataType type, const float* src, void* dst, size_t n) {
+  const KernelTable& t = tableFor(level);
+  if (n) t.fromFloat(type, src, dst, n);
 }
 
 void divideInPlace(DataType type, void* dstv, size_t n, double divisor) {

@@ -1,8 +1,14 @@
-// Element-wise reduction kernels: dst[i] = dst[i] (op) src[i].
+// Element-wise kernels: reduction (dst[i] = dst[i] op src[i]) and
+// float16/bfloat16 <-> float32 conversion.
 //
 // float16 and bfloat16 are widened to float32, combined, and rounded once per
 // call, so every reduction step accumulates in float32. AVG reduces as SUM;
 // the collective divides by the world size once at the end (divideInPlace).
+//
+// Each kernel is compiled three times (portable, AVX2+F16C, AVX-512) and the
+// best one the CPU supports is picked at run time (CLAWCOMM_SIMD can force a
+// lower one). Every variant computes the same element-wise operations in
+// the same order, so results are bit-identical whichever runs.
 #pragma once
 
 #include <cstddef>
@@ -11,7 +17,27 @@
 
 namespace clawcomm {
 
+enum class SimdLevel { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
+
+const char* simdLevelName(SimdLevel level);
+// The best level this CPU supports.
+SimdLevel detectSimdLevel();
+// What the kernels below use: detectSimdLevel(), capped by CLAWCOMM_SIMD.
+SimdLevel activeSimdLevel();
+
 void reduceInto(DataType type, ReduceOp op, void* dst, const void* src, size_t count);
+
+// 16-bit floats (kFloat16 or kBFloat16) to and from float32, rounding to
+// nearest even.
+void toFloat32(DataType type, const void* src, float* dst, size_t count);
+void fromFloat32(DataType type, const float* src, void* dst, size_t count);
+
+// The same kernels at an explicit level (for tests and micro-benchmarks);
+// throws InvalidArgument if this CPU lacks it.
+void reduceIntoAt(SimdLevel level, DataType type, ReduceOp op, void* dst, const void* src,
+                  size_t count);
+void toFloat32At(SimdLevel level, DataType type, const void* src, float* dst, size_t count);
+void fromFloat32At(SimdLevel level, DataType type, const float* src, void* dst, size_t count);
 
 // dst[i] = dst[i] / divisor, for AVG. Floating point types only.
 void divideInPlace(DataType type, void* dst, size_t count, double divisor);

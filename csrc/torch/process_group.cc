@@ -18,6 +18,7 @@
 
 #include "comm/communicator.h"
 #include "common/errors.h"
+#include "python/engine_bindings.h"
 
 namespace clawcomm {
 namespace {
@@ -262,7 +263,7 @@ class ClawcommBackend : public c10d::Backend {
                   std::chrono::milliseconds timeout)
       : Backend(rank, size) {
     try {
-      comm_ = std::make_unique<Communicator>(std::make_shared<StoreAdapter>(store), rank, size,
+      comm_ = std::make_shared<Communicator>(std::make_shared<StoreAdapter>(store), rank, size,
                                              timeout);
     } catch (...) {
       rethrowForTorch(std::current_exception());
@@ -286,6 +287,7 @@ class ClawcommBackend : public c10d::Backend {
   void setSequenceNumberForGroup() override {}
   uint64_t getSequenceNumberForGroup() override { return comm_->collectivesIssued(); }
   Communicator& communicator() { return *comm_; }
+  std::shared_ptr<Communicator> sharedCommunicator() { return comm_; }
 
   void startCoalescing() override {
     TORCH_CHECK(!coalescing_, "clawcomm: startCoalescing called twice without endCoalescing");
@@ -712,7 +714,7 @@ class ClawcommBackend : public c10d::Backend {
     return work;
   }
 
-  std::unique_ptr<Communicator> comm_;
+  std::shared_ptr<Communicator> comm_;
   bool coalescing_ = false;
   std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;
 };
@@ -725,6 +727,7 @@ PYBIND11_MODULE(_C, m) {
   using clawcomm::ClawcommBackend;
   m.doc() = "clawcomm's compiled core: the c10d backend over the C++ engine.";
   py::module::import("torch.distributed");
+  clawcomm::bindEngine(m);
   py::class_<ClawcommBackend, c10d::Backend, c10::intrusive_ptr<ClawcommBackend>>(m,
                                                                                   "ClawcommBackend")
       .def(py::init<const c10::intrusive_ptr<c10d::Store>&, int, int, std::chrono::milliseconds>(),
@@ -739,7 +742,9 @@ PYBIND11_MODULE(_C, m) {
           [](ClawcommBackend& b, size_t bytes) {
             return b.communicator().allReduceAlgorithm(bytes);
           },
-          py::arg("nbytes"), "'ring' or 'tree': what all_reduce of `nbytes` bytes uses.");
+          py::arg("nbytes"), "'ring' or 'tree': what all_reduce of `nbytes` bytes uses.")
+      .def("engine", &ClawcommBackend::sharedCommunicator,
+           "The group's engine (clawcomm._C.Engine), for calls below torch's dispatch.");
   m.def("_shutdown_all", &clawcomm::Communicator::shutdownAll,
         py::call_guard<py::gil_scoped_release>(),
         "Shuts down every live communicator (registered with atexit by clawcomm).");

@@ -1,5 +1,6 @@
 #include "transport/messenger.h"
 
+#include <poll.h>
 #include <sched.h>
 #include <time.h>
 
@@ -9,6 +10,7 @@
 
 #include "common/errors.h"
 #include "reduce/reduce_kernels.h"
+#include "transport/doorbell.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -25,6 +27,8 @@ constexpr size_t kHeaderBytes = sizeof(FrameHeader);
 // Frames up to this size are assembled contiguously and written in one call.
 constexpr size_t kSmallFrameBytes = 4096;
 const uint8_t kZeros[8] = {0};
+// How often a sleeping wait wakes to check that its peers are alive.
+constexpr auto kHealthCheckInterval = std::chrono::milliseconds(10);
 
 size_t padTo8(size_t n) {
   return (n + 7) & ~size_t(7);
@@ -52,6 +56,18 @@ Messenger::Messenger(int rank, int size, std::vector<std::unique_ptr<Connection>
     peers_[p].conn = std::move(connections[p]);
     CLAWCOMM_CHECK((p == rank) == (peers_[p].conn == nullptr), "connection to rank ", p);
   }
+  // How to sleep: on the shared doorbell when every peer is on shared memory,
+  // in poll() when every peer is on TCP, in short naps otherwise.
+  bool allDoorbell = size > 1, allFds = size > 1;
+  for (int p = 0; p < size; ++p) {
+    if (p == rank) continue;
+    Doorbell* d = peers_[p].conn->doorbell();
+    allDoorbell &= d != nullptr && (doorbell_ == nullptr || d == doorbell_);
+    if (d) doorbell_ = d;
+    allFds &= peers_[p].conn->pollFd() >= 0;
+  }
+  if (!allDoorbell) doorbell_ = nullptr;
+  pollFds_ = allFds;
 }
 
 Messenger::~Messenger() = default;
@@ -390,14 +406,14 @@ void Messenger::checkPeers(const std::vector<TransferPtr>& waitingOn) {
 
 void Messenger::pause(Clock::time_point idleSince, Clock::time_point deadline,
                       const std::vector<TransferPtr>& waitingOn) {
-  const Clock::time_point now = Clock::now();
+  Clock::time_point now = Clock::now();
   const auto idle = std::chrono::duration_cast<std::chrono::microseconds>(now - idleSince);
   if (idle.count() < spinMicros_) {
     for (int i = 0; i < 64; ++i) CLAWCOMM_CPU_RELAX();
     return;
   }
   if (now >= nextHealthCheck_) {
-    nextHealthCheck_ = now + std::chrono::milliseconds(10);
+    nextHealthCheck_ = now + kHealthCheckInterval;
     checkPeers(waitingOn);
     if (now >= deadline) {
       const Transfer* first = nullptr;
@@ -411,9 +427,29 @@ void Messenger::pause(Clock::time_point idleSince, Clock::time_point deadline,
                                          first ? describeWait(*first) : std::string("nothing")));
     }
   }
-  // Yield first (another rank may share this core), then sleep in growing
-  // steps so that an idle communicator costs almost nothing.
-  if (idle < std::chrono::milliseconds(2)) {
+  // Sleep until a peer makes progress possible, or until the next health
+  // check or the deadline, whichever comes first.
+  const auto wake = std::min(nextHealthCheck_, deadline);
+  const auto budget = std::chrono::duration_cast<std::chrono::microseconds>(wake - now);
+  if (doorbell_) {
+    const uint32_t seen = armDoorbell(*doorbell_);
+    struct Disarm {
+      Doorbell* d;
+      ~Disarm() { disarmDoorbell(*d); }
+    } disarm{doorbell_};
+    if (progress()) return;  // bytes arrived between the last pass and arming
+    sleepOnDoorbell(*doorbell_, seen, budget);
+  } else if (pollFds_) {
+    std::vector<pollfd> fds;
+    for (int p = 0; p < size_; ++p) {
+      if (p == rank_) continue;
+      const short events = POLLIN | (peers_[p].sendQueue.empty() ? 0 : POLLOUT);
+      fds.push_back(pollfd{peers_[p].conn->pollFd(), events, 0});
+    }
+    poll(fds.data(), fds.size(), int(std::max<long long>(1, budget.count() / 1000)));
+  } else if (idle < std::chrono::milliseconds(2)) {
+    // Mixed transports: nothing single to block on. Yield first (another
+    // rank may share this core), then nap in growing steps.
     sched_yield();
   } else {
     const long ns = idle < std::chrono::milliseconds(50) ? 50'000 : 500'000;

@@ -31,6 +31,8 @@
 
 namespace clawcomm {
 
+struct Doorbell;
+
 // kAbort carries the aborting rank's reason (kAbortReasonBytes of text), so a
 // peer learns why, not just that the stream ended.
 enum class FrameKind : uint8_t { kCollective = 1, kPointToPoint = 2, kClose = 3, kAbort = 4 };
@@ -99,8 +101,11 @@ class Messenger {
   // `deadline`, PeerError if a peer dies or aborts meanwhile.
   void waitAll(const std::vector<TransferPtr>& transfers, Clock::time_point deadline);
 
-  // Spin / yield / sleep between idle progress passes, checking peer health
-  // and the deadline. `idleSince` is when progress last moved a byte.
+  // Between idle progress passes: spin for the first spinMicros after the
+  // last byte moved, then sleep until a peer makes progress possible (a
+  // doorbell for shared memory, poll() for TCP), waking every 10 ms to check
+  // peer health and the deadline. `idleSince` is when progress last moved a
+  // byte.
   void pause(Clock::time_point idleSince, Clock::time_point deadline,
              const std::vector<TransferPtr>& waitingOn);
 
@@ -141,6 +146,8 @@ class Messenger {
   std::vector<PeerState> peers_;
   std::list<TransferPtr> anySource_;
   Clock::time_point nextHealthCheck_{};
+  Doorbell* doorbell_ = nullptr;  // shared by every connection, if all are shm
+  bool pollFds_ = false;          // every connection has a file descriptor
 };
 
 }  // namespace clawcomm

@@ -20,6 +20,7 @@
 
 namespace clawcomm {
 
+struct Doorbell;
 using Clock = std::chrono::steady_clock;
 
 struct Readable {
@@ -52,6 +53,12 @@ class Connection {
 
   // A file descriptor to poll for readability, or -1 (shared memory).
   virtual int pollFd() const { return -1; }
+
+  // The doorbell the peer rings whenever it writes to this rank or frees
+  // space for it (transport/doorbell.h), or null. Shared-memory connections
+  // of one rank all return the same one, so a rank waiting on any of them
+  // sleeps in one futex.
+  virtual Doorbell* doorbell() { return nullptr; }
 
   virtual const char* kind() const = 0;
 };

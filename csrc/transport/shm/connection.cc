@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "common/errors.h"
+#include "transport/doorbell.h"
 
 namespace clawcomm {
 namespace {
@@ -47,7 +48,11 @@ struct SegmentHeader {
   int32_t rank;
   int32_t size;
   uint64_t ringBytes;
+  // Rung by every peer that writes into this segment's rings or frees space
+  // in the rings this rank writes to (see transport/doorbell.h).
+  Doorbell doorbell;
 };
+static_assert(sizeof(SegmentHeader) <= kHeaderBytes, "segment header fits its slot");
 
 size_t segmentBytes(int size, size_t ringBytes) {
   return kHeaderBytes + size_t(size) * (sizeof(RingControl) + ringBytes);
@@ -117,6 +122,7 @@ class ShmConnection : public Connection {
     std::memcpy(outData_ + off, data, first);
     if (n > first) std::memcpy(outData_, static_cast<const uint8_t*>(data) + first, n - first);
     out_->head.store(head + n, std::memory_order_release);
+    ringDoorbell(remote_->header()->doorbell);
     return n;
   }
 
@@ -129,7 +135,10 @@ class ShmConnection : public Connection {
 
   void consume(size_t n) override {
     in_->tail.store(in_->tail.load(std::memory_order_relaxed) + n, std::memory_order_release);
+    ringDoorbell(remote_->header()->doorbell);  // the writer may wait for space
   }
+
+  Doorbell* doorbell() override { return &own_->header()->doorbell; }
 
   void checkPeer() override {
     if (in_->producerState.load(std::memory_order_acquire) == kAborted) {
@@ -154,11 +163,13 @@ class ShmConnection : public Connection {
     out_->producerState.store(kAborted, std::memory_order_release);
     writeReason(in_->consumerReason, reason);
     in_->consumerState.store(kAborted, std::memory_order_release);
+    ringDoorbell(remote_->header()->doorbell);
   }
 
   void close() override {
     uint32_t open = kOpen;
     out_->producerState.compare_exchange_strong(open, kClosed, std::memory_order_release);
+    ringDoorbell(remote_->header()->doorbell);
   }
 
   const char* kind() const override { return "shm"; }

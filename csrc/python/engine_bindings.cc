@@ -1,0 +1,313 @@
+#include "python/engine_bindings.h"
+
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+
+#include "comm/communicator.h"
+#include "common/errors.h"
+#include "reduce/reduce_kernels.h"
+
+namespace py = pybind11;
+
+namespace clawcomm {
+namespace {
+
+// A C-contiguous buffer and its element type.
+struct Buffer {
+  void* data = nullptr;
+  size_t count = 0;
+  DataType dtype = DataType::kFloat32;
+  py::buffer_info info;  // keeps the exporter's view alive
+};
+
+DataType parseDataType(const std::string& op, const std::string& name) {
+  for (int t = 0; t < int(DataType::kNumTypes); ++t) {
+    if (name == dataTypeName(DataType(t))) return DataType(t);
+  }
+  throw InvalidArgument(CLAWCOMM_CONCAT("clawcomm::", op, ": unknown dtype '", name, "'"));
+}
+
+// The element type a buffer's struct format describes.
+DataType dataTypeOfFormat(const std::string& op, const std::string& format, ssize_t itemsize) {
+  const char f = format.empty() ? '?' : format.back();  // skip byte-order prefixes
+  switch (f) {
+    case 'f': return DataType::kFloat32;
+    case 'd': return DataType::kFloat64;
+    case 'e': return DataType::kFloat16;
+    case 'b': return DataType::kInt8;
+    case 'B': return DataType::kUInt8;
+    case '?': return DataType::kBool;
+    case 'i':
+    case 'l':
+    case 'q':
+      if (itemsize == 4) return DataType::kInt32;
+      if (itemsize == 8) return DataType::kInt64;
+      break;
+  }
+  throw InvalidArgument(CLAWCOMM_CONCAT("clawcomm::", op, ": buffer format '", format,
+                                        "' is not a supported element type (pass dtype= for "
+                                        "bfloat16 held in uint16)"));
+}
+
+// `dtype` overrides the buffer's own format (bfloat16 travels as uint16).
+Buffer takeBuffer(const std::string& op, const char* what, const py::buffer& obj, bool writable,
+                  const py::object& dtype, bool anyFormat = false) {
+  Buffer b;
+  b.info = obj.request(writable);
+  ssize_t expected = b.info.itemsize;
+  for (ssize_t d = b.info.ndim - 1; d >= 0; --d) {
+    CLAWCOMM_ARG_CHECK(b.info.shape[d] <= 1 || b.info.strides[d] == expected, "clawcomm::", op,
+                       ": ", what, " is not C-contiguous");
+    expected *= b.info.shape[d];
+  }
+  b.data = b.info.ptr;
+  b.count = size_t(b.info.size);
+  if (anyFormat) return b;
+  b.dtype = dtype.is_none() ? dataTypeOfFormat(op, b.info.format, b.info.itemsize)
+                            : parseDataType(op, py::cast<std::string>(dtype));
+  CLAWCOMM_ARG_CHECK(ssize_t(elementSize(b.dtype)) == b.info.itemsize, "clawcomm::", op, ": ", what,
+                     " has ", b.info.itemsize, "-byte elements, dtype ", dataTypeName(b.dtype),
+                     " needs ", elementSize(b.dtype));
+  return b;
+}
+
+// A C-contiguous buffer taken as raw bytes (point-to-point messages).
+Buffer takeBytes(const std::string& op, const char* what, const py::buffer& obj, bool writable) {
+  Buffer b = takeBuffer(op, what, obj, writable, py::none(), /*anyFormat=*/true);
+  b.count *= size_t(b.info.itemsize);
+  b.dtype = DataType::kUInt8;
+  return b;
+}
+
+ReduceOp parseReduceOp(const std::string& op, const std::string& name) {
+  for (int r = 0; r < int(ReduceOp::kNumOps); ++r) {
+    if (name == reduceOpName(ReduceOp(r))) return ReduceOp(r);
+  }
+  throw InvalidArgument(CLAWCOMM_CONCAT("clawcomm::", op, ": unknown reduce op '", name, "'"));
+}
+
+SimdLevel parseLevel(const py::object& level) {
+  if (level.is_none()) return activeSimdLevel();
+  const std::string name = py::cast<std::string>(level);
+  for (SimdLevel l : {SimdLevel::kPortable, SimdLevel::kAvx2, SimdLevel::kAvx512}) {
+    if (name == simdLevelName(l)) return l;
+  }
+  throw InvalidArgument(CLAWCOMM_CONCAT("clawcomm.kernels: unknown SIMD level '", name,
+                                        "' (portable, avx2, avx512)"));
+}
+
+void checkSameType(const std::string& op, const Buffer& a, const Buffer& b) {
+  CLAWCOMM_ARG_CHECK(a.dtype == b.dtype, "clawcomm::", op, ": input is ", dataTypeName(a.dtype),
+                     " but output is ", dataTypeName(b.dtype));
+}
+
+// Waits for `request` without the GIL and raises its error, if any.
+int finish(const RequestPtr& request) {
+  {
+    py::gil_scoped_release release;
+    request->waitFor(std::chrono::milliseconds(-1));
+  }
+  if (auto e = request->exception()) std::rethrow_exception(e);
+  return request->sourceRank();
+}
+
+// Issues one operation with the GIL released, then waits for it.
+template <typename Issue>
+int run(Issue issue) {
+  RequestPtr request;
+  {
+    py::gil_scoped_release release;
+    request = issue();
+  }
+  return finish(request);
+}
+
+void bindKernels(py::module_& m) {
+  py::module_ k = m.def_submodule(
+      "kernels", "The engine's element-wise kernels, for tests and micro-benchmarks.");
+  k.def(
+      "simd_level", [] { return simdLevelName(activeSimdLevel()); },
+      "The SIMD level the engine uses (CLAWCOMM_SIMD caps it).");
+  k.def(
+      "best_simd_level", [] { return simdLevelName(detectSimdLevel()); },
+      "The best SIMD level this CPU supports.");
+  k.def(
+      "reduce",
+      [](py::buffer dst, py::buffer src, const std::string& op, py::object level,
+         py::object dtype) {
+        Buffer d = takeBuffer("kernels.reduce", "dst", dst, true, dtype);
+        Buffer s = takeBuffer("kernels.reduce", "src", src, false, dtype);
+        checkSameType("kernels.reduce", s, d);
+        CLAWCOMM_ARG_CHECK(d.count == s.count, "clawcomm::kernels.reduce: dst has ", d.count,
+                           " elements, src ", s.count);
+        const ReduceOp r = parseReduceOp("kernels.reduce", op);
+        CLAWCOMM_ARG_CHECK(reduceOpSupported(d.dtype, r), "clawcomm::kernels.reduce: ", op,
+                           " is not defined on ", dataTypeName(d.dtype));
+        const SimdLevel l = parseLevel(level);
+        py::gil_scoped_release release;
+        reduceIntoAt(l, d.dtype, r, d.data, s.data, d.count);
+      },
+      py::arg("dst"), py::arg("src"), py::arg("op") = "sum", py::arg("level") = py::none(),
+      py::arg("dtype") = py::none(), "dst[i] = dst[i] op src[i].");
+  k.def(
+      "to_float32",
+      [](py::buffer src, py::buffer dst, const std::string& dtype, py::object level) {
+        Buffer s = takeBuffer("kernels.to_float32", "src", src, false, py::str(dtype));
+        Buffer d = takeBuffer("kernels.to_float32", "dst", dst, true, py::str("float32"));
+        CLAWCOMM_ARG_CHECK(d.count == s.count, "clawcomm::kernels.to_float32: dst has ", d.count,
+                           " elements, src ", s.count);
+        CLAWCOMM_ARG_CHECK(s.dtype == DataType::kFloat16 || s.dtype == DataType::kBFloat16,
+                           "clawcomm::kernels.to_float32: dtype ", dtype,
+                           " is not float16 or bfloat16");
+        const SimdLevel l = parseLevel(level);
+        py::gil_scoped_release release;
+        toFloat32At(l, s.dtype, s.data, static_cast<float*>(d.data), s.count);
+      },
+      py::arg("src"), py::arg("dst"), py::arg("dtype") = "float16", py::arg("level") = py::none(),
+      "Widens 16-bit floats (held in a uint16 or float16 buffer) into a float32 buffer.");
+  k.def(
+      "from_float32",
+      [](py::buffer src, py::buffer dst, const std::string& dtype, py::object level) {
+        Buffer s = takeBuffer("kernels.from_float32", "src", src, false, py::str("float32"));
+        Buffer d = takeBuffer("kernels.from_float32", "dst", dst, true, py::str(dtype));
+        CLAWCOMM_ARG_CHECK(d.count == s.count, "clawcomm::kernels.from_float32: dst has ", d.count,
+                           " elements, src ", s.count);
+        CLAWCOMM_ARG_CHECK(d.dtype == DataType::kFloat16 || d.dtype == DataType::kBFloat16,
+                           "clawcomm::kernels.from_float32: dtype ", dtype,
+                           " is not float16 or bfloat16");
+        const SimdLevel l = parseLevel(level);
+        py::gil_scoped_release release;
+        fromFloat32At(l, d.dtype, static_cast<const float*>(s.data), d.data, s.count);
+      },
+      py::arg("src"), py::arg("dst"), py::arg("dtype") = "float16", py::arg("level") = py::none(),
+      "Rounds float32 to 16-bit floats (nearest even).");
+}
+
+}  // namespace
+
+void bindEngine(py::module_& m) {
+  // Bad arguments are ValueError, timeouts TimeoutError; peer failures and
+  // mismatches stay RuntimeError.
+  py::register_local_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const InvalidArgument& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const TimeoutError& e) {
+      PyErr_SetString(PyExc_TimeoutError, e.what());
+    }
+  });
+
+  using Op = const std::string&;
+  py::class_<Communicator, std::shared_ptr<Communicator>>(
+      m, "Engine",
+      "A communicator's collectives on buffer-protocol objects, below torch's dispatch. "
+      "Every call blocks until the operation is complete on this rank.")
+      .def_property_readonly("rank", &Communicator::rank)
+      .def_property_readonly("size", &Communicator::size)
+      .def("transport_of", &Communicator::transportOf, py::arg("peer"))
+      .def(
+          "all_reduce",
+          [](Communicator& c, py::buffer buf, Op op, py::object dtype) {
+            Buffer b = takeBuffer("all_reduce", "buffer", buf, true, dtype);
+            const ReduceOp r = parseReduceOp("all_reduce", op);
+            run([&] { return c.allReduce(b.data, b.count, b.dtype, r); });
+          },
+          py::arg("buf"), py::arg("op") = "sum", py::arg("dtype") = py::none(),
+          "In place, over every rank.")
+      .def(
+          "reduce_scatter",
+          [](Communicator& c, py::buffer in, py::buffer out, Op op, py::object dtype) {
+            Buffer i = takeBuffer("reduce_scatter", "input", in, false, dtype);
+            Buffer o = takeBuffer("reduce_scatter", "output", out, true, dtype);
+            checkSameType("reduce_scatter", i, o);
+            CLAWCOMM_ARG_CHECK(i.count == o.count * size_t(c.size()),
+                               "clawcomm::reduce_scatter: input has ", i.count,
+                               " elements, output ", o.count, " (input must be size x output)");
+            const ReduceOp r = parseReduceOp("reduce_scatter", op);
+            std::vector<size_t> counts(size_t(c.size()), o.count);
+            run([&] { return c.reduceScatter(i.data, o.data, counts, i.dtype, r); });
+          },
+          py::arg("input"), py::arg("output"), py::arg("op") = "sum", py::arg("dtype") = py::none())
+      .def(
+          "all_gather",
+          [](Communicator& c, py::buffer in, py::buffer out, py::object dtype) {
+            Buffer i = takeBuffer("all_gather", "input", in, false, dtype);
+            Buffer o = takeBuffer("all_gather", "output", out, true, dtype);
+            checkSameType("all_gather", i, o);
+            CLAWCOMM_ARG_CHECK(o.count == i.count * size_t(c.size()),
+                               "clawcomm::all_gather: input has ", i.count, " elements, output ",
+                               o.count, " (output must be size x input)");
+            std::vector<size_t> counts(size_t(c.size()), i.count);
+            run([&] { return c.allGather(i.data, o.data, counts, i.dtype); });
+          },
+          py::arg("input"), py::arg("output"), py::arg("dtype") = py::none())
+      .def(
+          "broadcast",
+          [](Communicator& c, py::buffer buf, int root, py::object dtype) {
+            Buffer b = takeBuffer("broadcast", "buffer", buf, true, dtype);
+            run([&] { return c.broadcast(b.data, b.count, b.dtype, root); });
+          },
+          py::arg("buf"), py::arg("root") = 0, py::arg("dtype") = py::none())
+      .def(
+          "reduce",
+          [](Communicator& c, py::buffer buf, int root, Op op, py::object dtype) {
+            Buffer b = takeBuffer("reduce", "buffer", buf, true, dtype);
+            const ReduceOp r = parseReduceOp("reduce", op);
+            run([&] { return c.reduce(b.data, b.count, b.dtype, r, root); });
+          },
+          py::arg("buf"), py::arg("root") = 0, py::arg("op") = "sum", py::arg("dtype") = py::none())
+      .def(
+          "all_to_all",
+          [](Communicator& c, py::buffer in, py::buffer out, py::object dtype) {
+            Buffer i = takeBuffer("all_to_all", "input", in, false, dtype);
+            Buffer o = takeBuffer("all_to_all", "output", out, true, dtype);
+            checkSameType("all_to_all", i, o);
+            const size_t n = size_t(c.size());
+            CLAWCOMM_ARG_CHECK(i.count == o.count && i.count % n == 0,
+                               "clawcomm::all_to_all: input has ", i.count, " elements, output ",
+                               o.count, " (both must be the same multiple of ", n, ")");
+            std::vector<size_t> counts(n, i.count / n);
+            run([&] { return c.allToAll(i.data, counts, o.data, counts, i.dtype); });
+          },
+          py::arg("input"), py::arg("output"), py::arg("dtype") = py::none())
+      .def("barrier", [](Communicator& c) { run([&] { return c.barrier(); }); })
+      .def(
+          "send",
+          [](Communicator& c, py::buffer buf, int dst, uint64_t tag) {
+            Buffer b = takeBytes("send", "buffer", buf, false);
+            run([&] { return c.send(b.data, b.count, dst, tag); });
+          },
+          py::arg("buf"), py::arg("dst"), py::arg("tag") = 0)
+      .def(
+          "recv",
+          [](Communicator& c, py::buffer buf, int src, uint64_t tag) {
+            Buffer b = takeBytes("recv", "buffer", buf, true);
+            return run([&] { return c.recv(b.data, b.count, src, tag); });
+          },
+          py::arg("buf"), py::arg("src") = -1, py::arg("tag") = 0,
+          "Returns the rank the message came from (src=-1: any rank).")
+      .def(
+          "sendrecv",
+          [](Communicator& c, py::buffer sendBuf, int dst, py::buffer recvBuf, int src,
+             uint64_t tag) {
+            Buffer s = takeBytes("sendrecv", "send buffer", sendBuf, false);
+            Buffer r = takeBytes("sendrecv", "receive buffer", recvBuf, true);
+            RequestPtr sent, received;
+            {
+              py::gil_scoped_release release;
+              received = c.recv(r.data, r.count, src, tag);
+              sent = c.send(s.data, s.count, dst, tag);
+            }
+            finish(sent);
+            finish(received);
+          },
+          py::arg("send_buf"), py::arg("dst"), py::arg("recv_buf"), py::arg("src"),
+          py::arg("tag") = 0, "Sends to `dst` while receiving from `src`.");
+  bindKernels(m);
+}
+
+}  // namespace clawcomm

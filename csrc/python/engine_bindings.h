@@ -1,0 +1,15 @@
+// Python bindings of the engine itself, without torch: a communicator's
+// collectives over any buffer-protocol object (numpy arrays, memoryviews),
+// and the element-wise kernels. This file and its .cc include pybind11
+// only, never torch, so the engine stays usable (and quick to build) without
+// it; the torch adapter hands its communicator over (ClawcommBackend.engine()).
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+namespace clawcomm {
+
+// Adds `Engine` and the `kernels` submodule to `m`.
+void bindEngine(pybind11::module_& m);
+
+}  // namespace clawcomm
