@@ -38,3 +38,16 @@ def backend_of(group=None) -> _C.ClawcommBackend:
     if not isinstance(backend, _C.ClawcommBackend):
         raise ValueError(f"group {pg} does not use the clawcomm backend for cpu")
     return backend
+
+
+def engine_of(group=None) -> _C.Engine:
+    """The engine behind ``group``: its collectives on numpy arrays (or any
+    buffer-protocol object), called without torch's dispatch::
+
+        eng = clawcomm.engine_of()
+        eng.all_reduce(np_array)          # in place, blocks until done
+
+    It shares the group's connections and issue order, so calls on the group
+    and on its engine must be made in the same order on every rank.
+    """
+    return backend_of(group).engine()

@@ -9,13 +9,18 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="clawcomm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="all-reduce on local ranks, checked against gloo")
-    demo.add_argument("--nproc", type=int, default=2, help="local ranks to spawn (default 2)")
-    args = parser.parse_args(argv)
-    if args.command == "demo":
-        from clawcomm import demo as demo_mod
+    from clawcomm.bench import cli as bench_cli
 
-        return demo_mod.run(args.nproc)
+    bench = sub.add_parser(
+        "bench",
+        help="nccl-tests-style bandwidth tables, against gloo and MPI",
+        description=bench_cli.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench_cli.add_arguments(bench)
+    args = parser.parse_args(argv)
+    if args.command == "bench":
+        return bench_cli.run(args)
     return 2
 
 

@@ -1,0 +1,1 @@
+"""``clawcomm bench``: nccl-tests-style benchmarks (see clawcomm.bench.cli)."""

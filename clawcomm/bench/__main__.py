@@ -1,0 +1,5 @@
+import sys
+
+from clawcomm.bench.cli import main
+
+sys.exit(main())

@@ -1,0 +1,338 @@
+"""``clawcomm bench``: nccl-tests-style bandwidth tables for clawcomm, with
+gloo, MPI and clawcomm's raw engine side by side in the same run.
+
+    clawcomm bench                                  # all_reduce, 2 local ranks, 8 B .. 64 MiB
+    clawcomm bench --nproc 4 -o all_reduce,all_gather -b 1K -e 16M --compare gloo,mpi
+    clawcomm bench --algo ring,tree,auto --json out.json --plot out.png
+    torchrun --nnodes 2 --nproc-per-node 2 ... -m clawcomm.bench --compare gloo
+
+Flags follow nccl-tests: -b/-e/-f (sizes), -n (iterations; 0 = as many as
+fit in about 0.1 s per point), -w (warm-up), -o (operations: collectives
+and/or reduction ops), -d (type), -r (root), -c (check results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+from clawcomm.bench.collectives import COLLECTIVES, DTYPE_ALIASES, REDOPS
+
+COMPARE_CHOICES = ("gloo", "mpi", "raw")
+ALGO_CHOICES = ("ring", "tree", "auto")
+
+
+def parse_size(text: str) -> int:
+    """'8', '64K', '1M', '2G' -> bytes (binary multiples, as nccl-tests)."""
+    t = text.strip().upper().removesuffix("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
+    digits = t[:-1] if mult > 1 else t
+    try:
+        value = int(float(digits) * mult)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 8, 64K, 1M") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"size {text!r} is negative")
+    return value
+
+
+def _csv(choices, what):
+    def parse(text: str) -> list[str]:
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [x for x in items if x not in choices]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(
+                f"{what} {', '.join(bad) or repr(text)} not one of {', '.join(choices)}"
+            )
+        return items
+
+    return parse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nproc", type=int, default=2, help="local ranks to spawn (default 2)")
+    p.add_argument("-b", "--minbytes", type=parse_size, default=8, help="smallest size (8)")
+    p.add_argument("-e", "--maxbytes", type=parse_size, default=64 << 20, help="largest (64M)")
+    p.add_argument("-f", "--stepfactor", type=int, default=2, help="size multiplier (2)")
+    p.add_argument(
+        "-i", "--stepbytes", type=parse_size, default=0, help="fixed size step (instead of -f)"
+    )
+    p.add_argument(
+        "-n", "--iters", type=int, default=0, help="timed iterations per size (0: auto, ~0.1 s)"
+    )
+    p.add_argument("-w", "--warmup_iters", type=int, default=5, help="warm-up iterations (5)")
+    p.add_argument(
+        "-o",
+        "--op",
+        default="all_reduce,sum",
+        help="comma list of collectives (" + ", ".join(COLLECTIVES) + ") and/or reduction "
+        "ops (" + ", ".join(REDOPS) + ", all); default all_reduce,sum",
+    )
+    p.add_argument(
+        "-d",
+        "--datatype",
+        default="float",
+        help="float (default), half, bfloat16, " "double, int8, uint8, int32, int64",
+    )
+    p.add_argument("-r", "--root", type=int, default=0, help="root of broadcast/reduce (0)")
+    p.add_argument("-c", "--check", type=int, default=1, choices=(0, 1), help="check results (1)")
+    p.add_argument(
+        "--algo",
+        type=_csv(ALGO_CHOICES, "algorithm"),
+        default=["auto"],
+        help="all-reduce algorithms to compare: ring,tree,auto (default auto)",
+    )
+    p.add_argument(
+        "--compare",
+        type=_csv(COMPARE_CHOICES, "backend"),
+        default=[],
+        help="add gloo (torch.distributed), mpi (mpi4py under mpirun) and/or raw "
+        "(clawcomm's engine on numpy, below torch's dispatch)",
+    )
+    p.add_argument(
+        "--transport",
+        choices=("auto", "shm", "tcp"),
+        default=None,
+        help="clawcomm transport (sets CLAWCOMM_TRANSPORT)",
+    )
+    p.add_argument("--json", metavar="FILE", help="write every measurement as JSON")
+    p.add_argument("--plot", metavar="FILE", help="draw busbw against size (PNG)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def sizes_from(args) -> list[int]:
+    lo, hi = args.minbytes, args.maxbytes
+    if hi < lo:
+        raise ValueError(f"-e {hi} is smaller than -b {lo}")
+    sizes = []
+    size = lo
+    while size <= hi:
+        sizes.append(size)
+        if args.stepbytes:
+            size += args.stepbytes
+        else:
+            if args.stepfactor < 2:
+                raise ValueError(f"-f {args.stepfactor}: the step factor must be at least 2")
+            size = size * args.stepfactor if size else 1
+    return sizes
+
+
+def parse_ops(text: str) -> tuple[list[str], list[str]]:
+    collectives, redops = [], []
+    for item in [x.strip() for x in text.split(",") if x.strip()]:
+        if item in COLLECTIVES:
+            collectives.append(item)
+        elif item == "all":
+            redops += [r for r in REDOPS if r not in redops]
+        elif item in REDOPS:
+            redops.append(item)
+        else:
+            raise ValueError(
+                f"-o {item!r} is neither a collective ({', '.join(COLLECTIVES)}) nor a "
+                f"reduction op ({', '.join(REDOPS)}, all)"
+            )
+    return collectives or ["all_reduce"], redops or ["sum"]
+
+
+def memcpy_ceiling(nbytes: int = 64 << 20, repeats: int = 10) -> float:
+    """One core's copy bandwidth (GB/s): best of `repeats` numpy.copyto."""
+    import numpy as np
+
+    src = np.ones(nbytes // 8, np.float64)
+    dst = np.zeros_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def machine_info() -> dict:
+    import torch
+
+    from clawcomm import _C
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {
+        "host": platform.node(),
+        "cpu": cpu,
+        "cores": len(os.sched_getaffinity(0)),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "simd": _C.kernels.simd_level(),
+    }
+
+
+def _mpi_available() -> str | None:
+    """None if MPI can run, else why not."""
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return "mpi4py is not installed (README: 'Comparing with MPI')"
+    if shutil.which("mpirun") is None:
+        return "mpirun is not on PATH (README: 'Comparing with MPI')"
+    return None
+
+
+def run_mpi(options: dict, nproc: int) -> list[dict]:
+    with tempfile.TemporaryDirectory(prefix="clawcomm-bench-") as tmp:
+        cfg_path, out_path = os.path.join(tmp, "config.json"), os.path.join(tmp, "out.json")
+        with open(cfg_path, "w") as f:
+            json.dump(options, f)
+        cmd = ["mpirun", "-n", str(nproc), "--oversubscribe"]
+        env = dict(os.environ)
+        if os.geteuid() == 0:
+            cmd.append("--allow-run-as-root")
+        cmd += [sys.executable, "-m", "clawcomm.bench.mpi_worker", cfg_path, out_path]
+        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=None, text=True)
+        if proc.returncode != 0 or not os.path.exists(out_path):
+            raise RuntimeError(f"mpirun failed (exit {proc.returncode}): {proc.stdout[-2000:]}")
+        with open(out_path) as f:
+            return json.load(f)
+
+
+def _under_torchrun() -> bool:
+    return all(
+        k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "TORCHELASTIC_RUN_ID")
+    )
+
+
+def run(args) -> int:
+    from clawcomm.bench.report import format_tables, plot, write_json
+    from clawcomm.bench.torch_worker import clawcomm_name, rank_main, reference_algo
+
+    try:
+        sizes = sizes_from(args)
+        collectives, redops = parse_ops(args.op)
+        if args.datatype not in DTYPE_ALIASES:
+            raise ValueError(
+                f"-d {args.datatype!r} is not one of {', '.join(sorted(DTYPE_ALIASES))}"
+            )
+        dtype = DTYPE_ALIASES[args.datatype]
+        torchrun = _under_torchrun()
+        world = int(os.environ["WORLD_SIZE"]) if torchrun else args.nproc
+        if world < 1:
+            raise ValueError(f"--nproc {args.nproc}: need at least one rank")
+        if not 0 <= args.root < world:
+            raise ValueError(f"-r {args.root} is not a rank of {world}")
+        if args.warmup_iters < 1 or args.iters < 0:
+            raise ValueError("-w must be at least 1 and -n at least 0")
+    except ValueError as e:
+        print(f"clawcomm bench: error: {e}", file=sys.stderr)
+        return 2
+
+    options = {
+        "config": {
+            "collectives": collectives,
+            "sizes": sizes,
+            "dtype": dtype,
+            "redops": redops,
+            "root": args.root,
+            "warmup": args.warmup_iters,
+            "iters": args.iters,
+            "check": bool(args.check),
+        },
+        "algos": args.algo,
+        "compare": [c for c in args.compare if c != "mpi"],
+        "progress": not args.quiet,
+    }
+    if args.transport:
+        os.environ["CLAWCOMM_TRANSPORT"] = args.transport
+    reference = clawcomm_name(reference_algo(args.algo), args.algo)
+    info = machine_info()
+    rank = int(os.environ.get("RANK", "0")) if torchrun else 0
+    memcpy = memcpy_ceiling() if rank == 0 else None
+
+    if torchrun:
+        import torch.distributed as dist
+
+        import clawcomm  # noqa: F401
+
+        dist.init_process_group("clawcomm")
+        try:
+            records = rank_main(rank, world, options)
+        finally:
+            dist.destroy_process_group()
+        if rank != 0:
+            return 0
+    else:
+        from clawcomm.testing import run_ranks
+
+        records = run_ranks(
+            rank_main,
+            world,
+            options,
+            timeout=24 * 3600,
+            pg_timeout=600,
+            env={"CLAWCOMM_TRANSPORT": os.environ.get("CLAWCOMM_TRANSPORT", "auto")},
+        )[0]
+
+    notes = []
+    if "mpi" in args.compare:
+        why_not = "not run under torchrun (start it with mpirun yourself)" if torchrun else None
+        why_not = why_not or _mpi_available()
+        if why_not:
+            notes.append(f"# mpi: skipped: {why_not}")
+        else:
+            records += run_mpi(options, world)
+
+    header = (
+        f", {DTYPE_ALIASES[args.datatype]}, "
+        f"{'-n ' + str(args.iters) if args.iters else '-n auto'} -w {args.warmup_iters}"
+    )
+    print(
+        f"# clawcomm bench: {world} ranks, transport "
+        f"{os.environ.get('CLAWCOMM_TRANSPORT', 'auto')}, sizes {sizes[0]}..{sizes[-1]} B"
+    )
+    print(
+        f"# {info['cpu']}, {info['cores']} cores, torch {info['torch']}, " f"kernels {info['simd']}"
+    )
+    print(f"# memcpy ceiling (one core, 64 MiB numpy.copyto, best of 10): {memcpy:.2f} GB/s")
+    for note in notes:
+        print(note)
+    print(format_tables(records, lambda _coll: reference, world, header))
+    wrong = sum(r.get("wrong", 0) + r.get("oob", 0) for r in records)
+    if args.json:
+        write_json(
+            args.json,
+            {
+                "command": " ".join(["clawcomm", "bench", *sys.argv[2:]])
+                if sys.argv[1:2] == ["bench"]
+                else " ".join(sys.argv),
+                "world_size": world,
+                "machine": info,
+                "memcpy_GBps": memcpy,
+                "options": options,
+                "reference": reference,
+                "records": records,
+            },
+        )
+    if args.plot:
+        plot(args.plot, records, memcpy, f"clawcomm bench, {world} ranks, {info['cpu']}")
+    if wrong:
+        print(f"# FAILED: {wrong} wrong or out-of-bounds elements", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m clawcomm.bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

@@ -1,0 +1,120 @@
+"""nccl-tests-style tables, the JSON file and the busbw plot."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+from clawcomm.bench.collectives import DTYPE_SHORT
+
+
+def _groups(records):
+    """Records grouped by table: (collective, redop) in first-seen order."""
+    tables = defaultdict(list)
+    for r in records:
+        tables[(r["collective"], r["redop"])].append(r)
+    return tables
+
+
+def _variants(rows, reference):
+    names = []
+    for r in rows:
+        if r["variant"] not in names:
+            names.append(r["variant"])
+    names.sort(key=lambda v: v != reference)
+    return names
+
+
+def format_tables(records, reference_of, world_size: int, header: str = "") -> str:
+    """The tables, one per (collective, redop). `reference_of(collective)`
+    names the variant the ratio columns divide by."""
+    out = []
+    for (coll, redop), rows in _groups(records).items():
+        reference = reference_of(coll)
+        variants = _variants(rows, reference)
+        by = {(r["size"], r["variant"]): r for r in rows}
+        sizes = sorted({r["size"] for r in rows})
+        out.append(f"#\n# {coll}, {world_size} ranks{header}")
+        top = "#" + " " * 48 + f"{variants[0]:>31}"
+        cols = "#       size      count      type  redop  root     time   algbw   busbw  #wrong"
+        units = "#        (B) (elements)                            (us)  (GB/s)  (GB/s)        "
+        for v in variants[1:]:
+            top += f"{v:>40}"
+            cols += "     time   busbw  #wrong   ratio"
+            units += "     (us)  (GB/s)             (x)"
+        out += [top, cols, units]
+        for size in sizes:
+            ref = by.get((size, variants[0]))
+            first = next(by[(size, v)] for v in variants if (size, v) in by)
+            line = (
+                f"{size:12d} {first['count']:10d} {DTYPE_SHORT[first['dtype']]:>9} "
+                f"{redop:>6} {first['root']:5d}"
+            )
+            line += _cells(ref, full=True)
+            for v in variants[1:]:
+                r = by.get((size, v))
+                line += _cells(r, full=False)
+                ok = r and ref and "error" not in r and "error" not in ref
+                line += f" {r['time_us'] / ref['time_us']:7.2f}" if ok else "     n/a"
+            out.append(line)
+        oob = sum(r.get("oob", 0) for r in rows)
+        out.append(f"# Out of bounds values : {oob} {'OK' if oob == 0 else 'FAILED'}")
+        avgs = []
+        for v in variants:
+            bws = [r["busbw"] for r in rows if r["variant"] == v and "busbw" in r]
+            if bws:
+                avgs.append(f"{sum(bws) / len(bws):.3f} ({v})")
+        out.append("# Avg bus bandwidth    : " + "   ".join(avgs))
+        notes = sorted({f"{r['variant']}: {r['error']}" for r in rows if "error" in r})
+        out += [f"# n/a  {n}" for n in notes]
+    out.append(
+        "#\n# ratio = that variant's time / the first variant's time (above 1: the first is faster)"
+    )
+    return "\n".join(out)
+
+
+def _cells(r, full: bool) -> str:
+    if r is None or "error" in r:
+        return "      n/a     n/a     n/a     n/a" if full else "      n/a     n/a     n/a"
+    if full:
+        return f" {r['time_us']:8.2f} {r['algbw']:7.2f} {r['busbw']:7.2f} {r['wrong']:7d}"
+    return f" {r['time_us']:8.2f} {r['busbw']:7.2f} {r['wrong']:7d}"
+
+
+def write_json(path: str, payload: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1)
+
+
+def plot(path: str, records, memcpy_gbps: float | None, title: str) -> None:
+    """busbw against size on log axes: one panel per table, one line per variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tables = _groups(records)
+    fig, axes = plt.subplots(
+        1, len(tables), figsize=(5.5 * len(tables), 4.2), squeeze=False, sharey=True
+    )
+    for ax, ((coll, redop), rows) in zip(axes[0], tables.items(), strict=False):
+        for v in _variants(rows, None):
+            pts = sorted(
+                (r["size"], r["busbw"]) for r in rows if r["variant"] == v and "busbw" in r
+            )
+            pts = [(s, b) for s, b in pts if b > 0]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=v)
+        if memcpy_gbps:
+            ax.axhline(memcpy_gbps, ls="--", color="grey", lw=1, label="memcpy (1 core)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("size (bytes)")
+        ax.set_title(coll if redop == "-" else f"{coll} ({redop})")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("bus bandwidth (GB/s)")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,198 @@
+"""Runners: one per way of calling a collective, all with the same interface.
+
+A runner turns (collective, count, dtype, redop, root) into two closures:
+``step()`` runs the collective once on pre-filled buffers (what is timed),
+and ``check()`` refills the inputs, runs it once more and returns
+``(wrong elements, out-of-bounds writes)`` on this rank.
+
+* ``TorchRunner``: torch.distributed on a process group (clawcomm with a given
+  all-reduce algorithm, or gloo), exactly as user code calls it.
+* ``EngineRunner``: clawcomm's engine on numpy arrays, below torch's dispatch
+  (``clawcomm.engine_of(group)``).
+* ``MpiRunner`` (in mpi_worker.py) does the same through mpi4py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from clawcomm.bench.collectives import (
+    COLLECTIVES,
+    GUARD,
+    Collective,
+    count_wrong,
+    expected,
+    inputs,
+)
+
+SENTINEL = 77  # what guard elements hold; no pattern produces it
+
+
+class Unsupported(Exception):
+    """The runner cannot do this combination; the table shows n/a."""
+
+
+class Prepared:
+    def __init__(self, step, check):
+        self.step = step
+        self.check = check
+
+
+class TorchRunner:
+    def __init__(self, name: str, group, backend: str):
+        self.name = name
+        self.group = group
+        self.backend = backend
+
+    def prepare(self, coll: Collective, count: int, dtype: str, redop: str, root: int):
+        import torch
+        import torch.distributed as dist
+
+        if self.backend == "gloo" and redop == "avg":
+            raise Unsupported("gloo has no AVG")
+        if redop == "avg" and dtype not in ("float32", "float64", "float16", "bfloat16"):
+            raise Unsupported("avg needs a floating point type")
+        rank = dist.get_rank(self.group)
+        n = dist.get_world_size(self.group)
+        tdtype = getattr(torch, dtype)
+        in_count, out_count = coll.counts(count, n)
+        op = {
+            "sum": dist.ReduceOp.SUM,
+            "prod": dist.ReduceOp.PRODUCT,
+            "min": dist.ReduceOp.MIN,
+            "max": dist.ReduceOp.MAX,
+            "avg": dist.ReduceOp.AVG,
+        }[redop]
+        g = self.group
+        groot = dist.get_global_rank(g, max(root, 0)) if g is not None else root
+        nxt = dist.get_global_rank(g, (rank + 1) % n) if g is not None else (rank + 1) % n
+        prv = dist.get_global_rank(g, (rank - 1) % n) if g is not None else (rank - 1) % n
+
+        full = torch.full((out_count + GUARD,), SENTINEL, dtype=tdtype)
+        out = full[:out_count]
+        inplace = coll.shape == "inplace"
+        inp = out if inplace else torch.empty(in_count, dtype=tdtype)
+
+        def fill():
+            full.fill_(SENTINEL)
+            src = torch.from_numpy(inputs(coll, rank, count, redop, n)).to(tdtype)
+            inp.copy_(src)
+
+        name = coll.name
+        if name == "all_reduce":
+            step = lambda: dist.all_reduce(out, op=op, group=g)
+        elif name == "reduce_scatter":
+            step = lambda: dist.reduce_scatter_tensor(out, inp, op=op, group=g)
+        elif name == "all_gather":
+            step = lambda: dist.all_gather_into_tensor(out, inp, group=g)
+        elif name == "broadcast":
+            step = lambda: dist.broadcast(out, src=groot, group=g)
+        elif name == "reduce":
+            step = lambda: dist.reduce(out, dst=groot, op=op, group=g)
+        elif name == "all_to_all":
+            step = lambda: dist.all_to_all_single(out, inp, group=g)
+        elif name == "sendrecv":
+
+            def step():
+                if n == 1:
+                    out.copy_(inp)
+                    return
+                received = dist.irecv(out, src=prv, group=g)
+                sent = dist.isend(inp, dst=nxt, group=g)
+                sent.wait()
+                received.wait()
+
+        else:
+            raise Unsupported(name)
+
+        def check():
+            fill()
+            step()
+            want = expected(coll, rank, count, redop, root, n)
+            got = out.to(torch.float64).numpy()
+            guard = full[out_count:].to(torch.float64).numpy()
+            return count_wrong(got, want, dtype), int(np.count_nonzero(guard != SENTINEL))
+
+        fill()
+        return Prepared(step, check)
+
+
+class EngineRunner:
+    """clawcomm's engine on numpy arrays: one Python call into C++, no torch."""
+
+    def __init__(self, name: str, engine):
+        self.name = name
+        self.engine = engine
+
+    def prepare(self, coll: Collective, count: int, dtype: str, redop: str, root: int):
+        eng = self.engine
+        rank, n = eng.rank, eng.size
+        if redop == "avg" and dtype not in ("float32", "float64", "float16", "bfloat16"):
+            raise Unsupported("avg needs a floating point type")
+        # numpy has no bfloat16: hold it as uint16 and tell the engine.
+        np_dtype = np.uint16 if dtype == "bfloat16" else np.dtype(dtype)
+        engine_dtype = "bfloat16" if dtype == "bfloat16" else None
+        in_count, out_count = coll.counts(count, n)
+        op = "product" if redop == "prod" else redop
+
+        full = np.full(out_count + GUARD, SENTINEL, dtype=np_dtype)
+        if dtype == "bfloat16":
+            full[:] = _to_bf16_bits(np.full(full.size, SENTINEL, np.float64))
+        out = full[:out_count]
+        guard_fill = full[out_count:].copy()
+        inplace = coll.shape == "inplace"
+        inp = out if inplace else np.empty(in_count, dtype=np_dtype)
+
+        def fill():
+            full[out_count:] = guard_fill
+            src = inputs(coll, rank, count, redop, n)
+            inp[:] = _to_bf16_bits(src) if dtype == "bfloat16" else src.astype(np_dtype)
+
+        kw = {"dtype": engine_dtype}
+        name = coll.name
+        if name == "all_reduce":
+            step = lambda: eng.all_reduce(out, op=op, **kw)
+        elif name == "reduce_scatter":
+            step = lambda: eng.reduce_scatter(inp, out, op=op, **kw)
+        elif name == "all_gather":
+            step = lambda: eng.all_gather(inp, out, **kw)
+        elif name == "broadcast":
+            step = lambda: eng.broadcast(out, root=root, **kw)
+        elif name == "reduce":
+            step = lambda: eng.reduce(out, root=root, op=op, **kw)
+        elif name == "all_to_all":
+            step = lambda: eng.all_to_all(inp, out, **kw)
+        elif name == "sendrecv":
+
+            def step():
+                if n == 1:
+                    out[:] = inp
+                    return
+                eng.sendrecv(inp, (rank + 1) % n, out, (rank - 1) % n)
+
+        else:
+            raise Unsupported(name)
+
+        def check():
+            fill()
+            step()
+            want = expected(coll, rank, count, redop, root, n)
+            got = _from_bf16_bits(out) if dtype == "bfloat16" else out
+            return count_wrong(got, want, dtype), int(
+                np.count_nonzero(full[out_count:] != guard_fill)
+            )
+
+        fill()
+        return Prepared(step, check)
+
+
+def _to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    # Inputs are small integers, exact in bfloat16: truncation is exact too.
+    return (x.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def _from_bf16_bits(x: np.ndarray) -> np.ndarray:
+    return (x.astype(np.uint32) << 16).view(np.float32)
+
+
+__all__ = ["COLLECTIVES", "EngineRunner", "Prepared", "TorchRunner", "Unsupported"]
