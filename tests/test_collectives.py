@@ -20,6 +20,13 @@ CONFIGS = {
     "shm-tree": {"CLAWCOMM_TRANSPORT": "shm", "CLAWCOMM_ALGO": "tree"},
     "tcp-ring": {"CLAWCOMM_TRANSPORT": "tcp", "CLAWCOMM_ALGO": "ring"},
     "tcp-tree": {"CLAWCOMM_TRANSPORT": "tcp", "CLAWCOMM_ALGO": "tree"},
+    # Every collective handed to the progress thread (none inline), and the
+    # portable kernels instead of the CPU's best SIMD ones.
+    "shm-threaded-portable": {
+        "CLAWCOMM_TRANSPORT": "shm",
+        "CLAWCOMM_INLINE_BYTES": "0",
+        "CLAWCOMM_SIMD": "portable",
+    },
     # Tiny rings and segments: every frame wraps around the ring and every
     # chunk is cut into many segments.
     "shm-tiny-ring": {

@@ -7,7 +7,7 @@ gloo, MPI and clawcomm's raw engine side by side in the same run.
     torchrun --nnodes 2 --nproc-per-node 2 ... -m clawcomm.bench --compare gloo
 
 Flags follow nccl-tests: -b/-e/-f (sizes), -n (iterations; 0 = as many as
-fit in about 0.1 s per point), -w (warm-up), -o (operations: collectives
+fit in about 40 ms per block; --repeats blocks per point, best kept), -w (warm-up), -o (operations: collectives
 and/or reduction ops), -d (type), -r (root), -c (check results).
 """
 
@@ -65,9 +65,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "-i", "--stepbytes", type=parse_size, default=0, help="fixed size step (instead of -f)"
     )
     p.add_argument(
-        "-n", "--iters", type=int, default=0, help="timed iterations per size (0: auto, ~0.1 s)"
+        "-n", "--iters", type=int, default=0, help="timed iterations per block (0: auto, ~40 ms)"
     )
     p.add_argument("-w", "--warmup_iters", type=int, default=5, help="warm-up iterations (5)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed blocks per point, interleaved across backends; the best counts (3)",
+    )
     p.add_argument(
         "-o",
         "--op",
@@ -228,8 +234,8 @@ def run(args) -> int:
             raise ValueError(f"--nproc {args.nproc}: need at least one rank")
         if not 0 <= args.root < world:
             raise ValueError(f"-r {args.root} is not a rank of {world}")
-        if args.warmup_iters < 1 or args.iters < 0:
-            raise ValueError("-w must be at least 1 and -n at least 0")
+        if args.warmup_iters < 1 or args.iters < 0 or args.repeats < 1:
+            raise ValueError("-w and --repeats must be at least 1, -n at least 0")
     except ValueError as e:
         print(f"clawcomm bench: error: {e}", file=sys.stderr)
         return 2
@@ -244,6 +250,7 @@ def run(args) -> int:
             "warmup": args.warmup_iters,
             "iters": args.iters,
             "check": bool(args.check),
+            "repeats": args.repeats,
         },
         "algos": args.algo,
         "compare": [c for c in args.compare if c != "mpi"],

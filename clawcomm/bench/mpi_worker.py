@@ -98,7 +98,7 @@ def main(argv: list[str]) -> None:
     if comm.Get_rank() == 0 and options.get("progress", True):
         from tqdm import tqdm
 
-        total = sum(1 for _ in points(cfg, names))
+        total = sum(1 for _ in points(cfg))
         progress = tqdm(total=total, file=sys.stderr, unit="pt", leave=False, dynamic_ncols=True)
     records = run_sweep({"mpi": runner}, cfg, n, sync, names, progress)
     if progress is not None:

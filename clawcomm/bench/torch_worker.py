@@ -73,7 +73,7 @@ def rank_main(rank: int, world_size: int, options: dict):
     if rank == 0 and options.get("progress", True):
         from tqdm import tqdm
 
-        total = sum(1 for _ in points(cfg, runner_names))
+        total = sum(1 for _ in points(cfg))
         progress = tqdm(total=total, file=sys.stderr, unit="pt", leave=False, dynamic_ncols=True)
     try:
         records = run_sweep(runners, cfg, world_size, sync, runner_names, progress)

@@ -2,6 +2,10 @@
 // loops (reduce/kernel_loops.h): portable, AVX2 + F16C, and AVX-512.
 #include "reduce/reduce_kernels.h"
 
+#include <pthread.h>
+
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 #include "common/errors.h"
@@ -130,9 +134,28 @@ const KernelTable& tableFor(SimdLevel level) {
   return portable;
 }
 
+// The table in use, chosen on first use. A forked child forgets the parent's
+// choice, so that a rank started by fork() honours its own CLAWCOMM_SIMD.
+std::atomic<const KernelTable*> activeTable{nullptr};
+[[maybe_unused]] const int forgetOnFork =
+    pthread_atfork(nullptr, nullptr, [] { activeTable.store(nullptr); });
+
+SimdLevel levelFromEnv() {
+  const SimdLevel best = detectSimdLevel();
+  switch (simdChoiceFromEnv()) {
+    case SimdChoice::kPortable: return SimdLevel::kPortable;
+    case SimdChoice::kAvx2: return std::min(best, SimdLevel::kAvx2);
+    default: return best;
+  }
+}
+
 const KernelTable& active() {
-  static const KernelTable& table = tableFor(activeSimdLevel());
-  return table;
+  const KernelTable* t = activeTable.load(std::memory_order_acquire);
+  if (t == nullptr) {
+    t = &tableFor(levelFromEnv());
+    activeTable.store(t, std::memory_order_release);
+  }
+  return *t;
 }
 
 }  // namespace
@@ -167,15 +190,11 @@ SimdLevel detectSimdLevel() {
 }
 
 SimdLevel activeSimdLevel() {
-  static const SimdLevel level = [] {
-    const SimdLevel best = detectSimdLevel();
-    switch (simdChoiceFromEnv()) {
-      case SimdChoice::kPortable: return SimdLevel::kPortable;
-      case SimdChoice::kAvx2: return std::min(best, SimdLevel::kAvx2);
-      default: return best;
-    }
-  }();
-  return level;
+  const KernelTable* t = &active();
+  for (SimdLevel l : {SimdLevel::kAvx512, SimdLevel::kAvx2}) {
+    if (l <= detectSimdLevel() && t == &tableFor(l)) return l;
+  }
+  return SimdLevel::kPortable;
 }
 
 void reduceInto(DataType type, ReduceOp op, void* dst, const void* src, size_t n) {
