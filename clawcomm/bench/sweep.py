@@ -132,9 +132,10 @@ def measure_point(runners: list, coll, size: int, cfg: Config, redop: str, n: in
     return records
 
 
-def warm_up(runners: dict, cfg: Config, n: int, sync: Sync) -> None:
-    """Small all-reduces on every runner for ~50 ms, so that the first point
-    does not pay for first-touch page faults, lazy state or cold caches."""
+def warm_up(runners: dict, cfg: Config, n: int, sync: Sync, calls: int = 100) -> None:
+    """`calls` small all-reduces on every runner, so that the first point
+    does not pay for first-touch page faults, lazy state or cold caches.
+    (A fixed count: every rank must make the same calls.)"""
     coll = COLLECTIVES["all_reduce"]
     for runner in runners.values():
         try:
@@ -143,12 +144,8 @@ def warm_up(runners: dict, cfg: Config, n: int, sync: Sync) -> None:
         except Unsupported:
             continue
         sync.barrier()
-        deadline = time.perf_counter() + 0.05
-        for _ in range(500):
+        for _ in range(calls):
             prepared.step()
-            if time.perf_counter() > deadline:
-                break
-        sync.barrier()
 
 
 def run_sweep(runners: dict, cfg: Config, n: int, sync: Sync, runner_names, progress=None):

@@ -11,8 +11,11 @@
 namespace clawcomm {
 namespace {
 
-// Measured on the 2-core reference machine over shared memory.
-constexpr double kAlpha = 3e-6;       // s per message
+// Fitted on the 2-core reference machine over shared memory, through
+// torch.distributed (`clawcomm bench --algo ring,tree,auto`): alpha is the
+// per-step cost including the wake-up of a waiting rank, which puts the
+// ring/tree crossover between 32 and 128 KiB at both 2 and 4 ranks.
+constexpr double kAlpha = 8e-6;       // s per message
 constexpr double kBeta = 1.0 / 5e9;   // s per byte moved
 constexpr double kGamma = 1.0 / 4e9;  // s per byte reduced
 

@@ -101,12 +101,13 @@ Communicator::Communicator(std::shared_ptr<Store> store, int rank, int size,
     transports_[p] = p == rank ? "self" : conns[p]->kind();
     localRanks += transports_[p] == "shm";
   }
-  if (settings_.spinMicros < 0) {
-    cpu_set_t cpus;
-    const int cores = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
-    settings_.spinMicros = localRanks > cores ? 5 : 50;
-  }
-  messenger_ = std::make_unique<Messenger>(rank, size, std::move(conns), settings_.spinMicros);
+  cpu_set_t cpus;
+  const int cores = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
+  const bool oversubscribed = localRanks > cores;
+  if (settings_.spinMicros < 0) settings_.spinMicros = oversubscribed ? 5 : 50;
+  if (settings_.yieldMicros < 0) settings_.yieldMicros = oversubscribed ? 1000 : 0;
+  messenger_ = std::make_unique<Messenger>(rank, size, std::move(conns), settings_.spinMicros,
+                                           settings_.yieldMicros);
   thread_ = std::thread([this] { progressLoop(); });
   std::lock_guard<std::mutex> lock(registryMutex);
   registry().insert(this);

@@ -52,6 +52,7 @@ Settings Settings::fromEnv() {
   s.segmentBytes = envBytes("CLAWCOMM_SEGMENT_BYTES", s.segmentBytes, 64);
   s.treeMaxBytes = envBytes("CLAWCOMM_TREE_MAX_BYTES", s.treeMaxBytes, 0);
   if (env("CLAWCOMM_SPIN_US")) s.spinMicros = int(envBytes("CLAWCOMM_SPIN_US", 0, 0));
+  if (env("CLAWCOMM_YIELD_US")) s.yieldMicros = int(envBytes("CLAWCOMM_YIELD_US", 0, 0));
   s.inlineMaxBytes = envBytes("CLAWCOMM_INLINE_BYTES", s.inlineMaxBytes, 0);
   if (const char* v = env("CLAWCOMM_SOCKET_ADDR")) s.socketAddr = v;
   if (const char* v = env("CLAWCOMM_HOST_ID")) s.hostId = v;

@@ -36,6 +36,12 @@ struct Settings {
   // means 50 us, or 5 us when this host runs more ranks of the group than
   // it has cores (spinning would steal the core a peer needs).
   int spinMicros = -1;
+  // CLAWCOMM_YIELD_US: after spinning, how long a wait keeps giving its core
+  // away (sched_yield) before it sleeps. Unset (-1) means 0, or 1000 us when
+  // the host is oversubscribed: there a peer is usually runnable and about
+  // to make progress, and yielding hands it the core without the latency
+  // of a sleep and wake-up.
+  int yieldMicros = -1;
   // CLAWCOMM_INLINE_BYTES: a collective of at most this many bytes, issued
   // while nothing else is queued, runs on the calling thread instead of
   // being handed to the progress thread, which saves two thread wake-ups.

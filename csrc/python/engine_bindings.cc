@@ -32,7 +32,10 @@ DataType parseDataType(const std::string& op, const std::string& name) {
 
 // The element type a buffer's struct format describes.
 DataType dataTypeOfFormat(const std::string& op, const std::string& format, ssize_t itemsize) {
-  const char f = format.empty() ? '?' : format.back();  // skip byte-order prefixes
+  // One type code, after an optional byte-order prefix ('<f4' style).
+  std::string code = format;
+  if (!code.empty() && std::strchr("@=<>!", code[0])) code.erase(0, 1);
+  const char f = code.size() == 1 ? code[0] : '\0';
   switch (f) {
     case 'f': return DataType::kFloat32;
     case 'd': return DataType::kFloat64;
@@ -56,7 +59,13 @@ DataType dataTypeOfFormat(const std::string& op, const std::string& format, ssiz
 Buffer takeBuffer(const std::string& op, const char* what, const py::buffer& obj, bool writable,
                   const py::object& dtype, bool anyFormat = false) {
   Buffer b;
-  b.info = obj.request(writable);
+  try {
+    b.info = obj.request(writable);
+  } catch (const py::error_already_set& e) {
+    throw InvalidArgument(CLAWCOMM_CONCAT("clawcomm::", op, ": ", what,
+                                          writable ? " is not a writable buffer: " : ": ",
+                                          e.what()));
+  }
   ssize_t expected = b.info.itemsize;
   for (ssize_t d = b.info.ndim - 1; d >= 0; --d) {
     CLAWCOMM_ARG_CHECK(b.info.shape[d] <= 1 || b.info.strides[d] == expected, "clawcomm::", op,

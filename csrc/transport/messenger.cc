@@ -49,8 +49,12 @@ OpSignature signatureOf(const FrameHeader& h) {
 }  // namespace
 
 Messenger::Messenger(int rank, int size, std::vector<std::unique_ptr<Connection>> connections,
-                     int spinMicros)
-    : rank_(rank), size_(size), spinMicros_(spinMicros), peers_(size_t(size)) {
+                     int spinMicros, int yieldMicros)
+    : rank_(rank),
+      size_(size),
+      spinMicros_(spinMicros),
+      yieldMicros_(yieldMicros),
+      peers_(size_t(size)) {
   CLAWCOMM_CHECK_EQ(connections.size(), size_t(size));
   for (int p = 0; p < size; ++p) {
     peers_[p].conn = std::move(connections[p]);
@@ -410,6 +414,10 @@ void Messenger::pause(Clock::time_point idleSince, Clock::time_point deadline,
   const auto idle = std::chrono::duration_cast<std::chrono::microseconds>(now - idleSince);
   if (idle.count() < spinMicros_) {
     for (int i = 0; i < 64; ++i) CLAWCOMM_CPU_RELAX();
+    return;
+  }
+  if (idle.count() < spinMicros_ + yieldMicros_ && now < nextHealthCheck_) {
+    sched_yield();
     return;
   }
   if (now >= nextHealthCheck_) {

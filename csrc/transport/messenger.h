@@ -79,7 +79,7 @@ class Messenger {
  public:
   // `connections[r]` reaches rank r; connections[rank] is null.
   Messenger(int rank, int size, std::vector<std::unique_ptr<Connection>> connections,
-            int spinMicros);
+            int spinMicros, int yieldMicros);
   ~Messenger();
 
   int rank() const { return rank_; }
@@ -102,7 +102,7 @@ class Messenger {
   void waitAll(const std::vector<TransferPtr>& transfers, Clock::time_point deadline);
 
   // Between idle progress passes: spin for the first spinMicros after the
-  // last byte moved, then sleep until a peer makes progress possible (a
+  // last byte moved, yield the core for the next yieldMicros, then sleep until a peer makes progress possible (a
   // doorbell for shared memory, poll() for TCP), waking every 10 ms to check
   // peer health and the deadline. `idleSince` is when progress last moved a
   // byte.
@@ -143,6 +143,7 @@ class Messenger {
   int rank_;
   int size_;
   int spinMicros_;
+  int yieldMicros_;
   std::vector<PeerState> peers_;
   std::list<TransferPtr> anySource_;
   Clock::time_point nextHealthCheck_{};
