@@ -18,9 +18,10 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bench_cli.add_arguments(bench)
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     if args.command == "bench":
-        return bench_cli.run(args)
+        return bench_cli.run(args, argv[1:])
     return 2
 
 

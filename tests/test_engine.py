@@ -163,7 +163,9 @@ def _timeout(rank, n):
     group = dist.new_group(backend="clawcomm", timeout=datetime.timedelta(seconds=1))
     eng = clawcomm.engine_of(group)
     if rank == 0:
-        with pytest.raises(TimeoutError, match="clawcomm::recv: timed out waiting for rank 1 to send 4 bytes"):
+        with pytest.raises(
+            TimeoutError, match="clawcomm::recv: timed out waiting for rank 1 to send 4 bytes"
+        ):
             eng.recv(np.zeros(4, np.uint8), src=1)
     dist.barrier()
     return True

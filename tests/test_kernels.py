@@ -66,15 +66,17 @@ def test_reduce_matches_numpy(level, dtype, op):
 def test_16_bit_reduce_accumulates_in_float32_once(level, dtype, op):
     """One rounding per call: the result is float32(a) op float32(b) rounded."""
     tdtype = getattr(torch, dtype)
-    torch_op = {"sum": torch.add, "product": torch.mul, "min": torch.minimum,
-                "max": torch.maximum}[op]
+    torch_op = {"sum": torch.add, "product": torch.mul, "min": torch.minimum, "max": torch.maximum}[
+        op
+    ]
     for n in LENGTHS:
         a = torch.from_numpy(_values(np.float32, n, 3) / 50).to(tdtype)
         b = torch.from_numpy(_values(np.float32, n, 4) / 50).to(tdtype)
         want = torch_op(a.float(), b.float()).to(tdtype)
         got = a.clone()
-        K.reduce(got.view(torch.uint16).numpy(), b.view(torch.uint16).numpy(), op, level,
-                 dtype=dtype)
+        K.reduce(
+            got.view(torch.uint16).numpy(), b.view(torch.uint16).numpy(), op, level, dtype=dtype
+        )
         assert torch.equal(got.view(torch.uint16), want.view(torch.uint16)), (dtype, op, n, level)
 
 

@@ -6,9 +6,11 @@ gloo, MPI and clawcomm's raw engine side by side in the same run.
     clawcomm bench --algo ring,tree,auto --json out.json --plot out.png
     torchrun --nnodes 2 --nproc-per-node 2 ... -m clawcomm.bench --compare gloo
 
-Flags follow nccl-tests: -b/-e/-f (sizes), -n (iterations; 0 = as many as
-fit in about 40 ms per block; --repeats blocks per point, best kept), -w (warm-up), -o (operations: collectives
-and/or reduction ops), -d (type), -r (root), -c (check results).
+Flags follow nccl-tests: -b/-e/-f (sizes), -n (iterations per timed block;
+0 = as many as fit in about 40 ms), -w (warm-up), -o (operations:
+collectives and/or reduction ops), -d (type), -r (root), -c (check
+results). Each point times --repeats blocks, interleaved across backends,
+and keeps the best.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -216,7 +219,9 @@ def _under_torchrun() -> bool:
     )
 
 
-def run(args) -> int:
+def run(args, argv: list[str] | None = None) -> int:
+    """Runs the bench for parsed `args`; `argv` (the flags as typed) is
+    recorded in the JSON so a result file says how to reproduce it."""
     from clawcomm.bench.report import format_tables, plot, write_json
     from clawcomm.bench.torch_worker import clawcomm_name, rank_main, reference_algo
 
@@ -316,9 +321,7 @@ def run(args) -> int:
         write_json(
             args.json,
             {
-                "command": " ".join(["clawcomm", "bench", *sys.argv[2:]])
-                if sys.argv[1:2] == ["bench"]
-                else " ".join(sys.argv),
+                "command": shlex.join(["clawcomm", "bench", *(argv or [])]),
                 "world_size": world,
                 "machine": info,
                 "memcpy_GBps": memcpy,
@@ -342,4 +345,5 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    argv = sys.argv[1:] if argv is None else argv
+    return run(parser.parse_args(argv), argv)
