@@ -77,10 +77,12 @@ def test_reduction_ops_types_and_algorithms():
 def test_tcp_transport_under_the_subcommand(capsys):
     from clawcomm import cli as top
 
+    before = os.environ.get("CLAWCOMM_TRANSPORT")
     rc = top.main(["bench", "--transport", "tcp", "-o", "all_gather", "-b", "4K", "-e", "4K",
                    *FAST])  # fmt: skip
     assert rc == 0
     assert "transport tcp" in capsys.readouterr().out
+    assert os.environ.get("CLAWCOMM_TRANSPORT") == before  # only the ranks got it
 
 
 @pytest.mark.parametrize(

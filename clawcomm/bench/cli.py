@@ -261,8 +261,8 @@ def run(args, argv: list[str] | None = None) -> int:
         "compare": [c for c in args.compare if c != "mpi"],
         "progress": not args.quiet,
     }
-    if args.transport:
-        os.environ["CLAWCOMM_TRANSPORT"] = args.transport
+    # The ranks' CLAWCOMM_TRANSPORT; this process's environment is left alone.
+    transport = args.transport or os.environ.get("CLAWCOMM_TRANSPORT", "auto")
     reference = clawcomm_name(reference_algo(args.algo), args.algo)
     info = machine_info()
     rank = int(os.environ.get("RANK", "0")) if torchrun else 0
@@ -273,6 +273,7 @@ def run(args, argv: list[str] | None = None) -> int:
 
         import clawcomm  # noqa: F401
 
+        os.environ["CLAWCOMM_TRANSPORT"] = transport  # this process is a rank
         dist.init_process_group("clawcomm")
         try:
             records = rank_main(rank, world, options)
@@ -289,7 +290,7 @@ def run(args, argv: list[str] | None = None) -> int:
             options,
             timeout=24 * 3600,
             pg_timeout=600,
-            env={"CLAWCOMM_TRANSPORT": os.environ.get("CLAWCOMM_TRANSPORT", "auto")},
+            env={"CLAWCOMM_TRANSPORT": transport},
         )[0]
 
     notes = []
@@ -307,7 +308,7 @@ def run(args, argv: list[str] | None = None) -> int:
     )
     print(
         f"# clawcomm bench: {world} ranks, transport "
-        f"{os.environ.get('CLAWCOMM_TRANSPORT', 'auto')}, sizes {sizes[0]}..{sizes[-1]} B"
+        f"{transport}, sizes {sizes[0]}..{sizes[-1]} B"
     )
     print(
         f"# {info['cpu']}, {info['cores']} cores, torch {info['torch']}, " f"kernels {info['simd']}"

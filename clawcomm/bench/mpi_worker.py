@@ -13,8 +13,8 @@ import sys
 
 import numpy as np
 
-from clawcomm.bench.collectives import GUARD, Collective, count_wrong, expected, inputs
-from clawcomm.bench.runners import SENTINEL, Prepared, Unsupported
+from clawcomm.bench.collectives import GUARD, Collective, expected, inputs
+from clawcomm.bench.runners import SENTINEL, Unsupported, prepared
 from clawcomm.bench.sweep import Config, Sync, points, run_sweep
 
 
@@ -66,16 +66,14 @@ class MpiRunner:
         else:
             raise Unsupported(name)
 
-        def check():
-            fill()
-            step()
-            want = expected(coll, rank, count, redop, root, n)
-            return count_wrong(out, want, dtype), int(
-                np.count_nonzero(full[out_count:] != SENTINEL)
-            )
-
-        fill()
-        return Prepared(step, check)
+        return prepared(
+            step,
+            fill,
+            lambda: expected(coll, rank, count, redop, root, n),
+            dtype,
+            lambda: out,
+            lambda: int(np.count_nonzero(full[out_count:] != SENTINEL)),
+        )
 
 
 def main(argv: list[str]) -> None:

@@ -38,6 +38,20 @@ class Prepared:
         self.check = check
 
 
+def prepared(step, fill, want, dtype: str, output, guard_changes) -> Prepared:
+    """Fills the inputs and returns the runner's closures. check() refills,
+    runs once, and counts the elements of `output()` that differ from
+    `want()` and the guard elements that changed (`guard_changes()`)."""
+
+    def check():
+        fill()
+        step()
+        return count_wrong(output(), want(), dtype), guard_changes()
+
+    fill()
+    return Prepared(step, check)
+
+
 class TorchRunner:
     def __init__(self, name: str, group, backend: str):
         self.name = name
@@ -105,16 +119,14 @@ class TorchRunner:
         else:
             raise Unsupported(name)
 
-        def check():
-            fill()
-            step()
-            want = expected(coll, rank, count, redop, root, n)
-            got = out.to(torch.float64).numpy()
-            guard = full[out_count:].to(torch.float64).numpy()
-            return count_wrong(got, want, dtype), int(np.count_nonzero(guard != SENTINEL))
-
-        fill()
-        return Prepared(step, check)
+        return prepared(
+            step,
+            fill,
+            lambda: expected(coll, rank, count, redop, root, n),
+            dtype,
+            lambda: out.to(torch.float64).numpy(),
+            lambda: int(np.count_nonzero(full[out_count:].to(torch.float64).numpy() != SENTINEL)),
+        )
 
 
 class EngineRunner:
@@ -175,17 +187,14 @@ class EngineRunner:
         else:
             raise Unsupported(name)
 
-        def check():
-            fill()
-            step()
-            want = expected(coll, rank, count, redop, root, n)
-            got = _from_bf16_bits(out) if dtype == "bfloat16" else out
-            return count_wrong(got, want, dtype), int(
-                np.count_nonzero(full[out_count:] != guard_fill)
-            )
-
-        fill()
-        return Prepared(step, check)
+        return prepared(
+            step,
+            fill,
+            lambda: expected(coll, rank, count, redop, root, n),
+            dtype,
+            lambda: _from_bf16_bits(out) if dtype == "bfloat16" else out,
+            lambda: int(np.count_nonzero(full[out_count:] != guard_fill)),
+        )
 
 
 def _to_bf16_bits(x: np.ndarray) -> np.ndarray:
@@ -197,4 +206,4 @@ def _from_bf16_bits(x: np.ndarray) -> np.ndarray:
     return (x.astype(np.uint32) << 16).view(np.float32)
 
 
-__all__ = ["COLLECTIVES", "EngineRunner", "Prepared", "TorchRunner", "Unsupported"]
+__all__ = ["COLLECTIVES", "EngineRunner", "Prepared", "TorchRunner", "Unsupported", "prepared"]

@@ -62,9 +62,8 @@ Buffer takeBuffer(const std::string& op, const char* what, const py::buffer& obj
   try {
     b.info = obj.request(writable);
   } catch (const py::error_already_set& e) {
-    throw InvalidArgument(CLAWCOMM_CONCAT("clawcomm::", op, ": ", what,
-                                          writable ? " is not a writable buffer: " : ": ",
-                                          e.what()));
+    throw InvalidArgument(CLAWCOMM_CONCAT(
+        "clawcomm::", op, ": ", what, writable ? " is not a writable buffer: " : ": ", e.what()));
   }
   ssize_t expected = b.info.itemsize;
   for (ssize_t d = b.info.ndim - 1; d >= 0; --d) {

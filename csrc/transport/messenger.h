@@ -102,8 +102,8 @@ class Messenger {
   void waitAll(const std::vector<TransferPtr>& transfers, Clock::time_point deadline);
 
   // Between idle progress passes: spin for the first spinMicros after the
-  // last byte moved, yield the core for the next yieldMicros, then sleep until a peer makes progress possible (a
-  // doorbell for shared memory, poll() for TCP), waking every 10 ms to check
+  // last byte moved, yield the core for the next yieldMicros, then sleep until a peer makes
+  // progress possible (a doorbell for shared memory, poll() for TCP), waking every 10 ms to check
   // peer health and the deadline. `idleSince` is when progress last moved a
   // byte.
   void pause(Clock::time_point idleSince, Clock::time_point deadline,
