@@ -11,9 +11,9 @@ Settings are read from ``CLAWCOMM_*`` environment variables when a group is
 created; the README lists them.
 """
 
-from clawcomm._backend import BACKEND_NAME, backend_of, engine_of, register
+from clawcomm._backend import BACKEND_NAME, backend_of, comm_stats, engine_of, register
 
-__all__ = ["BACKEND_NAME", "backend_of", "engine_of", "register"]
+__all__ = ["BACKEND_NAME", "backend_of", "comm_stats", "engine_of", "register"]
 __version__ = "0.1.0"
 
 register()

@@ -51,3 +51,16 @@ def engine_of(group=None) -> _C.Engine:
     and on its engine must be made in the same order on every rank.
     """
     return backend_of(group).engine()
+
+
+def comm_stats(group=None) -> dict[str, dict[str, int]]:
+    """Traffic of ``group``'s communicator so far, per collective: calls, and
+    bytes sent and received as measured on the wire (``bytes_*``: whole
+    frames with their 64-byte headers; ``payload_bytes_*``: payload only)::
+
+        before = clawcomm.comm_stats()
+        ...  # a training step
+        after = clawcomm.comm_stats()
+        sent = after["all_gather"]["bytes_sent"] - before["all_gather"]["bytes_sent"]
+    """
+    return engine_of(group).comm_stats()

@@ -147,6 +147,10 @@ std::string Communicator::transportOf(int peer) const {
   return transports_[peer];
 }
 
+const Traffic& Communicator::traffic() const {
+  return messenger_->traffic();
+}
+
 std::string Communicator::allReduceAlgorithm(size_t bytes) const {
   return allReduceUsesTree(bytes, size_, settings_) ? "tree" : "ring";
 }
@@ -331,6 +335,7 @@ RequestPtr Communicator::enqueueCollective(const OpSignature& sig, size_t bytes,
   op->run = std::move(run);
   op->request = std::make_shared<Request>(std::move(cb));
   RequestPtr request = op->request;
+  Traffic::add(messenger_->traffic().of(sig.type).calls, 1);
   bool runHere = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -375,6 +380,7 @@ RequestPtr Communicator::enqueuePointToPoint(bool isSend, void* buf, size_t byte
   op->tag = tag;
   op->request = std::make_shared<Request>(std::move(cb));
   RequestPtr request = op->request;
+  Traffic::add(messenger_->traffic().of(op->sig.type).calls, 1);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     CLAWCOMM_ARG_CHECK(!stopping_, opPrefix(op->sig.type), "the communicator is shutting down");

@@ -30,6 +30,7 @@
 #include "common/op.h"
 #include "common/settings.h"
 #include "common/store.h"
+#include "common/traffic.h"
 
 namespace clawcomm {
 
@@ -70,6 +71,10 @@ class Communicator {
     std::lock_guard<std::mutex> lock(mutex_);
     return nextSeq_;
   }
+  // Bytes on the wire and calls so far, per operation type (see
+  // common/traffic.h). Calls are counted when issued, even if rejected later.
+  const Traffic& traffic() const;
+
   // "ring" or "tree": what all_reduce of `bytes` would use.
   std::string allReduceAlgorithm(size_t bytes) const;
 

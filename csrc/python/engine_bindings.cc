@@ -221,6 +221,29 @@ void bindEngine(py::module_& m) {
       .def_property_readonly("size", &Communicator::size)
       .def("transport_of", &Communicator::transportOf, py::arg("peer"))
       .def(
+          "comm_stats",
+          [](const Communicator& c) {
+            py::dict out;
+            for (int t = 0; t < kNumOpTypes; ++t) {
+              const OpTraffic& o = c.traffic().ops[t];
+              auto get = [](const std::atomic<uint64_t>& v) {
+                return v.load(std::memory_order_relaxed);
+              };
+              py::dict d;
+              d["calls"] = get(o.calls);
+              d["frames_sent"] = get(o.framesSent);
+              d["bytes_sent"] = get(o.bytesSent);
+              d["payload_bytes_sent"] = get(o.payloadSent);
+              d["frames_received"] = get(o.framesReceived);
+              d["bytes_received"] = get(o.bytesReceived);
+              d["payload_bytes_received"] = get(o.payloadReceived);
+              out[opTypeName(OpType(t))] = d;
+            }
+            return out;
+          },
+          "Calls and bytes on the wire so far, per operation: whole frames (bytes_*) and "
+          "payload only (payload_bytes_*).")
+      .def(
           "all_reduce",
           [](Communicator& c, py::buffer buf, Op op, py::object dtype) {
             Buffer b = takeBuffer("all_reduce", "buffer", buf, true, dtype);

@@ -223,6 +223,12 @@ bool Messenger::progressSend(PeerState& ps) {
       moved = true;
     }
     t.complete = true;
+    if (t.header.kind == FrameKind::kCollective || t.header.kind == FrameKind::kPointToPoint) {
+      OpTraffic& c = traffic_.of(t.header.opType);
+      Traffic::add(c.framesSent, 1);
+      Traffic::add(c.bytesSent, total);
+      Traffic::add(c.payloadSent, t.bytes);
+    }
     ps.sendQueue.pop_front();
   }
   return moved;
@@ -285,6 +291,12 @@ bool Messenger::progressRecv(int peer, PeerState& ps) {
       c.consume(n);
       ps.frameDone += n;
       moved = true;
+    }
+    if (h.kind == FrameKind::kCollective || h.kind == FrameKind::kPointToPoint) {
+      OpTraffic& c = traffic_.of(h.kind == FrameKind::kPointToPoint ? OpType::kRecv : h.opType);
+      Traffic::add(c.framesReceived, 1);
+      Traffic::add(c.bytesReceived, kHeaderBytes + total);
+      Traffic::add(c.payloadReceived, payload);
     }
     finishReceive(peer, ps, ps.target);
     ps.target.reset();

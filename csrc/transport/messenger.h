@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "common/op.h"
+#include "common/traffic.h"
 #include "transport/transport.h"
 
 namespace clawcomm {
@@ -109,6 +110,9 @@ class Messenger {
   void pause(Clock::time_point idleSince, Clock::time_point deadline,
              const std::vector<TransferPtr>& waitingOn);
 
+  // Bytes sent and received so far, per operation type.
+  Traffic& traffic() { return traffic_; }
+
   // Tells every peer that this rank gives up, with the reason.
   void abort(const std::string& reason) noexcept;
 
@@ -149,6 +153,7 @@ class Messenger {
   Clock::time_point nextHealthCheck_{};
   Doorbell* doorbell_ = nullptr;  // shared by every connection, if all are shm
   bool pollFds_ = false;          // every connection has a file descriptor
+  Traffic traffic_;
 };
 
 }  // namespace clawcomm
