@@ -5,6 +5,12 @@
 
 namespace clawcomm {
 
+std::vector<size_t> evenCounts(size_t count, int n) {
+  std::vector<size_t> counts(size_t(n), count / size_t(n));
+  for (size_t i = 0; i < count % size_t(n); ++i) ++counts[i];
+  return counts;
+}
+
 void ringPipeline(Channel& ch, void* buf, const std::vector<size_t>& counts,
                   const std::vector<RingStep>& steps) {
   const int n = ch.size();

@@ -26,6 +26,9 @@ struct RingStep {
 void ringPipeline(Channel& ch, void* buf, const std::vector<size_t>& counts,
                   const std::vector<RingStep>& steps);
 
+// n chunk sizes that differ by at most one element.
+std::vector<size_t> evenCounts(size_t count, int n);
+
 // Chunk index `i` modulo the ring size, for negative i too.
 inline int ringIndex(int i, int n) {
   return ((i % n) + n) % n;

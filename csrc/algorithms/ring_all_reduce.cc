@@ -15,17 +15,6 @@
 
 namespace clawcomm {
 
-namespace {
-
-// n chunk sizes that differ by at most one element.
-std::vector<size_t> evenCounts(size_t count, int n) {
-  std::vector<size_t> counts(size_t(n), count / size_t(n));
-  for (size_t i = 0; i < count % size_t(n); ++i) ++counts[i];
-  return counts;
-}
-
-}  // namespace
-
 void ringAllReduce(Channel& ch, void* buf, size_t count) {
   const int n = ch.size();
   const int r = ch.rank();

@@ -2,6 +2,7 @@
 
 #include <sched.h>
 
+#include <cmath>
 #include <cstring>
 #include <numeric>
 #include <set>
@@ -186,6 +187,26 @@ RequestPtr Communicator::allReduce(void* buf, size_t count, DataType dtype, Redu
           ringAllReduce(ch, buf, count);
         }
         if (op == ReduceOp::kAvg) divideInPlace(dtype, buf, count, n);
+      },
+      std::move(cb));
+}
+
+RequestPtr Communicator::allReduce16BitWire(float* buf, size_t count, DataType wire, float prescale,
+                                            Callback cb) {
+  CLAWCOMM_ARG_CHECK(wire == DataType::kFloat16 || wire == DataType::kBFloat16,
+                     "clawcomm::all_reduce: the wire format must be float16 or bfloat16, not ",
+                     dataTypeName(wire));
+  CLAWCOMM_ARG_CHECK(std::isfinite(prescale) && prescale != 0.0f, "clawcomm::all_reduce: prescale ",
+                     prescale, " is not a finite non-zero factor");
+  OpSignature sig{OpType::kAllReduce, wire, ReduceOp::kSum, -1, count};
+  sig.algo = 3;  // ring with a 16-bit wire
+  return enqueueCollective(
+      sig, count * 2,
+      [=](Channel& ch) {
+        if (prescale != 1.0f) {
+          for (size_t i = 0; i < count; ++i) buf[i] *= prescale;
+        }
+        ringAllReduce16BitWire(ch, buf, count);
       },
       std::move(cb));
 }

@@ -253,6 +253,20 @@ void bindEngine(py::module_& m) {
           py::arg("buf"), py::arg("op") = "sum", py::arg("dtype") = py::none(),
           "In place, over every rank.")
       .def(
+          "all_reduce_16bit_wire",
+          [](Communicator& c, py::buffer buf, const std::string& wire, float prescale) {
+            Buffer b = takeBuffer("all_reduce", "buffer", buf, true, py::none());
+            CLAWCOMM_ARG_CHECK(b.dtype == DataType::kFloat32, "clawcomm::all_reduce: a 16-bit ",
+                               "wire needs a float32 buffer, not ", dataTypeName(b.dtype));
+            const DataType w = parseDataType("all_reduce", wire);
+            run([&] {
+              return c.allReduce16BitWire(static_cast<float*>(b.data), b.count, w, prescale);
+            });
+          },
+          py::arg("buf"), py::arg("wire") = "float16", py::arg("prescale") = 1.0f,
+          "Sum of a float32 buffer with float16 or bfloat16 on the wire and float32 "
+          "accumulation at every step; values are multiplied by `prescale` first.")
+      .def(
           "reduce_scatter",
           [](Communicator& c, py::buffer in, py::buffer out, Op op, py::object dtype) {
             Buffer i = takeBuffer("reduce_scatter", "input", in, false, dtype);
@@ -342,6 +356,7 @@ void bindEngine(py::module_& m) {
           py::arg("send_buf"), py::arg("dst"), py::arg("recv_buf"), py::arg("src"),
           py::arg("tag") = 0, "Sends to `dst` while receiving from `src`.");
   bindKernels(m);
+  bindCompress(m);
 }
 
 }  // namespace clawcomm

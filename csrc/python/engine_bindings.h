@@ -9,7 +9,9 @@
 
 namespace clawcomm {
 
-// Adds `Engine` and the `kernels` submodule to `m`.
+// Adds `Engine` and the `kernels` and `compress` submodules to `m`.
 void bindEngine(pybind11::module_& m);
+// The `compress` submodule (python/compress_bindings.cc).
+void bindCompress(pybind11::module_& m);
 
 }  // namespace clawcomm

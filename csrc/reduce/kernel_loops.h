@@ -186,5 +186,20 @@ CLAWCOMM_INLINE void fromFloat(DataType type, const float* src, void* dst, size_
   floatToBf16Block(src, d, n);
 }
 
+// dst[i] += widen(src[i]) for 16-bit src, through an L1-sized float block:
+// decoding and accumulating are one pass over memory.
+template <typename Cvt>
+CLAWCOMM_INLINE void addFrom16(DataType type, float* dst, const void* src, size_t n) {
+  const uint16_t* s = static_cast<const uint16_t*>(src);
+  constexpr size_t kBlock = 512;
+  alignas(64) float b[kBlock];
+  for (size_t base = 0; base < n; base += kBlock) {
+    const size_t m = std::min(kBlock, n - base);
+    toFloat<Cvt>(type, s + base, b, m);
+    float* __restrict d = dst + base;
+    for (size_t i = 0; i < m; ++i) d[i] += b[i];
+  }
+}
+
 }  // namespace kernels
 }  // namespace clawcomm

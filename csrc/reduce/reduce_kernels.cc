@@ -30,11 +30,13 @@ namespace {
 using Reduce = void (*)(DataType, ReduceOp, void*, const void*, size_t);
 using ToFloat = void (*)(DataType, const void*, float*, size_t);
 using FromFloat = void (*)(DataType, const float*, void*, size_t);
+using AddFrom16 = void (*)(DataType, float*, const void*, size_t);
 
 struct KernelTable {
   Reduce reduce;
   ToFloat toFloat;
   FromFloat fromFloat;
+  AddFrom16 addFrom16;
 };
 
 void reducePortable(DataType t, ReduceOp op, void* dst, const void* src, size_t n) {
@@ -45,6 +47,9 @@ void toFloatPortable(DataType t, const void* src, float* dst, size_t n) {
 }
 void fromFloatPortable(DataType t, const float* src, void* dst, size_t n) {
   kernels::fromFloat<kernels::PortableCvt>(t, src, dst, n);
+}
+void addFrom16Portable(DataType t, float* dst, const void* src, size_t n) {
+  kernels::addFrom16<kernels::PortableCvt>(t, dst, src, n);
 }
 
 #ifdef CLAWCOMM_X86
@@ -103,6 +108,9 @@ CLAWCOMM_TARGET_AVX2 void toFloatAvx2(DataType t, const void* src, float* dst, s
 CLAWCOMM_TARGET_AVX2 void fromFloatAvx2(DataType t, const float* src, void* dst, size_t n) {
   kernels::fromFloat<F16cCvt>(t, src, dst, n);
 }
+CLAWCOMM_TARGET_AVX2 void addFrom16Avx2(DataType t, float* dst, const void* src, size_t n) {
+  kernels::addFrom16<F16cCvt>(t, dst, src, n);
+}
 
 CLAWCOMM_TARGET_AVX512 void reduceAvx512(DataType t, ReduceOp op, void* dst, const void* src,
                                          size_t n) {
@@ -114,14 +122,18 @@ CLAWCOMM_TARGET_AVX512 void toFloatAvx512(DataType t, const void* src, float* ds
 CLAWCOMM_TARGET_AVX512 void fromFloatAvx512(DataType t, const float* src, void* dst, size_t n) {
   kernels::fromFloat<Avx512Cvt>(t, src, dst, n);
 }
+CLAWCOMM_TARGET_AVX512 void addFrom16Avx512(DataType t, float* dst, const void* src, size_t n) {
+  kernels::addFrom16<Avx512Cvt>(t, dst, src, n);
+}
 
 #endif  // CLAWCOMM_X86
 
 const KernelTable& tableFor(SimdLevel level) {
-  static const KernelTable portable{reducePortable, toFloatPortable, fromFloatPortable};
+  static const KernelTable portable{reducePortable, toFloatPortable, fromFloatPortable,
+                                    addFrom16Portable};
 #ifdef CLAWCOMM_X86
-  static const KernelTable avx2{reduceAvx2, toFloatAvx2, fromFloatAvx2};
-  static const KernelTable avx512{reduceAvx512, toFloatAvx512, fromFloatAvx512};
+  static const KernelTable avx2{reduceAvx2, toFloatAvx2, fromFloatAvx2, addFrom16Avx2};
+  static const KernelTable avx512{reduceAvx512, toFloatAvx512, fromFloatAvx512, addFrom16Avx512};
   CLAWCOMM_ARG_CHECK(level <= detectSimdLevel(), "clawcomm: this CPU does not support ",
                      simdLevelName(level), " kernels (best: ", simdLevelName(detectSimdLevel()),
                      ")");
@@ -207,6 +219,10 @@ void toFloat32(DataType type, const void* src, float* dst, size_t n) {
 
 void fromFloat32(DataType type, const float* src, void* dst, size_t n) {
   if (n) active().fromFloat(type, src, dst, n);
+}
+
+void addFrom16(DataType type, float* dst, const void* src, size_t n) {
+  if (n) active().addFrom16(type, dst, src, n);
 }
 
 void reduceIntoAt(SimdLevel level, DataType type, ReduceOp op, void* dst, const void* src,

@@ -32,6 +32,10 @@ void reduceInto(DataType type, ReduceOp op, void* dst, const void* src, size_t c
 void toFloat32(DataType type, const void* src, float* dst, size_t count);
 void fromFloat32(DataType type, const float* src, void* dst, size_t count);
 
+// dst[i] += float32(src[i]) for 16-bit `src` (kFloat16 or kBFloat16), decoding
+// and accumulating in one pass.
+void addFrom16(DataType type, float* dst, const void* src, size_t count);
+
 // The same kernels at an explicit level (for tests and micro-benchmarks);
 // throws InvalidArgument if this CPU lacks it.
 void reduceIntoAt(SimdLevel level, DataType type, ReduceOp op, void* dst, const void* src,

@@ -1,0 +1,59 @@
+// `clawcomm._C.compress`: the sparsification kernels on numpy arrays (CPU
+// torch tensors pass through .numpy() without a copy).
+#include <pybind11/numpy.h>
+
+#include <string>
+
+#include "common/errors.h"
+#include "compress/topk.h"
+#include "python/engine_bindings.h"
+
+namespace py = pybind11;
+
+namespace clawcomm {
+
+using FloatArray = py::array_t<float, py::array::c_style>;
+using IndexArray = py::array_t<int32_t, py::array::c_style>;
+
+void bindCompress(py::module_& m) {
+  py::module_ c = m.def_submodule("compress", "Sparsification kernels for gradient compression.");
+  c.def(
+      "topk",
+      [](FloatArray acc, size_t k, const std::string& method, uint64_t seed) {
+        CLAWCOMM_ARG_CHECK(method == "exact" || method == "sampled", "clawcomm::topk: method '",
+                           method, "' is not 'exact' or 'sampled'");
+        CLAWCOMM_ARG_CHECK(acc.writeable(), "clawcomm::topk: the accumulator must be writable");
+        const size_t n = size_t(acc.size());
+        IndexArray idx(py::ssize_t(std::min(k, n)));
+        FloatArray val(py::ssize_t(std::min(k, n)));
+        size_t got;
+        {
+          py::gil_scoped_release release;
+          float* a = acc.mutable_data();
+          got = method == "exact"
+                    ? topkExact(a, n, k, idx.mutable_data(), val.mutable_data())
+                    : topkSampled(a, n, k, seed, idx.mutable_data(), val.mutable_data());
+        }
+        idx.resize({py::ssize_t(got)});
+        val.resize({py::ssize_t(got)});
+        return py::make_tuple(idx, val);
+      },
+      py::arg("acc").noconvert(), py::arg("k"), py::arg("method") = "sampled", py::arg("seed") = 0,
+      "Selects (at most) k entries of largest magnitude from the float32 array `acc`, "
+      "returns (indices ascending as int32, values), and zeroes them in `acc`, which "
+      "keeps the residual.");
+  c.def(
+      "scatter_add",
+      [](FloatArray dense, IndexArray idx, FloatArray val) {
+        CLAWCOMM_ARG_CHECK(idx.size() == val.size(), "clawcomm::scatter_add: ", idx.size(),
+                           " indices but ", val.size(), " values");
+        CLAWCOMM_ARG_CHECK(dense.writeable(), "clawcomm::scatter_add: dense must be writable");
+        py::gil_scoped_release release;
+        scatterAdd(dense.mutable_data(), size_t(dense.size()), idx.data(), val.data(),
+                   size_t(idx.size()));
+      },
+      py::arg("dense").noconvert(), py::arg("idx").noconvert(), py::arg("val").noconvert(),
+      "dense[idx[i]] += val[i] (indices are checked).");
+}
+
+}  // namespace clawcomm
