@@ -18,10 +18,23 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bench_cli.add_arguments(bench)
+    from clawcomm.experiments import compression as compression_experiment
+
+    experiment = sub.add_parser("experiment", help="training experiments on local ranks")
+    kinds = experiment.add_subparsers(dest="experiment", required=True)
+    comp = kinds.add_parser(
+        "compression",
+        help="train a small model once per gradient compressor",
+        description=compression_experiment.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    compression_experiment.add_arguments(comp)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     if args.command == "bench":
         return bench_cli.run(args, argv[1:])
+    if args.command == "experiment":
+        return compression_experiment.run(args)
     return 2
 
 

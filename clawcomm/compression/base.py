@@ -1,0 +1,69 @@
+"""The compressor interface and the per-bucket state it keeps."""
+
+from __future__ import annotations
+
+import torch
+
+
+class CompressorState:
+    """What a compressor remembers between steps: one error-feedback residual
+    per key (a DDP bucket index, a parameter name...), and a step counter that
+    is the same on every rank (random-k seeds its choice from it).
+
+    ``state_dict()``/``load_state_dict()`` make it part of a checkpoint, so
+    error feedback survives a restart.
+    """
+
+    def __init__(self):
+        self.residuals: dict = {}
+        self.calls: dict = {}  # key -> how many times it was reduced
+        self.step = 0
+
+    def tick(self, key) -> int:
+        """How many times `key` was reduced before (and count this one): the
+        same on every rank, so it can seed choices that ranks must share."""
+        n = self.calls.get(key, 0)
+        self.calls[key] = n + 1
+        return n
+
+    def residual(self, key, like: torch.Tensor) -> torch.Tensor:
+        r = self.residuals.get(key)
+        if r is None or r.shape != like.shape:
+            r = torch.zeros_like(like, dtype=torch.float32)
+            self.residuals[key] = r
+        return r
+
+    def state_dict(self) -> dict:
+        return {
+            "step": self.step,
+            "calls": dict(self.calls),
+            "residuals": {k: v.clone() for k, v in self.residuals.items()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+        self.calls = dict(state.get("calls", {}))
+        self.residuals = {k: v.clone() for k, v in state["residuals"].items()}
+
+
+class Compressor:
+    """Sums a float32 tensor over a group, compressing what it sends.
+
+    Subclasses implement ``all_reduce``; ``spec`` is the string that rebuilds
+    the compressor. ``with_values`` returns a variant whose values travel in
+    16 bits (``+fp16``/``+bf16``), when the compressor has values to send.
+    """
+
+    spec = "none"
+    uses_error_feedback = False
+
+    def all_reduce(self, tensor: torch.Tensor, state: CompressorState | None, key, group) -> None:
+        """In place: ``tensor`` becomes the sum over the group of every rank's
+        (compressed) tensor."""
+        raise NotImplementedError
+
+    def with_values(self, values: str, spec: str) -> Compressor:
+        raise ValueError(f"compressor spec {spec!r}: {self.spec} has no values to send as {values}")
+
+    def __repr__(self) -> str:
+        return f"<compressor {self.spec}>"

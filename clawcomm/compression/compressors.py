@@ -1,0 +1,197 @@
+"""The built-in compressors: none, fp16/bf16, top-k with error feedback, and
+random-k. Each sums a float32 tensor over a group in place."""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from clawcomm.compression.base import Compressor, CompressorState
+from clawcomm.compression.registry import parse_k, register_compressor
+from clawcomm.compression.sparse import sparse_all_reduce
+
+
+def _engine(group):
+    """The clawcomm engine behind `group`, or None for another backend."""
+    import clawcomm
+
+    try:
+        return clawcomm.engine_of(group)
+    except (ValueError, RuntimeError, AttributeError):
+        return None
+
+
+def _seed(state: CompressorState | None, key) -> int:
+    """Equal on every rank for the same key and call: Python's own hash() of
+    a string differs between processes, crc32 does not."""
+    calls = state.tick(key) if state is not None else 0
+    return calls * 1_000_003 + zlib.crc32(repr(key).encode())
+
+
+def _k_of(k: float | int, numel: int) -> int:
+    if isinstance(k, float):
+        return max(1, min(numel, round(k * numel))) if numel else 0
+    return min(k, numel)
+
+
+def _flat_f32(tensor: torch.Tensor, op: str) -> None:
+    if tensor.dtype != torch.float32 or not tensor.is_contiguous() or tensor.device.type != "cpu":
+        raise ValueError(
+            f"clawcomm.compression.{op}: needs a contiguous float32 CPU tensor, got "
+            f"{tensor.dtype} on {tensor.device}{'' if tensor.is_contiguous() else ' (strided)'}"
+        )
+
+
+class NoCompression(Compressor):
+    """A plain float32 all-reduce: the baseline every experiment compares to."""
+
+    spec = "none"
+
+    def all_reduce(self, tensor, state, key, group):
+        dist.all_reduce(tensor, group=group)
+
+
+class HalfPrecision(Compressor):
+    """16 bits on the wire, float32 accumulation at every step.
+
+    On a clawcomm group this is the engine's ring with a 16-bit wire
+    (ring_all_reduce_16bit.cc): each rank's input and partial sums stay in
+    float32, only what crosses the wire is rounded, once per hop. With
+    ``prescale`` every value is first multiplied by 1/world_size, which keeps
+    a float16 sum of large gradients from overflowing (the result is then the
+    mean, and ``all_reduce`` multiplies back). On another backend it falls back
+    to casting, summing in 16 bits and casting back (what torch's
+    fp16_compress_hook does).
+    """
+
+    def __init__(self, wire: str, prescale: bool = True):
+        self.wire = wire
+        self.prescale = prescale
+        self.spec = {"float16": "fp16", "bfloat16": "bf16"}[wire]
+
+    def all_reduce(self, tensor, state, key, group):
+        n = dist.get_world_size(group)
+        engine = _engine(group)
+        if engine is None:
+            half = tensor.to(getattr(torch, self.wire))
+            dist.all_reduce(half, group=group)
+            tensor.copy_(half)
+            return
+        scale = 1.0 / n if self.prescale else 1.0
+        engine.all_reduce_16bit_wire(tensor.numpy(), self.wire, scale)
+        if scale != 1.0:
+            tensor.mul_(n)
+
+
+class TopK(Compressor):
+    """The k entries of largest magnitude, with error feedback.
+
+    Each step adds the residual kept for ``key`` to the gradient, sends the k
+    largest entries of the sum, and keeps the rest as the next residual (in
+    ``state``; without a state nothing is kept). Selection is ``sampled``
+    (Deep Gradient Compression's threshold from a 1% sample, one pass over
+    the tensor) or ``exact``. The pairs travel as int32 (or uint16) indices and
+    ``values`` (fp32, fp16 or bf16) through ``sparse_all_reduce``.
+    """
+
+    uses_error_feedback = True
+
+    def __init__(self, k, selection="sampled", values="fp32", form="auto"):
+        self.k = k
+        self.selection = selection
+        self.values = values
+        self.form = form
+        sel = "" if selection == "sampled" else f":{selection}"
+        val = "" if values == "fp32" else f"+{values}"
+        self.spec = f"topk:{k}{sel}{val}"
+
+    def with_values(self, values, spec):
+        return TopK(self.k, self.selection, values, self.form)
+
+    def all_reduce(self, tensor, state, key, group):
+        from clawcomm import _C
+
+        _flat_f32(tensor, "topk")
+        numel = tensor.numel()
+        k = _k_of(self.k, numel)
+        if state is not None:
+            acc = state.residual(key, tensor)
+            acc.add_(tensor)
+        else:
+            acc = tensor.clone()
+        seed = _seed(state, key)
+        idx, val = _C.compress.topk(acc.numpy(), k, self.selection, seed)
+        # acc now holds what was not sent: the residual (kept in state).
+        sparse_all_reduce(
+            torch.from_numpy(idx), torch.from_numpy(val), tensor, group, self.values, self.form
+        )
+
+
+class RandomK(Compressor):
+    """k entries chosen uniformly at random, scaled by numel/k: an unbiased
+    estimate of the sum, and the usual baseline for top-k. Every rank draws
+    the same indices (the seed is the state's step and the key), so the k
+    values are all-reduced densely, with no indices on the wire."""
+
+    def __init__(self, k, values="fp32"):
+        self.k = k
+        self.values = values
+        self.spec = f"randomk:{k}" + ("" if values == "fp32" else f"+{values}")
+
+    def with_values(self, values, spec):
+        return RandomK(self.k, values)
+
+    def all_reduce(self, tensor, state, key, group):
+        _flat_f32(tensor, "randomk")
+        numel = tensor.numel()
+        k = _k_of(self.k, numel)
+        if k == 0:
+            return
+        gen = torch.Generator().manual_seed(_seed(state, key))
+        idx = torch.randint(0, numel, (k,), generator=gen)
+        vals = tensor[idx] * (numel / k)
+        if self.values == "fp32":
+            dist.all_reduce(vals, group=group)
+        else:
+            HalfPrecision({"fp16": "float16", "bf16": "bfloat16"}[self.values]).all_reduce(
+                vals, None, key, group
+            )
+        tensor.zero_()
+        tensor.index_add_(0, idx, vals)
+
+
+def _no_args(name, cls):
+    def factory(*args, spec):
+        if args:
+            raise ValueError(f"compressor spec {spec!r}: {name} takes no arguments")
+        return cls()
+
+    return factory
+
+
+def _topk(*args, spec):
+    if not args or len(args) > 2:
+        raise ValueError(f"compressor spec {spec!r}: write topk:K or topk:K:exact|sampled")
+    selection = args[1] if len(args) == 2 else "sampled"
+    if selection not in ("exact", "sampled"):
+        raise ValueError(
+            f"compressor spec {spec!r}: selection {selection!r} is not exact or sampled"
+        )
+    return TopK(parse_k(args[0], spec), selection)
+
+
+def _randomk(*args, spec):
+    if len(args) != 1:
+        raise ValueError(f"compressor spec {spec!r}: write randomk:K")
+    return RandomK(parse_k(args[0], spec))
+
+
+register_compressor("none", _no_args("none", NoCompression))
+register_compressor("fp16", _no_args("fp16", lambda: HalfPrecision("float16")))
+register_compressor("bf16", _no_args("bf16", lambda: HalfPrecision("bfloat16")))
+register_compressor("topk", _topk)
+register_compressor("randomk", _randomk)
+
+__all__ = ["CompressorState", "HalfPrecision", "NoCompression", "RandomK", "TopK"]

@@ -1,0 +1,74 @@
+"""Compressor specs: strings such as "fp16", "topk:0.01", "topk:1000:exact",
+"randomk:0.01" and combinations such as "topk:0.01+fp16".
+
+Grammar: ``BASE[+VALUES]`` where BASE is ``none``, ``fp16``, ``bf16``,
+``topk:K[:exact|:sampled]`` or ``randomk:K``, K is a ratio in (0, 1] (written
+with a decimal point, "0.01") or a count (an integer, "1000"), and VALUES
+(``fp16`` or ``bf16``) sets the type the sparse values travel in.
+
+Researchers add their own with ``register_compressor(name, factory)``: the
+factory receives the spec's arguments (the parts after ``name:``) as strings
+and returns a ``Compressor``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from clawcomm.compression.base import Compressor
+
+_FACTORIES: dict[str, Callable[..., Compressor]] = {}
+
+
+def register_compressor(name: str, factory: Callable[..., Compressor]) -> None:
+    """Makes ``name[:arg...]`` a valid spec. Raises ValueError if taken."""
+    if not name.isidentifier():
+        raise ValueError(f"compressor name {name!r} is not an identifier")
+    if name in _FACTORIES:
+        raise ValueError(f"a compressor named {name!r} is already registered")
+    _FACTORIES[name] = factory
+
+
+def available() -> list[str]:
+    return sorted(_FACTORIES)
+
+
+def parse_k(text: str, spec: str) -> float | int:
+    """'0.01' -> ratio 0.01; '1000' -> count 1000."""
+    try:
+        value = float(text) if any(c in text for c in ".eE") else int(text)
+    except ValueError:
+        raise ValueError(
+            f"compressor spec {spec!r}: k {text!r} is not a ratio or a count"
+        ) from None
+    if isinstance(value, float) and not 0.0 < value <= 1.0:
+        raise ValueError(f"compressor spec {spec!r}: ratio {value} is not in (0, 1]")
+    if isinstance(value, int) and value < 1:
+        raise ValueError(f"compressor spec {spec!r}: count {value} is not at least 1")
+    return value
+
+
+def get_compressor(spec: str | Compressor) -> Compressor:
+    """The compressor a spec names (a Compressor is returned unchanged)."""
+    if isinstance(spec, Compressor):
+        return spec
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"compressor spec {spec!r} is empty; try one of {', '.join(available())}")
+    base, *extra = [p.strip() for p in spec.split("+")]
+    name, *args = base.split(":")
+    if name not in _FACTORIES:
+        raise ValueError(
+            f"compressor spec {spec!r}: unknown compressor {name!r} "
+            f"(known: {', '.join(available())})"
+        )
+    values = None
+    if extra:
+        if len(extra) > 1 or extra[0] not in ("fp16", "bf16"):
+            raise ValueError(
+                f"compressor spec {spec!r}: only '+fp16' or '+bf16' may follow a compressor"
+            )
+        values = extra[0]
+    compressor = _FACTORIES[name](*args, spec=spec)
+    if values is not None:
+        compressor = compressor.with_values(values, spec)
+    return compressor

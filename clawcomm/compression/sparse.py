@@ -1,0 +1,143 @@
+"""Sparse all-reduce: every rank contributes (index, value) pairs, every rank
+gets the dense sum. Two forms:
+
+* ``gather``: all-gather every rank's k pairs, then scatter-add them all.
+  One collective; each rank receives (p-1) k pairs: O(k p).
+* ``reduce_scatter``: each rank sends the pairs that fall in rank q's slice of
+  the index space to rank q (all-to-all), q sums them into its slice, and
+  the slices' non-zero entries are all-gathered. Each rank sends about k
+  pairs and receives about k, plus the union of non-zeros it gathers: O(k)
+  per rank when the ranks' choices overlap, at the price of four more
+  (small) collectives.
+
+``auto`` takes ``gather`` up to 4 ranks and ``reduce_scatter`` beyond, where
+the (p-1) k term dominates. Indices travel as uint16 when the tensor has at
+most 65536 elements, else int32; values as float32, float16 or bfloat16.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from clawcomm import _C
+
+VALUE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _index_dtype(numel: int) -> torch.dtype:
+    return torch.int16 if numel <= 1 << 16 else torch.int32  # int16 holds uint16 bits
+
+
+def _pack(idx: torch.Tensor, val: torch.Tensor, numel: int, values: str) -> torch.Tensor:
+    """One byte buffer: indices, then values."""
+    itype = _index_dtype(numel)
+    i = idx.to(torch.int32)
+    if itype == torch.int16:  # store 0..65535 as the int16 with the same bits
+        i = torch.where(i >= 1 << 15, i - (1 << 16), i)
+    v = val.to(VALUE_DTYPES[values])
+    # Each section starts 8-byte aligned, so the receiver can view it in place.
+    ib, vb = _section_bytes(idx.numel(), numel, values)
+    out = torch.zeros(ib + vb, dtype=torch.uint8)
+    out[: i.numel() * i.to(itype).element_size()] = i.to(itype).view(torch.uint8)
+    out[ib : ib + v.numel() * v.element_size()] = v.view(torch.uint8)
+    return out
+
+
+def _section_bytes(k: int, numel: int, values: str) -> tuple[int, int]:
+    isz = torch.tensor([], dtype=_index_dtype(numel)).element_size()
+    vsz = torch.tensor([], dtype=VALUE_DTYPES[values]).element_size()
+    return -(-k * isz // 8) * 8, -(-k * vsz // 8) * 8
+
+
+def _unpack(buf: torch.Tensor, k: int, numel: int, values: str):
+    itype = _index_dtype(numel)
+    ib, _ = _section_bytes(k, numel, values)
+    idx = buf[:ib].view(itype)[:k].to(torch.int32)
+    if itype == torch.int16:
+        idx = idx & 0xFFFF
+    val = buf[ib:].view(VALUE_DTYPES[values])[:k].to(torch.float32)
+    return idx, val
+
+
+def _scatter_add(out: torch.Tensor, idx: torch.Tensor, val: torch.Tensor) -> None:
+    _C.compress.scatter_add(out.numpy(), idx.numpy().astype(np.int32, copy=False), val.numpy())
+
+
+def sparse_all_reduce(
+    idx: torch.Tensor,
+    val: torch.Tensor,
+    out: torch.Tensor,
+    group=None,
+    values: str = "fp32",
+    form: str = "auto",
+) -> None:
+    """``out`` (float32, zeroed by this call) becomes the sum over the group
+    of every rank's sparse tensor (idx, val). Ranks may pass different
+    numbers of pairs."""
+    if form not in ("auto", "gather", "reduce_scatter"):
+        raise ValueError(f"sparse_all_reduce: form {form!r} is not auto, gather or reduce_scatter")
+    if values not in VALUE_DTYPES:
+        raise ValueError(f"sparse_all_reduce: values {values!r} is not one of fp32, fp16, bf16")
+    n = dist.get_world_size(group)
+    if form == "auto":
+        form = "gather" if n <= 4 else "reduce_scatter"
+    out.zero_()
+    if form == "gather":
+        _gather_form(idx, val, out, group, values, n)
+    else:
+        _reduce_scatter_form(idx, val, out, group, values, n)
+
+
+# torch 2.13 renamed all_gather_into_tensor (the old name warns).
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _all_counts(count: int, group, n: int) -> list[int]:
+    counts = torch.zeros(n, dtype=torch.int64)
+    _all_gather(counts, torch.tensor([count], dtype=torch.int64), group=group)
+    return counts.tolist()
+
+
+def _gather_form(idx, val, out, group, values, n):
+    numel = out.numel()
+    k = max(_all_counts(idx.numel(), group, n))
+    if k == 0:
+        return
+    # Pad to the largest k with (index 0, value 0): adding zero changes nothing.
+    pad = k - idx.numel()
+    idx = torch.cat([idx.to(torch.int32), torch.zeros(pad, dtype=torch.int32)])
+    val = torch.cat([val, torch.zeros(pad, dtype=val.dtype)])
+    mine = _pack(idx, val, numel, values)
+    gathered = torch.empty(n * mine.numel(), dtype=torch.uint8)
+    _all_gather(gathered, mine, group=group)
+    for r in range(n):
+        i, v = _unpack(gathered[r * mine.numel() : (r + 1) * mine.numel()], k, numel, values)
+        _scatter_add(out, i, v)
+
+
+def _reduce_scatter_form(idx, val, out, group, values, n):
+    numel = out.numel()
+    rank = dist.get_rank(group)
+    bounds = [numel * q // n for q in range(n + 1)]
+    order = torch.argsort(idx)
+    idx, val = idx[order].to(torch.int32), val[order]
+    cuts = torch.searchsorted(idx, torch.tensor(bounds, dtype=torch.int32)).tolist()
+    send = [cuts[q + 1] - cuts[q] for q in range(n)]
+    recv_t = torch.empty(n, dtype=torch.int64)
+    dist.all_to_all_single(recv_t, torch.tensor(send, dtype=torch.int64), group=group)
+    recv = recv_t.tolist()
+    # Step 1: pairs to the rank that owns their slice (values in the wire type).
+    got_idx = torch.empty(sum(recv), dtype=torch.int32)
+    dist.all_to_all_single(got_idx, idx, recv, send, group=group)
+    wire = VALUE_DTYPES[values]
+    got_val = torch.empty(sum(recv), dtype=wire)
+    dist.all_to_all_single(got_val, val.to(wire), recv, send, group=group)
+    # Step 2: sum them into this rank's slice; its non-zeros are the result.
+    lo, hi = bounds[rank], bounds[rank + 1]
+    piece = torch.zeros(hi - lo, dtype=torch.float32)
+    _scatter_add(piece, got_idx - lo, got_val.to(torch.float32))
+    nz = torch.nonzero(piece).flatten().to(torch.int32)
+    # Step 3: all-gather every slice's non-zeros (padded to the largest).
+    _gather_form(nz + lo, piece[nz.long()], out, group, values, n)

@@ -1,0 +1,1 @@
+"""``clawcomm experiment ...``: experiments that train real models on local ranks."""

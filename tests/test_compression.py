@@ -1,0 +1,355 @@
+"""Gradient compression: selection kernels, error feedback, the 16-bit wire,
+the sparse all-reduce, the compressor registry, DDP hooks and the
+experiment, against values computed locally and single-process references."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import clawcomm
+from clawcomm import _C
+from clawcomm.compression import (
+    Compressor,
+    CompressorState,
+    compressed_all_reduce,
+    get_compressor,
+    register_compressor,
+    sparse_all_reduce,
+)
+from clawcomm.testing import run_ranks
+
+
+def _grad(seed, n):
+    return torch.from_numpy(np.random.default_rng(seed).standard_normal(n).astype(np.float32))
+
+
+@pytest.mark.parametrize("method", ["exact", "sampled"])
+@pytest.mark.parametrize("n,k", [(1, 1), (10, 3), (1000, 10), (300_000, 3000), (50, 80)])
+def test_topk_keeps_error_feedback_invariant(method, n, k):
+    x = _grad(n, n)
+    acc = x.clone()
+    idx, val = _C.compress.topk(acc.numpy(), k, method, 7)
+    assert len(idx) <= min(k, n) and np.all(np.diff(idx) > 0)
+    sent = torch.zeros(n)
+    sent[torch.from_numpy(idx).long()] = torch.from_numpy(val)
+    # What was sent plus the residual is exactly what was accumulated.
+    assert torch.equal(sent + acc, x)
+    assert torch.all(acc[torch.from_numpy(idx).long()] == 0)
+    if method == "exact":
+        assert len(idx) == min(k, n)
+    else:
+        assert len(idx) >= 0.5 * min(k, n)
+        # Everything sent is at least as large as everything kept back.
+        if len(idx) and len(idx) < n:
+            assert np.abs(val).min() >= acc.abs().max() - 1e-6 or len(idx) < k
+
+
+def test_exact_topk_matches_torch_topk():
+    x = _grad(3, 100_000)
+    for k in (1, 17, 1000):
+        acc = x.clone()
+        idx, val = _C.compress.topk(acc.numpy(), k, "exact")
+        ref = torch.topk(x.abs(), k).indices.sort().values
+        assert torch.equal(torch.from_numpy(idx).long(), ref)
+        assert torch.equal(torch.from_numpy(val), x[ref])
+
+
+def test_sampled_topk_is_one_pass_cheap():
+    """Not a timing assertion: the sampled selection reads the tensor once,
+    so on 16M values it picks within 10% of k entries."""
+    x = _grad(4, 1 << 24)
+    idx, _ = _C.compress.topk(x.numpy(), 1 << 17, "sampled", 1)
+    assert 0.9 * (1 << 17) <= len(idx) <= 1 << 17
+
+
+def test_kernel_argument_errors():
+    with pytest.raises(ValueError, match="method 'fast' is not 'exact' or 'sampled'"):
+        _C.compress.topk(np.zeros(4, np.float32), 2, "fast")
+    with pytest.raises(ValueError, match="index 9 is outside a tensor of 4 elements"):
+        _C.compress.scatter_add(np.zeros(4, np.float32), np.array([9], np.int32),
+                                np.ones(1, np.float32))  # fmt: skip
+    with pytest.raises(ValueError, match="2 indices but 1 values"):
+        _C.compress.scatter_add(np.zeros(4, np.float32), np.zeros(2, np.int32),
+                                np.ones(1, np.float32))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("", "is empty"),
+        ("topk", "write topk:K"),
+        ("topk:0", "count 0 is not at least 1"),
+        ("topk:1.5", "ratio 1.5 is not in (0, 1]"),
+        ("topk:lots", "k 'lots' is not a ratio or a count"),
+        ("topk:0.1:fast", "selection 'fast' is not exact or sampled"),
+        ("zip", "unknown compressor 'zip'"),
+        ("fp16:3", "fp16 takes no arguments"),
+        ("topk:0.1+fp8", "only '+fp16' or '+bf16' may follow"),
+        ("fp16+fp16", "fp16 has no values to send as fp16"),
+    ],
+)
+def test_bad_specs_are_refused(spec, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        get_compressor(spec)
+
+
+def test_specs_round_trip():
+    for spec in ["none", "fp16", "bf16", "topk:0.01", "topk:100:exact", "topk:0.01+fp16",
+                 "randomk:0.01", "randomk:0.5+bf16"]:  # fmt: skip
+        assert get_compressor(spec).spec == spec
+
+
+def _every_compressor(rank, n, numel):
+    xs = [_grad(100 + r, numel) for r in range(n)]
+    dense = sum(xs)
+    out = {}
+    for spec in ["none", "fp16", "bf16", "topk:0.05", "topk:0.05:exact+fp16", "randomk:0.5"]:
+        t = xs[rank].clone()
+        compressed_all_reduce(t, spec, CompressorState(), key="w")
+        out[spec] = t
+    return dense, out
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_compressed_all_reduce_agrees_across_ranks(world_size):
+    results = run_ranks(_every_compressor, world_size, 5000)
+    dense = results[0][0]
+    for spec in results[0][1]:
+        outs = [r[1][spec] for r in results]
+        for o in outs[1:]:
+            assert torch.equal(o, outs[0]), spec  # every rank ends with the same bits
+    assert torch.allclose(results[0][1]["none"], dense, atol=1e-5)
+    assert torch.allclose(results[0][1]["fp16"], dense, atol=1e-2)
+
+
+def _sparse(rank, n, numel, values, form):
+    rng = np.random.default_rng(rank)
+    k = 10 + 7 * rank  # ranks send different numbers of pairs
+    idx = torch.from_numpy(np.sort(rng.choice(numel, k, replace=False)).astype(np.int32))
+    val = torch.from_numpy(rng.standard_normal(k).astype(np.float32))
+    out = torch.empty(numel)
+    sparse_all_reduce(idx, val, out, values=values, form=form)
+    return idx, val, out
+
+
+@pytest.mark.parametrize("form", ["gather", "reduce_scatter"])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_sparse_all_reduce_is_the_dense_sum_of_the_sparse_inputs(world_size, form):
+    for numel, values in [(1000, "fp32"), (200_000, "fp32"), (70_000, "fp16")]:
+        results = run_ranks(_sparse, world_size, numel, values, form)
+        want = torch.zeros(numel)
+        for idx, val, _ in results:
+            v = val.to(torch.float16).float() if values == "fp16" else val
+            want.index_add_(0, idx.long(), v)
+        for _, _, out in results:
+            if values == "fp32":
+                assert torch.equal(out, want), (numel, form)
+            else:
+                assert torch.allclose(out, want, atol=2e-3), (numel, form)
+
+
+def _error_feedback(rank, n):
+    state = CompressorState()
+    x = _grad(rank, 1000)
+    sums = []
+    for _ in range(3):
+        before = state.residual("g", x).clone()
+        t = x.clone()
+        compressed_all_reduce(t, "topk:10:exact", state, key="g")
+        sums.append((before, state.residuals["g"].clone(), t))
+    return x, sums
+
+
+def test_error_feedback_over_steps_and_world():
+    """Each step sends the top entries of grad + residual and keeps the rest:
+    over steps, sent + kept = everything accumulated."""
+    results = run_ranks(_error_feedback, 2)
+    x0, x1 = results[0][0], results[1][0]
+    total_sent = torch.zeros(1000)
+    for step in range(3):
+        out = results[0][1][step][2]
+        total_sent += out
+    residual = results[0][1][2][1] + results[1][1][2][1]
+    assert torch.allclose(total_sent + residual, 3 * (x0 + x1), atol=1e-5)
+
+
+def _fp16_error(rank, n, xs):
+    t = xs[rank].clone()
+    compressed_all_reduce(t, "fp16", average=False)
+    return t
+
+
+def test_16_bit_wire_beats_summing_in_16_bits():
+    n, numel = 4, 20_000
+    xs = [_grad(7 + r, numel) * 50 + 0.001 * r for r in range(n)]
+    exact = sum(x.double() for x in xs)
+    wire = run_ranks(_fp16_error, n, xs)[0].double()
+    # What summing in float16 gives: every input and partial sum rounded.
+    s = xs[0].half()
+    for x in xs[1:]:
+        s = (s + x.half()).half()
+    err_wire = (wire - exact).abs().mean()
+    err_half = (s.double() - exact).abs().mean()
+    assert err_wire < err_half, (err_wire, err_half)
+
+
+def _bytes(rank, n):
+    out = {}
+    for spec in ["none", "fp16", "topk:0.01"]:
+        before = clawcomm.comm_stats()
+        compressed_all_reduce(_grad(rank, 1 << 18), spec, CompressorState())
+        after = clawcomm.comm_stats()
+        out[spec] = sum(after[k]["bytes_sent"] - before[k]["bytes_sent"] for k in after)
+    return out
+
+
+def test_wire_bytes_are_measured():
+    sent = run_ranks(_bytes, 2)[0]
+    assert 0.49 < sent["fp16"] / sent["none"] < 0.51
+    assert sent["topk:0.01"] / sent["none"] < 0.03
+
+
+def test_random_k_is_unbiased():
+    """World size 1: the estimate averaged over many draws approaches x."""
+
+    def body(rank, n):
+        x = _grad(5, 2000)
+        state, total = CompressorState(), torch.zeros(2000)
+        for _ in range(400):
+            t = x.clone()
+            compressed_all_reduce(t, "randomk:0.25", state, key=0)
+            total += t
+        return x, total / 400
+
+    x, mean = run_ranks(body, 1)[0]
+    assert (mean - x).abs().mean() < 0.25 * x.abs().mean()
+
+
+class _Sign(Compressor):
+    """A researcher's compressor: the sign of each entry times the mean
+    magnitude, summed densely (here through a plain all-reduce)."""
+
+    spec = "sign"
+
+    def all_reduce(self, tensor, state, key, group):
+        scale = tensor.abs().mean()
+        tensor.copy_(tensor.sign() * scale)
+        dist.all_reduce(tensor, group=group)
+
+
+def test_register_a_python_compressor():
+    register_compressor("sign_test", lambda *args, spec: _Sign())
+    with pytest.raises(ValueError, match="already registered"):
+        register_compressor("sign_test", lambda *args, spec: _Sign())
+
+    def body(rank, n):
+        t = torch.tensor([2.0, -4.0])
+        return compressed_all_reduce(t, "sign_test")
+
+    assert torch.equal(run_ranks(body, 2)[0], torch.tensor([6.0, -6.0]))
+
+
+def test_state_dict_round_trip():
+    s = CompressorState()
+    t = _grad(1, 100)
+    compressed_all_reduce_local = get_compressor("topk:5:exact")
+    s.residual(0, t).add_(t)
+    s.step = 3
+    s2 = CompressorState()
+    s2.load_state_dict(s.state_dict())
+    assert s2.step == 3 and torch.equal(s2.residuals[0], s.residuals[0])
+    assert compressed_all_reduce_local.uses_error_feedback
+
+
+def _ddp(rank, n, spec, steps):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from clawcomm.hooks import CompressionHookState, compression_hook
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    ddp = DDP(model, bucket_cap_mb=0.001)  # several buckets
+    state = CompressionHookState("none" if spec == "ddp" else spec, warmup_steps=3)
+    if spec != "ddp":  # "ddp": DDP's own all-reduce, the reference
+        ddp.register_comm_hook(state, compression_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(rank)
+    w = torch.randn(20, 1, generator=torch.Generator().manual_seed(9))
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(32, 20, generator=gen)
+        loss = ((ddp(x) - x @ w) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    saved = state.state_dict()
+    return [p.detach().clone() for p in model.parameters()], losses, saved, state.step
+
+
+def test_hooks_match_ddp_when_lossless_and_converge_when_sparse():
+    dense, dense_losses, _, _ = run_ranks(_ddp, 2, "ddp", 60)[0]
+    fp32, _, _, steps = run_ranks(_ddp, 2, "none", 60)[0]
+    assert steps == 60
+    for a, b in zip(dense, fp32, strict=True):
+        assert torch.allclose(a, b, atol=1e-5)
+    fp16, _, _, _ = run_ranks(_ddp, 2, "fp16", 60)[0]
+    for a, b in zip(dense, fp16, strict=True):
+        assert torch.allclose(a, b, atol=2e-2)
+    results = run_ranks(_ddp, 2, "topk:0.1", 150)
+    params, losses, saved, _ = results[0]
+    assert np.mean(losses[-20:]) < 0.2 * np.mean(losses[:5])
+    # Both ranks ended with the same model, and residuals are in the state dict.
+    for a, b in zip(params, results[1][0], strict=True):
+        assert torch.equal(a, b)
+    assert saved["spec"] == "topk:0.1" and saved["compression"]["residuals"]
+
+
+def test_hook_state_checks():
+    from clawcomm.hooks import CompressionHookState
+
+    with pytest.raises(ValueError, match="warmup_steps -1 must be >= 0"):
+        CompressionHookState("fp16", warmup_steps=-1)
+    s = CompressionHookState("topk:0.1")
+    with pytest.raises(ValueError, match="checkpoint was made with 'fp16'"):
+        s.load_state_dict(CompressionHookState("fp16").state_dict())
+
+
+def test_non_float32_tensors_are_refused():
+    def body(rank, n):
+        with pytest.raises(ValueError, match="needs a contiguous float32 CPU tensor"):
+            compressed_all_reduce(torch.zeros(4, dtype=torch.float64), "topk:0.5")
+        return True
+
+    assert run_ranks(body, 1) == [True]
+
+
+def test_experiment_runs_and_writes_results(tmp_path):
+    out = tmp_path / "e.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    p = subprocess.run(
+        [sys.executable, "-m", "clawcomm.cli", "experiment", "compression", "-c",
+         "none,fp16,topk:0.05", "--steps", "40", "--warmup", "5", "--json", str(out),
+         "--plot", str(tmp_path / "e.png"), "--quiet"],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    data = json.loads(out.read_text())
+    by = {r["compressor"]: r for r in data["results"]}
+    assert 0.49 < by["fp16"]["bytes_per_step"] / by["none"]["bytes_per_step"] < 0.52
+    assert by["topk:0.05"]["bytes_per_step"] < 0.15 * by["none"]["bytes_per_step"]
+    assert "loss gap" in p.stdout and (tmp_path / "e.png").stat().st_size > 5000
+    bad = subprocess.run(
+        [sys.executable, "-m", "clawcomm.cli", "experiment", "compression", "-c", "topk:2.0"],
+        capture_output=True, text=True, env=env,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "ratio 2.0 is not in (0, 1]" in bad.stderr
