@@ -6,6 +6,7 @@
 
 #include "common/errors.h"
 #include "compress/topk.h"
+#include "compress/varint.h"
 #include "python/engine_bindings.h"
 
 namespace py = pybind11;
@@ -54,6 +55,31 @@ void bindCompress(py::module_& m) {
       },
       py::arg("dense").noconvert(), py::arg("idx").noconvert(), py::arg("val").noconvert(),
       "dense[idx[i]] += val[i] (indices are checked).");
+  c.def(
+      "encode_indices",
+      [](IndexArray idx) {
+        std::string out(maxEncodedBytes(size_t(idx.size())), '\0');
+        size_t n;
+        {
+          py::gil_scoped_release release;
+          n = encodeIndices(idx.data(), size_t(idx.size()), reinterpret_cast<uint8_t*>(&out[0]));
+        }
+        return py::bytes(out.data(), n);
+      },
+      py::arg("idx").noconvert(), "Delta + LEB128 varint bytes of ascending int32 indices.");
+  c.def(
+      "decode_indices",
+      [](py::bytes data, size_t count) {
+        const std::string s = data;
+        IndexArray idx(static_cast<py::ssize_t>(count));
+        {
+          py::gil_scoped_release release;
+          decodeIndices(reinterpret_cast<const uint8_t*>(s.data()), s.size(), idx.mutable_data(),
+                        count);
+        }
+        return idx;
+      },
+      py::arg("data"), py::arg("count"), "The inverse of encode_indices.");
 }
 
 }  // namespace clawcomm
