@@ -9,6 +9,10 @@
     python3 bench/compression_bench.py                      # TCP, 2 ranks
     python3 bench/compression_bench.py --transport shm --json bench/results/compression_shm.json
 
+With --rank/--world/--store it is one rank of a job started by hand, for
+example one per network namespace joined by a rate-limited veth pair (see
+bench/README.md); rank 0 prints the all-reduce table.
+
 Prints a table and optionally writes JSON.
 """
 
@@ -83,7 +87,34 @@ def main() -> None:
     p.add_argument("--mib", type=int, default=64, help="gradient size in MiB (64)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", metavar="FILE")
+    p.add_argument("--rank", type=int, help="this process is one rank (with --world, --store)")
+    p.add_argument("--world", type=int)
+    p.add_argument("--store", help="a FileStore path every rank can reach")
     args = p.parse_args()
+    if args.rank is not None:
+        import datetime
+
+        import torch.distributed as dist
+
+        import clawcomm  # noqa: F401
+
+        store = dist.FileStore(args.store, args.world)
+        dist.init_process_group(
+            "clawcomm", store=store, rank=args.rank, world_size=args.world,
+            timeout=datetime.timedelta(seconds=600),
+        )  # fmt: skip
+        times = _all_reduce_times(args.rank, args.world, (args.mib << 20) // 4, args.repeats)
+        if args.rank == 0:
+            print(
+                f"# {args.mib} MiB float32 all-reduce, {args.world} ranks, best of {args.repeats}"
+            )
+            for spec in SPECS:
+                print(f"  {spec:<18} {times[spec]:9.2f} ms {times[spec] / times['none']:9.2%}")
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({"args": vars(args), "all_reduce_ms": times}, f, indent=1)
+        dist.destroy_process_group()
+        return
     sel = selection(16 << 20, args.repeats)
     print("# top-k selection of 1% of 16M float32 values (64 MiB), best of", args.repeats)
     print(f"#   memcpy {sel['memcpy_ms']:.2f} ms")
