@@ -353,3 +353,20 @@ def test_experiment_runs_and_writes_results(tmp_path):
         capture_output=True, text=True, env=env,
     )  # fmt: skip
     assert bad.returncode == 2 and "ratio 2.0 is not in (0, 1]" in bad.stderr
+
+
+def _fp16_segments(rank, n):
+    xs = [_grad(300 + r, 10_007) for r in range(n)]
+    t = xs[rank].clone()
+    compressed_all_reduce(t, "bf16" if n == 4 else "fp16")
+    return t, sum(xs)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_16_bit_wire_in_many_segments(world_size):
+    """Tiny segments: every chunk crosses the wire in dozens of pieces."""
+    results = run_ranks(_fp16_segments, world_size, env={"CLAWCOMM_SEGMENT_BYTES": "256"})
+    for t, _ in results[1:]:
+        assert torch.equal(t, results[0][0])
+    t, dense = results[0]
+    assert torch.allclose(t, dense, atol=0.05 if world_size == 4 else 5e-3)
