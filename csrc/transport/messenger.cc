@@ -406,13 +406,24 @@ void Messenger::checkPeers(const std::vector<TransferPtr>& waitingOn) {
                                       rank_, " waits for ", describeWait(*t)));
     }
   }
-  // Report every failed peer, not just the first: when one rank dies, the
-  // others abort too, and the dead one must still be named.
+  // Death counts only for peers this wait needs (any-source: all of them);
+  // aborts count for every peer. Report every failed peer, not just the
+  // first: when one rank dies, the others abort too, and the dead one must
+  // still be named.
+  std::vector<bool> needed(size_t(size_), false);
+  for (const auto& t : waitingOn) {
+    if (t->complete) continue;
+    if (t->peer < 0) {
+      needed.assign(size_t(size_), true);
+      break;
+    }
+    needed[t->peer] = true;
+  }
   std::string failures;
   for (int p = 0; p < size_; ++p) {
     if (p == rank_ || peers_[p].closed) continue;
     try {
-      peers_[p].conn->checkPeer();
+      peers_[p].conn->checkPeer(needed[p]);
     } catch (const PeerError& e) {
       failures += failures.empty() ? e.what() : std::string("; ") + e.what();
     }

@@ -41,9 +41,11 @@ class Connection {
   // Releases the first `n` bytes returned by peek().
   virtual void consume(size_t n) = 0;
 
-  // Throws PeerError when the peer died, aborted, or closed the stream with
-  // bytes still expected. Called from the slow path of every wait.
-  virtual void checkPeer() = 0;
+  // Throws PeerError when the peer aborted, or, if `waitingOnIt`, when it
+  // died or closed the stream. Called from the slow path of every wait. A
+  // peer this rank is not waiting on may legitimately have finished its last
+  // operation and exited; its death is reported by the wait that needs it.
+  virtual void checkPeer(bool waitingOnIt) = 0;
 
   // Marks the stream as aborted for the peer, with a reason it can report.
   virtual void abort(const std::string& reason) = 0;

@@ -140,14 +140,14 @@ class ShmConnection : public Connection {
 
   Doorbell* doorbell() override { return &own_->header()->doorbell; }
 
-  void checkPeer() override {
+  void checkPeer(bool waitingOnIt) override {
     if (in_->producerState.load(std::memory_order_acquire) == kAborted) {
       throw PeerError(CLAWCOMM_CONCAT("rank ", peer_, " aborted: ", in_->producerReason));
     }
     if (out_->consumerState.load(std::memory_order_acquire) == kAborted) {
       throw PeerError(CLAWCOMM_CONCAT("rank ", peer_, " aborted: ", out_->consumerReason));
     }
-    if (in_->producerState.load(std::memory_order_acquire) == kClosed) return;
+    if (!waitingOnIt || in_->producerState.load(std::memory_order_acquire) == kClosed) return;
     // A peer that exited after its last send (without shutting the
     // communicator down) is only a failure once what it wrote is consumed.
     if (in_->head.load(std::memory_order_acquire) != in_->tail.load(std::memory_order_relaxed)) {

@@ -109,7 +109,10 @@ class TcpConnection : public Connection {
 
   void consume(size_t n) override { rpos_ += n; }
 
-  void checkPeer() override {
+  void checkPeer(bool waitingOnIt) override {
+    // An abort arrives as a frame (read by the messenger) or as end of
+    // stream, which only matters when this rank waits on the peer.
+    if (!waitingOnIt) return;
     if (!eof_) {
       pollfd pfd{fd_, POLLRDHUP, 0};
       if (poll(&pfd, 1, 0) > 0 && (pfd.revents & (POLLRDHUP | POLLHUP | POLLERR))) {
