@@ -28,8 +28,14 @@ struct Traffic {
   OpTraffic ops[kNumOpTypes];
 
   OpTraffic& of(OpType t) { return ops[int(t)]; }
+  // Any thread (calls are counted on the callers' threads).
   static void add(std::atomic<uint64_t>& c, uint64_t n) {
     c.fetch_add(n, std::memory_order_relaxed);
+  }
+  // The thread driving the messenger only (one at a time): a plain load and
+  // store, no locked instruction on the per-frame path.
+  static void bump(std::atomic<uint64_t>& c, uint64_t n) {
+    c.store(c.load(std::memory_order_relaxed) + n, std::memory_order_relaxed);
   }
 };
 

@@ -225,9 +225,9 @@ bool Messenger::progressSend(PeerState& ps) {
     t.complete = true;
     if (t.header.kind == FrameKind::kCollective || t.header.kind == FrameKind::kPointToPoint) {
       OpTraffic& c = traffic_.of(t.header.opType);
-      Traffic::add(c.framesSent, 1);
-      Traffic::add(c.bytesSent, total);
-      Traffic::add(c.payloadSent, t.bytes);
+      Traffic::bump(c.framesSent, 1);
+      Traffic::bump(c.bytesSent, total);
+      Traffic::bump(c.payloadSent, t.bytes);
     }
     ps.sendQueue.pop_front();
   }
@@ -294,9 +294,9 @@ bool Messenger::progressRecv(int peer, PeerState& ps) {
     }
     if (h.kind == FrameKind::kCollective || h.kind == FrameKind::kPointToPoint) {
       OpTraffic& c = traffic_.of(h.kind == FrameKind::kPointToPoint ? OpType::kRecv : h.opType);
-      Traffic::add(c.framesReceived, 1);
-      Traffic::add(c.bytesReceived, kHeaderBytes + total);
-      Traffic::add(c.payloadReceived, payload);
+      Traffic::bump(c.framesReceived, 1);
+      Traffic::bump(c.bytesReceived, kHeaderBytes + total);
+      Traffic::bump(c.payloadReceived, payload);
     }
     finishReceive(peer, ps, ps.target);
     ps.target.reset();
