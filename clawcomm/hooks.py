@@ -20,7 +20,6 @@ future (overlap with backward comes with the overlap-buckets issue).
 # No `from __future__ import annotations`: DDP checks the hook's return
 # annotation object, which must be torch.futures.Future[torch.Tensor].
 import torch
-import torch.distributed as dist
 
 from clawcomm.compression import Compressor, CompressorState, get_compressor
 
@@ -59,8 +58,7 @@ def compression_hook(state: CompressionHookState, bucket) -> torch.futures.Futur
     compressed after the warm-up."""
     buf = bucket.buffer()
     compressor = state.dense if state.step < state.warmup_steps else state.compressor
-    compressor.all_reduce(buf, state.compression, bucket.index(), state.group)
-    buf.div_(dist.get_world_size(state.group))
+    compressor.all_reduce_mean(buf, state.compression, bucket.index(), state.group)
     if bucket.is_last():
         state.compression.step += 1
     fut = torch.futures.Future()

@@ -14,7 +14,6 @@ comm hooks; ``register_compressor`` adds your own (docs/compression.md).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from clawcomm.compression import compressors as _builtin  # noqa: F401  (registers them)
 from clawcomm.compression.base import Compressor, CompressorState
@@ -45,7 +44,8 @@ def compressed_all_reduce(
     error-feedback residuals under ``key`` (pass one per tensor you reduce
     every step); ``average`` divides by the group size."""
     c = get_compressor(compressor)
-    c.all_reduce(tensor, state, key, group)
     if average:
-        tensor.div_(dist.get_world_size(group))
+        c.all_reduce_mean(tensor, state, key, group)
+    else:
+        c.all_reduce(tensor, state, key, group)
     return tensor

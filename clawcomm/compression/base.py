@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed
 
 
 class CompressorState:
@@ -61,6 +62,12 @@ class Compressor:
         """In place: ``tensor`` becomes the sum over the group of every rank's
         (compressed) tensor."""
         raise NotImplementedError
+
+    def all_reduce_mean(self, tensor: torch.Tensor, state: CompressorState | None, key, group):
+        """In place: the mean over the group. Compressors that can fold the
+        division into their own passes override this."""
+        self.all_reduce(tensor, state, key, group)
+        tensor.div_(torch.distributed.get_world_size(group))
 
     def with_values(self, values: str, spec: str) -> Compressor:
         raise ValueError(f"compressor spec {spec!r}: {self.spec} has no values to send as {values}")

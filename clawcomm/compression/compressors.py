@@ -72,16 +72,25 @@ class HalfPrecision(Compressor):
         self.spec = {"float16": "fp16", "bfloat16": "bf16"}[wire]
 
     def all_reduce(self, tensor, state, key, group):
+        self._reduce(tensor, group, mean=False)
+
+    def all_reduce_mean(self, tensor, state, key, group):
+        # The 1/n pre-scale already is the division: one pass, not three.
+        self._reduce(tensor, group, mean=True)
+
+    def _reduce(self, tensor, group, mean: bool):
         n = dist.get_world_size(group)
         engine = _engine(group)
         if engine is None:
             half = tensor.to(getattr(torch, self.wire))
             dist.all_reduce(half, group=group)
             tensor.copy_(half)
+            if mean:
+                tensor.div_(n)
             return
-        scale = 1.0 / n if self.prescale else 1.0
+        scale = 1.0 / n if self.prescale or mean else 1.0
         engine.all_reduce_16bit_wire(tensor.numpy(), self.wire, scale)
-        if scale != 1.0:
+        if scale != 1.0 and not mean:
             tensor.mul_(n)
 
 
