@@ -71,6 +71,64 @@ def test_sampled_topk_is_one_pass_cheap():
     assert 0.9 * (1 << 17) <= len(idx) <= 1 << 17
 
 
+_LEVELS = ["portable", "avx2", "avx512"]
+_LEVELS = _LEVELS[: _LEVELS.index(_C.kernels.best_simd_level()) + 1]
+
+
+@pytest.mark.parametrize("level", _LEVELS)
+@pytest.mark.parametrize("fold", [False, True])
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 1000, 100_003])
+@pytest.mark.parametrize("threshold", [0.0, 1.0, 2.5, float("inf")])
+def test_threshold_scan_matches_numpy_at_every_level(level, fold, n, threshold):
+    """The pass behind top-k, at every SIMD level: the entries that reach the
+    threshold, in order, zeroed where they were (threshold 0 takes all of
+    them, which outgrows the first candidate buffer several times)."""
+    rng = np.random.default_rng(n)
+    acc = rng.standard_normal(n).astype(np.float32)
+    if n >= 17:
+        acc[[3, 16]] = [np.inf, np.nan]  # NaN is always sent, never hidden
+    grad = rng.standard_normal(n).astype(np.float32) if fold else None
+    a = acc + grad if fold else acc.copy()
+    hit = ~(np.abs(a) < threshold)
+    idx, val = _C.compress.threshold_scan(acc, threshold, grad, level)
+    np.testing.assert_array_equal(idx, np.flatnonzero(hit))
+    np.testing.assert_array_equal(val, a[hit])
+    np.testing.assert_array_equal(acc, np.where(hit, 0, a))
+    if fold:
+        np.testing.assert_array_equal(grad, np.zeros(n, np.float32))
+
+
+@pytest.mark.parametrize("method", ["exact", "sampled"])
+@pytest.mark.parametrize("n,k", [(1, 1), (10, 0), (1000, 10), (300_001, 3000), (50, 80)])
+def test_topk_feedback_sends_the_top_of_grad_plus_residual(method, n, k):
+    """The fused pass: sent + new residual == grad + old residual bit for bit,
+    the gradient is left zeroed, and exact selection picks what torch.topk
+    picks from the sum."""
+    g, r = _grad(n, n).numpy(), _grad(n + 1, n).numpy()
+    total = g + r
+    idx, val = _C.compress.topk_feedback(g, r, k, method, 3)
+    sent = np.zeros(n, np.float32)
+    sent[idx] = val
+    np.testing.assert_array_equal(sent + r, total)
+    np.testing.assert_array_equal(g, np.zeros(n, np.float32))
+    assert np.all(r[idx] == 0) and np.all(np.diff(idx) > 0)
+    if method == "exact":
+        ref = torch.topk(torch.from_numpy(total).abs(), min(k, n)).indices.sort().values
+        np.testing.assert_array_equal(idx, ref.numpy())
+    else:
+        assert 0.5 * min(k, n) <= len(idx) <= min(k, n)
+
+
+def test_topk_feedback_argument_errors():
+    buf = np.zeros(8, np.float32)
+    with pytest.raises(ValueError, match="grad and residual overlap"):
+        _C.compress.topk_feedback(buf[:6], buf[2:], 1)
+    with pytest.raises(ValueError, match="grad has 4 elements but residual has 8"):
+        _C.compress.topk_feedback(np.zeros(4, np.float32), buf, 1)
+    with pytest.raises(ValueError, match="negative threshold -1"):
+        _C.compress.threshold_scan(buf, -1.0)
+
+
 def test_kernel_argument_errors():
     with pytest.raises(ValueError, match="method 'fast' is not 'exact' or 'sampled'"):
         _C.compress.topk(np.zeros(4, np.float32), 2, "fast")

@@ -120,22 +120,32 @@ class TopK(Compressor):
         return TopK(self.k, self.selection, values, self.form)
 
     def all_reduce(self, tensor, state, key, group):
+        self._reduce(tensor, state, key, group, scale=1.0)
+
+    def all_reduce_mean(self, tensor, state, key, group):
+        # The division is folded into the scatter of the (few) received values.
+        self._reduce(tensor, state, key, group, scale=1.0 / dist.get_world_size(group))
+
+    def _reduce(self, tensor, state, key, group, scale):
         from clawcomm import _C
 
         _flat_f32(tensor, "topk")
-        numel = tensor.numel()
-        k = _k_of(self.k, numel)
-        if state is not None:
-            acc = state.residual(key, tensor)
-            acc.add_(tensor)
-        else:
-            acc = tensor.clone()
+        k = _k_of(self.k, tensor.numel())
         seed = _seed(state, key)
-        idx, val = _C.compress.topk(acc.numpy(), k, self.selection, seed)
-        # acc now holds what was not sent: the residual (kept in state).
+        if state is not None:
+            # One pass: residual + gradient, selection, the new residual, and
+            # the gradient zeroed for the sum (compress/topk.h).
+            residual = state.residual(key, tensor)
+            idx, val = _C.compress.topk_feedback(
+                tensor.numpy(), residual.numpy(), k, self.selection, seed
+            )
+        else:
+            idx, val = _C.compress.topk(tensor.clone().numpy(), k, self.selection, seed)
+            tensor.zero_()
         sparse_all_reduce(
-            torch.from_numpy(idx), torch.from_numpy(val), tensor, group, self.values, self.form
-        )
+            torch.from_numpy(idx), torch.from_numpy(val), tensor, group, self.values, self.form,
+            scale=scale, out_zeroed=True,
+        )  # fmt: skip
 
 
 class RandomK(Compressor):

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "common/errors.h"
+#include "compress/threshold_scan.h"
 
 namespace clawcomm {
 namespace {
@@ -24,47 +25,35 @@ float kthLargest(std::vector<float>& mags, size_t k) {
   return mags[k - 1];
 }
 
-// One pass over `acc`: every entry with |acc[i]| >= threshold is appended to
-// (cand, candVal) in ascending order and zeroed while its cache line is
-// still hot. Blocks of 16 build a comparison bit mask without branches
-// (vectorised by the compiler); only blocks with a hit are walked.
-void collectAtLeast(float* acc, size_t n, float threshold, std::vector<int32_t>& cand,
-                    std::vector<float>& candVal) {
-  // Magnitudes compared as integers: for non-negative floats the bit
-  // patterns order like the values, and an integer OR-reduction vectorises
-  // (a float max-reduction would not, without -ffast-math). NaNs compare
-  // above every threshold, so they are sent rather than hidden.
-  uint32_t tb;
-  std::memcpy(&tb, &threshold, 4);
-  auto magBits = [&](size_t i) {
-    uint32_t b;
-    std::memcpy(&b, acc + i, 4);
-    return b & 0x7fffffffu;
-  };
-  auto hit = [&](size_t i) {
-    cand.push_back(int32_t(i));
-    candVal.push_back(acc[i]);
-    acc[i] = 0.0f;
-  };
-  constexpr size_t kBlock = 16;
-  size_t i = 0;
-  for (; i + kBlock <= n; i += kBlock) {
-    uint32_t any = 0;
-    for (size_t j = 0; j < kBlock; ++j) any |= uint32_t(magBits(i + j) >= tb);
-    if (!any) continue;
-    for (size_t j = 0; j < kBlock; ++j) {
-      if (magBits(i + j) >= tb) hit(i + j);
-    }
+// 0.2% of the entries, at least 4096 (or all of them): DGC samples
+// 0.1-1%; the exact pass over the candidates corrects an overshoot.
+size_t sampleSize(size_t n) {
+  return std::min(n, std::max<size_t>(4096, n / 500));
+}
+
+// The magnitude that k/n of a sample of `magAt(i)` reach. The sample is
+// whole cache lines at random positions: 16 values per memory access
+// instead of one, which keeps sampling far below the cost of the pass.
+template <typename MagAt>
+float sampledThreshold(size_t n, size_t k, uint64_t seed, MagAt magAt) {
+  constexpr size_t kRun = 16;
+  const size_t samples = sampleSize(n);
+  std::vector<float> mags;
+  mags.reserve(samples + kRun);
+  uint64_t state = seed;
+  while (mags.size() < samples) {
+    const uint64_t start = uint64_t((__uint128_t(nextRandom(state)) * (n - kRun + 1)) >> 64);
+    for (size_t j = 0; j < kRun; ++j) mags.push_back(magAt(start + j));
   }
-  for (; i < n; ++i) {
-    if (magBits(i) >= tb) hit(i);
-  }
+  const size_t rank = std::max<size_t>(1, size_t(double(k) * double(mags.size()) / double(n)));
+  return kthLargest(mags, rank);
 }
 
 // Keeps the k largest candidates (ties: lower index first), writes them to
 // (idx, val) in ascending order and puts the others back into `acc`.
-size_t keepLargest(float* acc, const std::vector<int32_t>& cand, const std::vector<float>& candVal,
-                   size_t k, int32_t* idx, float* val) {
+size_t keepLargest(float* acc, const Candidates& c, size_t k, int32_t* idx, float* val) {
+  const std::vector<int32_t>& cand = c.idx;
+  const std::vector<float>& candVal = c.val;
   if (cand.size() <= k) {
     std::copy(cand.begin(), cand.end(), idx);
     std::copy(candVal.begin(), candVal.end(), val);
@@ -105,49 +94,62 @@ size_t topkExact(float* acc, size_t n, size_t k, int32_t* idx, float* val) {
   std::vector<float> mags(acc, acc + n);
   for (float& m : mags) m = std::fabs(m);
   const float threshold = kthLargest(mags, k);
-  std::vector<int32_t> cand;
-  std::vector<float> candVal;
-  cand.reserve(k + 64);
-  candVal.reserve(k + 64);
-  collectAtLeast(acc, n, threshold, cand, candVal);
-  return keepLargest(acc, cand, candVal, k, idx, val);
+  Candidates cand;
+  scanInPlace(acc, n, threshold, cand);
+  return keepLargest(acc, cand, k, idx, val);
 }
 
 size_t topkSampled(float* acc, size_t n, size_t k, uint64_t seed, int32_t* idx, float* val) {
   checkSize(n);
   k = std::min(k, n);
   if (k == 0) return 0;
-  // 0.2% of the entries, at least 4096 (or all of them): DGC samples
-  // 0.1-1%; the exact pass over the candidates corrects an overshoot.
-  const size_t samples = std::min(n, std::max<size_t>(4096, n / 500));
-  if (samples == n) return topkExact(acc, n, k, idx, val);
-  // Whole cache lines at random positions: 16 samples per memory access
-  // instead of one, which keeps sampling far below the cost of the pass.
-  constexpr size_t kRun = 16;
-  std::vector<float> mags;
-  mags.reserve(samples + kRun);
-  uint64_t state = seed;
-  while (mags.size() < samples) {
-    const uint64_t start = uint64_t((__uint128_t(nextRandom(state)) * (n - kRun + 1)) >> 64);
-    for (size_t j = 0; j < kRun; ++j) mags.push_back(std::fabs(acc[start + j]));
-  }
-  const size_t rank = std::max<size_t>(1, size_t(double(k) * double(mags.size()) / double(n)));
-  const float threshold = kthLargest(mags, rank);
+  if (sampleSize(n) == n) return topkExact(acc, n, k, idx, val);
+  const float threshold =
+      sampledThreshold(n, k, seed, [acc](size_t i) { return std::fabs(acc[i]); });
   // One pass: every entry at or above the sampled threshold is a candidate.
-  std::vector<int32_t> cand;
-  std::vector<float> candVal;
-  cand.reserve(2 * k + 64);
-  candVal.reserve(2 * k + 64);
-  collectAtLeast(acc, n, threshold, cand, candVal);
-  return keepLargest(acc, cand, candVal, k, idx, val);
+  Candidates cand;
+  scanInPlace(acc, n, threshold, cand);
+  return keepLargest(acc, cand, k, idx, val);
 }
 
-void scatterAdd(float* dense, size_t n, const int32_t* idx, const float* val, size_t m) {
+size_t topkWithFeedback(float* grad, float* residual, size_t n, size_t k, TopkSelection selection,
+                        uint64_t seed, int32_t* idx, float* val) {
+  checkSize(n);
+  k = std::min(k, n);
+  if (k == 0) {  // nothing is sent: everything stays in the residual
+    for (size_t i = 0; i < n; ++i) {
+      residual[i] += grad[i];
+      grad[i] = 0.0f;
+    }
+    return 0;
+  }
+  auto accAt = [grad, residual](size_t i) { return std::fabs(grad[i] + residual[i]); };
+  float threshold;
+  if (selection == TopkSelection::kSampled && sampleSize(n) < n) {
+    threshold = sampledThreshold(n, k, seed, accAt);
+  } else {
+    std::vector<float> mags(n);
+    for (size_t i = 0; i < n; ++i) mags[i] = accAt(i);
+    threshold = kthLargest(mags, k);
+  }
+  Candidates cand;
+  scanFold(grad, residual, n, threshold, cand);
+  return keepLargest(residual, cand, k, idx, val);
+}
+
+void scatterAdd(float* dense, size_t n, const int32_t* idx, const float* val, size_t m,
+                float scale) {
   for (size_t i = 0; i < m; ++i) {
     CLAWCOMM_ARG_CHECK(idx[i] >= 0 && size_t(idx[i]) < n, "clawcomm::scatter_add: index ", idx[i],
                        " is outside a tensor of ", n, " elements");
   }
-  for (size_t i = 0; i < m; ++i) dense[idx[i]] += val[i];
+  // The targets are scattered over the whole tensor, so nearly every one is
+  // a cache miss: ask for the line a few dozen entries ahead.
+  constexpr size_t kAhead = 32;
+  for (size_t i = 0; i < m; ++i) {
+    if (i + kAhead < m) __builtin_prefetch(dense + idx[i + kAhead], 1);
+    dense[idx[i]] += scale == 1.0f ? val[i] : val[i] * scale;
+  }
 }
 
 }  // namespace clawcomm

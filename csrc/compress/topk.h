@@ -26,7 +26,20 @@ size_t topkExact(float* acc, size_t n, size_t k, int32_t* idx, float* val);
 // pass over `acc` plus work proportional to the sample and the candidates.
 size_t topkSampled(float* acc, size_t n, size_t k, uint64_t seed, int32_t* idx, float* val);
 
-// dense[idx[i]] += val[i]. Throws InvalidArgument on an index outside [0, n).
-void scatterAdd(float* dense, size_t n, const int32_t* idx, const float* val, size_t m);
+enum class TopkSelection { kExact, kSampled };
+
+// Top-k with error feedback in one pass over the data: the entries of
+// acc = grad + residual are selected as above (exactly, or by a sampled
+// threshold read from grad + residual at the sample positions), the rest of
+// acc becomes the new `residual`, and `grad` is zeroed, ready to receive the
+// sparse sum. Reads grad and residual once and writes each once, where
+// adding, selecting and zeroing separately takes three passes more.
+size_t topkWithFeedback(float* grad, float* residual, size_t n, size_t k, TopkSelection selection,
+                        uint64_t seed, int32_t* idx, float* val);
+
+// dense[idx[i]] += val[i] * scale. Throws InvalidArgument on an index outside
+// [0, n).
+void scatterAdd(float* dense, size_t n, const int32_t* idx, const float* val, size_t m,
+                float scale = 1.0f);
 
 }  // namespace clawcomm

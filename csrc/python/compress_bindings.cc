@@ -5,6 +5,7 @@
 #include <string>
 
 #include "common/errors.h"
+#include "compress/threshold_scan.h"
 #include "compress/topk.h"
 #include "compress/varint.h"
 #include "python/engine_bindings.h"
@@ -44,17 +45,75 @@ void bindCompress(py::module_& m) {
       "returns (indices ascending as int32, values), and zeroes them in `acc`, which "
       "keeps the residual.");
   c.def(
+      "topk_feedback",
+      [](FloatArray grad, FloatArray residual, size_t k, const std::string& method, uint64_t seed) {
+        CLAWCOMM_ARG_CHECK(method == "exact" || method == "sampled",
+                           "clawcomm::topk_feedback: method '", method,
+                           "' is not 'exact' or 'sampled'");
+        CLAWCOMM_ARG_CHECK(grad.size() == residual.size(), "clawcomm::topk_feedback: grad has ",
+                           grad.size(), " elements but residual has ", residual.size());
+        CLAWCOMM_ARG_CHECK(grad.writeable() && residual.writeable(),
+                           "clawcomm::topk_feedback: grad and residual must be writable");
+        const size_t n = size_t(grad.size());
+        const float* g = grad.data();
+        const float* r = residual.data();
+        CLAWCOMM_ARG_CHECK(n == 0 || g + n <= r || r + n <= g,
+                           "clawcomm::topk_feedback: grad and residual overlap");
+        IndexArray idx(py::ssize_t(std::min(k, n)));
+        FloatArray val(py::ssize_t(std::min(k, n)));
+        size_t got;
+        {
+          py::gil_scoped_release release;
+          got =
+              topkWithFeedback(grad.mutable_data(), residual.mutable_data(), n, k,
+                               method == "exact" ? TopkSelection::kExact : TopkSelection::kSampled,
+                               seed, idx.mutable_data(), val.mutable_data());
+        }
+        idx.resize({py::ssize_t(got)});
+        val.resize({py::ssize_t(got)});
+        return py::make_tuple(idx, val);
+      },
+      py::arg("grad").noconvert(), py::arg("residual").noconvert(), py::arg("k"),
+      py::arg("method") = "sampled", py::arg("seed") = 0,
+      "Top-k with error feedback in one pass: selects (at most) k entries of largest "
+      "magnitude of grad + residual and returns (indices ascending as int32, values); "
+      "`residual` becomes what was not sent and `grad` is zeroed.");
+  c.def(
+      "threshold_scan",
+      [](FloatArray acc, float threshold, py::object grad, py::object level) {
+        CLAWCOMM_ARG_CHECK(acc.writeable(), "clawcomm::threshold_scan: acc must be writable");
+        const SimdLevel l = parseLevel(level);
+        Candidates out;
+        if (grad.is_none()) {
+          py::gil_scoped_release release;
+          scanInPlace(acc.mutable_data(), size_t(acc.size()), threshold, out, l);
+        } else {
+          auto g = py::cast<FloatArray>(grad);
+          CLAWCOMM_ARG_CHECK(g.size() == acc.size() && g.writeable(),
+                             "clawcomm::threshold_scan: grad must be writable and as long as acc");
+          py::gil_scoped_release release;
+          scanFold(g.mutable_data(), acc.mutable_data(), size_t(acc.size()), threshold, out, l);
+        }
+        return py::make_tuple(IndexArray(py::ssize_t(out.idx.size()), out.idx.data()),
+                              FloatArray(py::ssize_t(out.val.size()), out.val.data()));
+      },
+      py::arg("acc").noconvert(), py::arg("threshold"), py::arg("grad") = py::none(),
+      py::arg("level") = py::none(),
+      "The pass behind top-k (compress/threshold_scan.h), for tests: entries of `acc` "
+      "(or of grad + acc, folding grad into acc and zeroing grad) with magnitude >= "
+      "threshold, as (indices, values); they are zeroed in `acc`.");
+  c.def(
       "scatter_add",
-      [](FloatArray dense, IndexArray idx, FloatArray val) {
+      [](FloatArray dense, IndexArray idx, FloatArray val, float scale) {
         CLAWCOMM_ARG_CHECK(idx.size() == val.size(), "clawcomm::scatter_add: ", idx.size(),
                            " indices but ", val.size(), " values");
         CLAWCOMM_ARG_CHECK(dense.writeable(), "clawcomm::scatter_add: dense must be writable");
         py::gil_scoped_release release;
         scatterAdd(dense.mutable_data(), size_t(dense.size()), idx.data(), val.data(),
-                   size_t(idx.size()));
+                   size_t(idx.size()), scale);
       },
       py::arg("dense").noconvert(), py::arg("idx").noconvert(), py::arg("val").noconvert(),
-      "dense[idx[i]] += val[i] (indices are checked).");
+      py::arg("scale") = 1.0f, "dense[idx[i]] += val[i] * scale (indices are checked).");
   c.def(
       "encode_indices",
       [](IndexArray idx) {

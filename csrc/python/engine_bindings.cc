@@ -97,16 +97,6 @@ ReduceOp parseReduceOp(const std::string& op, const std::string& name) {
   throw InvalidArgument(CLAWCOMM_CONCAT("clawcomm::", op, ": unknown reduce op '", name, "'"));
 }
 
-SimdLevel parseLevel(const py::object& level) {
-  if (level.is_none()) return activeSimdLevel();
-  const std::string name = py::cast<std::string>(level);
-  for (SimdLevel l : {SimdLevel::kPortable, SimdLevel::kAvx2, SimdLevel::kAvx512}) {
-    if (name == simdLevelName(l)) return l;
-  }
-  throw InvalidArgument(CLAWCOMM_CONCAT("clawcomm.kernels: unknown SIMD level '", name,
-                                        "' (portable, avx2, avx512)"));
-}
-
 void checkSameType(const std::string& op, const Buffer& a, const Buffer& b) {
   CLAWCOMM_ARG_CHECK(a.dtype == b.dtype, "clawcomm::", op, ": input is ", dataTypeName(a.dtype),
                      " but output is ", dataTypeName(b.dtype));
@@ -198,6 +188,16 @@ void bindKernels(py::module_& m) {
 }
 
 }  // namespace
+
+SimdLevel parseLevel(const py::object& level) {
+  if (level.is_none()) return activeSimdLevel();
+  const std::string name = py::cast<std::string>(level);
+  for (SimdLevel l : {SimdLevel::kPortable, SimdLevel::kAvx2, SimdLevel::kAvx512}) {
+    if (name == simdLevelName(l)) return l;
+  }
+  throw InvalidArgument(CLAWCOMM_CONCAT("clawcomm.kernels: unknown SIMD level '", name,
+                                        "' (portable, avx2, avx512)"));
+}
 
 void bindEngine(py::module_& m) {
   // Bad arguments are ValueError, timeouts TimeoutError; peer failures and

@@ -7,11 +7,17 @@
 
 #include <pybind11/pybind11.h>
 
+#include "reduce/reduce_kernels.h"
+
 namespace clawcomm {
 
 // Adds `Engine` and the `kernels` and `compress` submodules to `m`.
 void bindEngine(pybind11::module_& m);
 // The `compress` submodule (python/compress_bindings.cc).
 void bindCompress(pybind11::module_& m);
+
+// A SIMD level from its name ("portable", "avx2", "avx512"); None means the
+// active one.
+SimdLevel parseLevel(const pybind11::object& level);
 
 }  // namespace clawcomm
