@@ -1,0 +1,62 @@
+"""Gradient buckets: parameters grouped into flat buffers, each parameter's
+gradient a view of its bucket, so one collective reduces a whole bucket in
+place and the optimizer reads the result without a copy."""
+
+from __future__ import annotations
+
+import torch
+
+
+class GradBucket:
+    """One flat gradient buffer and the parameters whose gradients live in it.
+
+    ``params`` are indices into the wrapper's parameter list, in the order the
+    bucket lays them out; ``views[i]`` is params[i]'s gradient, a view of
+    ``flat`` shaped like the parameter.
+    """
+
+    def __init__(self, index: int, params: list[int], tensors: list[torch.Tensor]):
+        self.index = index
+        self.params = params
+        dtype, device = tensors[0].dtype, tensors[0].device
+        self.flat = torch.zeros(sum(t.numel() for t in tensors), dtype=dtype, device=device)
+        self.views: list[torch.Tensor] = []
+        offset = 0
+        for t in tensors:
+            self.views.append(self.flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+        self.pending = len(params)  # gradients not yet ready this step
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.numel() * self.flat.element_size()
+
+    def __repr__(self) -> str:
+        return f"<GradBucket {self.index}: {len(self.params)} params, {self.nbytes} bytes>"
+
+
+def assign_buckets(
+    order: list[int], tensors: list[torch.Tensor], cap_bytes: int, first_cap_bytes: int
+) -> list[list[int]]:
+    """Groups parameter indices, taken in ``order``, into buckets of at most
+    ``cap_bytes`` (the first at most ``first_cap_bytes``, so the first
+    all-reduce starts early in backward). A parameter larger than the cap
+    gets a bucket of its own; a bucket holds one dtype and device."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    cap = first_cap_bytes
+    for i in order:
+        t = tensors[i]
+        nbytes = t.numel() * t.element_size()
+        same_kind = not current or (
+            tensors[current[0]].dtype == t.dtype and tensors[current[0]].device == t.device
+        )
+        if current and (size + nbytes > cap or not same_kind):
+            buckets.append(current)
+            current, size, cap = [], 0, cap_bytes
+        current.append(i)
+        size += nbytes
+    if current:
+        buckets.append(current)
+    return buckets

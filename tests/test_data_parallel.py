@@ -1,0 +1,282 @@
+"""clawcomm.parallel.DataParallel against single-process training on the
+global batch and against torch DDP in the same ranks: with and without
+overlap, with accumulation, unused parameters, compression, rebuilt
+buckets, other groups; and its errors."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from clawcomm.compression import Compressor, register_compressor
+from clawcomm.parallel import DataParallel
+from clawcomm.testing import RankFailure, run_ranks
+
+BATCH = 6  # per rank and micro-step: odd shards on purpose
+
+
+class Net(nn.Module):
+    """Layers registered in one order and applied in another (so the ready
+    order differs from reverse registration), with an optional branch."""
+
+    def __init__(self, extra=False):
+        super().__init__()
+        self.tail = nn.Linear(24, 3)
+        self.head = nn.Linear(10, 24)
+        self.mid = nn.Linear(24, 24)
+        self.extra = nn.Linear(24, 24) if extra else None
+
+    def forward(self, x, use_extra=False):
+        h = torch.tanh(self.head(x))
+        h = torch.tanh(self.mid(h))
+        if use_extra:
+            h = h + torch.tanh(self.extra(h))
+        return self.tail(h)
+
+
+def _data(step, world, micro=0):
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    return torch.randn(BATCH * world, 10, generator=g), torch.randn(BATCH * world, 3, generator=g)
+
+
+def _uses_extra(case, step, rank):
+    if case == "unused_everywhere":
+        return False
+    if case == "unused_on_some":
+        return rank == 0 and step % 2 == 0
+    return False
+
+
+def _train(rank, world, opts):
+    """Trains three copies: DataParallel, torch DDP (same group), and one
+    model on the global batch in this process; returns their parameters."""
+    case = opts.get("case", "plain")
+    unused = case.startswith("unused")
+    torch.manual_seed(0)
+    base = Net(extra=unused)
+    steps, micro = opts.get("steps", 4), opts.get("accumulation", 1)
+    group = dist.new_group(backend="gloo") if opts.get("gloo") else None
+    dp = DataParallel(
+        copy.deepcopy(base) if rank == 0 else Net(extra=unused),  # rank 0's weights must win
+        process_group=group, bucket_cap_mb=0.003, first_bucket_mb=0.001,
+        overlap=opts.get("overlap", True), find_unused_parameters=unused,
+        compression=opts.get("compression"), accumulation_steps=opts.get("accum_steps", 1),
+    )  # fmt: skip
+    ddp = DDP(copy.deepcopy(base), process_group=group, find_unused_parameters=unused)
+    ref = copy.deepcopy(base)
+    models = {"dp": dp, "ddp": ddp, "ref": ref}
+    optims = [torch.optim.SGD(m.parameters(), lr=0.1, weight_decay=0.01) for m in models.values()]
+    lo, hi = rank * BATCH, (rank + 1) * BATCH
+    for step in range(steps):
+        for k in range(micro):
+            x, y = _data(step, world, k)
+            extra = _uses_extra(case, step, rank)
+            last = k == micro - 1
+            for name in ("dp", "ddp"):
+                m = models[name]
+                ctx = m.no_sync() if (not last and opts.get("no_sync")) else _null()
+                with ctx:
+                    loss = nn.functional.mse_loss(m(x[lo:hi], use_extra=extra), y[lo:hi]) / micro
+                    loss.backward()
+            # The reference: the mean over ranks of each rank's loss.
+            for r in range(world):
+                xr, yr = x[r * BATCH : (r + 1) * BATCH], y[r * BATCH : (r + 1) * BATCH]
+                out = ref(xr, use_extra=_uses_extra(case, step, r))
+                (nn.functional.mse_loss(out, yr) / (micro * world)).backward()
+        for opt in optims:
+            opt.step()
+            opt.zero_grad(set_to_none=step % 2 == 0)  # both ways of zeroing
+    result = {k: [p.detach().clone() for p in m.parameters()] for k, m in models.items()}
+    result["buckets"] = [b.params for b in dp.buckets]
+    return result
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _assert_close(results, atol=1e-6, against=("ref", "ddp")):
+    for r, res in enumerate(results):
+        for other in against:
+            for i, (a, b) in enumerate(zip(res["dp"], res[other], strict=True)):
+                msg = f"rank {r} param {i} vs {other}"
+                torch.testing.assert_close(a, b, atol=atol, rtol=0, msg=msg)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_matches_single_process_and_ddp(world_size, overlap):
+    _assert_close(run_ranks(_train, world_size, {"overlap": overlap}))
+
+
+def test_matches_on_a_gloo_group():
+    _assert_close(run_ranks(_train, 2, {"gloo": True}))
+
+
+@pytest.mark.parametrize("no_sync", [True, False])
+def test_gradient_accumulation(no_sync):
+    """Three micro-batches per step, each loss divided by 3: the same as one
+    step on the whole effective batch; by no_sync() or accumulation_steps."""
+    opts = {"accumulation": 3, "no_sync": no_sync, "accum_steps": 1 if no_sync else 3}
+    _assert_close(run_ranks(_train, 2, opts))  # DDP reduces every micro-step: the same sum
+
+
+@pytest.mark.parametrize("case", ["unused_everywhere", "unused_on_some"])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_unused_parameters(case, overlap):
+    """A branch no rank uses keeps grad None (so weight decay leaves it
+    alone, as in one process); one used by rank 0 only gets rank 0's
+    gradient averaged with zeros."""
+    _assert_close(run_ranks(_train, 2, {"case": case, "overlap": overlap}))
+
+
+def test_buckets_are_rebuilt_in_ready_order():
+    results = run_ranks(_train, 2, {"steps": 2})
+    # Registration: tail (0, 1), head (2, 3), mid (4, 5); backward readies
+    # tail first, then mid, then head.
+    assert results[0]["buckets"] == results[1]["buckets"]
+    order = [i for b in results[0]["buckets"] for i in b]
+    assert order.index(1) < order.index(5) < order.index(3)
+
+
+def test_lossless_compression_matches_and_fp16_is_close():
+    _assert_close(run_ranks(_train, 2, {"compression": "topk:1.0"}), against=("ref",))
+    _assert_close(run_ranks(_train, 2, {"compression": "fp16"}), atol=2e-3, against=("ref",))
+
+
+def _sparse_converges(rank, world):
+    torch.manual_seed(0)
+    target = torch.randn(40, 1)
+    model = DataParallel(nn.Linear(40, 1, bias=False), compression="topk:0.1")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    first = None
+    for step in range(60):
+        x = torch.randn(16, 40, generator=torch.Generator().manual_seed(step * 7 + rank))
+        loss = nn.functional.mse_loss(model(x), x @ target)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        first = first if first is not None else loss.item()
+    return first, loss.item(), model.compression_state.step
+
+
+def test_sparse_compression_converges_with_error_feedback():
+    for first, last, steps in run_ranks(_sparse_converges, 2):
+        assert last < 0.05 * first and steps == 60
+
+
+def _unused_without_flag(rank, world):
+    dp = DataParallel(Net(extra=True))
+    x = torch.randn(4, 10)
+    dp(x).sum().backward()  # `extra` gets no gradient
+
+
+def test_unused_parameter_without_the_flag_is_a_clear_error():
+    with pytest.raises(RankFailure, match=r"parameters 'extra.weight', 'extra.bias' received no "):
+        run_ranks(_unused_without_flag, 2)
+
+
+class _Recording(Compressor):
+    """Records, for each bucket it reduces, the thread and whether backward
+    had already passed the layer nearest the input (_WaitInBackward)."""
+
+    spec = "recording"
+    started = threading.Event()
+    passed = False
+    calls: list = []
+
+    def all_reduce(self, tensor, state, key, group):
+        _Recording.calls.append((threading.current_thread().name, _Recording.passed))
+        _Recording.started.set()
+        dist.all_reduce(tensor, group=group)
+
+
+class _WaitInBackward(torch.autograd.Function):
+    """Identity whose backward (with overlap) waits until a bucket's
+    reduction has begun: that can only happen if buckets are reduced while
+    backward is still running."""
+
+    @staticmethod
+    def forward(ctx, x, wait):
+        ctx.wait = wait
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.wait and not _Recording.started.wait(timeout=20):
+            raise RuntimeError("no bucket was reduced while backward was running")
+        _Recording.passed = True
+        return grad, None
+
+
+def _overlap_happens(rank, world, overlap):
+    register_compressor("recording", lambda *a, spec: _Recording())
+    model = DataParallel(
+        nn.ModuleList([nn.Linear(10, 10), nn.Linear(10, 10)]), compression="recording",
+        overlap=overlap, bucket_cap_mb=0.0001, first_bucket_mb=0.0001,
+    )  # fmt: skip
+    first, last = model.module
+    last(_WaitInBackward.apply(first(torch.randn(4, 10)), overlap)).sum().backward()
+    return _Recording.calls
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_buckets_are_reduced_on_another_thread_while_backward_runs(overlap):
+    """With overlap, the last layer's bucket is reduced on the reduction
+    thread before backward reaches the first layer; without, every bucket is
+    reduced on the training thread once backward is done."""
+    for calls in run_ranks(_overlap_happens, 2, overlap):
+        assert len(calls) == 4, calls  # a bucket per weight and bias
+        if overlap:
+            assert calls[0] == ("clawcomm-buckets", False), calls
+            assert all(thread == "clawcomm-buckets" for thread, _ in calls)
+        else:
+            assert calls == [("MainThread", True)] * 4, calls
+
+
+def _bad(rank, world, what):
+    if what == "differ":
+        DataParallel(nn.Linear(4, 4 + rank))
+    elif what == "cap":
+        DataParallel(nn.Linear(4, 4), bucket_cap_mb=0)
+    elif what == "first":
+        DataParallel(nn.Linear(4, 4), first_bucket_mb=-1)
+    elif what == "accum":
+        DataParallel(nn.Linear(4, 4), accumulation_steps=0)
+    elif what == "dtype":
+        DataParallel(nn.Linear(4, 4).double(), compression="fp16")
+    elif what == "spec":
+        DataParallel(nn.Linear(4, 4), compression="topk:2.5")
+    elif what == "frozen":
+        DataParallel(nn.Linear(4, 4).requires_grad_(False))
+
+
+@pytest.mark.parametrize(
+    "what,message",
+    [
+        ("differ", r"parameters differ across ranks: rank 0 has 2 parameters \(20 elements\)"),
+        ("cap", r"bucket_cap_mb must be a positive number, got 0"),
+        ("first", r"first_bucket_mb must be a positive number, got -1"),
+        ("accum", r"accumulation_steps must be an int >= 1, got 0"),
+        (
+            "dtype",
+            r"compression 'fp16' needs float32 gradients, parameter 'weight' is torch.float64",
+        ),  # fmt: skip
+        ("spec", r"topk:2.5"),
+        ("frozen", r"no parameters that require gradients"),
+    ],
+)
+def test_bad_configurations_are_refused(what, message):
+    with pytest.raises(RankFailure, match=message) as info:
+        run_ranks(_bad, 2, what)
+    assert len(info.value.errors) == 2  # every rank says so, none hangs
