@@ -244,7 +244,11 @@ def test_object_collectives():
 # --- torchrun ---------------------------------------------------------------------
 
 
-def test_torchrun_example_runs_unchanged():
+@pytest.mark.parametrize(
+    "example",
+    [["ddp_torchrun.py"], ["data_parallel.py", "--compression", "topk:0.1", "--accumulation", "2"]],
+)
+def test_torchrun_example_runs_unchanged(example):
     import subprocess
     import sys
 
@@ -257,7 +261,8 @@ def test_torchrun_example_runs_unchanged():
             "--nproc_per_node=2",
             "--rdzv-endpoint=127.0.0.1:0",
             "--rdzv-backend=c10d",
-            os.path.join(root, "examples", "ddp_torchrun.py"),
+            os.path.join(root, "examples", example[0]),
+            *example[1:],
         ],
         capture_output=True,
         text=True,
