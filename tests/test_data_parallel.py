@@ -280,3 +280,25 @@ def test_bad_configurations_are_refused(what, message):
     with pytest.raises(RankFailure, match=message) as info:
         run_ranks(_bad, 2, what)
     assert len(info.value.errors) == 2  # every rank says so, none hangs
+
+
+def _killed_between_steps(rank, world):
+    import os
+    import signal
+
+    model = DataParallel(nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512)))
+    model(torch.randn(2, 512)).sum().backward()
+    if rank == world - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        model(torch.randn(2, 512)).sum().backward()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_dead_peer_fails_backward_on_every_survivor():
+    results = run_ranks(_killed_between_steps, 3, pg_timeout=20, timeout=90, allow_failures=True)
+    assert isinstance(results[2], RankFailure)
+    for text in results[:2]:
+        assert "rank 2" in text, text
