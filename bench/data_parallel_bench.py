@@ -10,7 +10,7 @@ Models: an MLP (25M parameters), a small transformer encoder (27M), and
 ready-made gradients, as layers running on an accelerator keep the host
 waiting without using its CPU (AcceleratedLayer). There the CPU is free for
 communication, and the step time should approach max(compute, comm) rather
-than their sum. "wait" uses 10 MB buckets (one layer each, in every setup)
+than their sum. "wait" uses 9 MB buckets (one layer each, in every setup)
 so that a bucket leaves as soon as its layer is done; the others use the
 defaults (1 MB first bucket, then 25 MB).
 
@@ -53,34 +53,35 @@ class AcceleratedLayer(torch.autograd.Function):
     so the host only accumulates them, as it would a GPU's result."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, layer):
+    def forward(ctx, x, weight, layer):
         ctx.layer = layer
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
         time.sleep(ctx.layer.sleep)
-        return grad, ctx.layer.grad_weight, ctx.layer.grad_bias, None
+        return grad, ctx.layer.grad_weight, None
 
 
 class WaitingLayer(nn.Module):
+    """One weight and no bias: with a bias, a bucket would pair this layer's
+    weight with the next layer's bias and leave one layer late."""
+
     def __init__(self, width, sleep_ms, generator):
         super().__init__()
         self.weight = nn.Parameter(torch.randn(width, width, generator=generator) / width)
-        self.bias = nn.Parameter(torch.zeros(width))
         self.grad_weight = torch.randn(width, width, generator=generator) * 1e-3
-        self.grad_bias = torch.randn(width, generator=generator) * 1e-3
         self.sleep = sleep_ms / 1e3
 
     def forward(self, x):
-        return AcceleratedLayer.apply(x, self.weight, self.bias, self)
+        return AcceleratedLayer.apply(x, self.weight, self)
 
 
 class WaitingNet(nn.Module):
     """A small input layer, then ``depth`` wide ones: the input layer's
     gradient comes last in backward, and its bucket is the one nothing can
-    hide (as in real models, where the first layers are often the small
-    ones)."""
+    hide. With 9 MB buckets each wide layer has its own, so none waits for
+    the next layer's gradient."""
 
     def __init__(self, inputs=64, width=1536, depth=9, sleep_ms=8.0):
         super().__init__()
@@ -121,7 +122,7 @@ def make_model(name: str):
     if name == "wait":
         model = WaitingNet()
         batch = (torch.randn(1, 1536, generator=g),)
-        return model, batch, lambda out: out.sum(), 10
+        return model, batch, lambda out: out.sum(), 9
     raise ValueError(f"unknown model {name!r}")
 
 
