@@ -67,6 +67,7 @@ def _train(rank, world, opts):
         process_group=group, bucket_cap_mb=0.003, first_bucket_mb=0.001,
         overlap=opts.get("overlap", True), find_unused_parameters=unused,
         compression=opts.get("compression"), accumulation_steps=opts.get("accum_steps", 1),
+        compression_warmup_steps=opts.get("warmup", 0),
     )  # fmt: skip
     ddp = DDP(copy.deepcopy(base), process_group=group, find_unused_parameters=unused)
     ref = copy.deepcopy(base)
@@ -152,6 +153,15 @@ def test_buckets_are_rebuilt_in_ready_order():
 def test_lossless_compression_matches_and_fp16_is_close():
     _assert_close(run_ranks(_train, 2, {"compression": "topk:1.0"}), against=("ref",))
     _assert_close(run_ranks(_train, 2, {"compression": "fp16"}), atol=2e-3, against=("ref",))
+
+
+def test_compression_warm_up_steps_are_dense():
+    """Warm-up over all 4 steps: top-k 10% never runs, the result is exact;
+    with 1 warm-up step it runs and the result moves away."""
+    _assert_close(run_ranks(_train, 2, {"compression": "topk:0.1", "warmup": 4}))
+    results = run_ranks(_train, 2, {"compression": "topk:0.1", "warmup": 1})
+    with pytest.raises(AssertionError):
+        _assert_close(results, against=("ref",))
 
 
 def _sparse_converges(rank, world):
@@ -257,6 +267,8 @@ def _bad(rank, world, what):
         DataParallel(nn.Linear(4, 4).double(), compression="fp16")
     elif what == "spec":
         DataParallel(nn.Linear(4, 4), compression="topk:2.5")
+    elif what == "warmup":
+        DataParallel(nn.Linear(4, 4), compression="fp16", compression_warmup_steps=-2)
     elif what == "frozen":
         DataParallel(nn.Linear(4, 4).requires_grad_(False))
 
@@ -274,6 +286,7 @@ def _bad(rank, world, what):
         ),  # fmt: skip
         ("spec", r"topk:2.5"),
         ("frozen", r"no parameters that require gradients"),
+        ("warmup", r"compression_warmup_steps must be an int >= 0, got -2"),
     ],
 )
 def test_bad_configurations_are_refused(what, message):

@@ -61,6 +61,8 @@ class DataParallel(nn.Module):
     ``compression``: a spec ("fp16", "topk:0.01", ...) or a ``Compressor``;
     each bucket is averaged through it, with error-feedback residuals kept per
     bucket in ``compression_state`` (checkpoint it with its ``state_dict()``).
+    The first ``compression_warmup_steps`` synchronised steps are reduced
+    densely, as Deep Gradient Compression warms up.
     ``overlap=False`` reduces every bucket after backward instead (the
     baseline overlap is measured against). ``find_unused_parameters`` lets a
     forward leave parameters out: their buckets are reduced with zeros from
@@ -80,6 +82,7 @@ class DataParallel(nn.Module):
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
         accumulation_steps: int = 1,
+        compression_warmup_steps: int = 0,
     ):
         super().__init__()
         for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
@@ -104,6 +107,12 @@ class DataParallel(nn.Module):
             raise ValueError("DataParallel: the module has no parameters that require gradients")
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
+        warmup = compression_warmup_steps
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(
+                f"DataParallel: compression_warmup_steps must be an int >= 0, got {warmup!r}"
+            )
+        self.compression_warmup_steps = warmup
         self.compressor = None if compression is None else get_compressor(compression)
         if self.compressor is not None:
             for n, p in named:
@@ -262,7 +271,8 @@ class DataParallel(nn.Module):
                 self._reduce(bucket)
 
     def _reduce(self, bucket: GradBucket) -> None:
-        if self.compressor is not None:
+        warm = self.compression_state.step >= self.compression_warmup_steps
+        if self.compressor is not None and warm:
             self.compressor.all_reduce_mean(
                 bucket.flat, self.compression_state, bucket.index, self.process_group
             )
