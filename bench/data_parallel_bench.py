@@ -145,8 +145,14 @@ def _timed_steps(model, batch, loss_fn, opt, steps, control):
         opt.step()
         opt.zero_grad(set_to_none=False)
         times.append(time.perf_counter() - t0)
+    return _slowest_median(times, control)
+
+
+def _slowest_median(times, control):
+    """The median of this rank's times, and the largest such median over the
+    ranks (a step is as slow as its slowest rank)."""
     median = torch.tensor([statistics.median(times)], dtype=torch.float64)
-    dist.all_reduce(median, op=dist.ReduceOp.MAX, group=control)  # the slowest rank
+    dist.all_reduce(median, op=dist.ReduceOp.MAX, group=control)
     return float(median)
 
 
@@ -162,9 +168,7 @@ def _timed_comm(buckets, group, average, steps, control):
                 dist.all_reduce(b, group=group)
                 b.div_(dist.get_world_size(group))
         times.append(time.perf_counter() - t0)
-    median = torch.tensor([statistics.median(times)], dtype=torch.float64)
-    dist.all_reduce(median, op=dist.ReduceOp.MAX, group=control)
-    return float(median)
+    return _slowest_median(times, control)
 
 
 def _rank(rank, world, models, steps, repeats):

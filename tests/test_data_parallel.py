@@ -150,6 +150,39 @@ def test_buckets_are_rebuilt_in_ready_order():
     assert order.index(1) < order.index(5) < order.index(3)
 
 
+def _residuals_across_rebuild(rank, world):
+    torch.manual_seed(0)
+    dp = DataParallel(Net(), compression="topk:0.3", bucket_cap_mb=0.003, first_bucket_mb=0.001)
+
+    def per_param():
+        out = {}
+        for b in dp.buckets:
+            r = dp.compression_state.residuals[b.index]
+            for t, i in enumerate(b.params):
+                out[i] = b.segment(r, t).clone()
+        return out
+
+    seen = {}
+    rebuild = dp._rebuild
+
+    def traced():
+        seen["before"], layout = per_param(), [b.params for b in dp.buckets]
+        rebuild()
+        seen["after"], seen["moved"] = per_param(), layout != [b.params for b in dp.buckets]
+
+    dp._rebuild = traced
+    dp(torch.randn(BATCH, 10)).square().mean().backward()
+    return seen
+
+
+def test_error_feedback_residuals_follow_parameters_into_rebuilt_buckets():
+    for seen in run_ranks(_residuals_across_rebuild, 2):
+        assert seen["moved"]  # the layout did change
+        assert sum(int((r != 0).sum()) for r in seen["before"].values()) > 100
+        for i, before in seen["before"].items():
+            assert torch.equal(seen["after"][i], before), i
+
+
 def test_lossless_compression_matches_and_fp16_is_close():
     _assert_close(run_ranks(_train, 2, {"compression": "topk:1.0"}), against=("ref",))
     _assert_close(run_ranks(_train, 2, {"compression": "fp16"}), atol=2e-3, against=("ref",))

@@ -20,12 +20,20 @@ class GradBucket:
         self.params = params
         dtype, device = tensors[0].dtype, tensors[0].device
         self.flat = torch.zeros(sum(t.numel() for t in tensors), dtype=dtype, device=device)
+        self.offsets: list[int] = []  # where each parameter starts in `flat`
         self.views: list[torch.Tensor] = []
         offset = 0
         for t in tensors:
+            self.offsets.append(offset)
             self.views.append(self.flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
         self.pending = len(params)  # gradients not yet ready this step
+
+    def segment(self, flat: torch.Tensor, slot: int) -> torch.Tensor:
+        """Parameter ``slot``'s part of ``flat``, any flat tensor laid out
+        like this bucket (its error-feedback residual, for one)."""
+        start = self.offsets[slot]
+        return flat[start : start + self.views[slot].numel()]
 
     @property
     def nbytes(self) -> int:

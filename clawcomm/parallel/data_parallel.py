@@ -196,6 +196,7 @@ class DataParallel(nn.Module):
             return
         old_slot = self._slot
         old_residuals = self.compression_state.residuals
+        self.compression_state.residuals = {}
         self._build(order)
         for i, p in enumerate(self._params):
             old_bucket, s = old_slot[i]
@@ -203,19 +204,11 @@ class DataParallel(nn.Module):
             bucket.views[t].copy_(old_bucket.views[s])
             if p.grad is not None:
                 p.grad = bucket.views[t]
-        # Error-feedback residuals follow their parameters into the new layout.
-        if old_residuals:
-            self.compression_state.residuals = {}
-            for bucket in self._buckets:
-                r = self.compression_state.residual(bucket.index, bucket.flat)
-                for t, i in enumerate(bucket.params):
-                    old_bucket, s = old_slot[i]
-                    old = old_residuals.get(old_bucket.index)
-                    if old is not None:
-                        off = sum(v.numel() for v in old_bucket.views[:s])
-                        n = old_bucket.views[s].numel()
-                        off_new = sum(v.numel() for v in bucket.views[:t])
-                        r[off_new : off_new + n].copy_(old[off : off + n])
+            # Error-feedback residuals follow their parameters too.
+            old = old_residuals.get(old_bucket.index)
+            if old is not None:
+                new = self.compression_state.residual(bucket.index, bucket.flat)
+                bucket.segment(new, t).copy_(old_bucket.segment(old, s))
 
     # ---- one step -----------------------------------------------------------
 
