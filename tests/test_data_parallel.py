@@ -348,3 +348,53 @@ def test_a_dead_peer_fails_backward_on_every_survivor():
     assert isinstance(results[2], RankFailure)
     for text in results[:2]:
         assert "rank 2" in text, text
+
+
+# ---------------------------------------------------------------------------
+# The reduction thread on its own.
+
+
+def test_reduction_thread_runs_jobs_in_order_and_reports_the_first_error():
+    from clawcomm.parallel.worker import ReductionThread
+
+    worker, ran = ReductionThread(), []
+
+    def fail(tag):
+        ran.append(tag)
+        raise ValueError(tag)
+
+    worker.submit(lambda: ran.append(1))
+    worker.submit(lambda: fail("first"))
+    worker.submit(lambda: fail("second"))
+    worker.submit(lambda: ran.append(4))
+    with pytest.raises(ValueError, match="first"):
+        worker.wait()
+    assert ran == [1, "first", "second", 4]  # jobs after a failure still ran
+    worker.wait()  # the error was reported once
+    worker.close()
+
+
+def test_reduction_thread_frees_each_job_and_is_gone_after_close():
+    """The thread must neither keep a job's tensors alive until its next job
+    nor outlive close(): freeing a tensor on a daemon thread while the
+    interpreter finalises aborts the process inside torch's deallocator."""
+    import weakref
+
+    from clawcomm.parallel.worker import ReductionThread
+
+    class Job:
+        def __init__(self):
+            self.tensor = torch.ones(1000)
+
+        def __call__(self):
+            self.tensor.mul_(2)
+
+    worker = ReductionThread()
+    job = Job()
+    freed = weakref.ref(job)
+    worker.submit(job)
+    del job
+    worker.wait()
+    assert freed() is None
+    worker.close()
+    assert not worker._thread.is_alive()

@@ -40,7 +40,14 @@ class ReductionThread:
             raise error
 
     def close(self) -> None:
+        """Stops the thread once the jobs already submitted have run, and
+        waits for it. Called at the latest from atexit (DataParallel's
+        weakref.finalize): the thread must be gone before the interpreter
+        finalises, because a daemon thread that wakes then and frees a tensor
+        is killed inside torch's deallocator, which aborts the process."""
         self._jobs.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
 
     def _run(self) -> None:
         while True:
@@ -53,6 +60,9 @@ class ReductionThread:
                 with self._done:
                     self._error = self._error or e
             finally:
+                # Drop the job (and the buckets it holds) here, while the
+                # interpreter is surely alive, not at the next get().
+                job = None
                 with self._done:
                     self._finished += 1
                     self._done.notify_all()
