@@ -413,18 +413,56 @@ def test_experiment_runs_and_writes_results(tmp_path):
     assert bad.returncode == 2 and "ratio 2.0 is not in (0, 1]" in bad.stderr
 
 
-def _fp16_segments(rank, n):
-    xs = [_grad(300 + r, 10_007) for r in range(n)]
-    t = xs[rank].clone()
-    compressed_all_reduce(t, "bf16" if n == 4 else "fp16")
-    return t, sum(xs)
+WIRE_SIZES = [0, 1, 5, 10_007]  # empty, one element, fewer than ranks, odd
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_16_bit_wire_in_many_segments(world_size):
-    """Tiny segments: every chunk crosses the wire in dozens of pieces."""
-    results = run_ranks(_fp16_segments, world_size, env={"CLAWCOMM_SEGMENT_BYTES": "256"})
-    for t, _ in results[1:]:
-        assert torch.equal(t, results[0][0])
-    t, dense = results[0]
-    assert torch.allclose(t, dense, atol=0.05 if world_size == 4 else 5e-3)
+def _ring16_reference(xs, wire, prescale, postscale):
+    """What the 16-bit-wire ring must give, bit for bit: chunk c is summed
+    in float32 starting at rank c+1, each rank adding its pre-scaled input to
+    the partial sum decoded from 16 bits; the owner rounds the result once
+    more for everyone, and every rank multiplies it by the post-scale."""
+    n, dt = len(xs), getattr(torch, wire)
+    xs = [x * torch.tensor(prescale, dtype=torch.float32) for x in xs]
+    base, extra = divmod(xs[0].numel(), n)
+    bounds = np.cumsum([0] + [base + (c < extra) for c in range(n)])
+    out = torch.empty_like(xs[0])
+    for c in range(n):
+        part = slice(bounds[c], bounds[c + 1])
+        acc = xs[(c + 1) % n][part]
+        for k in range(2, n + 1):
+            acc = xs[(c + k) % n][part] + acc.to(dt).float()
+        out[part] = acc.to(dt).float() * torch.tensor(postscale, dtype=torch.float32)
+    return out
+
+
+def _wire_runs(rank, n):
+    results = []
+    for wire, spec in (("float16", "fp16"), ("bfloat16", "bf16")):
+        for numel in WIRE_SIZES:
+            xs = [_grad(300 + r, numel) * 3 for r in range(n)]
+            for mean in (True, False):  # 1/n before; and for the sum, n after
+                t = xs[rank].clone()
+                compressed_all_reduce(t, spec, average=mean)
+                post = np.float32(1.0 if mean else n)
+                results.append((t, _ring16_reference(xs, wire, np.float32(1.0 / n), post)))
+    return results
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        None,
+        {"CLAWCOMM_SEGMENT_BYTES": "256"},
+        {"CLAWCOMM_SEGMENT_BYTES": "256", "CLAWCOMM_SIMD": "portable"},
+    ],
+    ids=["default", "small-segments", "small-segments-portable"],
+)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_16_bit_wire_matches_the_ring_bit_for_bit(world_size, env):
+    """Against a local replay of the algorithm, on every rank, for both
+    wires, means and sums, and awkward sizes; with 256-byte segments every
+    chunk crosses the wire in dozens of pieces, which the pipeline overlaps
+    (and forwards, at 3 and 4 ranks)."""
+    for rank_results in run_ranks(_wire_runs, world_size, env=env):
+        for got, want in rank_results:
+            assert torch.equal(got, want)

@@ -99,6 +99,29 @@ def test_conversions_match_torch(level, dtype):
         np.testing.assert_array_equal(back, want16.float().numpy())
 
 
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_scaled_conversions_round_each_operation_once(level, dtype):
+    """The 16-bit ring's kernels with their scale factors: a float32 product
+    (and sum) rounded on its own, never a fused multiply-add, at every level."""
+    tdtype = getattr(torch, dtype)
+    for n in LENGTHS:
+        x = torch.from_numpy(_values(np.float32, n, 6))
+        h = torch.from_numpy(_values(np.float32, n, 7)).to(tdtype)
+        acc = torch.from_numpy(_values(np.float32, n, 8) / 3)
+        for scale in (np.float32(1 / 3), np.float32(7.0)):
+            s = torch.tensor(scale)
+            got16 = np.zeros(n, np.uint16)
+            K.from_float32(x.numpy(), got16, dtype, level, scale=scale)
+            np.testing.assert_array_equal(got16, (x * s).to(tdtype).view(torch.uint16).numpy())
+            back = np.zeros(n, np.float32)
+            K.to_float32(h.view(torch.uint16).numpy(), back, dtype, level, scale=scale)
+            np.testing.assert_array_equal(back, (h.float() * s).numpy())
+            got = acc.clone()
+            K.add_from16(got.numpy(), h.view(torch.uint16).numpy(), dtype, level, dst_scale=scale)
+            assert torch.equal(got, acc * s + h.float()), (n, scale, level)
+
+
 def test_bad_arguments_are_value_errors():
     with pytest.raises(ValueError, match="kernels.reduce: dst has 3 elements, src 4"):
         K.reduce(np.zeros(3, np.float32), np.zeros(4, np.float32))

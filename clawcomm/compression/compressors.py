@@ -88,10 +88,9 @@ class HalfPrecision(Compressor):
             if mean:
                 tensor.div_(n)
             return
-        scale = 1.0 / n if self.prescale or mean else 1.0
-        engine.all_reduce_16bit_wire(tensor.numpy(), self.wire, scale)
-        if scale != 1.0 and not mean:
-            tensor.mul_(n)
+        pre = 1.0 / n if self.prescale or mean else 1.0
+        post = n if pre != 1.0 and not mean else 1.0  # back to the sum, in the engine
+        engine.all_reduce_16bit_wire(tensor.numpy(), self.wire, pre, post)
 
 
 class TopK(Compressor):

@@ -17,8 +17,10 @@ namespace clawcomm {
 void ringAllReduce(Channel& ch, void* buf, size_t count);
 void treeAllReduce(Channel& ch, void* buf, size_t count);
 // All-reduce (sum) of float32 `buf` with 16-bit values on the wire: the
-// channel's dtype (kFloat16 or kBFloat16) is the wire format.
-void ringAllReduce16BitWire(Channel& ch, float* buf, size_t count);
+// channel's dtype (kFloat16 or kBFloat16) is the wire format. Every rank's
+// input is first multiplied by `prescale` and the result by `postscale`
+// (1 leaves them alone), each inside the conversion kernels.
+void ringAllReduce16BitWire(Channel& ch, float* buf, size_t count, float prescale, float postscale);
 
 // In place over a buffer that holds one chunk per rank, back to back, of
 // counts[r] elements: afterwards chunk `rank` holds the reduction of every

@@ -35,6 +35,10 @@ class Channel {
   void recvReduce(int peer, void* buf, size_t bytes);
   // Waits for everything posted so far.
   void wait();
+  // Moves whatever bytes can move now without blocking (posted sends into
+  // the transport, arrived bytes into posted receives). An algorithm calls
+  // it before computing on one segment while another is in flight.
+  void progress() { messenger_.progress(); }
 
  private:
   Messenger& messenger_;

@@ -6,8 +6,9 @@
 // what crosses the wire is rounded, once per hop. Bytes on the wire are half
 // of a float32 ring all-reduce.
 //
-// The buffer is cut into n chunks (ring_all_reduce.cc), staged through two
-// 16-bit buffers of one chunk each:
+// The buffer is cut into n chunks (ring_all_reduce.cc); what crosses the
+// wire is staged through 16-bit buffers of one segment, two to send from and
+// two to receive into:
 //   Reduce-scatter, steps s = 0 .. n-2: rank r encodes chunk r-s-1 to 16
 //     bits and sends it to r+1; it receives chunk r-s-2 from r-1 and adds the
 //     decoded values into its float32 copy (one fused decode-add pass).
@@ -19,9 +20,18 @@
 //     re-encode to the same bits) and decodes chunk r-s-1 from r-1 into its
 //     buffer.
 // Every step moves its chunk in segments of CLAWCOMM_SEGMENT_BYTES on the
-// wire, each encoded, exchanged and decoded while it is in cache.
-// Bytes sent per rank: 2 (n-1)/n N/2 for N bytes of float32. All ranks end
-// with bit-identical results.
+// wire. A (step, segment) pair is a unit; units run in order, and while unit
+// u is on the wire the rank decodes unit u-1 and encodes unit u+1, so the
+// conversions overlap the transfer instead of adding to it. Unit u+1 depends
+// on unit u+1-segments (the same segment one step earlier), which is done by
+// then whenever a chunk has two segments or more; with one segment the
+// units run one after another.
+// The pre-scale (1/n for a mean, against overflow) multiplies this rank's
+// input inside the first kernel that reads it, and the post-scale multiplies
+// the result inside the last kernel that writes it (or, for a segment this
+// rank still has to forward, right after encoding it, while it is in cache):
+// neither costs a pass over memory of its own. Bytes sent per rank: 2 (n-1)/n N/2 for N bytes of
+// float32. All ranks end with bit-identical results.
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -32,18 +42,36 @@
 
 namespace clawcomm {
 
-void ringAllReduce16BitWire(Channel& ch, float* buf, size_t count) {
+namespace {
+
+void scale(float* x, size_t count, float factor) {
+  if (factor == 1.0f) return;
+  for (size_t i = 0; i < count; ++i) x[i] *= factor;
+}
+
+}  // namespace
+
+void ringAllReduce16BitWire(Channel& ch, float* buf, size_t count, float prescale,
+                            float postscale) {
   const DataType wire = ch.signature().dtype;
   const int n = ch.size();
   const int r = ch.rank();
+  const size_t segElems = std::max<size_t>(1, ch.settings().segmentBytes / 2);
+  if (n == 1) {
+    // Nothing to exchange; round the way a larger group would.
+    std::vector<uint16_t> tmp(std::min(count, segElems));
+    for (size_t at = 0; at < count; at += segElems) {
+      const size_t len = std::min(segElems, count - at);
+      fromFloat32(wire, buf + at, tmp.data(), len, prescale);
+      toFloat32(wire, tmp.data(), buf + at, len, postscale);
+    }
+    return;
+  }
   const std::vector<size_t> counts = evenCounts(count, n);
   std::vector<size_t> offsets(size_t(n) + 1, 0);
   for (int c = 0; c < n; ++c) offsets[c + 1] = offsets[c] + counts[c];
-  const size_t largest = counts.empty() ? 0 : *std::max_element(counts.begin(), counts.end());
-  // Chunks move in segments of at most settings().segmentBytes on the wire,
-  // so each segment is encoded, sent, received and decoded while it is
-  // still in cache. Every chunk is cut into the same number of segments.
-  const size_t segElems = std::max<size_t>(1, ch.settings().segmentBytes / 2);
+  const size_t largest = *std::max_element(counts.begin(), counts.end());
+  // Every chunk is cut into the same number of segments.
   const size_t segments = std::max<size_t>(1, (largest + segElems - 1) / segElems);
   auto segment = [&](int c, size_t j, size_t* begin, size_t* len) {
     const size_t per = (counts[c] + segments - 1) / segments;
@@ -51,51 +79,90 @@ void ringAllReduce16BitWire(Channel& ch, float* buf, size_t count) {
     *begin = offsets[c] + lo;
     *len = std::min(counts[c], lo + per) - lo;
   };
-  std::vector<uint16_t> out(std::min(largest, segElems + 1)), in(out.size());
-  std::vector<uint16_t> own(counts.empty() ? 0 : counts[r]);  // our chunk, as others see it
+  const size_t bufElems = std::min(largest, segElems + 1);
+  std::vector<uint16_t> out[2] = {std::vector<uint16_t>(bufElems), std::vector<uint16_t>(bufElems)};
+  std::vector<uint16_t> in[2] = {std::vector<uint16_t>(bufElems), std::vector<uint16_t>(bufElems)};
   const int next = ringIndex(r + 1, n);
   const int prev = ringIndex(r - 1, n);
 
-  for (int s = 0; s < n - 1; ++s) {
-    const int sendChunk = ringIndex(r - s - 1, n);
-    const int recvChunk = ringIndex(r - s - 2, n);
-    for (size_t j = 0; j < segments; ++j) {
-      size_t so, sl, ro, rl;
-      segment(sendChunk, j, &so, &sl);
-      segment(recvChunk, j, &ro, &rl);
-      fromFloat32(wire, buf + so, out.data(), sl);
-      ch.send(next, out.data(), sl * 2);
-      ch.recv(prev, in.data(), rl * 2);
-      ch.wait();
-      addFrom16(wire, buf + ro, in.data(), rl);
+  // Unit u: phase 0 (reduce-scatter) or 1 (all-gather), step s, segment j.
+  const size_t perPhase = size_t(n - 1) * segments;
+  const size_t units = 2 * perPhase;
+  struct Unit {
+    bool gather;
+    int step;
+    size_t seg;
+    int sendChunk, recvChunk;
+  };
+  auto unit = [&](size_t u) {
+    Unit x;
+    x.gather = u >= perPhase;
+    const size_t k = u % perPhase;
+    x.step = int(k / segments);
+    x.seg = k % segments;
+    x.sendChunk = ringIndex(r - x.step - (x.gather ? 0 : 1), n);
+    x.recvChunk = ringIndex(r - x.step - (x.gather ? 1 : 2), n);
+    return x;
+  };
+  // Encodes what unit u sends into out[u % 2].
+  auto prepare = [&](size_t u) {
+    const Unit x = unit(u);
+    size_t o, l;
+    segment(x.sendChunk, x.seg, &o, &l);
+    uint16_t* dst = out[u % 2].data();
+    if (!x.gather) {
+      // Step 0 sends our own input (its first use); later steps partial sums.
+      fromFloat32(wire, buf + o, dst, l, x.step == 0 ? prescale : 1.0f);
+    } else if (x.step == 0) {
+      // Our finished chunk: keep the rounded values every other rank decodes.
+      fromFloat32(wire, buf + o, dst, l);
+      toFloat32(wire, dst, buf + o, l, postscale);
+    } else {
+      // Forward what the previous step decoded (the same bits again); it
+      // still lacks the post-scale, which it takes now, while in cache.
+      fromFloat32(wire, buf + o, dst, l);
+      scale(buf + o, l, postscale);
+    }
+  };
+  // Decodes what unit u received from in[u % 2] into the buffer.
+  auto finish = [&](size_t u) {
+    const Unit x = unit(u);
+    size_t o, l;
+    segment(x.recvChunk, x.seg, &o, &l);
+    if (x.gather) {
+      // A segment forwarded in the next step gets its post-scale then.
+      toFloat32(wire, in[u % 2].data(), buf + o, l, x.step == n - 2 ? postscale : 1.0f);
+    } else {
+      addFrom16(wire, buf + o, in[u % 2].data(), l, prescale);  // first use of our input
+    }
+  };
+  auto post = [&](size_t u) {
+    const Unit x = unit(u);
+    size_t so, sl, ro, rl;
+    segment(x.sendChunk, x.seg, &so, &sl);
+    segment(x.recvChunk, x.seg, &ro, &rl);
+    ch.send(next, out[u % 2].data(), sl * 2);
+    ch.recv(prev, in[u % 2].data(), rl * 2);
+    ch.progress();  // the send starts before we compute
+  };
+  // Unit v needs unit v - segments decoded (same segment, previous step),
+  // except in the first reduce-scatter step.
+  auto ready = [&](size_t v, size_t finished) { return v < segments || v - segments < finished; };
+
+  size_t finished = 0;  // units [0, finished) are decoded
+  prepare(0);
+  for (size_t u = 0; u < units; ++u) {
+    post(u);
+    if (finished < u) finish(finished++);  // unit u-1, while u is on the wire
+    const bool ahead = u + 1 < units && ready(u + 1, finished);
+    if (ahead) prepare(u + 1);
+    ch.wait();
+    if (!ahead && u + 1 < units) {
+      finish(finished++);  // unit u, which unit u+1 needs
+      prepare(u + 1);
     }
   }
-
-  // Round our finished chunk the way the others will see it.
-  fromFloat32(wire, buf + offsets[r], own.data(), counts[r]);
-  toFloat32(wire, own.data(), buf + offsets[r], counts[r]);
-
-  // All-gather: send our rounded chunk, then forward each received segment
-  // unchanged (re-encoding the decoded values would give the same bits).
-  for (int s = 0; s < n - 1; ++s) {
-    const int sendChunk = ringIndex(r - s, n);
-    const int recvChunk = ringIndex(r - s - 1, n);
-    for (size_t j = 0; j < segments; ++j) {
-      size_t so, sl, ro, rl;
-      segment(sendChunk, j, &so, &sl);
-      segment(recvChunk, j, &ro, &rl);
-      if (s == 0) {
-        std::copy(own.begin() + long(so - offsets[r]), own.begin() + long(so - offsets[r] + sl),
-                  out.begin());
-      } else {
-        fromFloat32(wire, buf + so, out.data(), sl);
-      }
-      ch.send(next, out.data(), sl * 2);
-      ch.recv(prev, in.data(), rl * 2);
-      ch.wait();
-      toFloat32(wire, in.data(), buf + ro, rl);
-    }
-  }
+  while (finished < units) finish(finished++);
 }
 
 }  // namespace clawcomm

@@ -192,22 +192,20 @@ RequestPtr Communicator::allReduce(void* buf, size_t count, DataType dtype, Redu
 }
 
 RequestPtr Communicator::allReduce16BitWire(float* buf, size_t count, DataType wire, float prescale,
-                                            Callback cb) {
+                                            float postscale, Callback cb) {
   CLAWCOMM_ARG_CHECK(wire == DataType::kFloat16 || wire == DataType::kBFloat16,
                      "clawcomm::all_reduce: the wire format must be float16 or bfloat16, not ",
                      dataTypeName(wire));
   CLAWCOMM_ARG_CHECK(std::isfinite(prescale) && prescale != 0.0f, "clawcomm::all_reduce: prescale ",
                      prescale, " is not a finite non-zero factor");
+  CLAWCOMM_ARG_CHECK(std::isfinite(postscale) && postscale != 0.0f,
+                     "clawcomm::all_reduce: postscale ", postscale,
+                     " is not a finite non-zero factor");
   OpSignature sig{OpType::kAllReduce, wire, ReduceOp::kSum, -1, count};
   sig.algo = 3;  // ring with a 16-bit wire
   return enqueueCollective(
       sig, count * 2,
-      [=](Channel& ch) {
-        if (prescale != 1.0f) {
-          for (size_t i = 0; i < count; ++i) buf[i] *= prescale;
-        }
-        ringAllReduce16BitWire(ch, buf, count);
-      },
+      [=](Channel& ch) { ringAllReduce16BitWire(ch, buf, count, prescale, postscale); },
       std::move(cb));
 }
 

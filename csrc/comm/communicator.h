@@ -83,9 +83,10 @@ class Communicator {
   // Sum of float32 `buf` over every rank with 16-bit values on the wire
   // (`wire` is kFloat16 or kBFloat16) and float32 accumulation at every step
   // (algorithms/ring_all_reduce_16bit.cc). Each rank's values are multiplied
-  // by `prescale` first (1/size for a mean that cannot overflow float16).
+  // by `prescale` first (1/size for a mean that cannot overflow float16), and
+  // the result by `postscale` (size, to turn that mean back into a sum).
   RequestPtr allReduce16BitWire(float* buf, size_t count, DataType wire, float prescale,
-                                Callback cb = {});
+                                float postscale = 1.0f, Callback cb = {});
   // `in` holds counts[r] elements for each rank r, back to back; `out`
   // receives this rank's counts[rank] reduced elements.
   RequestPtr reduceScatter(const void* in, void* out, std::vector<size_t> counts, DataType dtype,

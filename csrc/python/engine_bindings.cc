@@ -155,7 +155,7 @@ void bindKernels(py::module_& m) {
       py::arg("dtype") = py::none(), "dst[i] = dst[i] op src[i].");
   k.def(
       "to_float32",
-      [](py::buffer src, py::buffer dst, const std::string& dtype, py::object level) {
+      [](py::buffer src, py::buffer dst, const std::string& dtype, py::object level, float scale) {
         Buffer s = takeBuffer("kernels.to_float32", "src", src, false, py::str(dtype));
         Buffer d = takeBuffer("kernels.to_float32", "dst", dst, true, py::str("float32"));
         CLAWCOMM_ARG_CHECK(d.count == s.count, "clawcomm::kernels.to_float32: dst has ", d.count,
@@ -165,13 +165,15 @@ void bindKernels(py::module_& m) {
                            " is not float16 or bfloat16");
         const SimdLevel l = parseLevel(level);
         py::gil_scoped_release release;
-        toFloat32At(l, s.dtype, s.data, static_cast<float*>(d.data), s.count);
+        toFloat32At(l, s.dtype, s.data, static_cast<float*>(d.data), s.count, scale);
       },
       py::arg("src"), py::arg("dst"), py::arg("dtype") = "float16", py::arg("level") = py::none(),
-      "Widens 16-bit floats (held in a uint16 or float16 buffer) into a float32 buffer.");
+      py::arg("scale") = 1.0f,
+      "Widens 16-bit floats (held in a uint16 or float16 buffer) into a float32 buffer, "
+      "times `scale`.");
   k.def(
       "from_float32",
-      [](py::buffer src, py::buffer dst, const std::string& dtype, py::object level) {
+      [](py::buffer src, py::buffer dst, const std::string& dtype, py::object level, float scale) {
         Buffer s = takeBuffer("kernels.from_float32", "src", src, false, py::str("float32"));
         Buffer d = takeBuffer("kernels.from_float32", "dst", dst, true, py::str(dtype));
         CLAWCOMM_ARG_CHECK(d.count == s.count, "clawcomm::kernels.from_float32: dst has ", d.count,
@@ -181,10 +183,28 @@ void bindKernels(py::module_& m) {
                            " is not float16 or bfloat16");
         const SimdLevel l = parseLevel(level);
         py::gil_scoped_release release;
-        fromFloat32At(l, d.dtype, static_cast<const float*>(s.data), d.data, s.count);
+        fromFloat32At(l, d.dtype, static_cast<const float*>(s.data), d.data, s.count, scale);
       },
       py::arg("src"), py::arg("dst"), py::arg("dtype") = "float16", py::arg("level") = py::none(),
-      "Rounds float32 to 16-bit floats (nearest even).");
+      py::arg("scale") = 1.0f, "Rounds float32 times `scale` to 16-bit floats (nearest even).");
+  k.def(
+      "add_from16",
+      [](py::buffer dst, py::buffer src, const std::string& dtype, py::object level,
+         float dstScale) {
+        Buffer d = takeBuffer("kernels.add_from16", "dst", dst, true, py::str("float32"));
+        Buffer s = takeBuffer("kernels.add_from16", "src", src, false, py::str(dtype));
+        CLAWCOMM_ARG_CHECK(d.count == s.count, "clawcomm::kernels.add_from16: dst has ", d.count,
+                           " elements, src ", s.count);
+        CLAWCOMM_ARG_CHECK(s.dtype == DataType::kFloat16 || s.dtype == DataType::kBFloat16,
+                           "clawcomm::kernels.add_from16: dtype ", dtype,
+                           " is not float16 or bfloat16");
+        const SimdLevel l = parseLevel(level);
+        py::gil_scoped_release release;
+        addFrom16At(l, s.dtype, static_cast<float*>(d.data), s.data, s.count, dstScale);
+      },
+      py::arg("dst"), py::arg("src"), py::arg("dtype") = "float16", py::arg("level") = py::none(),
+      py::arg("dst_scale") = 1.0f,
+      "dst = dst * dst_scale + widen(src): the 16-bit ring's decode-and-accumulate step.");
 }
 
 }  // namespace
@@ -254,18 +274,22 @@ void bindEngine(py::module_& m) {
           "In place, over every rank.")
       .def(
           "all_reduce_16bit_wire",
-          [](Communicator& c, py::buffer buf, const std::string& wire, float prescale) {
+          [](Communicator& c, py::buffer buf, const std::string& wire, float prescale,
+             float postscale) {
             Buffer b = takeBuffer("all_reduce", "buffer", buf, true, py::none());
             CLAWCOMM_ARG_CHECK(b.dtype == DataType::kFloat32, "clawcomm::all_reduce: a 16-bit ",
                                "wire needs a float32 buffer, not ", dataTypeName(b.dtype));
             const DataType w = parseDataType("all_reduce", wire);
             run([&] {
-              return c.allReduce16BitWire(static_cast<float*>(b.data), b.count, w, prescale);
+              return c.allReduce16BitWire(static_cast<float*>(b.data), b.count, w, prescale,
+                                          postscale);
             });
           },
           py::arg("buf"), py::arg("wire") = "float16", py::arg("prescale") = 1.0f,
+          py::arg("postscale") = 1.0f,
           "Sum of a float32 buffer with float16 or bfloat16 on the wire and float32 "
-          "accumulation at every step; values are multiplied by `prescale` first.")
+          "accumulation at every step; values are multiplied by `prescale` first and "
+          "the result by `postscale`, inside the conversion kernels.")
       .def(
           "reduce_scatter",
           [](Communicator& c, py::buffer in, py::buffer out, Op op, py::object dtype) {

@@ -186,18 +186,58 @@ CLAWCOMM_INLINE void fromFloat(DataType type, const float* src, void* dst, size_
   floatToBf16Block(src, d, n);
 }
 
-// dst[i] += widen(src[i]) for 16-bit src, through an L1-sized float block:
-// decoding and accumulating are one pass over memory.
+// The scaled conversions work through an L1-sized block, so scaling costs no
+// pass over memory of its own. Products and sums are rounded one at a time
+// (the extension builds with -ffp-contract=off: no fused multiply-add), so
+// every SIMD level gives the same bits.
+constexpr size_t kBlock = 512;
+
+// dst[i] = widen(src[i]) * scale.
 template <typename Cvt>
-CLAWCOMM_INLINE void addFrom16(DataType type, float* dst, const void* src, size_t n) {
+CLAWCOMM_INLINE void toFloatScaled(DataType type, const void* src, float* dst, size_t n,
+                                   float scale) {
+  if (scale == 1.0f) return toFloat<Cvt>(type, src, dst, n);
   const uint16_t* s = static_cast<const uint16_t*>(src);
-  constexpr size_t kBlock = 512;
+  for (size_t base = 0; base < n; base += kBlock) {
+    const size_t m = std::min(kBlock, n - base);
+    float* __restrict d = dst + base;
+    toFloat<Cvt>(type, s + base, d, m);
+    for (size_t i = 0; i < m; ++i) d[i] *= scale;
+  }
+}
+
+// dst[i] = round16(src[i] * scale).
+template <typename Cvt>
+CLAWCOMM_INLINE void fromFloatScaled(DataType type, const float* src, void* dst, size_t n,
+                                     float scale) {
+  if (scale == 1.0f) return fromFloat<Cvt>(type, src, dst, n);
+  uint16_t* d = static_cast<uint16_t*>(dst);
+  alignas(64) float b[kBlock];
+  for (size_t base = 0; base < n; base += kBlock) {
+    const size_t m = std::min(kBlock, n - base);
+    const float* __restrict s = src + base;
+    for (size_t i = 0; i < m; ++i) b[i] = s[i] * scale;
+    fromFloat<Cvt>(type, b, d + base, m);
+  }
+}
+
+// dst[i] = dst[i] * dstScale + widen(src[i]) for 16-bit src, through an
+// L1-sized float block: decoding, scaling and accumulating are one pass
+// over memory.
+template <typename Cvt>
+CLAWCOMM_INLINE void addFrom16(DataType type, float* dst, const void* src, size_t n,
+                               float dstScale) {
+  const uint16_t* s = static_cast<const uint16_t*>(src);
   alignas(64) float b[kBlock];
   for (size_t base = 0; base < n; base += kBlock) {
     const size_t m = std::min(kBlock, n - base);
     toFloat<Cvt>(type, s + base, b, m);
     float* __restrict d = dst + base;
-    for (size_t i = 0; i < m; ++i) d[i] += b[i];
+    if (dstScale == 1.0f) {
+      for (size_t i = 0; i < m; ++i) d[i] += b[i];
+    } else {
+      for (size_t i = 0; i < m; ++i) d[i] = d[i] * dstScale + b[i];
+    }
   }
 }
 

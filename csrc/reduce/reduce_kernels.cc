@@ -28,9 +28,9 @@ namespace clawcomm {
 namespace {
 
 using Reduce = void (*)(DataType, ReduceOp, void*, const void*, size_t);
-using ToFloat = void (*)(DataType, const void*, float*, size_t);
-using FromFloat = void (*)(DataType, const float*, void*, size_t);
-using AddFrom16 = void (*)(DataType, float*, const void*, size_t);
+using ToFloat = void (*)(DataType, const void*, float*, size_t, float);
+using FromFloat = void (*)(DataType, const float*, void*, size_t, float);
+using AddFrom16 = void (*)(DataType, float*, const void*, size_t, float);
 
 struct KernelTable {
   Reduce reduce;
@@ -42,14 +42,14 @@ struct KernelTable {
 void reducePortable(DataType t, ReduceOp op, void* dst, const void* src, size_t n) {
   kernels::reduce<kernels::PortableCvt>(t, op, dst, src, n);
 }
-void toFloatPortable(DataType t, const void* src, float* dst, size_t n) {
-  kernels::toFloat<kernels::PortableCvt>(t, src, dst, n);
+void toFloatPortable(DataType t, const void* src, float* dst, size_t n, float scale) {
+  kernels::toFloatScaled<kernels::PortableCvt>(t, src, dst, n, scale);
 }
-void fromFloatPortable(DataType t, const float* src, void* dst, size_t n) {
-  kernels::fromFloat<kernels::PortableCvt>(t, src, dst, n);
+void fromFloatPortable(DataType t, const float* src, void* dst, size_t n, float scale) {
+  kernels::fromFloatScaled<kernels::PortableCvt>(t, src, dst, n, scale);
 }
-void addFrom16Portable(DataType t, float* dst, const void* src, size_t n) {
-  kernels::addFrom16<kernels::PortableCvt>(t, dst, src, n);
+void addFrom16Portable(DataType t, float* dst, const void* src, size_t n, float scale) {
+  kernels::addFrom16<kernels::PortableCvt>(t, dst, src, n, scale);
 }
 
 #ifdef CLAWCOMM_X86
@@ -102,28 +102,34 @@ CLAWCOMM_TARGET_AVX2 void reduceAvx2(DataType t, ReduceOp op, void* dst, const v
                                      size_t n) {
   kernels::reduce<F16cCvt>(t, op, dst, src, n);
 }
-CLAWCOMM_TARGET_AVX2 void toFloatAvx2(DataType t, const void* src, float* dst, size_t n) {
-  kernels::toFloat<F16cCvt>(t, src, dst, n);
+CLAWCOMM_TARGET_AVX2 void toFloatAvx2(DataType t, const void* src, float* dst, size_t n,
+                                      float scale) {
+  kernels::toFloatScaled<F16cCvt>(t, src, dst, n, scale);
 }
-CLAWCOMM_TARGET_AVX2 void fromFloatAvx2(DataType t, const float* src, void* dst, size_t n) {
-  kernels::fromFloat<F16cCvt>(t, src, dst, n);
+CLAWCOMM_TARGET_AVX2 void fromFloatAvx2(DataType t, const float* src, void* dst, size_t n,
+                                        float scale) {
+  kernels::fromFloatScaled<F16cCvt>(t, src, dst, n, scale);
 }
-CLAWCOMM_TARGET_AVX2 void addFrom16Avx2(DataType t, float* dst, const void* src, size_t n) {
-  kernels::addFrom16<F16cCvt>(t, dst, src, n);
+CLAWCOMM_TARGET_AVX2 void addFrom16Avx2(DataType t, float* dst, const void* src, size_t n,
+                                        float scale) {
+  kernels::addFrom16<F16cCvt>(t, dst, src, n, scale);
 }
 
 CLAWCOMM_TARGET_AVX512 void reduceAvx512(DataType t, ReduceOp op, void* dst, const void* src,
                                          size_t n) {
   kernels::reduce<Avx512Cvt>(t, op, dst, src, n);
 }
-CLAWCOMM_TARGET_AVX512 void toFloatAvx512(DataType t, const void* src, float* dst, size_t n) {
-  kernels::toFloat<Avx512Cvt>(t, src, dst, n);
+CLAWCOMM_TARGET_AVX512 void toFloatAvx512(DataType t, const void* src, float* dst, size_t n,
+                                          float scale) {
+  kernels::toFloatScaled<Avx512Cvt>(t, src, dst, n, scale);
 }
-CLAWCOMM_TARGET_AVX512 void fromFloatAvx512(DataType t, const float* src, void* dst, size_t n) {
-  kernels::fromFloat<Avx512Cvt>(t, src, dst, n);
+CLAWCOMM_TARGET_AVX512 void fromFloatAvx512(DataType t, const float* src, void* dst, size_t n,
+                                            float scale) {
+  kernels::fromFloatScaled<Avx512Cvt>(t, src, dst, n, scale);
 }
-CLAWCOMM_TARGET_AVX512 void addFrom16Avx512(DataType t, float* dst, const void* src, size_t n) {
-  kernels::addFrom16<Avx512Cvt>(t, dst, src, n);
+CLAWCOMM_TARGET_AVX512 void addFrom16Avx512(DataType t, float* dst, const void* src, size_t n,
+                                            float scale) {
+  kernels::addFrom16<Avx512Cvt>(t, dst, src, n, scale);
 }
 
 #endif  // CLAWCOMM_X86
@@ -213,16 +219,16 @@ void reduceInto(DataType type, ReduceOp op, void* dst, const void* src, size_t n
   if (n) active().reduce(type, op, dst, src, n);
 }
 
-void toFloat32(DataType type, const void* src, float* dst, size_t n) {
-  if (n) active().toFloat(type, src, dst, n);
+void toFloat32(DataType type, const void* src, float* dst, size_t n, float scale) {
+  if (n) active().toFloat(type, src, dst, n, scale);
 }
 
-void fromFloat32(DataType type, const float* src, void* dst, size_t n) {
-  if (n) active().fromFloat(type, src, dst, n);
+void fromFloat32(DataType type, const float* src, void* dst, size_t n, float scale) {
+  if (n) active().fromFloat(type, src, dst, n, scale);
 }
 
-void addFrom16(DataType type, float* dst, const void* src, size_t n) {
-  if (n) active().addFrom16(type, dst, src, n);
+void addFrom16(DataType type, float* dst, const void* src, size_t n, float dstScale) {
+  if (n) active().addFrom16(type, dst, src, n, dstScale);
 }
 
 void reduceIntoAt(SimdLevel level, DataType type, ReduceOp op, void* dst, const void* src,
@@ -231,14 +237,22 @@ void reduceIntoAt(SimdLevel level, DataType type, ReduceOp op, void* dst, const 
   if (n) t.reduce(type, op, dst, src, n);
 }
 
-void toFloat32At(SimdLevel level, DataType type, const void* src, float* dst, size_t n) {
+void toFloat32At(SimdLevel level, DataType type, const void* src, float* dst, size_t n,
+                 float scale) {
   const KernelTable& t = tableFor(level);
-  if (n) t.toFloat(type, src, dst, n);
+  if (n) t.toFloat(type, src, dst, n, scale);
 }
 
-void fromFloat32At(SimdLevel level, DataType type, const float* src, void* dst, size_t n) {
+void fromFloat32At(SimdLevel level, DataType type, const float* src, void* dst, size_t n,
+                   float scale) {
   const KernelTable& t = tableFor(level);
-  if (n) t.fromFloat(type, src, dst, n);
+  if (n) t.fromFloat(type, src, dst, n, scale);
+}
+
+void addFrom16At(SimdLevel level, DataType type, float* dst, const void* src, size_t n,
+                 float dstScale) {
+  const KernelTable& t = tableFor(level);
+  if (n) t.addFrom16(type, dst, src, n, dstScale);
 }
 
 void divideInPlace(DataType type, void* dstv, size_t n, double divisor) {

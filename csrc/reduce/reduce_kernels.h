@@ -28,20 +28,25 @@ SimdLevel activeSimdLevel();
 void reduceInto(DataType type, ReduceOp op, void* dst, const void* src, size_t count);
 
 // 16-bit floats (kFloat16 or kBFloat16) to and from float32, rounding to
-// nearest even.
-void toFloat32(DataType type, const void* src, float* dst, size_t count);
-void fromFloat32(DataType type, const float* src, void* dst, size_t count);
+// nearest even, with an optional factor applied in float32 on the way:
+// dst[i] = float32(src[i]) * scale, and dst[i] = round16(src[i] * scale).
+void toFloat32(DataType type, const void* src, float* dst, size_t count, float scale = 1.0f);
+void fromFloat32(DataType type, const float* src, void* dst, size_t count, float scale = 1.0f);
 
-// dst[i] += float32(src[i]) for 16-bit `src` (kFloat16 or kBFloat16), decoding
-// and accumulating in one pass.
-void addFrom16(DataType type, float* dst, const void* src, size_t count);
+// dst[i] = dst[i] * dstScale + float32(src[i]) for 16-bit `src` (kFloat16 or
+// kBFloat16): decoding, scaling and accumulating in one pass.
+void addFrom16(DataType type, float* dst, const void* src, size_t count, float dstScale = 1.0f);
 
 // The same kernels at an explicit level (for tests and micro-benchmarks);
 // throws InvalidArgument if this CPU lacks it.
 void reduceIntoAt(SimdLevel level, DataType type, ReduceOp op, void* dst, const void* src,
                   size_t count);
-void toFloat32At(SimdLevel level, DataType type, const void* src, float* dst, size_t count);
-void fromFloat32At(SimdLevel level, DataType type, const float* src, void* dst, size_t count);
+void toFloat32At(SimdLevel level, DataType type, const void* src, float* dst, size_t count,
+                 float scale = 1.0f);
+void fromFloat32At(SimdLevel level, DataType type, const float* src, void* dst, size_t count,
+                   float scale = 1.0f);
+void addFrom16At(SimdLevel level, DataType type, float* dst, const void* src, size_t count,
+                 float dstScale = 1.0f);
 
 // dst[i] = dst[i] / divisor, for AVG. Floating point types only.
 void divideInPlace(DataType type, void* dst, size_t count, double divisor);
