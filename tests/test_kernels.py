@@ -120,6 +120,14 @@ def test_scaled_conversions_round_each_operation_once(level, dtype):
             got = acc.clone()
             K.add_from16(got.numpy(), h.view(torch.uint16).numpy(), dtype, level, dst_scale=scale)
             assert torch.equal(got, acc * s + h.float()), (n, scale, level)
+            got, out = acc.clone(), np.zeros(n, np.uint16)
+            K.add_from16_and_round(
+                got.numpy(), h.view(torch.uint16).numpy(), out, dtype, level,
+                dst_scale=scale, out_scale=np.float32(4.0),
+            )  # fmt: skip
+            want16 = (acc * s + h.float()).to(tdtype)
+            np.testing.assert_array_equal(out, want16.view(torch.uint16).numpy())
+            assert torch.equal(got, want16.float() * 4), (n, scale, level)
 
 
 def test_bad_arguments_are_value_errors():

@@ -8,13 +8,14 @@
 //
 // The buffer is cut into n chunks (ring_all_reduce.cc); what crosses the
 // wire is staged through 16-bit buffers of one segment, two to send from and
-// two to receive into:
+// two to receive into, and one of this rank's finished chunk:
 //   Reduce-scatter, steps s = 0 .. n-2: rank r encodes chunk r-s-1 to 16
 //     bits and sends it to r+1; it receives chunk r-s-2 from r-1 and adds the
 //     decoded values into its float32 copy (one fused decode-add pass).
 //     After step n-2 rank r holds chunk r summed over all ranks, in float32.
-//   Rounding: rank r rounds its chunk to 16 bits and back, so it keeps the
-//     exact values every other rank will decode.
+//   Rounding: as it finishes its chunk, rank r also encodes it to 16 bits
+//     and keeps the decoded values, the exact ones every other rank will
+//     decode (one pass: addFrom16AndRound).
 //   All-gather, steps s = 0 .. n-2: rank r sends the 16-bit copy of chunk
 //     r-s (its own, then the one it just received: decoded 16-bit values
 //     re-encode to the same bits) and decodes chunk r-s-1 from r-1 into its
@@ -82,6 +83,9 @@ void ringAllReduce16BitWire(Channel& ch, float* buf, size_t count, float prescal
   const size_t bufElems = std::min(largest, segElems + 1);
   std::vector<uint16_t> out[2] = {std::vector<uint16_t>(bufElems), std::vector<uint16_t>(bufElems)};
   std::vector<uint16_t> in[2] = {std::vector<uint16_t>(bufElems), std::vector<uint16_t>(bufElems)};
+  // Our finished chunk in 16 bits, encoded by the last reduce-scatter step
+  // and sent from here by the first all-gather step.
+  std::vector<uint16_t> own(counts[r]);
   const int next = ringIndex(r + 1, n);
   const int prev = ringIndex(r - 1, n);
 
@@ -104,36 +108,41 @@ void ringAllReduce16BitWire(Channel& ch, float* buf, size_t count, float prescal
     x.recvChunk = ringIndex(r - x.step - (x.gather ? 1 : 2), n);
     return x;
   };
+  // Where unit u's 16-bit payload is (or will be).
+  auto payload = [&](size_t u, size_t begin) -> uint16_t* {
+    const Unit x = unit(u);
+    return x.gather && x.step == 0 ? own.data() + (begin - offsets[r]) : out[u % 2].data();
+  };
   // Encodes what unit u sends into out[u % 2].
   auto prepare = [&](size_t u) {
     const Unit x = unit(u);
     size_t o, l;
     segment(x.sendChunk, x.seg, &o, &l);
-    uint16_t* dst = out[u % 2].data();
     if (!x.gather) {
       // Step 0 sends our own input (its first use); later steps partial sums.
-      fromFloat32(wire, buf + o, dst, l, x.step == 0 ? prescale : 1.0f);
-    } else if (x.step == 0) {
-      // Our finished chunk: keep the rounded values every other rank decodes.
-      fromFloat32(wire, buf + o, dst, l);
-      toFloat32(wire, dst, buf + o, l, postscale);
-    } else {
+      fromFloat32(wire, buf + o, out[u % 2].data(), l, x.step == 0 ? prescale : 1.0f);
+    } else if (x.step > 0) {
       // Forward what the previous step decoded (the same bits again); it
       // still lacks the post-scale, which it takes now, while in cache.
-      fromFloat32(wire, buf + o, dst, l);
+      fromFloat32(wire, buf + o, out[u % 2].data(), l);
       scale(buf + o, l, postscale);
-    }
+    }  // (step 0 sends `own`, encoded when the chunk was finished)
   };
   // Decodes what unit u received from in[u % 2] into the buffer.
   auto finish = [&](size_t u) {
     const Unit x = unit(u);
     size_t o, l;
     segment(x.recvChunk, x.seg, &o, &l);
+    const uint16_t* got = in[u % 2].data();
     if (x.gather) {
       // A segment forwarded in the next step gets its post-scale then.
-      toFloat32(wire, in[u % 2].data(), buf + o, l, x.step == n - 2 ? postscale : 1.0f);
+      toFloat32(wire, got, buf + o, l, x.step == n - 2 ? postscale : 1.0f);
+    } else if (x.step == n - 2) {
+      // Our chunk is complete: encode it for the all-gather, and keep the
+      // rounded values every other rank will decode.
+      addFrom16AndRound(wire, buf + o, got, own.data() + (o - offsets[r]), l, prescale, postscale);
     } else {
-      addFrom16(wire, buf + o, in[u % 2].data(), l, prescale);  // first use of our input
+      addFrom16(wire, buf + o, got, l, prescale);  // first use of our input
     }
   };
   auto post = [&](size_t u) {
@@ -141,7 +150,7 @@ void ringAllReduce16BitWire(Channel& ch, float* buf, size_t count, float prescal
     size_t so, sl, ro, rl;
     segment(x.sendChunk, x.seg, &so, &sl);
     segment(x.recvChunk, x.seg, &ro, &rl);
-    ch.send(next, out[u % 2].data(), sl * 2);
+    ch.send(next, payload(u, so), sl * 2);
     ch.recv(prev, in[u % 2].data(), rl * 2);
     ch.progress();  // the send starts before we compute
   };

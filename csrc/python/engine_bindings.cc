@@ -205,6 +205,28 @@ void bindKernels(py::module_& m) {
       py::arg("dst"), py::arg("src"), py::arg("dtype") = "float16", py::arg("level") = py::none(),
       py::arg("dst_scale") = 1.0f,
       "dst = dst * dst_scale + widen(src): the 16-bit ring's decode-and-accumulate step.");
+  k.def(
+      "add_from16_and_round",
+      [](py::buffer dst, py::buffer src, py::buffer out, const std::string& dtype, py::object level,
+         float dstScale, float outScale) {
+        const char* what = "kernels.add_from16_and_round";
+        Buffer d = takeBuffer(what, "dst", dst, true, py::str("float32"));
+        Buffer s = takeBuffer(what, "src", src, false, py::str(dtype));
+        Buffer o = takeBuffer(what, "out", out, true, py::str(dtype));
+        CLAWCOMM_ARG_CHECK(d.count == s.count && o.count == s.count, "clawcomm::", what,
+                           ": dst, src and out have ", d.count, ", ", s.count, " and ", o.count,
+                           " elements");
+        CLAWCOMM_ARG_CHECK(s.dtype == DataType::kFloat16 || s.dtype == DataType::kBFloat16,
+                           "clawcomm::", what, ": dtype ", dtype, " is not float16 or bfloat16");
+        const SimdLevel l = parseLevel(level);
+        py::gil_scoped_release release;
+        addFrom16AndRoundAt(l, s.dtype, static_cast<float*>(d.data), s.data, o.data, s.count,
+                            dstScale, outScale);
+      },
+      py::arg("dst"), py::arg("src"), py::arg("out"), py::arg("dtype") = "float16",
+      py::arg("level") = py::none(), py::arg("dst_scale") = 1.0f, py::arg("out_scale") = 1.0f,
+      "add_from16, then out = round16(dst) and dst = widen(out) * out_scale: the 16-bit "
+      "ring's last reduce-scatter step.");
 }
 
 }  // namespace

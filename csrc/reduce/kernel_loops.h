@@ -241,5 +241,22 @@ CLAWCOMM_INLINE void addFrom16(DataType type, float* dst, const void* src, size_
   }
 }
 
+// The last reduce-scatter step of the 16-bit ring, in one pass:
+// dst[i] = dst[i] * dstScale + widen(src[i]); out[i] = round16(dst[i]);
+// dst[i] = widen(out[i]) * outScale. `out` is what this rank will send of
+// its finished chunk, and dst keeps exactly the values the others decode.
+template <typename Cvt>
+CLAWCOMM_INLINE void addFrom16AndRound(DataType type, float* dst, const void* src, void* out,
+                                       size_t n, float dstScale, float outScale) {
+  const uint16_t* s = static_cast<const uint16_t*>(src);
+  uint16_t* o = static_cast<uint16_t*>(out);
+  for (size_t base = 0; base < n; base += kBlock) {
+    const size_t m = std::min(kBlock, n - base);
+    addFrom16<Cvt>(type, dst + base, s + base, m, dstScale);
+    fromFloat<Cvt>(type, dst + base, o + base, m);
+    toFloatScaled<Cvt>(type, o + base, dst + base, m, outScale);
+  }
+}
+
 }  // namespace kernels
 }  // namespace clawcomm

@@ -31,12 +31,14 @@ using Reduce = void (*)(DataType, ReduceOp, void*, const void*, size_t);
 using ToFloat = void (*)(DataType, const void*, float*, size_t, float);
 using FromFloat = void (*)(DataType, const float*, void*, size_t, float);
 using AddFrom16 = void (*)(DataType, float*, const void*, size_t, float);
+using AddFrom16AndRound = void (*)(DataType, float*, const void*, void*, size_t, float, float);
 
 struct KernelTable {
   Reduce reduce;
   ToFloat toFloat;
   FromFloat fromFloat;
   AddFrom16 addFrom16;
+  AddFrom16AndRound addFrom16AndRound;
 };
 
 void reducePortable(DataType t, ReduceOp op, void* dst, const void* src, size_t n) {
@@ -50,6 +52,10 @@ void fromFloatPortable(DataType t, const float* src, void* dst, size_t n, float 
 }
 void addFrom16Portable(DataType t, float* dst, const void* src, size_t n, float scale) {
   kernels::addFrom16<kernels::PortableCvt>(t, dst, src, n, scale);
+}
+void addFrom16AndRoundPortable(DataType t, float* dst, const void* src, void* out, size_t n,
+                               float dstScale, float outScale) {
+  kernels::addFrom16AndRound<kernels::PortableCvt>(t, dst, src, out, n, dstScale, outScale);
 }
 
 #ifdef CLAWCOMM_X86
@@ -114,6 +120,10 @@ CLAWCOMM_TARGET_AVX2 void addFrom16Avx2(DataType t, float* dst, const void* src,
                                         float scale) {
   kernels::addFrom16<F16cCvt>(t, dst, src, n, scale);
 }
+CLAWCOMM_TARGET_AVX2 void addFrom16AndRoundAvx2(DataType t, float* dst, const void* src, void* out,
+                                                size_t n, float dstScale, float outScale) {
+  kernels::addFrom16AndRound<F16cCvt>(t, dst, src, out, n, dstScale, outScale);
+}
 
 CLAWCOMM_TARGET_AVX512 void reduceAvx512(DataType t, ReduceOp op, void* dst, const void* src,
                                          size_t n) {
@@ -131,15 +141,22 @@ CLAWCOMM_TARGET_AVX512 void addFrom16Avx512(DataType t, float* dst, const void* 
                                             float scale) {
   kernels::addFrom16<Avx512Cvt>(t, dst, src, n, scale);
 }
+CLAWCOMM_TARGET_AVX512 void addFrom16AndRoundAvx512(DataType t, float* dst, const void* src,
+                                                    void* out, size_t n, float dstScale,
+                                                    float outScale) {
+  kernels::addFrom16AndRound<Avx512Cvt>(t, dst, src, out, n, dstScale, outScale);
+}
 
 #endif  // CLAWCOMM_X86
 
 const KernelTable& tableFor(SimdLevel level) {
   static const KernelTable portable{reducePortable, toFloatPortable, fromFloatPortable,
-                                    addFrom16Portable};
+                                    addFrom16Portable, addFrom16AndRoundPortable};
 #ifdef CLAWCOMM_X86
-  static const KernelTable avx2{reduceAvx2, toFloatAvx2, fromFloatAvx2, addFrom16Avx2};
-  static const KernelTable avx512{reduceAvx512, toFloatAvx512, fromFloatAvx512, addFrom16Avx512};
+  static const KernelTable avx2{reduceAvx2, toFloatAvx2, fromFloatAvx2, addFrom16Avx2,
+                                addFrom16AndRoundAvx2};
+  static const KernelTable avx512{reduceAvx512, toFloatAvx512, fromFloatAvx512, addFrom16Avx512,
+                                  addFrom16AndRoundAvx512};
   CLAWCOMM_ARG_CHECK(level <= detectSimdLevel(), "clawcomm: this CPU does not support ",
                      simdLevelName(level), " kernels (best: ", simdLevelName(detectSimdLevel()),
                      ")");
@@ -231,6 +248,11 @@ void addFrom16(DataType type, float* dst, const void* src, size_t n, float dstSc
   if (n) active().addFrom16(type, dst, src, n, dstScale);
 }
 
+void addFrom16AndRound(DataType type, float* dst, const void* src, void* out, size_t n,
+                       float dstScale, float outScale) {
+  if (n) active().addFrom16AndRound(type, dst, src, out, n, dstScale, outScale);
+}
+
 void reduceIntoAt(SimdLevel level, DataType type, ReduceOp op, void* dst, const void* src,
                   size_t n) {
   const KernelTable& t = tableFor(level);
@@ -253,6 +275,12 @@ void addFrom16At(SimdLevel level, DataType type, float* dst, const void* src, si
                  float dstScale) {
   const KernelTable& t = tableFor(level);
   if (n) t.addFrom16(type, dst, src, n, dstScale);
+}
+
+void addFrom16AndRoundAt(SimdLevel level, DataType type, float* dst, const void* src, void* out,
+                         size_t n, float dstScale, float outScale) {
+  const KernelTable& t = tableFor(level);
+  if (n) t.addFrom16AndRound(type, dst, src, out, n, dstScale, outScale);
 }
 
 void divideInPlace(DataType type, void* dstv, size_t n, double divisor) {

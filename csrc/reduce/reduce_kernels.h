@@ -37,6 +37,12 @@ void fromFloat32(DataType type, const float* src, void* dst, size_t count, float
 // kBFloat16): decoding, scaling and accumulating in one pass.
 void addFrom16(DataType type, float* dst, const void* src, size_t count, float dstScale = 1.0f);
 
+// addFrom16, then out[i] = round16(dst[i]) and dst[i] = float32(out[i]) *
+// outScale, in the same pass: the 16-bit ring's last reduce-scatter step,
+// which finishes this rank's chunk and encodes what it will send of it.
+void addFrom16AndRound(DataType type, float* dst, const void* src, void* out, size_t count,
+                       float dstScale, float outScale);
+
 // The same kernels at an explicit level (for tests and micro-benchmarks);
 // throws InvalidArgument if this CPU lacks it.
 void reduceIntoAt(SimdLevel level, DataType type, ReduceOp op, void* dst, const void* src,
@@ -47,6 +53,8 @@ void fromFloat32At(SimdLevel level, DataType type, const float* src, void* dst, 
                    float scale = 1.0f);
 void addFrom16At(SimdLevel level, DataType type, float* dst, const void* src, size_t count,
                  float dstScale = 1.0f);
+void addFrom16AndRoundAt(SimdLevel level, DataType type, float* dst, const void* src, void* out,
+                         size_t count, float dstScale, float outScale);
 
 // dst[i] = dst[i] / divisor, for AVG. Floating point types only.
 void divideInPlace(DataType type, void* dst, size_t count, double divisor);
