@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 
 import pytest
 import torch
@@ -397,4 +398,18 @@ def test_reduction_thread_frees_each_job_and_is_gone_after_close():
     worker.wait()
     assert freed() is None
     worker.close()
+    assert not worker._thread.is_alive()
+
+
+def test_reduction_thread_close_does_not_wait_forever_for_a_stuck_job():
+    from clawcomm.parallel.worker import ReductionThread
+
+    worker, release = ReductionThread(), threading.Event()
+    worker.submit(release.wait)  # as a collective whose peer never comes
+    t0 = time.perf_counter()
+    worker.close(timeout=0.2)
+    assert time.perf_counter() - t0 < 5
+    assert worker._thread.is_alive()
+    release.set()
+    worker._thread.join(5)
     assert not worker._thread.is_alive()

@@ -39,15 +39,18 @@ class ReductionThread:
         if error is not None:
             raise error
 
-    def close(self) -> None:
+    def close(self, timeout: float = 10.0) -> None:
         """Stops the thread once the jobs already submitted have run, and
-        waits for it. Called at the latest from atexit (DataParallel's
-        weakref.finalize): the thread must be gone before the interpreter
-        finalises, because a daemon thread that wakes then and frees a tensor
-        is killed inside torch's deallocator, which aborts the process."""
+        waits for it, at most ``timeout`` seconds. Called at the latest from
+        atexit (DataParallel's weakref.finalize): the thread must be gone
+        before the interpreter finalises, because a daemon thread that wakes
+        then and frees a tensor is killed inside torch's deallocator, which
+        aborts the process. The bound only matters when a job is stuck in a
+        collective (the program was interrupted mid-backward): exit then goes
+        on rather than wait for the group's timeout."""
         self._jobs.put(None)
         if threading.current_thread() is not self._thread:
-            self._thread.join()
+            self._thread.join(timeout)
 
     def _run(self) -> None:
         while True:
