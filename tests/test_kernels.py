@@ -137,6 +137,12 @@ def test_bad_arguments_are_value_errors():
         K.reduce(np.zeros(3, np.float32), np.zeros(3, np.float32), "mean")
     with pytest.raises(ValueError, match="band is not defined on float32"):
         K.reduce(np.zeros(3, np.float32), np.zeros(3, np.float32), "band")
+    with pytest.raises(ValueError, match="kernels.add_from16_and_round: dst has 3 elements, out 4"):
+        K.add_from16_and_round(
+            np.zeros(3, np.float32), np.zeros(3, np.uint16), np.zeros(4, np.uint16)
+        )
+    with pytest.raises(ValueError, match="kernels.to_float32: dtype float32 is not float16 or bf"):
+        K.to_float32(np.zeros(3, np.float32), np.zeros(3, np.float32), "float32")
     with pytest.raises(ValueError, match="unknown SIMD level 'sse9'"):
         K.reduce(np.zeros(3, np.float32), np.zeros(3, np.float32), "sum", "sse9")
     with pytest.raises(ValueError, match="input is float32 but output is float64"):

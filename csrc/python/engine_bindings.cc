@@ -126,6 +126,23 @@ int run(Issue issue) {
   return request->sourceRank();
 }
 
+// A conversion kernel's float32 buffer and 16-bit buffer, checked: the same
+// length, and a 16-bit dtype.
+struct Conversion {
+  Buffer f32, h16;
+};
+Conversion takeConversion(const char* op, const char* f32Name, const py::buffer& f32, bool f32Out,
+                          const char* h16Name, const py::buffer& h16, bool h16Out,
+                          const std::string& dtype) {
+  Conversion c{takeBuffer(op, f32Name, f32, f32Out, py::str("float32")),
+               takeBuffer(op, h16Name, h16, h16Out, py::str(dtype))};
+  CLAWCOMM_ARG_CHECK(c.f32.count == c.h16.count, "clawcomm::", op, ": ", f32Name, " has ",
+                     c.f32.count, " elements, ", h16Name, " ", c.h16.count);
+  CLAWCOMM_ARG_CHECK(c.h16.dtype == DataType::kFloat16 || c.h16.dtype == DataType::kBFloat16,
+                     "clawcomm::", op, ": dtype ", dtype, " is not float16 or bfloat16");
+  return c;
+}
+
 void bindKernels(py::module_& m) {
   py::module_ k = m.def_submodule(
       "kernels", "The engine's element-wise kernels, for tests and micro-benchmarks.");
@@ -156,16 +173,11 @@ void bindKernels(py::module_& m) {
   k.def(
       "to_float32",
       [](py::buffer src, py::buffer dst, const std::string& dtype, py::object level, float scale) {
-        Buffer s = takeBuffer("kernels.to_float32", "src", src, false, py::str(dtype));
-        Buffer d = takeBuffer("kernels.to_float32", "dst", dst, true, py::str("float32"));
-        CLAWCOMM_ARG_CHECK(d.count == s.count, "clawcomm::kernels.to_float32: dst has ", d.count,
-                           " elements, src ", s.count);
-        CLAWCOMM_ARG_CHECK(s.dtype == DataType::kFloat16 || s.dtype == DataType::kBFloat16,
-                           "clawcomm::kernels.to_float32: dtype ", dtype,
-                           " is not float16 or bfloat16");
+        auto [f, h] =
+            takeConversion("kernels.to_float32", "dst", dst, true, "src", src, false, dtype);
         const SimdLevel l = parseLevel(level);
         py::gil_scoped_release release;
-        toFloat32At(l, s.dtype, s.data, static_cast<float*>(d.data), s.count, scale);
+        toFloat32At(l, h.dtype, h.data, static_cast<float*>(f.data), h.count, scale);
       },
       py::arg("src"), py::arg("dst"), py::arg("dtype") = "float16", py::arg("level") = py::none(),
       py::arg("scale") = 1.0f,
@@ -174,16 +186,11 @@ void bindKernels(py::module_& m) {
   k.def(
       "from_float32",
       [](py::buffer src, py::buffer dst, const std::string& dtype, py::object level, float scale) {
-        Buffer s = takeBuffer("kernels.from_float32", "src", src, false, py::str("float32"));
-        Buffer d = takeBuffer("kernels.from_float32", "dst", dst, true, py::str(dtype));
-        CLAWCOMM_ARG_CHECK(d.count == s.count, "clawcomm::kernels.from_float32: dst has ", d.count,
-                           " elements, src ", s.count);
-        CLAWCOMM_ARG_CHECK(d.dtype == DataType::kFloat16 || d.dtype == DataType::kBFloat16,
-                           "clawcomm::kernels.from_float32: dtype ", dtype,
-                           " is not float16 or bfloat16");
+        auto [f, h] =
+            takeConversion("kernels.from_float32", "src", src, false, "dst", dst, true, dtype);
         const SimdLevel l = parseLevel(level);
         py::gil_scoped_release release;
-        fromFloat32At(l, d.dtype, static_cast<const float*>(s.data), d.data, s.count, scale);
+        fromFloat32At(l, h.dtype, static_cast<const float*>(f.data), h.data, h.count, scale);
       },
       py::arg("src"), py::arg("dst"), py::arg("dtype") = "float16", py::arg("level") = py::none(),
       py::arg("scale") = 1.0f, "Rounds float32 times `scale` to 16-bit floats (nearest even).");
@@ -191,16 +198,11 @@ void bindKernels(py::module_& m) {
       "add_from16",
       [](py::buffer dst, py::buffer src, const std::string& dtype, py::object level,
          float dstScale) {
-        Buffer d = takeBuffer("kernels.add_from16", "dst", dst, true, py::str("float32"));
-        Buffer s = takeBuffer("kernels.add_from16", "src", src, false, py::str(dtype));
-        CLAWCOMM_ARG_CHECK(d.count == s.count, "clawcomm::kernels.add_from16: dst has ", d.count,
-                           " elements, src ", s.count);
-        CLAWCOMM_ARG_CHECK(s.dtype == DataType::kFloat16 || s.dtype == DataType::kBFloat16,
-                           "clawcomm::kernels.add_from16: dtype ", dtype,
-                           " is not float16 or bfloat16");
+        auto [f, h] =
+            takeConversion("kernels.add_from16", "dst", dst, true, "src", src, false, dtype);
         const SimdLevel l = parseLevel(level);
         py::gil_scoped_release release;
-        addFrom16At(l, s.dtype, static_cast<float*>(d.data), s.data, s.count, dstScale);
+        addFrom16At(l, h.dtype, static_cast<float*>(f.data), h.data, h.count, dstScale);
       },
       py::arg("dst"), py::arg("src"), py::arg("dtype") = "float16", py::arg("level") = py::none(),
       py::arg("dst_scale") = 1.0f,
@@ -210,17 +212,11 @@ void bindKernels(py::module_& m) {
       [](py::buffer dst, py::buffer src, py::buffer out, const std::string& dtype, py::object level,
          float dstScale, float outScale) {
         const char* what = "kernels.add_from16_and_round";
-        Buffer d = takeBuffer(what, "dst", dst, true, py::str("float32"));
-        Buffer s = takeBuffer(what, "src", src, false, py::str(dtype));
-        Buffer o = takeBuffer(what, "out", out, true, py::str(dtype));
-        CLAWCOMM_ARG_CHECK(d.count == s.count && o.count == s.count, "clawcomm::", what,
-                           ": dst, src and out have ", d.count, ", ", s.count, " and ", o.count,
-                           " elements");
-        CLAWCOMM_ARG_CHECK(s.dtype == DataType::kFloat16 || s.dtype == DataType::kBFloat16,
-                           "clawcomm::", what, ": dtype ", dtype, " is not float16 or bfloat16");
+        auto [f, h] = takeConversion(what, "dst", dst, true, "src", src, false, dtype);
+        const Buffer o = takeConversion(what, "dst", dst, true, "out", out, true, dtype).h16;
         const SimdLevel l = parseLevel(level);
         py::gil_scoped_release release;
-        addFrom16AndRoundAt(l, s.dtype, static_cast<float*>(d.data), s.data, o.data, s.count,
+        addFrom16AndRoundAt(l, h.dtype, static_cast<float*>(f.data), h.data, o.data, h.count,
                             dstScale, outScale);
       },
       py::arg("dst"), py::arg("src"), py::arg("out"), py::arg("dtype") = "float16",
