@@ -31,8 +31,9 @@
 // input inside the first kernel that reads it, and the post-scale multiplies
 // the result inside the last kernel that writes it (or, for a segment this
 // rank still has to forward, right after encoding it, while it is in cache):
-// neither costs a pass over memory of its own. Bytes sent per rank: 2 (n-1)/n N/2 for N bytes of
-// float32. All ranks end with bit-identical results.
+// neither costs a pass over memory of its own.
+// Bytes sent per rank: 2 (n-1)/n N/2 for N bytes of float32. All ranks end
+// with bit-identical results.
 #include <algorithm>
 #include <cstdint>
 #include <vector>

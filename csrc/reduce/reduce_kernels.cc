@@ -41,22 +41,31 @@ struct KernelTable {
   AddFrom16AndRound addFrom16AndRound;
 };
 
-void reducePortable(DataType t, ReduceOp op, void* dst, const void* src, size_t n) {
-  kernels::reduce<kernels::PortableCvt>(t, op, dst, src, n);
-}
-void toFloatPortable(DataType t, const void* src, float* dst, size_t n, float scale) {
-  kernels::toFloatScaled<kernels::PortableCvt>(t, src, dst, n, scale);
-}
-void fromFloatPortable(DataType t, const float* src, void* dst, size_t n, float scale) {
-  kernels::fromFloatScaled<kernels::PortableCvt>(t, src, dst, n, scale);
-}
-void addFrom16Portable(DataType t, float* dst, const void* src, size_t n, float scale) {
-  kernels::addFrom16<kernels::PortableCvt>(t, dst, src, n, scale);
-}
-void addFrom16AndRoundPortable(DataType t, float* dst, const void* src, void* out, size_t n,
-                               float dstScale, float outScale) {
-  kernels::addFrom16AndRound<kernels::PortableCvt>(t, dst, src, out, n, dstScale, outScale);
-}
+// One level's kernels and their table: thin wrappers, compiled with the
+// level's target attribute (TARGET; empty for portable), through which the
+// shared loops of kernel_loops.h inline and vectorise for that instruction
+// set. `Cvt` gives the level's 16-bit conversions.
+#define CLAWCOMM_KERNEL_SET(Name, Cvt, TARGET)                                                   \
+  TARGET void reduce##Name(DataType t, ReduceOp op, void* dst, const void* src, size_t n) {      \
+    kernels::reduce<Cvt>(t, op, dst, src, n);                                                    \
+  }                                                                                              \
+  TARGET void toFloat##Name(DataType t, const void* src, float* dst, size_t n, float scale) {    \
+    kernels::toFloatScaled<Cvt>(t, src, dst, n, scale);                                          \
+  }                                                                                              \
+  TARGET void fromFloat##Name(DataType t, const float* src, void* dst, size_t n, float scale) {  \
+    kernels::fromFloatScaled<Cvt>(t, src, dst, n, scale);                                        \
+  }                                                                                              \
+  TARGET void addFrom16##Name(DataType t, float* dst, const void* src, size_t n, float scale) {  \
+    kernels::addFrom16<Cvt>(t, dst, src, n, scale);                                              \
+  }                                                                                              \
+  TARGET void addFrom16AndRound##Name(DataType t, float* dst, const void* src, void* out,        \
+                                      size_t n, float dstScale, float outScale) {                \
+    kernels::addFrom16AndRound<Cvt>(t, dst, src, out, n, dstScale, outScale);                    \
+  }                                                                                              \
+  const KernelTable Name##Kernels{reduce##Name, toFloat##Name, fromFloat##Name, addFrom16##Name, \
+                                  addFrom16AndRound##Name};
+
+CLAWCOMM_KERNEL_SET(portable, kernels::PortableCvt, )
 
 #ifdef CLAWCOMM_X86
 
@@ -104,69 +113,23 @@ struct Avx512Cvt {
   }
 };
 
-CLAWCOMM_TARGET_AVX2 void reduceAvx2(DataType t, ReduceOp op, void* dst, const void* src,
-                                     size_t n) {
-  kernels::reduce<F16cCvt>(t, op, dst, src, n);
-}
-CLAWCOMM_TARGET_AVX2 void toFloatAvx2(DataType t, const void* src, float* dst, size_t n,
-                                      float scale) {
-  kernels::toFloatScaled<F16cCvt>(t, src, dst, n, scale);
-}
-CLAWCOMM_TARGET_AVX2 void fromFloatAvx2(DataType t, const float* src, void* dst, size_t n,
-                                        float scale) {
-  kernels::fromFloatScaled<F16cCvt>(t, src, dst, n, scale);
-}
-CLAWCOMM_TARGET_AVX2 void addFrom16Avx2(DataType t, float* dst, const void* src, size_t n,
-                                        float scale) {
-  kernels::addFrom16<F16cCvt>(t, dst, src, n, scale);
-}
-CLAWCOMM_TARGET_AVX2 void addFrom16AndRoundAvx2(DataType t, float* dst, const void* src, void* out,
-                                                size_t n, float dstScale, float outScale) {
-  kernels::addFrom16AndRound<F16cCvt>(t, dst, src, out, n, dstScale, outScale);
-}
-
-CLAWCOMM_TARGET_AVX512 void reduceAvx512(DataType t, ReduceOp op, void* dst, const void* src,
-                                         size_t n) {
-  kernels::reduce<Avx512Cvt>(t, op, dst, src, n);
-}
-CLAWCOMM_TARGET_AVX512 void toFloatAvx512(DataType t, const void* src, float* dst, size_t n,
-                                          float scale) {
-  kernels::toFloatScaled<Avx512Cvt>(t, src, dst, n, scale);
-}
-CLAWCOMM_TARGET_AVX512 void fromFloatAvx512(DataType t, const float* src, void* dst, size_t n,
-                                            float scale) {
-  kernels::fromFloatScaled<Avx512Cvt>(t, src, dst, n, scale);
-}
-CLAWCOMM_TARGET_AVX512 void addFrom16Avx512(DataType t, float* dst, const void* src, size_t n,
-                                            float scale) {
-  kernels::addFrom16<Avx512Cvt>(t, dst, src, n, scale);
-}
-CLAWCOMM_TARGET_AVX512 void addFrom16AndRoundAvx512(DataType t, float* dst, const void* src,
-                                                    void* out, size_t n, float dstScale,
-                                                    float outScale) {
-  kernels::addFrom16AndRound<Avx512Cvt>(t, dst, src, out, n, dstScale, outScale);
-}
+CLAWCOMM_KERNEL_SET(avx2, F16cCvt, CLAWCOMM_TARGET_AVX2)
+CLAWCOMM_KERNEL_SET(avx512, Avx512Cvt, CLAWCOMM_TARGET_AVX512)
 
 #endif  // CLAWCOMM_X86
 
 const KernelTable& tableFor(SimdLevel level) {
-  static const KernelTable portable{reducePortable, toFloatPortable, fromFloatPortable,
-                                    addFrom16Portable, addFrom16AndRoundPortable};
 #ifdef CLAWCOMM_X86
-  static const KernelTable avx2{reduceAvx2, toFloatAvx2, fromFloatAvx2, addFrom16Avx2,
-                                addFrom16AndRoundAvx2};
-  static const KernelTable avx512{reduceAvx512, toFloatAvx512, fromFloatAvx512, addFrom16Avx512,
-                                  addFrom16AndRoundAvx512};
   CLAWCOMM_ARG_CHECK(level <= detectSimdLevel(), "clawcomm: this CPU does not support ",
                      simdLevelName(level), " kernels (best: ", simdLevelName(detectSimdLevel()),
                      ")");
-  if (level == SimdLevel::kAvx512) return avx512;
-  if (level == SimdLevel::kAvx2) return avx2;
+  if (level == SimdLevel::kAvx512) return avx512Kernels;
+  if (level == SimdLevel::kAvx2) return avx2Kernels;
 #else
   CLAWCOMM_ARG_CHECK(level == SimdLevel::kPortable, "clawcomm: ", simdLevelName(level),
                      " kernels exist on x86-64 only");
 #endif
-  return portable;
+  return portableKernels;
 }
 
 // The table in use, chosen on first use. A forked child forgets the parent's
