@@ -77,12 +77,14 @@ _LEVELS = _LEVELS[: _LEVELS.index(_C.kernels.best_simd_level()) + 1]
 
 @pytest.mark.parametrize("level", _LEVELS)
 @pytest.mark.parametrize("fold", [False, True])
-@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 1000, 100_003])
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 72, 264, 1000, 100_003])
 @pytest.mark.parametrize("threshold", [0.0, 1.0, 2.5, float("inf")])
 def test_threshold_scan_matches_numpy_at_every_level(level, fold, n, threshold):
     """The pass behind top-k, at every SIMD level: the entries that reach the
     threshold, in order, zeroed where they were (threshold 0 takes all of
-    them, which outgrows the first candidate buffer several times)."""
+    them, which outgrows the first candidate buffer several times; at 72
+    and 264 the last full block fills the buffer exactly, and the tail
+    after it must still find room)."""
     rng = np.random.default_rng(n)
     acc = rng.standard_normal(n).astype(np.float32)
     if n >= 17:

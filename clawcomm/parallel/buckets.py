@@ -19,7 +19,9 @@ class GradBucket:
         self.index = index
         self.params = params
         dtype, device = tensors[0].dtype, tensors[0].device
-        self.flat = torch.zeros(sum(t.numel() for t in tensors), dtype=dtype, device=device)
+        self.numel = sum(t.numel() for t in tensors)
+        self.element_size = tensors[0].element_size()
+        self.flat = torch.zeros(self.numel, dtype=dtype, device=device)
         self.offsets: list[int] = []  # where each parameter starts in `flat`
         self.views: list[torch.Tensor] = []
         offset = 0
@@ -37,7 +39,7 @@ class GradBucket:
 
     @property
     def nbytes(self) -> int:
-        return self.flat.numel() * self.flat.element_size()
+        return self.numel * self.element_size
 
     def __repr__(self) -> str:
         return f"<GradBucket {self.index}: {len(self.params)} params, {self.nbytes} bytes>"
@@ -48,8 +50,10 @@ def assign_buckets(
 ) -> list[list[int]]:
     """Groups parameter indices, taken in ``order``, into buckets of at most
     ``cap_bytes`` (the first at most ``first_cap_bytes``, so the first
-    all-reduce starts early in backward). A parameter larger than the cap
-    gets a bucket of its own; a bucket holds one dtype and device."""
+    all-reduce starts early in backward). A parameter of at least half the
+    cap gets a bucket of its own (so a replaced gradient can become the
+    bucket's buffer without a copy: GradReducer.take_grad); a bucket holds
+    one dtype and device."""
     buckets: list[list[int]] = []
     current: list[int] = []
     size = 0
@@ -60,11 +64,15 @@ def assign_buckets(
         same_kind = not current or (
             tensors[current[0]].dtype == t.dtype and tensors[current[0]].device == t.device
         )
-        if current and (size + nbytes > cap or not same_kind):
+        alone = 2 * nbytes >= cap
+        if current and (size + nbytes > cap or not same_kind or alone):
             buckets.append(current)
             current, size, cap = [], 0, cap_bytes
         current.append(i)
         size += nbytes
+        if alone:
+            buckets.append(current)
+            current, size, cap = [], 0, cap_bytes
     if current:
         buckets.append(current)
     return buckets

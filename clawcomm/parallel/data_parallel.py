@@ -49,8 +49,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from clawcomm.compression import Compressor, CompressorState, get_compressor
-from clawcomm.parallel.buckets import GradBucket, assign_buckets
-from clawcomm.parallel.worker import ReductionThread
+from clawcomm.parallel.buckets import GradBucket
+from clawcomm.parallel.reducer import GradReducer
 
 MB = 1 << 20
 
@@ -121,20 +121,25 @@ class DataParallel(nn.Module):
                         f"DataParallel: compression {self.compressor.spec!r} needs float32 "
                         f"gradients, parameter {n!r} is {p.dtype}"
                     )
-        self.compression_state = CompressorState()
-        self._average_op = dist.get_backend(process_group) == "clawcomm"  # gloo has no AVG
-
         _check_same_parameters(module, process_group, self.rank)
         _broadcast(list(module.parameters()) + list(module.buffers()), self._root, process_group)
 
-        self._build(list(reversed(range(len(self._params)))))
+        self._reducer = GradReducer(
+            self._params,
+            self._names,
+            process_group,
+            bucket_cap_mb=bucket_cap_mb,
+            first_bucket_mb=first_bucket_mb,
+            compressor=self.compressor,
+            compression_warmup_steps=warmup,
+            overlap=overlap,
+            what="DataParallel",
+        )
+        weakref.finalize(self, self._reducer.close)
         self._hooks = [
             p.register_post_accumulate_grad_hook(_ready_hook(weakref.ref(self), i))
             for i, p in enumerate(self._params)
         ]
-        self._thread = ReductionThread() if overlap else None
-        if self._thread is not None:
-            weakref.finalize(self, self._thread.close)
         self._no_sync = False
         self._micro_step = 0
         self._sync = True  # decided by each forward
@@ -147,12 +152,20 @@ class DataParallel(nn.Module):
     @property
     def buckets(self) -> list[GradBucket]:
         """The gradient buckets, in launch order."""
-        return list(self._buckets)
+        return list(self._reducer.buckets)
+
+    @property
+    def compression_state(self) -> CompressorState:
+        """Error-feedback residuals (per bucket) and the step count;
+        checkpoint it with its ``state_dict()``."""
+        return self._reducer.compression_state
 
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled() and not self._no_sync:
             self._micro_step += 1
         self._sync = not self._no_sync and self._micro_step % self.accumulation_steps == 0
+        if torch.is_grad_enabled():
+            self._reducer.release_dropped()
         if self.broadcast_buffers and self.world_size > 1:
             _broadcast(list(self.module.buffers()), self._root, self.process_group)
         out = self.module(*args, **kwargs)
@@ -172,18 +185,6 @@ class DataParallel(nn.Module):
 
     # ---- buckets ------------------------------------------------------------
 
-    def _build(self, order: list[int]) -> None:
-        groups = assign_buckets(
-            order, self._params, int(self.bucket_cap_mb * MB), int(self.first_bucket_mb * MB)
-        )
-        self._buckets = [
-            GradBucket(b, idx, [self._params[i] for i in idx]) for b, idx in enumerate(groups)
-        ]
-        self._slot = {}
-        for bucket in self._buckets:
-            for s, i in enumerate(bucket.params):
-                self._slot[i] = (bucket, s)
-
     def _rebuild(self) -> None:
         """Lays buckets out in the order gradients became ready in the first
         step (rank 0's, so every rank launches the same buckets)."""
@@ -191,24 +192,7 @@ class DataParallel(nn.Module):
         order = torch.tensor(self._ready_order, dtype=torch.int64)
         if self.world_size > 1:
             dist.broadcast(order, self._root, group=self.process_group)
-        order = order.tolist()
-        if order == [i for b in self._buckets for i in b.params]:
-            return
-        old_slot = self._slot
-        old_residuals = self.compression_state.residuals
-        self.compression_state.residuals = {}
-        self._build(order)
-        for i, p in enumerate(self._params):
-            old_bucket, s = old_slot[i]
-            bucket, t = self._slot[i]
-            bucket.views[t].copy_(old_bucket.views[s])
-            if p.grad is not None:
-                p.grad = bucket.views[t]
-            # Error-feedback residuals follow their parameters too.
-            old = old_residuals.get(old_bucket.index)
-            if old is not None:
-                new = self.compression_state.residual(bucket.index, bucket.flat)
-                bucket.segment(new, t).copy_(old_bucket.segment(old, s))
+        self._reducer.rebuild(order.tolist())
 
     # ---- one step -----------------------------------------------------------
 
@@ -218,8 +202,7 @@ class DataParallel(nn.Module):
         self._next_launch = 0
         self._in_backward = False
         self._unreached: list[int] = []
-        for bucket in self._buckets:
-            bucket.pending = len(bucket.params)
+        self._reducer.reset()
 
     def _grad_ready(self, i: int) -> None:
         if not self._sync:
@@ -237,43 +220,11 @@ class DataParallel(nn.Module):
         self._mark_ready(i, used=True)
 
     def _mark_ready(self, i: int, used: bool) -> None:
-        bucket, s = self._slot[i]
-        view, p = bucket.views[s], self._params[i]
-        if p.grad is None:
-            view.zero_()  # unused here: this rank adds nothing
-        elif p.grad.data_ptr() != view.data_ptr():
-            view.copy_(p.grad)  # the grad was replaced (zero_grad(set_to_none=True))
-            p.grad = view
-        self._has_grad[i] = p.grad is not None
+        self._has_grad[i] = self._reducer.take_grad(i)
         self._ready[i] = True
         if not self._rebuilt:
             self._ready_order.append(i)
-        bucket.pending -= 1
-        if self.overlap:
-            self._launch_in_order()
-
-    def _launch_in_order(self) -> None:
-        while self._next_launch < len(self._buckets):
-            bucket = self._buckets[self._next_launch]
-            if bucket.pending:
-                return
-            self._next_launch += 1
-            if self._thread is not None:
-                self._thread.submit(lambda b=bucket: self._reduce(b))
-            else:
-                self._reduce(bucket)
-
-    def _reduce(self, bucket: GradBucket) -> None:
-        warm = self.compression_state.step >= self.compression_warmup_steps
-        if self.compressor is not None and warm:
-            self.compressor.all_reduce_mean(
-                bucket.flat, self.compression_state, bucket.index, self.process_group
-            )
-        elif self._average_op:
-            dist.all_reduce(bucket.flat, op=dist.ReduceOp.AVG, group=self.process_group)
-        else:
-            dist.all_reduce(bucket.flat, group=self.process_group)
-            bucket.flat.div_(self.world_size)
+        self._reducer.ready(i)
 
     def _end_of_backward(self) -> None:
         try:
@@ -284,8 +235,8 @@ class DataParallel(nn.Module):
     def _finish_step(self) -> None:
         missing = [i for i, r in enumerate(self._ready) if not r]
         if missing and not self.find_unused_parameters:
-            if self._thread is not None:
-                self._thread.wait()
+            self._reducer.launch_all()
+            self._reducer.wait()
             names = ", ".join(repr(self._names[i]) for i in missing[:8])
             more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
             raise RuntimeError(
@@ -294,24 +245,21 @@ class DataParallel(nn.Module):
             )
         for i in missing:
             self._mark_ready(i, used=False)
-        self._launch_in_order()  # without overlap: every bucket, here, in order
+        self._reducer.launch_all()  # without overlap: every bucket, here, in order
         used = None
         if self.find_unused_parameters:
             used = torch.tensor(self._has_grad, dtype=torch.int32)
-            if self._thread is not None:
-                self._thread.submit(lambda: dist.all_reduce(used, group=self.process_group))
-            else:
-                dist.all_reduce(used, group=self.process_group)
-        if self._thread is not None:
-            self._thread.wait()
+            self._reducer.submit(
+                lambda async_op: dist.all_reduce(used, group=self.process_group, async_op=async_op)
+            )
+        self._reducer.wait()
         for i, p in enumerate(self._params):
-            bucket, s = self._slot[i]
+            bucket, s = self._reducer.slot[i]
             if used is not None and not used[i]:
                 p.grad = None  # no rank used it: as if it were not in the model
-            elif p.grad is None:
+            elif p.grad is None or p.grad.data_ptr() != bucket.views[s].data_ptr():
                 p.grad = bucket.views[s]  # others used it: the average is its gradient
-        if self.compressor is not None:
-            self.compression_state.step += 1
+        self._reducer.end_step()
         if not self._rebuilt:
             self._rebuild()
 

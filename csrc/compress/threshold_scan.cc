@@ -171,7 +171,16 @@ void scan(SimdLevel level, float* grad, float* acc, size_t n, float threshold, C
     out.val.resize(cap);
     s = Sink{out.idx.data(), out.val.data(), cap, s.m};
   }
-  scalarRun<kFold>(grad, acc, body, n - body, tb, s);  // fewer than 16 left: room is there
+  // Fewer than 16 left. The loop stops at `body` whether or not a block
+  // still fits, so make room for one (when every entry is a hit and `body`
+  // is exactly the capacity, the tail would write past the end).
+  if (!s.roomForBlock()) {
+    cap = s.m + kBlock;
+    out.idx.resize(cap);
+    out.val.resize(cap);
+    s = Sink{out.idx.data(), out.val.data(), cap, s.m};
+  }
+  scalarRun<kFold>(grad, acc, body, n - body, tb, s);
   out.idx.resize(s.m);
   out.val.resize(s.m);
 }

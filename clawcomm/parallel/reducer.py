@@ -1,0 +1,288 @@
+"""Averaging gradient buckets over a group while backward runs: the part of
+data parallelism that DataParallel and the pipeline trainer share.
+
+A ``GradReducer`` owns the buckets of a list of parameters. Its user says
+when a parameter's gradient is final for the step (``ready``); when the next
+bucket in launch order has all its gradients, it is launched, so the ranks'
+collectives match whatever order their gradients come in. ``wait`` returns
+when every bucket is averaged.
+
+How a bucket is averaged:
+
+- dense: ``dist.all_reduce(flat, AVG, async_op=True)`` straight from the
+  thread that marks it ready (autograd's); the engine's progress thread does
+  the work, so nothing waits on a Python thread hand-off. gloo has no AVG:
+  there it is a SUM, divided after the wait.
+- compressed: the compressor's ``all_reduce_mean`` is several collectives
+  and some Python, so with overlap it runs on a ``ReductionThread`` (which
+  waits with the GIL released) in launch order; without, on the caller's
+  thread. Its error-feedback residuals are kept per bucket in
+  ``compression_state``.
+
+Gradients that were replaced (``zero_grad(set_to_none=True)`` makes autograd
+hand over a fresh tensor) are put back in their bucket by ``take_grad``: a
+bucket that holds one parameter adopts the new tensor as its buffer, so no
+byte is copied; in a shared bucket the gradient is copied in. Parameters of
+at least half the bucket cap get a bucket of their own, so the big
+gradients, whose copies would cost the most, are the ones adopted.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from clawcomm.compression import Compressor, CompressorState
+from clawcomm.parallel.buckets import GradBucket, assign_buckets
+from clawcomm.parallel.worker import ReductionThread
+
+MB = 1 << 20
+
+
+class GradReducer:
+    """Buckets over ``params`` (gradients become views of them), averaged
+    over ``group``.
+
+    ``expected[i]``: how many times parameter i is marked ready in a step
+    (1 by default; the pipeline trainer counts its gradients' final
+    accumulations, and 0 means never). ``overlap=False`` launches nothing
+    before ``launch_all``. ``what`` prefixes error messages.
+    """
+
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        names: list[str],
+        group=None,
+        bucket_cap_mb: float = 25,
+        first_bucket_mb: float = 1,
+        compressor: Compressor | None = None,
+        compression_warmup_steps: int = 0,
+        overlap: bool = True,
+        order: list[int] | None = None,
+        what: str = "GradReducer",
+    ):
+        self.params = params
+        self.names = names
+        self.group = group
+        self.cap_bytes = int(bucket_cap_mb * MB)
+        self.first_cap_bytes = int(first_bucket_mb * MB)
+        self.compressor = compressor
+        self.compression_state = CompressorState()
+        self.compression_warmup_steps = compression_warmup_steps
+        self.overlap = overlap
+        self.what = what
+        self.world_size = dist.get_world_size(group)
+        self._average_op = dist.get_backend(group) == "clawcomm"  # gloo has no AVG
+        # A thread only for compressed buckets launched during backward.
+        self._thread = ReductionThread() if compressor is not None and overlap else None
+        self._works: list = []  # (work, bucket or None) launched this step
+        self._to_release: list[GradBucket] = []  # see release_dropped
+        self.expected = [1] * len(params)
+        self.build(order if order is not None else list(reversed(range(len(params)))))
+        self.reset()
+
+    # ---- layout ---------------------------------------------------------------
+
+    def build(self, order: list[int]) -> None:
+        groups = assign_buckets(order, self.params, self.cap_bytes, self.first_cap_bytes)
+        self.buckets = [
+            GradBucket(b, idx, [self.params[i] for i in idx]) for b, idx in enumerate(groups)
+        ]
+        self.slot: dict[int, tuple[GradBucket, int]] = {}
+        for bucket in self.buckets:
+            for s, i in enumerate(bucket.params):
+                self.slot[i] = (bucket, s)
+
+    def rebuild(self, order: list[int]) -> None:
+        """Lays the buckets out in ``order`` (the same on every rank), moving
+        gradients and error-feedback residuals with their parameters."""
+        if order == [i for b in self.buckets for i in b.params]:
+            return
+        old_slot = self.slot
+        old_residuals = self.compression_state.residuals
+        self.compression_state.residuals = {}
+        self.build(order)
+        for i, p in enumerate(self.params):
+            old_bucket, s = old_slot[i]
+            bucket, t = self.slot[i]
+            bucket.views[t].copy_(old_bucket.views[s])
+            if p.grad is not None:
+                p.grad = bucket.views[t]
+            old = old_residuals.get(old_bucket.index)
+            if old is not None:
+                new = self.compression_state.residual(bucket.index, bucket.flat)
+                bucket.segment(new, t).copy_(old_bucket.segment(old, s))
+        self.reset()
+
+    def attach_grads(self) -> None:
+        """Makes every parameter's ``.grad`` its bucket view (zeroed)."""
+        for bucket in self.buckets:
+            if bucket.flat is None:
+                self.take_grad(bucket.params[0])
+            bucket.flat.zero_()
+            for p, view in zip((self.params[i] for i in bucket.params), bucket.views, strict=True):
+                p.grad = view
+
+    def zero_grad(self) -> None:
+        for bucket in self.buckets:
+            if bucket.flat is not None:
+                bucket.flat.zero_()
+
+    # ---- one step -------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Ready for the next step's marks."""
+        self._next_launch = 0
+        for bucket in self.buckets:
+            bucket.pending = sum(self.expected[i] for i in bucket.params)
+
+    def take_grad(self, i: int) -> bool:
+        """Puts parameter i's gradient in its bucket: adopted (one-parameter
+        bucket), copied (shared bucket) or zeroed (no gradient on this rank).
+        Returns whether it had a gradient."""
+        bucket, s = self.slot[i]
+        view, p = bucket.views[s], self.params[i]
+        g = p.grad
+        if self._to_release:
+            if bucket in self._to_release:
+                self._to_release.remove(bucket)  # taken now: not to be released
+            self._release_next()  # the buffer the next gradient will replace
+        if view is None:  # released (see release_dropped): adopt or allocate
+            if g is None or not _adoptable(g, p):
+                g_new = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                if g is not None:
+                    g_new.copy_(g)
+                    p.grad = g_new
+                has, g = g is not None, g_new
+            else:
+                has = True
+            bucket.flat, bucket.views[0] = g.view(-1), g
+            return has
+        if g is None:
+            view.zero_()  # unused here: this rank adds nothing
+            return False
+        if g.data_ptr() == view.data_ptr():
+            return True
+        if len(bucket.params) == 1 and _adoptable(g, p):
+            bucket.flat = g.view(-1)
+            bucket.views[0] = g
+        else:
+            view.copy_(g)
+            p.grad = view
+        return True
+
+    def release_dropped(self) -> None:
+        """Plans to let go of the buffers of one-parameter buckets whose
+        gradient the user dropped (``zero_grad(set_to_none=True)``), one at a
+        time, just before autograd allocates the gradient that replaces it.
+
+        Holding on to them would keep last step's gradients alive while
+        autograd allocates this step's, so every step would fault in fresh
+        pages (measured: 11 ms per 16 MiB gradient here, more than its
+        all-reduce). Freeing them all at once is little better: malloc hands
+        a large free block at the top of the heap back to the system, and the
+        next allocations fault again. Freed one by one, in the order the
+        gradients come (launch order), each block is reused by the next
+        gradient's allocation. ``take_grad`` adopts the new gradient."""
+        self._to_release = [
+            b
+            for b in self.buckets
+            if len(b.params) == 1 and b.flat is not None and self.params[b.params[0]].grad is None
+        ]
+        self._release_next()
+
+    def _release_next(self) -> None:
+        while self._to_release:
+            bucket = self._to_release.pop(0)
+            if bucket.flat is not None and self.params[bucket.params[0]].grad is None:
+                bucket.flat = None
+                bucket.views[0] = None
+                return
+
+    def ready(self, i: int, count: int = 1) -> None:
+        """Parameter i's gradient got ``count`` of its expected final marks."""
+        bucket, _ = self.slot[i]
+        bucket.pending -= count
+        if self.overlap:
+            self._launch_in_order()
+
+    def launch_all(self) -> None:
+        """Launches every bucket not launched yet, in order."""
+        self._launch_in_order(everything=True)
+
+    def submit(self, collective) -> None:
+        """Runs ``collective(async_op)`` after the buckets launched so far, in
+        the same order on every rank (the unused-parameter map uses this)."""
+        if self._compressing():
+            if self._thread is not None:
+                self._thread.submit(lambda: collective(False))
+            else:
+                collective(False)
+        else:
+            self._works.append((collective(True), None))
+
+    def wait(self) -> None:
+        """Blocks until every launched bucket is averaged."""
+        works, self._works = self._works, []
+        error = None
+        for work, bucket in works:
+            try:
+                if work is not None:
+                    work.wait()
+                if bucket is not None and not self._average_op:
+                    bucket.flat.div_(self.world_size)
+            except BaseException as e:  # wait for the rest before raising
+                error = error or e
+        if self._thread is not None:
+            self._thread.wait()
+        if error is not None:
+            raise error
+
+    def end_step(self) -> None:
+        if self.compressor is not None:
+            self.compression_state.step += 1
+        self.reset()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.close()
+
+    # ---- launching -------------------------------------------------------------
+
+    def _compressing(self) -> bool:
+        return (
+            self.compressor is not None
+            and self.compression_state.step >= self.compression_warmup_steps
+        )
+
+    def _launch_in_order(self, everything: bool = False) -> None:
+        while self._next_launch < len(self.buckets):
+            bucket = self.buckets[self._next_launch]
+            if bucket.pending > 0 and not everything:
+                return
+            self._next_launch += 1
+            self._launch(bucket)
+
+    def _launch(self, bucket: GradBucket) -> None:
+        if self._compressing():
+            state, group = self.compression_state, self.group
+            job = lambda: self.compressor.all_reduce_mean(bucket.flat, state, bucket.index, group)
+            if self._thread is not None:
+                self._thread.submit(job)
+            else:
+                job()  # without overlap, on the caller's thread
+        else:
+            self._works.append((self._dense(bucket, async_op=True), bucket))
+
+    def _dense(self, bucket: GradBucket, async_op: bool):
+        op = dist.ReduceOp.AVG if self._average_op else dist.ReduceOp.SUM
+        work = dist.all_reduce(bucket.flat, op=op, group=self.group, async_op=async_op)
+        if not async_op and not self._average_op:
+            bucket.flat.div_(self.world_size)
+        return work
+
+
+def _adoptable(g: torch.Tensor, p: torch.Tensor) -> bool:
+    """Whether gradient ``g`` can serve as its bucket's buffer as it is."""
+    return g.is_contiguous() and g.dtype == p.dtype and g.device == p.device and g.shape == p.shape
