@@ -29,12 +29,23 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     compression_experiment.add_arguments(comp)
+    from clawcomm.train import cli as train_cli
+
+    train = sub.add_parser(
+        "train",
+        help="data- and pipeline-parallel training on local ranks (or under torchrun)",
+        description=train_cli.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    train_cli.add_arguments(train)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     if args.command == "bench":
         return bench_cli.run(args, argv[1:])
     if args.command == "experiment":
         return compression_experiment.run(args)
+    if args.command == "train":
+        return train_cli.run(args)
     return 2
 
 

@@ -50,9 +50,10 @@ from clawcomm.pipeline.actions import (
     B,
     F,
     I,
+    W,
 )
 from clawcomm.pipeline.schedules import stage_to_rank
-from clawcomm.pipeline.weight_grad import WeightGradStore, deferring
+from clawcomm.pipeline.weight_grad import WeightGradStore, deferring, listening
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
 _HEADER = 16  # int64s: dtype code, ndim, up to 14 dims
@@ -82,8 +83,12 @@ class PipelineExecutor:
 
     ``stages``: stage index -> module, for the stages on this rank.
     ``loss_fn(output, target)``: the sum of the loss over the micro-batch.
-    ``armed(action)``: whether the trainer wants to hear about gradients
-    that become final in this action (see ``on_final_grad``).
+    ``on_grad(param)``: called for each contribution a parameter's
+    gradient receives during an action for which ``run``'s ``armed(action)``
+    is true (autograd's accumulations reach it through the trainer's
+    post-accumulate-grad hooks and ``notify_grad``; W jobs call
+    ``notify_grad`` themselves). The trainer arms the last backward actions
+    of each stage and so learns when each gradient is final.
     """
 
     def __init__(
@@ -183,10 +188,12 @@ class PipelineExecutor:
         t0 = time.perf_counter()
         if a.kind == F:
             self._forward(s, mb, x)
-        elif a.kind in (B, I):
-            self._backward(s, mb, grad, split=a.kind == I)
-        else:  # W
-            self._stores.pop((s, mb)).run()
+        else:
+            with listening(self._final_grad):
+                if a.kind == W:
+                    self._stores.pop((s, mb)).run()
+                else:
+                    self._backward(s, mb, grad, split=a.kind == I)
         self._stats.timeline.append((a, t0, time.perf_counter()))
         self._armed = False
 
@@ -206,7 +213,7 @@ class PipelineExecutor:
         out = self._out.pop((s, mb))
         x = self._x.pop((s, mb))
         if split:
-            store = WeightGradStore(self._final_grad)
+            store = WeightGradStore()
             with deferring(store):
                 torch.autograd.backward(out, grad)
             self._stores[(s, mb)] = store

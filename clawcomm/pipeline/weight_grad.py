@@ -34,18 +34,17 @@ _current = threading.local()
 
 
 class WeightGradStore:
-    """The weight-gradient jobs of one (stage, micro-batch) I pass.
-    ``on_grad(param)`` is called after each job has accumulated into a
-    parameter's ``.grad`` (the trainer counts final gradients with it)."""
+    """The weight-gradient jobs of one (stage, micro-batch) I pass."""
 
-    def __init__(self, on_grad: Callable[[torch.Tensor], None] | None = None):
+    def __init__(self):
         self.jobs: list[Callable[[], None]] = []
-        self.on_grad = on_grad
 
     def run(self) -> None:
+        """Runs the jobs, outside autograd (as backward itself runs)."""
         jobs, self.jobs = self.jobs, []
-        for job in jobs:
-            job()
+        with torch.no_grad():
+            for job in jobs:
+                job()
 
     def __len__(self) -> int:
         return len(self.jobs)
@@ -66,25 +65,45 @@ def current_store() -> WeightGradStore | None:
     return getattr(_current, "store", None)
 
 
-def defer_weight_grad(job: Callable[[WeightGradStore | None], None]) -> None:
-    """Runs ``job(store)`` in the W pass when inside ``deferring``, at once
-    (with ``store=None``) otherwise."""
+@contextlib.contextmanager
+def listening(on_grad: Callable[[torch.Tensor], None]):
+    """Inside, ``notify_grad(param)`` calls ``on_grad(param)``: the executor
+    listens during backward passes, to learn when a gradient is final."""
+    old = getattr(_current, "listener", None)
+    _current.listener = on_grad
+    try:
+        yield
+    finally:
+        _current.listener = old
+
+
+def notify_grad(param: torch.Tensor) -> None:
+    """Says that ``param.grad`` just received a contribution outside autograd
+    (a W job) or without touching memory (a layer whose gradient another
+    device computed)."""
+    listener = getattr(_current, "listener", None)
+    if listener is not None:
+        listener(param)
+
+
+def defer_weight_grad(job: Callable[[], None]) -> None:
+    """Runs ``job()`` in the W pass when inside ``deferring``, at once
+    otherwise."""
     store = current_store()
     if store is None:
-        job(None)
+        job()
     else:
-        store.jobs.append(lambda: job(store))
+        store.jobs.append(job)
 
 
-def accumulate_grad(param: torch.Tensor, grad: torch.Tensor, store) -> None:
-    """``param.grad += grad`` (in place, as autograd would), then tells the
-    store."""
+def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """``param.grad += grad`` (in place, as autograd would), then
+    ``notify_grad``."""
     if param.grad is None:
         param.grad = grad
     else:
         param.grad.add_(grad)
-    if store is not None and store.on_grad is not None:
-        store.on_grad(param)
+    notify_grad(param)
 
 
 class _SplitLinear(torch.autograd.Function):
@@ -102,20 +121,19 @@ class _SplitLinear(torch.autograd.Function):
         need_w = ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[2]
         g2 = g.reshape(-1, g.shape[-1])
-        x2 = x.reshape(-1, x.shape[-1])
+        x2 = x.detach().reshape(-1, x.shape[-1])  # kept by the W job: no graph with it
         if current_store() is None:  # a full backward: everything now
             return grad_x, g2.t().mm(x2) if need_w else None, g2.sum(0) if need_b else None
 
-        def weight_pass(store):
+        def weight_pass():
             if need_w:
                 if weight.grad is None:
                     weight.grad = g2.t().mm(x2)
                 else:
                     weight.grad.addmm_(g2.t(), x2)  # straight into the bucket view
-                if store.on_grad is not None:
-                    store.on_grad(weight)
+                notify_grad(weight)
             if need_b:
-                accumulate_grad(bias, g2.sum(0), store)
+                accumulate_grad(bias, g2.sum(0))
 
         defer_weight_grad(weight_pass)
         return grad_x, None, None

@@ -1,0 +1,185 @@
+"""``clawcomm train``: the trainer from the command line.
+
+    clawcomm train --nproc 4 --dp 2 --pp 2 --schedule 1f1b --microbatches 8 --steps 300
+    clawcomm train --model mlp --pp 4 --schedule zb1 --microbatches 8 --metrics run.jsonl
+    clawcomm train --config run.toml --compression topk:0.01
+    torchrun --nproc-per-node 4 -m clawcomm.train --dp 2 --pp 2      # one host or many
+
+It spawns ``--nproc`` local ranks (default dp * pp), or, under torchrun,
+uses the ranks torchrun started. Models: ``gpt`` (character-level, on the
+Python documentation bundled with CPython or ``--text FILE``), ``mlp`` (on
+scikit-learn's digits) and ``wait`` (layers that sleep as on an
+accelerator, for measuring schedules). Rank 0 prints the effective batch and
+the scaled learning rate, shows a progress bar, writes ``--metrics`` (JSON
+lines: step, loss, lr, grad_norm, samples_per_s, tokens_per_s, step_ms,
+bubble, bubble_predicted, bytes_sent, ...) and ends with a summary. Every
+setting is a flag and a key of ``--config FILE.toml``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from clawcomm.train import config as config_mod
+from clawcomm.train.config import TrainConfig
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE.toml", help="settings (flags given here win)")
+    p.add_argument("--nproc", type=int, default=None, help="local ranks to spawn (dp * pp)")
+    p.add_argument(
+        "--transport", choices=("auto", "shm", "tcp"), default="auto", help="clawcomm transport"
+    )
+    p.add_argument("--backend", default="clawcomm", help="torch.distributed backend (clawcomm)")
+    config_mod.add_arguments(p)
+
+
+def build(cfg: TrainConfig):
+    """The model (built from cfg.seed), its loss, the optimizer factory, the
+    data set, items per sample for tokens/s, and a sample micro-batch."""
+    import torch
+
+    from clawcomm.train import data, models
+
+    torch.manual_seed(cfg.seed)
+    if cfg.model == "gpt":
+        text = data.default_text() if not cfg.text else open(cfg.text, encoding="utf-8").read()
+        ds = data.CharText(text, cfg.seq_len)
+        model = models.gpt(ds.vocab, cfg.dim, cfg.layers, cfg.heads, cfg.seq_len)
+        loss, tokens = models.gpt_loss, cfg.seq_len
+    elif cfg.model == "mlp":
+        ds = data.Digits(cfg.seed)
+        model = models.mlp(64, cfg.hidden, cfg.layers, 10)
+        loss, tokens = models.classification_loss, 0
+    else:
+        f, i, w = cfg.wait_times()
+        ds = data.Noise(16)
+        model = models.waiting(cfg.layers, cfg.wait_width, f, i, w)
+        loss, tokens = models.waiting_loss, 0
+
+    def optimizer(params):
+        if cfg.optimizer == "sgd":
+            return torch.optim.SGD(
+                params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+            )
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+    sample = ds.batch(torch.arange(cfg.micro_batch_size))[0]
+    return model, loss, optimizer, ds, tokens, sample
+
+
+def train_rank(cfg: TrainConfig, announce: bool = True) -> list[dict]:
+    """Runs the training on this rank (the process group is up); returns
+    the metrics of every step (rank 0's carry the bubble prediction)."""
+    import torch.distributed as dist
+
+    from clawcomm.train.data import global_batches
+    from clawcomm.train.trainer import Trainer
+
+    model, loss, optimizer, ds, tokens, sample = build(cfg)
+    trainer = Trainer(model, loss, optimizer, cfg, tokens_per_sample=tokens, sample=sample)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0 and announce:
+        params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+        print(f"clawcomm train: {cfg.model}, {params / 1e6:.2f}M parameters", flush=True)
+        print(trainer.describe(), flush=True)
+    try:
+        return trainer.fit(
+            global_batches(ds, cfg.effective_batch, cfg.seed),
+            metrics_file=cfg.metrics or None,
+            progress=not cfg.quiet,
+        )
+    finally:
+        trainer.close()
+
+
+def _spawned(rank, world, cfg):
+    return train_rank(cfg)
+
+
+def summary(metrics: list[dict], cfg: TrainConfig) -> str:
+    import statistics
+
+    if not metrics:
+        return "no steps run"
+    tail = metrics[len(metrics) // 2 :] or metrics  # steady state: the second half
+    med = {k: statistics.median(m[k] for m in tail if k in m) for k in tail[-1]}
+    lines = [
+        f"final loss {metrics[-1]['loss']:.4f} after {len(metrics)} steps "
+        f"(first {metrics[0]['loss']:.4f})",
+        f"median of the second half: step {med['step_ms']:.1f} ms, "
+        f"{med['samples_per_s']:.1f} samples/s"
+        + (f", {med['tokens_per_s']:.0f} tokens/s" if "tokens_per_s" in med else "")
+        + f", bubble {med['bubble']:.3f}"
+        + (f" (predicted {med['bubble_predicted']:.3f})" if "bubble_predicted" in med else "")
+        + f", {med['bytes_sent'] / 1e6:.2f} MB sent per step",
+    ]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_mod.from_args(args, args.config)
+    except (ValueError, OSError) as e:
+        print(f"clawcomm train: error: {e}", file=sys.stderr)
+        return 2
+    torchrun = "TORCHELASTIC_RUN_ID" in os.environ or (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+    )
+    world = int(os.environ["WORLD_SIZE"]) if torchrun else (args.nproc or cfg.dp * cfg.pp)
+    try:
+        cfg.check(world)
+        build_check(cfg)
+    except ValueError as e:
+        print(f"clawcomm train: error: {e}", file=sys.stderr)
+        return 2
+    if torchrun:
+        import torch.distributed as dist
+
+        import clawcomm  # noqa: F401  (registers the backend)
+
+        os.environ.setdefault("CLAWCOMM_TRANSPORT", args.transport)
+        dist.init_process_group(args.backend)
+        try:
+            metrics = train_rank(cfg)
+            if dist.get_rank() == 0:
+                print(summary(metrics, cfg))
+        finally:
+            dist.destroy_process_group()
+        return 0
+    from clawcomm.testing import RankFailure, run_ranks
+
+    try:
+        results = run_ranks(
+            _spawned, world, cfg, backend=args.backend, timeout=24 * 3600, pg_timeout=300,
+            env={"CLAWCOMM_TRANSPORT": args.transport},
+        )  # fmt: skip
+    except RankFailure as e:
+        first = min(e.errors)
+        print(f"clawcomm train: rank {first} failed:\n{e.errors[first]}", file=sys.stderr)
+        return 1
+    print(summary(results[0], cfg))
+    return 0
+
+
+def build_check(cfg: TrainConfig) -> None:
+    """Checks that need the model: more stages than layers."""
+    layers = {"gpt": cfg.layers + 2, "mlp": cfg.layers, "wait": cfg.layers}[cfg.model]
+    if cfg.num_stages > layers:
+        raise ValueError(
+            f"{cfg.num_stages} stages (pp {cfg.pp} x v {cfg.virtual_stages}) but the {cfg.model} "
+            f"model has {layers} layers; use fewer stages or --layers {cfg.num_stages}"
+            + (" or more" if cfg.model != "gpt" else f" - 2 = {cfg.num_stages - 2} or more")
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="clawcomm train",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(p)
+    return run(p.parse_args(argv))

@@ -1,0 +1,197 @@
+"""Every setting of ``clawcomm train``, declared once: the dataclass below
+gives the Python API its options, the CLI its flags (``--micro-batch-size``
+for ``micro_batch_size``) and ``--config FILE.toml`` its keys (the same
+names, with either ``-`` or ``_``). Flags given on the command line win over
+the file."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field, fields
+
+from clawcomm.pipeline.schedules import SCHEDULES, check_schedule_args
+
+MODELS = ("gpt", "mlp", "wait")
+
+
+def _opt(default, help: str, choices=None, **kw):
+    return field(default=default, metadata={"help": help, "choices": choices, **kw})
+
+
+@dataclass
+class TrainConfig:
+    # layout and schedule
+    dp: int = _opt(1, "data-parallel replicas")
+    pp: int = _opt(1, "pipeline stages' ranks (dp * pp = world size)")
+    schedule: str = _opt("1f1b", "pipeline schedule", SCHEDULES)
+    microbatches: int = _opt(4, "micro-batches per schedule run")
+    virtual_stages: int = _opt(1, "stages per rank (interleaved schedule: v)", flag="-v")
+    accumulation: int = _opt(1, "schedule runs per optimizer step (gradient accumulation)")
+    micro_batch_size: int = _opt(8, "samples per micro-batch")
+    balance: str = _opt(
+        "params", "cut stages by parameter count or measured time", ("params", "time")
+    )
+    # model and data
+    model: str = _opt("gpt", "model", MODELS)
+    layers: int = _opt(0, "layers (0: the model's default: gpt 4 blocks, mlp 4, wait 8)")
+    dim: int = _opt(128, "gpt: width")
+    heads: int = _opt(4, "gpt: attention heads")
+    seq_len: int = _opt(64, "gpt: tokens per sample")
+    hidden: int = _opt(256, "mlp: hidden width")
+    text: str = _opt("", "gpt: a UTF-8 text file (default: the Python docs bundled with CPython)")
+    wait_ms: str = _opt("4,4,4", "wait: forward, input-gradient, weight-gradient ms per layer")
+    wait_width: int = _opt(256, "wait: width of each layer's (square) weight")
+    # optimisation
+    steps: int = _opt(200, "optimizer steps")
+    seed: int = _opt(0, "seed for the weights and the data order")
+    optimizer: str = _opt("adamw", "optimizer", ("adamw", "sgd"))
+    lr: float = _opt(1e-3, "learning rate at --base-batch")
+    lr_scaling: str = _opt(
+        "none", "scale the LR with the effective batch (Goyal et al.)", ("none", "linear", "sqrt")
+    )
+    base_batch: int = _opt(0, "the batch --lr is meant for (0: the effective batch)")
+    warmup_steps: int = _opt(0, "linear LR warm-up steps")
+    lr_decay: str = _opt("cosine", "decay after warm-up", ("cosine", "linear", "none"))
+    min_lr_ratio: float = _opt(0.1, "final LR as a fraction of the peak")
+    weight_decay: float = _opt(0.0, "weight decay")
+    momentum: float = _opt(0.9, "SGD momentum")
+    clip: float = _opt(1.0, "clip gradients to this global norm (0: off)")
+    # data-parallel reduction
+    compression: str = _opt("", "gradient compression spec (fp16, topk:0.01, ...; '': none)")
+    compression_warmup: int = _opt(0, "dense steps before compressing")
+    bucket_cap_mb: float = _opt(25.0, "gradient bucket size")
+    overlap: bool = _opt(True, "reduce buckets while the pipeline drains")
+    # output
+    metrics: str = _opt("", "write per-step metrics as JSON lines to this file")
+    quiet: bool = _opt(False, "no progress bar")
+
+    def __post_init__(self):
+        if self.layers == 0:
+            self.layers = {"gpt": 4, "mlp": 4, "wait": 8}.get(self.model, 4)
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+    @property
+    def effective_batch(self) -> int:
+        return self.micro_batch_size * self.microbatches * self.accumulation * self.dp
+
+    def wait_times(self) -> tuple[float, float, float]:
+        try:
+            f, i, w = (float(x) for x in self.wait_ms.split(","))
+        except ValueError:
+            raise ValueError(f"wait_ms {self.wait_ms!r} is not three numbers F,I,W") from None
+        return f, i, w
+
+    def check(self, world_size: int | None = None) -> None:
+        """Raises ValueError naming the first setting that is wrong."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            choices = f.metadata.get("choices")
+            if choices and value not in choices:
+                raise ValueError(f"{f.name} {value!r} is not one of {', '.join(choices)}")
+            if isinstance(f.default, int) and not isinstance(f.default, bool):
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise ValueError(f"{f.name} must be an integer, got {value!r}")
+        positive = (
+            "dp",
+            "pp",
+            "microbatches",
+            "virtual_stages",
+            "accumulation",
+            "micro_batch_size",
+            "steps",
+            "layers",
+            "dim",
+            "heads",
+            "seq_len",
+            "hidden",
+        )
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup_steps", "base_batch", "compression_warmup"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("lr", "bucket_cap_mb"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.clip >= 0:
+            raise ValueError(f"clip must be >= 0, got {self.clip}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if world_size is not None and self.dp * self.pp != world_size:
+            raise ValueError(
+                f"dp * pp = {self.dp} * {self.pp} = {self.dp * self.pp} ranks, but the world has "
+                f"{world_size}; choose dp and pp with dp * pp == {world_size}"
+            )
+        check_schedule_args(self.schedule, self.pp, self.microbatches, self.virtual_stages)
+        if self.model == "wait":
+            self.wait_times()
+        if self.compression:
+            from clawcomm.compression import get_compressor
+
+            get_compressor(self.compression)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """One flag per field; defaults are None so that a --config file's
+    values survive unless a flag is given."""
+    for f in fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        names = [flag] + ([f.metadata["flag"]] if f.metadata.get("flag") else [])
+        help_text = f"{f.metadata['help']} ({f.default!r})"
+        if isinstance(f.default, bool):
+            p.add_argument(
+                *names, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
+        else:
+            p.add_argument(
+                *names,
+                type=type(f.default),
+                default=None,
+                choices=f.metadata.get("choices"),
+                help=help_text,
+            )
+
+
+def from_args(args: argparse.Namespace, toml_path: str | None = None) -> TrainConfig:
+    """Defaults, then the TOML file, then the flags given."""
+    values: dict = {}
+    if toml_path:
+        values.update(load_toml(toml_path))
+    for f in fields(TrainConfig):
+        v = getattr(args, f.name, None)
+        if v is not None:
+            values[f.name] = v
+    return TrainConfig(**values)
+
+
+def load_toml(path: str) -> dict:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    with open(path, "rb") as f:
+        raw = tomllib.load(f)
+    known = {f.name: f for f in fields(TrainConfig)}
+    out = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name not in known:
+            raise ValueError(
+                f"{path}: unknown setting {key!r}; settings are {', '.join(sorted(known))}"
+            )
+        want = type(known[name].default)
+        if want is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+            raise ValueError(f"{path}: {key} = {value!r} is not a {want.__name__}")
+        out[name] = value
+    return out
+
+
+def to_dict(cfg: TrainConfig) -> dict:
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,96 @@
+"""Data for the trainer, all offline.
+
+- Text: a character-level corpus. By default the Python documentation that
+  ships with every CPython (``pydoc_data.topics``, about 460 KB of English
+  prose and code); ``--text FILE`` trains on any UTF-8 file instead.
+- Digits: scikit-learn's bundled 8x8 digits (1797 images, 10 classes).
+- Waiting: a small random tensor per sample (the waiting model ignores it).
+
+``global_batches`` yields one effective batch per step: ``batch`` samples
+drawn with a generator seeded by (seed, step). Every layout draws the same
+samples for the same step and cuts them the same way (replica, then
+accumulation round, then micro-batch), so the same seed and effective batch
+give the same loss curve whatever dp, pp and the schedule are.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+
+class CharText:
+    """Characters of ``text`` as token ids; a sample is ``block`` tokens and
+    the same shifted by one."""
+
+    def __init__(self, text: str, block: int, split: float = 0.9):
+        if len(text) < 2 * (block + 1):
+            raise ValueError(f"text of {len(text)} characters is too short for blocks of {block}")
+        self.chars = sorted(set(text))
+        self.vocab = len(self.chars)
+        self.block = block
+        table = {c: i for i, c in enumerate(self.chars)}
+        ids = torch.tensor([table[c] for c in text], dtype=torch.int64)
+        cut = int(split * len(ids))
+        self.train, self.val = ids[:cut], ids[cut:]
+
+    def __len__(self) -> int:
+        return len(self.train) - self.block - 1
+
+    def batch(self, index: torch.Tensor, split: str = "train"):
+        data = self.train if split == "train" else self.val
+        offsets = index.unsqueeze(1) + torch.arange(self.block + 1)
+        rows = data[offsets % len(data)]
+        return rows[:, :-1], rows[:, 1:]
+
+    def decode(self, ids) -> str:
+        return "".join(self.chars[int(i)] for i in ids)
+
+
+def default_text() -> str:
+    """The Python documentation topics bundled with CPython (offline)."""
+    from pydoc_data import topics
+
+    return "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
+
+
+class Digits:
+    def __init__(self, seed: int = 0, split: float = 0.8):
+        import numpy as np
+        from sklearn.datasets import load_digits
+
+        d = load_digits()
+        x = torch.from_numpy((d.data / 16.0).astype(np.float32))
+        y = torch.from_numpy(d.target.astype(np.int64))
+        order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+        cut = int(split * len(x))
+        self.x, self.y = x[order[:cut]], y[order[:cut]]
+        self.x_test, self.y_test = x[order[cut:]], y[order[cut:]]
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def batch(self, index: torch.Tensor):
+        return self.x[index], self.y[index]
+
+
+class Noise:
+    """Inputs for the waiting model: ``width`` random numbers per sample."""
+
+    def __init__(self, width: int = 16):
+        self.width = width
+
+    def __len__(self) -> int:
+        return 1 << 20
+
+    def batch(self, index: torch.Tensor):
+        return torch.ones(len(index), self.width), torch.zeros(len(index), dtype=torch.int64)
+
+
+def global_batches(dataset, batch: int, seed: int, start: int = 0):
+    """Effective batches for steps start, start+1, ...: ``batch`` indices
+    drawn uniformly (with a generator seeded from seed and step)."""
+    for step in itertools.count(start):
+        g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        yield dataset.batch(torch.randint(0, len(dataset), (batch,), generator=g))

@@ -1,0 +1,556 @@
+"""The data- and pipeline-parallel trainer.
+
+    from clawcomm.train import Trainer, TrainConfig
+    cfg = TrainConfig(dp=2, pp=2, schedule="zb1", microbatches=8, compression="topk:0.01")
+    trainer = Trainer(model, loss_fn, lambda params: torch.optim.AdamW(params, lr=1e-3), cfg)
+    for metrics in trainer.fit(global_batches, steps=100):   # one dict per step
+        ...
+
+``model`` is an ``nn.Sequential`` (cut into dp x pp-grid stages) or a list
+of stage modules. ``loss_fn(output, target)`` returns the loss *summed* over
+the micro-batch; the trainer divides by the number of items (target
+elements: tokens, or samples) in the effective batch, so the gradient is
+that of the mean over the effective batch whatever the layout and the
+accumulation (the normalisation torchtitan uses; the per-micro-batch mean
+is what made gradient accumulation wrong in Hugging Face's trainer until
+2024). Every rank builds the whole model from the same seed and keeps its
+stages.
+
+One step (every rank):
+
+1. Barrier on the pipeline; the rank's slice of the effective batch
+   (replica, then accumulation round, then micro-batch).
+2. ``accumulation`` runs of the schedule through ``PipelineExecutor``. In
+   the last run, the last backward actions of each stage are armed: as each
+   parameter's gradient becomes final, the GradReducer launches its bucket
+   (averaged over the stage's data-parallel group, compressed with error
+   feedback if asked), while the rest of the pipeline drains. In step 1
+   the trainer only counts how many final contributions each gradient
+   gets; from step 2 on it launches on that count.
+3. Wait for the reductions; sum tied gradients across the stages that share
+   them (the GPT's embedding and output projection).
+4. One all-gather of a few numbers per rank: loss, squared gradient norm,
+   bytes sent, busy and elapsed time, per-stage action costs. Every rank
+   gets the global gradient norm (clipping, NaN/inf stop) and the loss;
+   rank 0 also the measured bubble and the schedule's predicted one
+   (``simulate`` with the measured costs).
+5. Clip, step the optimizer, zero the gradients.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from clawcomm.compression import get_compressor
+from clawcomm.parallel.reducer import GradReducer
+from clawcomm.pipeline.actions import Action, B, F, I, W
+from clawcomm.pipeline.executor import PipelineExecutor
+from clawcomm.pipeline.schedules import build, stage_to_rank
+from clawcomm.pipeline.validate import simulate, validate
+from clawcomm.pipeline.weight_grad import notify_grad, split_linear_backward
+from clawcomm.train.config import TrainConfig
+from clawcomm.train.layout import Grid, balanced_cuts, measured_costs, parameter_costs
+
+_KINDS = (F, B, I, W)
+# torch 2.13 renamed all_gather_into_tensor (the old name warns).
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class Trainer:
+    """See the module docstring. ``optimizer(params)`` builds the optimizer
+    over this rank's parameters; its learning rates are the peak rates, which
+    the trainer scales (``lr_scaling``), warms up and decays each step.
+    ``count_fn(targets)`` counts the loss's items in a batch of targets
+    (default: ``targets.numel()``); ``tokens_per_sample`` adds tokens/s to
+    the metrics. ``sample`` (one micro-batch of inputs) is needed only for
+    ``balance="time"``."""
+
+    def __init__(
+        self,
+        model: nn.Sequential | list[nn.Module],
+        loss_fn: Callable,
+        optimizer: Callable,
+        config: TrainConfig | None = None,
+        *,
+        count_fn: Callable | None = None,
+        tokens_per_sample: int = 0,
+        sample: torch.Tensor | None = None,
+    ):
+        cfg = config or TrainConfig()
+        self.cfg = cfg
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        cfg.check(world)
+        self.grid = Grid(cfg.dp, cfg.pp, dist.get_rank() if dist.is_initialized() else 0)
+        self.count_fn = count_fn or (lambda t: t.numel())
+        self.tokens_per_sample = tokens_per_sample
+        if getattr(loss_fn, "reduction", "sum") == "mean":
+            raise ValueError(
+                "Trainer: loss_fn must sum over the micro-batch (reduction='sum'); the trainer "
+                "divides by the number of items in the effective batch"
+            )
+        self.loss_fn = loss_fn
+        S = cfg.num_stages
+        stages, self.cuts = _cut(model, S, cfg.balance, sample)
+        self.names = _full_names(model, stages)
+        self.schedule = build(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages)
+        validate(self.schedule, cfg.pp, S, cfg.microbatches)
+        me = self.grid.pp_rank
+        self.local = {s: stages[s] for s in range(S) if stage_to_rank(s, cfg.pp) == me}
+        if cfg.schedule == "zb1":
+            for mod in self.local.values():
+                split_linear_backward(mod)
+        self.pp_group, self.dp_group = (
+            self.grid.make_groups() if dist.is_initialized() else (None, None)
+        )
+        self._ties = self._make_ties(stages)
+        self.params = _unique(
+            p
+            for s in sorted(self.local, reverse=True)
+            for p in reversed(list(self.local[s].parameters()))
+            if p.requires_grad
+        )
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._sync_initial_weights()
+        self.executor = PipelineExecutor(
+            self.local,
+            self.schedule[me],
+            S,
+            cfg.microbatches,
+            me,
+            cfg.pp,
+            self.pp_group,
+            loss_fn,
+            on_grad=self._final_grad,
+        )
+        last = {}
+        for a in self.schedule[me]:
+            if a.kind in (B, I, W):
+                last[(a.stage, a.kind)] = a
+        self._final_actions = set(last.values())
+        self.reducer = None
+        if cfg.dp > 1:
+            compressor = get_compressor(cfg.compression) if cfg.compression else None
+            self.reducer = GradReducer(
+                self.params,
+                [self.names.get(id(p), "?") for p in self.params],
+                self.dp_group,
+                bucket_cap_mb=cfg.bucket_cap_mb,
+                first_bucket_mb=min(1.0, cfg.bucket_cap_mb),
+                compressor=compressor,
+                compression_warmup_steps=cfg.compression_warmup,
+                overlap=cfg.overlap,
+                what="clawcomm.train",
+            )
+            self.reducer.overlap = False  # step 1 learns when gradients are final
+            self.reducer.attach_grads()
+        self._counts = [0] * len(self.params)
+        self._learned = False
+        self._ready_order: list[int] = []
+        self._hooks = [p.register_post_accumulate_grad_hook(notify_grad) for p in self.params]
+        self.optimizer = optimizer(self.params)
+        self._peak_lr = [g["lr"] for g in self.optimizer.param_groups]
+        self.step_index = 0
+
+    # ---- setup ----------------------------------------------------------------------
+
+    def _make_ties(self, stages: list[nn.Module]) -> list[tuple[torch.Tensor, object, bool]]:
+        """Parameters shared by stages on different ranks: (param, group of
+        the pipeline ranks holding it in this replica, owned here?). Every
+        rank creates the same groups in the same order."""
+        holders: dict[int, list[int]] = {}
+        objects: dict[int, torch.Tensor] = {}
+        for s, mod in enumerate(stages):
+            for p in mod.parameters():
+                if s not in holders.setdefault(id(p), []):
+                    holders[id(p)].append(s)
+                objects[id(p)] = p
+        ties, groups = [], {}
+        for pid, ss in holders.items():
+            ranks_pp = sorted({stage_to_rank(s, self.cfg.pp) for s in ss})
+            if len(ranks_pp) < 2:
+                continue
+            mine = None
+            for d in range(self.cfg.dp):
+                ranks = [self.grid.rank_of(d, r) for r in ranks_pp]
+                if tuple(ranks) not in groups:
+                    groups[tuple(ranks)] = dist.new_group(ranks)
+                if self.grid.rank in ranks:
+                    mine = groups[tuple(ranks)]
+            if mine is not None:
+                owner = stage_to_rank(ss[0], self.cfg.pp) == self.grid.pp_rank
+                ties.append((objects[pid], mine, owner))
+        return ties
+
+    def _sync_initial_weights(self) -> None:
+        """Every replica starts from its dp group's first rank's weights, and
+        tied copies from the first stage's."""
+        if not dist.is_initialized():
+            return
+        with torch.no_grad():
+            for mod in self.local.values():
+                for t in list(mod.parameters()) + list(mod.buffers()):
+                    if self.dp_group is not None:
+                        dist.broadcast(
+                            t, dist.get_global_rank(self.dp_group, 0), group=self.dp_group
+                        )
+            for p, group, _ in self._ties:
+                dist.broadcast(p, dist.get_global_rank(group, 0), group=group)
+
+    # ---- the step ---------------------------------------------------------------------
+
+    def lr_factor(self, step: int) -> float:
+        """The LR multiplier at ``step`` (0-based): batch scaling x warm-up x decay."""
+        cfg = self.cfg
+        scale = self.batch_scale()
+        if step < cfg.warmup_steps:
+            return scale * (step + 1) / cfg.warmup_steps
+        span = max(1, cfg.steps - cfg.warmup_steps)
+        progress = min(1.0, (step - cfg.warmup_steps) / span)
+        lo = cfg.min_lr_ratio
+        decay = {
+            "none": 1.0,
+            "linear": 1.0 - (1.0 - lo) * progress,
+            "cosine": lo + (1.0 - lo) * 0.5 * (1.0 + math.cos(math.pi * progress)),
+        }[cfg.lr_decay]
+        return scale * decay
+
+    def batch_scale(self) -> float:
+        """The LR multiplier for the effective batch against ``base_batch``."""
+        cfg = self.cfg
+        ratio = cfg.effective_batch / (cfg.base_batch or cfg.effective_batch)
+        return {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[cfg.lr_scaling]
+
+    def describe(self) -> str:
+        """What rank 0 prints at start: the effective batch, the scaled LR,
+        the layout and the stages."""
+        cfg = self.cfg
+        base = cfg.base_batch or cfg.effective_batch
+        stages = ", ".join(
+            f"{s}: layers {self.cuts[s]}-{self.cuts[s + 1] - 1}" for s in range(cfg.num_stages)
+        )
+        return (
+            f"effective batch {cfg.effective_batch} = micro-batch {cfg.micro_batch_size} x "
+            f"{cfg.microbatches} micro-batches x {cfg.accumulation} accumulation x dp {cfg.dp}\n"
+            f"lr {self._peak_lr[0] * self.batch_scale():.4g} = {self._peak_lr[0]:.4g} at base "
+            f"batch {base}, {cfg.lr_scaling} scaling; {cfg.warmup_steps} warm-up steps, "
+            f"{cfg.lr_decay} decay\n"
+            f"layout dp {cfg.dp} x pp {cfg.pp}, schedule {cfg.schedule}"
+            + (f" (v={cfg.virtual_stages})" if cfg.virtual_stages > 1 else "")
+            + f", {cfg.num_stages} stages ({stages})"
+        )
+
+    def step(self, batch) -> dict:
+        """One optimizer step on ``batch`` = (inputs, targets), the whole
+        effective batch (every rank passes the same). Returns the metrics."""
+        cfg, grid = self.cfg, self.grid
+        x, y = batch
+        n = cfg.effective_batch
+        if x.shape[0] != n or y.shape[0] != n:
+            raise ValueError(
+                f"clawcomm.train: a batch must hold the effective batch of {n} samples "
+                f"({cfg.micro_batch_size} x {cfg.microbatches} x {cfg.accumulation} x dp "
+                f"{cfg.dp}); got inputs {tuple(x.shape)} and targets {tuple(y.shape)}"
+            )
+        count = float(self.count_fn(y))
+        scale = (cfg.dp if self.reducer is not None else 1.0) / count
+        per_replica = n // cfg.dp
+        lo = grid.dp_rank * per_replica
+        for i, g in enumerate(self.optimizer.param_groups):
+            g["lr"] = self._peak_lr[i] * self.lr_factor(self.step_index)
+        bytes_before = self._bytes_sent()
+        if self.pp_group is not None:
+            dist.barrier(group=self.pp_group)
+        t0 = time.perf_counter()
+        busy = recv_wait = 0.0
+        losses = []
+        costs: dict = {}
+        has_first = 0 in self.local
+        has_last = cfg.num_stages - 1 in self.local
+        for a in range(cfg.accumulation):
+            rows = slice(
+                lo + a * per_replica // cfg.accumulation,
+                lo + (a + 1) * per_replica // cfg.accumulation,
+            )
+            inputs = list(x[rows].chunk(cfg.microbatches)) if has_first else None
+            targets = list(y[rows].chunk(cfg.microbatches)) if has_last else None
+            last_round = a == cfg.accumulation - 1
+            armed = self._armed if (last_round and self.reducer is not None) else None
+            stats = self.executor.run(inputs, targets, loss_scale=scale, armed=armed)
+            busy += stats.busy
+            recv_wait += stats.recv_wait
+            losses += stats.losses
+            for act, s0, s1 in stats.timeline:
+                c = costs.setdefault((act.stage, act.kind), [0.0, 0])
+                c[0] += s1 - s0
+                c[1] += 1
+        t_pipe = time.perf_counter()
+        dp_wait = self._finish_reduction()
+        for p, group, _ in self._ties:
+            dist.all_reduce(p.grad, group=group)
+        local_loss = float(sum(float(v) for v in losses)) if has_last else 0.0
+        sumsq = self._owned_sumsq()
+        summary = self._gather(
+            local_loss, sumsq, bytes_before, busy, t_pipe - t0, recv_wait, dp_wait, costs
+        )
+        grad_norm = math.sqrt(summary["sumsq"] / cfg.dp)
+        loss = summary["loss"] / count
+        if not (math.isfinite(grad_norm) and math.isfinite(loss)):
+            raise FloatingPointError(
+                f"clawcomm.train: stopped at step {self.step_index}: the loss is {loss} and the "
+                f"gradient norm {grad_norm} (every rank stops here)"
+            )
+        if cfg.clip > 0 and grad_norm > cfg.clip:
+            factor = cfg.clip / (grad_norm + 1e-6)
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(factor)
+        self.optimizer.step()
+        self._zero_grads()
+        step_s = time.perf_counter() - t0
+        self.step_index += 1
+        out = {
+            "step": self.step_index,
+            "loss": loss,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "grad_norm": grad_norm,
+            "step_ms": step_s * 1e3,
+            "samples_per_s": n / step_s,
+        }
+        if self.tokens_per_sample:
+            out["tokens_per_s"] = n * self.tokens_per_sample / step_s
+        out.update(summary["metrics"])
+        return out
+
+    def _armed(self, a: Action) -> bool:
+        return a in self._final_actions
+
+    def _final_grad(self, param: torch.Tensor) -> None:
+        i = self._index.get(id(param))
+        if i is None:
+            return
+        self._counts[i] += 1
+        if not self._learned:
+            if self._counts[i] == 1:
+                self._ready_order.append(i)
+            return
+        if self._counts[i] > self.reducer.expected[i]:
+            raise RuntimeError(
+                f"clawcomm.train: parameter {self.names.get(id(param), i)!r} received more final "
+                f"gradient contributions ({self._counts[i]}) than in the first step "
+                f"({self.reducer.expected[i]}): its stage's control flow changed; train with "
+                "overlap=False"
+            )
+        self.reducer.ready(i)
+
+    def _finish_reduction(self) -> float:
+        if self.reducer is None:
+            return 0.0
+        t0 = time.perf_counter()
+        self.reducer.launch_all()
+        self.reducer.wait()
+        waited = time.perf_counter() - t0
+        self.reducer.end_step()
+        if not self._learned:
+            self._learned = True
+            self.reducer.expected = list(self._counts)
+            order = self._ready_order + [
+                i for i in range(len(self.params)) if i not in set(self._ready_order)
+            ]
+            t = torch.tensor(order, dtype=torch.int64)
+            dist.broadcast(t, dist.get_global_rank(self.dp_group, 0), group=self.dp_group)
+            self.reducer.rebuild(t.tolist())
+            self.reducer.overlap = self.cfg.overlap
+        self.reducer.reset()
+        self._counts = [0] * len(self.params)
+        return waited
+
+    def _zero_grads(self) -> None:
+        if self.reducer is not None:
+            self.reducer.zero_grad()
+        else:
+            for p in self.params:
+                p.grad = None
+
+    def _owned_sumsq(self) -> float:
+        shared_elsewhere = {id(p) for p, _, owner in self._ties if not owner}
+        total = 0.0
+        for p in self.params:
+            if p.grad is not None and id(p) not in shared_elsewhere:
+                total += float(p.grad.double().square().sum())
+        return total
+
+    def _bytes_sent(self) -> int:
+        if not dist.is_initialized() or dist.get_backend() != "clawcomm":
+            return 0
+        import clawcomm
+
+        groups = {
+            id(g): g for g in (None, self.pp_group, self.dp_group, *(t[1] for t in self._ties))
+        }
+        return sum(
+            v["bytes_sent"] for g in groups.values() for v in clawcomm.comm_stats(g).values()
+        )
+
+    def _gather(self, loss, sumsq, bytes_before, busy, span, recv_wait, dp_wait, costs) -> dict:
+        """One all-gather: [loss, sumsq, bytes, busy, span, recv wait, dp wait,
+        rss MB, then F/B/I/W mean cost of each local stage]."""
+        cfg = self.cfg
+        v = cfg.virtual_stages
+        own = [
+            loss,
+            sumsq,
+            float(self._bytes_sent() - bytes_before),
+            busy,
+            span,
+            recv_wait,
+            dp_wait,
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+        ]
+        for s in sorted(self.local):
+            for k in _KINDS:
+                tot, cnt = costs.get((s, k), (0.0, 0))
+                own.append(tot / cnt if cnt else 0.0)
+        width = 8 + 4 * v
+        mine = torch.tensor(own, dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            everyone = torch.zeros(dist.get_world_size() * width, dtype=torch.float64)
+            _all_gather(everyone, mine)
+            rows = everyone.view(-1, width)
+        else:
+            rows = mine.view(1, width)
+        grid = self.grid
+        replica0 = [grid.rank_of(0, p) for p in range(cfg.pp)]
+        bubble = []
+        for d in range(cfg.dp):
+            ranks = [grid.rank_of(d, p) for p in range(cfg.pp)]
+            span_max = float(rows[ranks, 4].max())
+            bubble.append(
+                1.0 - float(rows[ranks, 3].sum()) / (cfg.pp * span_max) if span_max > 0 else 0.0
+            )
+        metrics = {
+            "bubble": sum(bubble) / len(bubble),
+            "bytes_sent": int(rows[:, 2].sum()),
+            "dp_wait_ms": float(rows[:, 6].max()) * 1e3,
+            "recv_wait_ms": float(rows[:, 5].max()) * 1e3,
+            "max_rss_mb": float(rows[:, 7].max()),
+        }
+        if grid.rank == 0:
+            cost = {}
+            for p_rank, r in enumerate(replica0):
+                for j in range(v):
+                    s = j * cfg.pp + p_rank
+                    for k_i, k in enumerate(_KINDS):
+                        cost[(s, k)] = float(rows[r, 8 + 4 * j + k_i])
+            sim = simulate(self.schedule, lambda a: cost.get((a.stage, a.kind), 0.0))
+            metrics["bubble_predicted"] = sim.bubble
+        return {
+            "loss": float(rows[:, 0].sum()),
+            "sumsq": float(rows[:, 1].sum()),
+            "metrics": metrics,
+        }
+
+    # ---- the loop -------------------------------------------------------------------------
+
+    def fit(
+        self,
+        batches: Iterable,
+        steps: int | None = None,
+        metrics_file: str | None = None,
+        progress: bool = True,
+        log: Callable[[dict], None] | None = None,
+    ) -> list[dict]:
+        """Runs ``steps`` steps (default: the config's) over ``batches``.
+        Rank 0 writes each step's metrics to ``metrics_file`` (JSON lines) and
+        shows a progress bar. Returns the metrics of every step."""
+        import json
+
+        steps = self.cfg.steps if steps is None else steps
+        rank0 = self.grid.rank == 0
+        bar = None
+        if rank0 and progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=steps, unit="step", leave=False)
+        out = []
+        sink = open(metrics_file, "w") if (rank0 and metrics_file) else None  # noqa: SIM115
+        try:
+            for _, batch in zip(range(steps), batches, strict=False):
+                m = self.step(batch)
+                out.append(m)
+                if sink is not None:
+                    sink.write(json.dumps(m) + "\n")
+                    sink.flush()
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{m['loss']:.4f}", bubble=f"{m['bubble']:.2f}")
+                if log is not None:
+                    log(m)
+        finally:
+            if bar is not None:
+                bar.close()
+            if sink is not None:
+                sink.close()
+        return out
+
+    def close(self) -> None:
+        if self.reducer is not None:
+            self.reducer.close()
+        for h in self._hooks:
+            h.remove()
+
+
+def _unique(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    seen, out = set(), []
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def _cut(model, num_stages: int, balance: str, sample) -> tuple[list[nn.Module], list[int]]:
+    if isinstance(model, nn.Sequential):
+        layers = list(model)
+        if num_stages > len(layers):
+            raise ValueError(
+                f"clawcomm.train: {num_stages} stages (pp x v) but the model has only "
+                f"{len(layers)} layers; use fewer stages or more layers"
+            )
+        if balance == "time":
+            if sample is None:
+                raise ValueError("clawcomm.train: balance='time' needs a sample micro-batch")
+            costs = measured_costs(layers, sample)
+            if dist.is_initialized():  # timings differ: every rank takes rank 0's
+                t = torch.tensor(costs, dtype=torch.float64)
+                dist.broadcast(t, 0)
+                costs = t.tolist()
+        else:
+            costs = parameter_costs(layers)
+        cuts = balanced_cuts(costs, num_stages)
+        return [nn.Sequential(*layers[cuts[s] : cuts[s + 1]]) for s in range(num_stages)], cuts
+    stages = list(model)
+    if len(stages) != num_stages:
+        raise ValueError(
+            f"clawcomm.train: {len(stages)} stage modules given for {num_stages} stages (pp x v)"
+        )
+    return stages, list(range(num_stages + 1))
+
+
+def _full_names(model, stages) -> dict[int, str]:
+    """id(param) -> its name in the whole model (what checkpoints key on)."""
+    pairs = (
+        model.named_parameters(remove_duplicate=False)
+        if isinstance(model, nn.Sequential)
+        else ((f"{s}.{n}", p) for s, m in enumerate(stages) for n, p in m.named_parameters())
+    )
+    names: dict[int, str] = {}
+    for n, p in pairs:
+        names.setdefault(id(p), n)  # a tied parameter keeps its first name
+    return names
