@@ -71,14 +71,14 @@ def _inputs(a: Action, num_stages: int, rank_of: Callable[[int], int], on_rank: 
     if a.kind in (B, I):
         groups = [[Action(s, F, mb)]]
         if s < num_stages - 1:
-            groups.append(producer(s + 1, (I, B), RECV_B, SEND_B))
+            groups.append(producer(s + 1, (B, I), RECV_B, SEND_B))
         return groups
     if a.kind == W:
         return [[Action(s, I, mb)]]
     if a.kind == SEND_F:
         return [[Action(s, F, mb)]]
     if a.kind == SEND_B:
-        return [[Action(s, I, mb), Action(s, B, mb)]]
+        return [[Action(s, B, mb), Action(s, I, mb)]]
     return []
 
 
@@ -123,12 +123,13 @@ def validate(
                         if need.kind in (RECV_F, RECV_B)
                         else "has not run before it"
                     )
-                    alternatives = " or ".join(map(str, group))
+                    named = (
+                        ""
+                        if need.kind in (RECV_F, RECV_B)
+                        else f" ({' or '.join(map(str, group))})"
+                    )
                     raise ScheduleError(
-                        rank,
-                        step,
-                        a,
-                        f"needs {_describe(need)} ({alternatives}), which rank {rank} {how}",
+                        rank, step, a, f"needs {_describe(need)}{named}, which rank {rank} {how}"
                     )
             if a.kind == REDUCE_GRAD:
                 left = [
