@@ -170,7 +170,7 @@ def build_check(cfg: TrainConfig) -> None:
     if cfg.num_stages > layers:
         raise ValueError(
             f"{cfg.num_stages} stages (pp {cfg.pp} x v {cfg.virtual_stages}) but the {cfg.model} "
-            f"model has {layers} layers; use fewer stages or --layers {cfg.num_stages}"
+            f"model has only {layers} layers; use fewer stages or --layers {cfg.num_stages}"
             + (" or more" if cfg.model != "gpt" else f" - 2 = {cfg.num_stages - 2} or more")
         )
 
