@@ -154,6 +154,7 @@ class Trainer:
         self._learned = False
         self._ready_order: list[int] = []
         self._hooks = [p.register_post_accumulate_grad_hook(notify_grad) for p in self.params]
+        self.p2p_latency = self._measure_p2p_latency()
         self.optimizer = optimizer(self.params)
         self._peak_lr = [g["lr"] for g in self.optimizer.param_groups]
         self.step_index = 0
@@ -202,6 +203,26 @@ class Trainer:
                         )
             for p, group, _ in self._ties:
                 dist.broadcast(p, dist.get_global_rank(group, 0), group=group)
+
+    def _measure_p2p_latency(self, rounds: int = 20) -> float:
+        """One-way latency of a small message between the first two stages'
+        ranks (median of ``rounds`` round trips / 2): the link cost the bubble
+        prediction charges per transfer. 0 where pp == 1."""
+        if self.pp_group is None or self.grid.pp_rank > 1:
+            return 0.0
+        peer = dist.get_global_rank(self.pp_group, 1 - self.grid.pp_rank)
+        buf = torch.zeros(256)
+        times = []
+        for i in range(rounds):
+            t0 = time.perf_counter()
+            if self.grid.pp_rank == 0:
+                dist.send(buf, peer, group=self.pp_group, tag=1_000_000 + i)
+                dist.recv(buf, peer, group=self.pp_group, tag=1_000_000 + i)
+            else:
+                dist.recv(buf, peer, group=self.pp_group, tag=1_000_000 + i)
+                dist.send(buf, peer, group=self.pp_group, tag=1_000_000 + i)
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2] / 2
 
     # ---- the step ---------------------------------------------------------------------
 
@@ -448,7 +469,9 @@ class Trainer:
                     s = j * cfg.pp + p_rank
                     for k_i, k in enumerate(_KINDS):
                         cost[(s, k)] = float(rows[r, 8 + 4 * j + k_i])
-            sim = simulate(self.schedule, lambda a: cost.get((a.stage, a.kind), 0.0))
+            sim = simulate(
+                self.schedule, lambda a: cost.get((a.stage, a.kind), 0.0), latency=self.p2p_latency
+            )
             metrics["bubble_predicted"] = sim.bubble
         return {
             "loss": float(rows[:, 0].sum()),

@@ -372,6 +372,7 @@ RequestPtr Communicator::enqueueCollective(const OpSignature& sig, size_t bytes,
   }
   if (!runHere) {
     cv_.notify_one();
+    messenger_->wake();  // the progress thread may sleep in a point-to-point wait
     return request;
   }
   runCollective(*op);
@@ -406,6 +407,10 @@ RequestPtr Communicator::enqueuePointToPoint(bool isSend, void* buf, size_t byte
     queue_.push_back(std::move(op));
   }
   cv_.notify_one();
+  // The progress thread may be asleep in messenger_->pause(), waiting for
+  // earlier transfers (a receive posted ahead): without this, a send queued
+  // now would wait for the next health check (10 ms) before it is written.
+  messenger_->wake();
   return request;
 }
 

@@ -2,7 +2,9 @@
 
 #include <poll.h>
 #include <sched.h>
+#include <sys/eventfd.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
@@ -72,9 +74,25 @@ Messenger::Messenger(int rank, int size, std::vector<std::unique_ptr<Connection>
   }
   if (!allDoorbell) doorbell_ = nullptr;
   pollFds_ = allFds;
+  if (pollFds_) wakeFd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
 }
 
-Messenger::~Messenger() = default;
+Messenger::~Messenger() {
+  if (wakeFd_ >= 0) ::close(wakeFd_);
+}
+
+void Messenger::wake() {
+  // Dekker with pause(): flag, full fence, then look for a sleeper (inside
+  // ringDoorbell); the sleeper arms, fences, then reads the flag. One of the
+  // two always sees the other.
+  wakeRequested_.store(true, std::memory_order_seq_cst);
+  if (doorbell_) {
+    ringDoorbell(*doorbell_);
+  } else if (wakeFd_ >= 0) {
+    const uint64_t one = 1;
+    [[maybe_unused]] ssize_t n = ::write(wakeFd_, &one, sizeof(one));
+  }
+}
 
 const char* Messenger::transportOf(int peer) const {
   return peers_[peer].conn ? peers_[peer].conn->kind() : "self";
@@ -462,6 +480,7 @@ void Messenger::pause(Clock::time_point idleSince, Clock::time_point deadline,
   // check or the deadline, whichever comes first.
   const auto wake = std::min(nextHealthCheck_, deadline);
   const auto budget = std::chrono::duration_cast<std::chrono::microseconds>(wake - now);
+  if (wakeRequested_.exchange(false, std::memory_order_seq_cst)) return;
   if (doorbell_) {
     const uint32_t seen = armDoorbell(*doorbell_);
     struct Disarm {
@@ -469,6 +488,9 @@ void Messenger::pause(Clock::time_point idleSince, Clock::time_point deadline,
       ~Disarm() { disarmDoorbell(*d); }
     } disarm{doorbell_};
     if (progress()) return;  // bytes arrived between the last pass and arming
+    // Work queued by this rank's other threads (wake()) between the check
+    // above and arming.
+    if (wakeRequested_.exchange(false, std::memory_order_seq_cst)) return;
     sleepOnDoorbell(*doorbell_, seen, budget);
   } else if (pollFds_) {
     std::vector<pollfd> fds;
@@ -477,7 +499,13 @@ void Messenger::pause(Clock::time_point idleSince, Clock::time_point deadline,
       const short events = POLLIN | (peers_[p].sendQueue.empty() ? 0 : POLLOUT);
       fds.push_back(pollfd{peers_[p].conn->pollFd(), events, 0});
     }
+    if (wakeFd_ >= 0) fds.push_back(pollfd{wakeFd_, POLLIN, 0});
     poll(fds.data(), fds.size(), int(std::max<long long>(1, budget.count() / 1000)));
+    if (wakeFd_ >= 0 && (fds.back().revents & POLLIN)) {
+      uint64_t drained;
+      [[maybe_unused]] ssize_t n = ::read(wakeFd_, &drained, sizeof(drained));
+      wakeRequested_.store(false, std::memory_order_relaxed);
+    }
   } else if (idle < std::chrono::milliseconds(2)) {
     // Mixed transports: nothing single to block on. Yield first (another
     // rank may share this core), then nap in growing steps.

@@ -110,6 +110,11 @@ class Messenger {
   void pause(Clock::time_point idleSince, Clock::time_point deadline,
              const std::vector<TransferPtr>& waitingOn);
 
+  // Ends a pause() that is sleeping, or makes the next one return at once:
+  // another thread of this rank queued work (a send) that the sleeper must
+  // see now rather than at its next health check. Any thread may call it.
+  void wake();
+
   // Bytes sent and received so far, per operation type.
   Traffic& traffic() { return traffic_; }
 
@@ -153,6 +158,8 @@ class Messenger {
   Clock::time_point nextHealthCheck_{};
   Doorbell* doorbell_ = nullptr;  // shared by every connection, if all are shm
   bool pollFds_ = false;          // every connection has a file descriptor
+  int wakeFd_ = -1;               // an eventfd in the poll() set (pollFds_ only)
+  std::atomic<bool> wakeRequested_{false};
   Traffic traffic_;
 };
 
