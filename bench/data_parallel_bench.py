@@ -6,20 +6,27 @@
 4. ddp-clawcomm: torch DDP over clawcomm.
 
 Models: an MLP (25M parameters), a small transformer encoder (27M), and
-"wait" (21.2M): ten layers whose backward sleeps 8 ms and then hands back
-ready-made gradients, as layers running on an accelerator keep the host
-waiting without using its CPU (AcceleratedLayer). There the CPU is free for
+two whose backward waits instead of computing, as layers running on an
+accelerator keep the host waiting without using its CPU (AcceleratedLayer):
+"wait" (21.2M: ten layers whose backward sleeps 8 ms, 9 MB buckets so each
+layer has its own) and "wait8" (33.6M: eight 2048 x 2048 layers whose
+backward sleeps 15 ms, default buckets). There the CPU is free for
 communication, and the step time should approach max(compute, comm) rather
-than their sum. "wait" uses 9 MB buckets (one layer each, in every setup)
-so that a bucket leaves as soon as its layer is done; the others use the
-defaults (1 MB first bucket, then 25 MB).
+than their sum. The others use the defaults (1 MB first bucket, then 25 MB).
+
+Every setup runs in both ways of zeroing gradients (--zero-grad): "zero"
+(zero_grad(set_to_none=False): gradients stay, and are accumulated into in
+place) and "none" (set_to_none=True, what optimizer.zero_grad() does by
+default: autograd hands over fresh gradient tensors every step).
 
 For each setup and model it reports:
 - step:    forward + backward + optimizer step, with communication;
 - compute: the same without any communication (the plain module);
 - comm:    the same gradient buckets all-reduced back to back, alone;
 - hidden:  compute + comm - step (how much communication the step hid);
-- overlap: hidden / comm.
+- overlap: hidden / comm;
+- sync:    step - compute for dp-after (what synchronising after backward
+           costs), and sync / comm.
 Each figure is the median of --steps steps, best of --repeats rounds; the
 rounds interleave the setups. Run:
 
@@ -123,6 +130,10 @@ def make_model(name: str):
         model = WaitingNet()
         batch = (torch.randn(1, 1536, generator=g),)
         return model, batch, lambda out: out.sum(), 9
+    if name == "wait8":
+        model = WaitingNet(inputs=2048, width=2048, depth=7, sleep_ms=15.0)
+        batch = (torch.randn(1, 2048, generator=g),)
+        return model, batch, lambda out: out.sum(), 25
     raise ValueError(f"unknown model {name!r}")
 
 
@@ -136,14 +147,14 @@ def _wrap(setup, model, gloo, cap):
     return DDP(model, bucket_cap_mb=cap)
 
 
-def _timed_steps(model, batch, loss_fn, opt, steps, control):
+def _timed_steps(model, batch, loss_fn, opt, steps, control, set_to_none=False):
     times = []
     for _ in range(steps):
         dist.barrier(group=control)
         t0 = time.perf_counter()
         loss_fn(model(*batch)).backward()
         opt.step()
-        opt.zero_grad(set_to_none=False)
+        opt.zero_grad(set_to_none=set_to_none)
         times.append(time.perf_counter() - t0)
     return _slowest_median(times, control)
 
@@ -171,62 +182,70 @@ def _timed_comm(buckets, group, average, steps, control):
     return _slowest_median(times, control)
 
 
-def _rank(rank, world, models, steps, repeats):
+def _rank(rank, world, models, steps, repeats, modes):
     gloo = dist.new_group(backend="gloo")
     control = dist.new_group(backend="gloo")  # barriers and maxima, never timed
     out = {}
     for name in models:
         base, batch, loss_fn, cap = make_model(name)
         params = sum(p.numel() for p in base.parameters())
-        plain = copy.deepcopy(base)
-        wrapped = {s: _wrap(s, copy.deepcopy(base), gloo, cap) for s in SETUPS}
-        optims = {s: torch.optim.SGD(m.parameters(), lr=1e-6) for s, m in wrapped.items()}
-        optims["compute"] = torch.optim.SGD(plain.parameters(), lr=1e-6)
-        runners = {s: (wrapped[s], optims[s]) for s in SETUPS}
-        runners["compute"] = (plain, optims["compute"])
-        # The buckets each setup reduces, for the comm-alone figure: the
-        # DataParallel layout (DDP's default caps are the same: 1 MB, 25 MB).
-        layout = [b.flat.clone() for b in wrapped["dp-overlap"].buckets]
-        best: dict[str, float] = {}
-        for m, opt in runners.values():  # warm-up (and the buckets' rebuild)
-            _timed_steps(m, batch, loss_fn, opt, 2, control)
-        for _ in range(repeats):
-            for key, (m, opt) in runners.items():
-                t = _timed_steps(m, batch, loss_fn, opt, steps, control)
-                best[key] = min(best.get(key, t), t)
-            for key, group, avg in (("comm-clawcomm", None, True), ("comm-gloo", gloo, False)):
-                t = _timed_comm(layout, group, avg, steps, control)
-                best[key] = min(best.get(key, t), t)
-        rows = {}
-        for s in SETUPS:
-            comm = best["comm-gloo" if s == "ddp-gloo" else "comm-clawcomm"]
-            hidden = min(max(best["compute"] + comm - best[s], 0.0), comm)
-            rows[s] = {
-                "step_ms": best[s] * 1e3,
-                "compute_ms": best["compute"] * 1e3,
-                "comm_ms": comm * 1e3,
-                "hidden_ms": hidden * 1e3,
-                "overlap": hidden / comm if comm else 0.0,
-                "buckets": len(layout),
-            }
-        out[name] = {"params": params, "bucket_cap_mb": cap, "setups": rows}
+        out[name] = {"params": params, "bucket_cap_mb": cap, "modes": {}}
+        for mode in modes:
+            none = mode == "none"
+            plain = copy.deepcopy(base)
+            wrapped = {s: _wrap(s, copy.deepcopy(base), gloo, cap) for s in SETUPS}
+            optims = {s: torch.optim.SGD(m.parameters(), lr=1e-6) for s, m in wrapped.items()}
+            optims["compute"] = torch.optim.SGD(plain.parameters(), lr=1e-6)
+            runners = {s: (wrapped[s], optims[s]) for s in SETUPS}
+            runners["compute"] = (plain, optims["compute"])
+            # The buckets each setup reduces, for the comm-alone figure: the
+            # DataParallel layout (DDP's default caps are the same: 1 MB, 25 MB).
+            layout = [torch.zeros(b.numel) for b in wrapped["dp-overlap"].buckets]
+            best: dict[str, float] = {}
+            for m, opt in runners.values():  # warm-up (and the buckets' rebuild)
+                _timed_steps(m, batch, loss_fn, opt, 2, control, none)
+            for _ in range(repeats):
+                for key, (m, opt) in runners.items():
+                    t = _timed_steps(m, batch, loss_fn, opt, steps, control, none)
+                    best[key] = min(best.get(key, t), t)
+                for key, group, avg in (("comm-clawcomm", None, True), ("comm-gloo", gloo, False)):
+                    t = _timed_comm(layout, group, avg, steps, control)
+                    best[key] = min(best.get(key, t), t)
+            rows = {}
+            for s in SETUPS:
+                comm = best["comm-gloo" if s == "ddp-gloo" else "comm-clawcomm"]
+                hidden = min(max(best["compute"] + comm - best[s], 0.0), comm)
+                rows[s] = {
+                    "step_ms": best[s] * 1e3,
+                    "compute_ms": best["compute"] * 1e3,
+                    "comm_ms": comm * 1e3,
+                    "hidden_ms": hidden * 1e3,
+                    "overlap": hidden / comm if comm else 0.0,
+                    "sync_ms": (best[s] - best["compute"]) * 1e3,
+                    "buckets": len(layout),
+                }
+            out[name]["modes"][mode] = rows
+            del wrapped, runners, optims
     return out
 
 
 def print_table(result, world):
     print(f"# data-parallel step time, {world} ranks (median of steps, best of rounds)")
-    head = (f"# {'model':<12}{'params':>8}  {'setup':<14}{'step ms':>9}{'compute':>9}{'comm':>9}"
-            f"{'hidden':>9}{'overlap':>9}{'vs gloo':>9}{'vs ddp':>8}")  # fmt: skip
+    head = (f"# {'model':<8}{'params':>7} {'zero':>5}  {'setup':<14}{'step ms':>9}{'compute':>9}"
+            f"{'comm':>8}{'sync':>8}{'sync/comm':>10}{'hidden':>8}{'overlap':>8}{'vs gloo':>8}"
+            f"{'vs ddp':>7}")  # fmt: skip
     print(head)
     for name, r in result.items():
-        rows = r["setups"]
-        for s, row in rows.items():
-            print(
-                f"  {name:<12}{r['params'] / 1e6:>7.1f}M  {s:<14}{row['step_ms']:>9.1f}"
-                f"{row['compute_ms']:>9.1f}{row['comm_ms']:>9.1f}{row['hidden_ms']:>9.1f}"
-                f"{row['overlap']:>9.0%}{row['step_ms'] / rows['ddp-gloo']['step_ms']:>9.2f}"
-                f"{row['step_ms'] / rows['ddp-clawcomm']['step_ms']:>8.2f}"
-            )
+        for mode, rows in r["modes"].items():
+            for s, row in rows.items():
+                size = f"{r['params'] / 1e6:.1f}M"
+                print(
+                    f"  {name:<8}{size:>7} {mode:>5}  {s:<14}{row['step_ms']:>9.1f}"
+                    f"{row['compute_ms']:>9.1f}{row['comm_ms']:>8.1f}{row['sync_ms']:>8.1f}"
+                    f"{row['sync_ms'] / row['comm_ms']:>10.2f}{row['hidden_ms']:>8.1f}"
+                    f"{row['overlap']:>8.0%}{row['step_ms'] / rows['ddp-gloo']['step_ms']:>8.2f}"
+                    f"{row['step_ms'] / rows['ddp-clawcomm']['step_ms']:>7.2f}"
+                )
 
 
 def plot(result, path):
@@ -235,9 +254,9 @@ def plot(result, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(result), figsize=(5 * len(result), 4), squeeze=False)
-    for ax, (name, r) in zip(axes[0], result.items(), strict=True):
-        rows = r["setups"]
+    panels = [(name, mode, rows) for name, r in result.items() for mode, rows in r["modes"].items()]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4), squeeze=False)
+    for ax, (name, mode, rows) in zip(axes[0], panels, strict=True):
         xs = range(len(rows))
         compute = [row["compute_ms"] for row in rows.values()]
         exposed = [row["comm_ms"] - row["hidden_ms"] for row in rows.values()]
@@ -248,17 +267,18 @@ def plot(result, path):
                label="comm, hidden", alpha=0.35, hatch="//")  # fmt: skip
         ax.plot(xs, [row["step_ms"] for row in rows.values()], "k_", markersize=30, label="step")
         ax.set_xticks(list(xs), list(rows), rotation=20)
-        ax.set_title(f"{name} ({r['params'] / 1e6:.1f}M params)")
+        ax.set_title(f"{name} ({result[name]['params'] / 1e6:.1f}M), zero_grad: {mode}", fontsize=9)
         ax.set_ylabel("ms per step")
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--models", default="mlp,transformer,wait")
+    p.add_argument("--models", default="mlp,transformer,wait,wait8")
+    p.add_argument("--zero-grad", default="zero,none", help="zero_grad modes: zero, none")
     p.add_argument("--steps", type=int, default=12, help="timed steps per round (12)")
     p.add_argument("--repeats", type=int, default=5, help="rounds, best kept (5)")
     p.add_argument("--json", metavar="FILE")
@@ -267,7 +287,10 @@ def main() -> None:
     models = args.models.split(",")
     for m in models:
         make_model(m)  # a bad name fails here, before any rank starts
-    result = run_ranks(_rank, args.nproc, models, args.steps, args.repeats, timeout=3600)[0]
+    modes = args.zero_grad.split(",")
+    if any(m not in ("zero", "none") for m in modes):
+        p.error(f"--zero-grad {args.zero_grad!r}: modes are zero and none")
+    result = run_ranks(_rank, args.nproc, models, args.steps, args.repeats, modes, timeout=3600)[0]
     print_table(result, args.nproc)
     if args.json:
         with open(args.json, "w") as f:

@@ -4,19 +4,26 @@ compressor, on local ranks, with wire traffic measured by clawcomm.
     clawcomm experiment compression                     # 2 ranks, the default compressors
     clawcomm experiment compression --nproc 4 -c none,topk:0.01,topk:0.001 \
         --json out.json --plot out.png
+    clawcomm experiment compression --model gpt         # the trainer's GPT
 
-The task is scikit-learn's bundled digits (1797 8x8 images, 10 classes;
-offline): an MLP (64-256-256-10, 85k parameters) trained with SGD (momentum
-0.5, weight decay 1e-2, learning rate decaying linearly to zero) through
-stock torch DDP on the clawcomm backend, each compressor installed as a DDP
-comm hook (clawcomm.hooks). Every rank draws its own mini-batches from a
-fixed 80/20 split; every run starts from the same weights and sees the same
-batches.
+Two tasks, both offline, trained through stock torch DDP on the clawcomm
+backend with each compressor installed as a DDP comm hook (clawcomm.hooks);
+every run starts from the same weights and sees the same batches:
+
+- ``mlp`` (default): scikit-learn's bundled digits (1797 8x8 images, 10
+  classes), an MLP (64-256-256-10, 85k parameters), SGD (momentum 0.5,
+  weight decay 1e-2, learning rate decaying linearly to zero), 1000 steps
+  of 32 images per rank from a fixed 80/20 split. Final loss: the whole
+  training set; accuracy: the test set.
+- ``gpt``: ``clawcomm train``'s character-level GPT (4 blocks of width 128,
+  0.8M parameters, 64-character context) on the Python documentation bundled
+  with CPython, AdamW (learning rate decaying linearly to zero), 300 steps
+  of 16 sequences per rank. Final loss: 32 fixed batches of the held-out
+  10%; accuracy: next-character accuracy on them.
 
 The table: bytes each rank sent per step (measured on the wire by
 clawcomm.comm_stats, frame headers included), the ratio to dense, the mean
-step time, the final training loss (full training set) and test accuracy,
-and the loss gap to dense.
+step time, the final loss, the accuracy, and the loss gap to dense.
 """
 
 from __future__ import annotations
@@ -30,12 +37,19 @@ import time
 DEFAULT = "none,fp16,bf16,topk:0.01,topk:0.01+fp16,randomk:0.01"
 
 
+# Per model: steps, batch per rank, learning rate.
+MODEL_DEFAULTS = {"mlp": (1000, 32, 0.15), "gpt": (300, 16, 3e-3)}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", choices=("mlp", "gpt"), default="mlp", help="task (mlp)")
     p.add_argument("--nproc", type=int, default=2, help="local ranks (2)")
     p.add_argument("-c", "--compressors", default=DEFAULT, help=f"comma list ({DEFAULT})")
-    p.add_argument("--steps", type=int, default=1000, help="training steps (1000)")
-    p.add_argument("--batch", type=int, default=32, help="batch per rank (32)")
-    p.add_argument("--lr", type=float, default=0.15, help="SGD learning rate (0.15)")
+    p.add_argument("--steps", type=int, default=None, help="training steps (mlp 1000, gpt 300)")
+    p.add_argument("--batch", type=int, default=None, help="batch per rank (mlp 32, gpt 16)")
+    p.add_argument(
+        "--lr", type=float, default=None, help="learning rate (mlp SGD 0.15, gpt AdamW 3e-3)"
+    )
     p.add_argument("--warmup", type=int, default=50, help="dense steps before compressing (50)")
     p.add_argument("--weight-decay", type=float, default=1e-2, help="(1e-2)")
     p.add_argument("--momentum", type=float, default=0.5, help="SGD momentum (0.5)")
@@ -62,14 +76,10 @@ def _wire_bytes(stats) -> int:
     return sum(v["bytes_sent"] for v in stats.values())
 
 
-def train(rank: int, world_size: int, spec: str, cfg: dict) -> dict | None:
-    """One run on one rank; rank 0 returns the measurements."""
+def _mlp_task(cfg: dict, rank: int):
+    """The model, an optimizer factory, a batch sampler, and an evaluation
+    returning (loss, accuracy) of the task."""
     import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    import clawcomm
-    from clawcomm.hooks import CompressionHookState, compression_hook
 
     xtr, ytr, xte, yte = (torch.from_numpy(a) for a in _data(cfg["seed"]))
     torch.manual_seed(cfg["seed"])
@@ -78,50 +88,118 @@ def train(rank: int, world_size: int, spec: str, cfg: dict) -> dict | None:
         torch.nn.Linear(256, 256), torch.nn.ReLU(),
         torch.nn.Linear(256, 10),
     )  # fmt: skip
-    ddp = DDP(model)
-    hook = CompressionHookState(spec, warmup_steps=cfg["warmup"])
-    ddp.register_comm_hook(hook, compression_hook)
-    opt = torch.optim.SGD(
-        ddp.parameters(), lr=cfg["lr"], momentum=cfg["momentum"], weight_decay=cfg["weight_decay"]
-    )
-    # Linear decay to zero: the final loss then measures where training
-    # converged rather than the noise of the last mini-batches.
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / cfg["steps"])
     loss_fn = torch.nn.CrossEntropyLoss()
     gen = torch.Generator().manual_seed(cfg["seed"] * 1000 + rank)
 
-    def full_loss():
-        with torch.no_grad():
-            return float(loss_fn(model(xtr), ytr))
+    def make_opt(params):
+        return torch.optim.SGD(
+            params, lr=cfg["lr"], momentum=cfg["momentum"], weight_decay=cfg["weight_decay"]
+        )
 
-    curve, step_seconds = [(0, full_loss())], 0.0
+    def batch():
+        idx = torch.randint(0, len(xtr), (cfg["batch"],), generator=gen)
+        return xtr[idx], ytr[idx]
+
+    def evaluate():
+        with torch.no_grad():
+            loss = float(loss_fn(model(xtr), ytr))
+            accuracy = float((model(xte).argmax(1) == yte).float().mean())
+        return loss, accuracy
+
+    return model, loss_fn, make_opt, batch, evaluate
+
+
+def _gpt_task(cfg: dict, rank: int):
+    import torch
+
+    from clawcomm.train import data, models
+
+    ds = data.CharText(data.default_text(), 64)
+    torch.manual_seed(cfg["seed"])
+    model = models.gpt(ds.vocab, 128, 4, 4, 64)
+
+    def loss_fn(logits, y):
+        return models.gpt_loss(logits, y) / y.numel()
+
+    gen = torch.Generator().manual_seed(cfg["seed"] * 1000 + rank)
+    held_out = [
+        ds.batch(
+            torch.randint(0, len(ds.val) - 65, (16,), generator=torch.Generator().manual_seed(i)),
+            "val",
+        )
+        for i in range(32)
+    ]
+
+    def make_opt(params):
+        return torch.optim.AdamW(params, lr=cfg["lr"], weight_decay=cfg["weight_decay"])
+
+    def batch():
+        return ds.batch(torch.randint(0, len(ds), (cfg["batch"],), generator=gen))
+
+    def evaluate():
+        total = correct = tokens = 0.0
+        with torch.no_grad():
+            for x, y in held_out:
+                logits = model(x)
+                total += float(models.gpt_loss(logits, y))
+                correct += float((logits.argmax(-1) == y).sum())
+                tokens += y.numel()
+        return total / tokens, correct / tokens
+
+    return model, loss_fn, make_opt, batch, evaluate
+
+
+def train(rank: int, world_size: int, spec: str, cfg: dict) -> dict | None:
+    """One run on one rank; rank 0 returns the measurements."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import clawcomm
+    from clawcomm.hooks import CompressionHookState, compression_hook
+
+    task = _gpt_task if cfg["model"] == "gpt" else _mlp_task
+    model, loss_fn, make_opt, batch, evaluate = task(cfg, rank)
+    ddp = DDP(model)
+    hook = CompressionHookState(spec, warmup_steps=cfg["warmup"])
+    ddp.register_comm_hook(hook, compression_hook)
+    opt = make_opt(ddp.parameters())
+    # Linear decay to zero: the final loss then measures where training
+    # converged rather than the noise of the last mini-batches.
+    schedule = torch_lr_schedule(opt, cfg["steps"])
+    every = max(1, cfg["steps"] // 50)
+    curve, step_seconds = [(0, evaluate()[0])], 0.0
     before = _wire_bytes(clawcomm.comm_stats())
     for step in range(1, cfg["steps"] + 1):
         if step == cfg["warmup"] + 1:  # bytes per step count compressed steps only
             before = _wire_bytes(clawcomm.comm_stats())
-        batch = torch.randint(0, len(xtr), (cfg["batch"],), generator=gen)
+        x, y = batch()
         t0 = time.perf_counter()
         opt.zero_grad()
-        loss_fn(ddp(xtr[batch]), ytr[batch]).backward()
+        loss_fn(ddp(x), y).backward()
         opt.step()
         schedule.step()
         step_seconds += time.perf_counter() - t0
-        if step % 20 == 0 or step == cfg["steps"]:
-            curve.append((step, full_loss()))
+        if step % every == 0 or step == cfg["steps"]:
+            curve.append((step, evaluate()[0]))
     sent = _wire_bytes(clawcomm.comm_stats()) - before
-    with torch.no_grad():
-        accuracy = float((model(xte).argmax(1) == yte).float().mean())
+    final_loss, accuracy = evaluate()
     result = {
         "compressor": spec,
         "bytes_per_step": sent / max(1, cfg["steps"] - cfg["warmup"]),
         "step_ms": 1e3 * step_seconds / cfg["steps"],
-        "final_loss": curve[-1][1],
+        "final_loss": final_loss,
         "test_accuracy": accuracy,
         "curve": curve,
         "parameters": sum(p.numel() for p in model.parameters()),
     }
     dist.barrier()
     return result if rank == 0 else None
+
+
+def torch_lr_schedule(opt, steps: int):
+    import torch
+
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / steps)
 
 
 def _table(results: list[dict]) -> str:
@@ -149,6 +227,10 @@ def run(args) -> int:
     from clawcomm.testing import run_ranks
 
     specs = [s.strip() for s in args.compressors.split(",") if s.strip()]
+    steps, batch, lr = MODEL_DEFAULTS[args.model]
+    args.steps = steps if args.steps is None else args.steps
+    args.batch = batch if args.batch is None else args.batch
+    args.lr = lr if args.lr is None else args.lr
     try:
         for s in specs:
             get_compressor(s)
@@ -159,7 +241,7 @@ def run(args) -> int:
         return 2
     cfg = {
         k: getattr(args, k)
-        for k in ("steps", "batch", "lr", "warmup", "seed", "weight_decay", "momentum")
+        for k in ("model", "steps", "batch", "lr", "warmup", "seed", "weight_decay", "momentum")
     }
     progress = None
     if not args.quiet:
@@ -178,9 +260,11 @@ def run(args) -> int:
             progress.update(1)
     if progress is not None:
         progress.close()
+    task = "digits MLP" if args.model == "mlp" else "character GPT"
+    what = "images" if args.model == "mlp" else "sequences of 64"
     print(
-        f"# clawcomm experiment compression: digits MLP ({results[0]['parameters']} parameters), "
-        f"{args.nproc} ranks, {args.steps} steps of {args.batch}/rank, "
+        f"# clawcomm experiment compression: {task} ({results[0]['parameters']} parameters), "
+        f"{args.nproc} ranks, {args.steps} steps of {args.batch} {what}/rank, "
         f"{args.warmup} dense warm-up steps, transport {args.transport}"
     )
     print(_table(results))
@@ -199,8 +283,10 @@ def run(args) -> int:
             ax.plot([c[0] for c in pts], [c[1] for c in pts], label=r["compressor"])
         ax.set_yscale("log")
         ax.set_xlabel("step")
-        ax.set_ylabel("training loss (full training set)")
-        ax.set_title(f"digits MLP, {args.nproc} ranks")
+        ax.set_ylabel(
+            "training loss (full training set)" if args.model == "mlp" else "held-out loss"
+        )
+        ax.set_title(f"{task}, {args.nproc} ranks")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()

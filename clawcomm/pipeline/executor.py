@@ -68,6 +68,9 @@ class RunStats:
 
     timeline: list[tuple[Action, float, float]] = field(default_factory=list)
     recv_wait: float = 0.0
+    # Host time between compute actions that was neither compute nor a
+    # wait for a peer's tensor: posting sends and receives, bookkeeping.
+    host: float = 0.0
     losses: list[torch.Tensor] = field(default_factory=list)
     start: float = 0.0
     end: float = 0.0
@@ -112,7 +115,10 @@ class PipelineExecutor:
         self.group = group
         self.loss_fn = loss_fn
         self.on_grad = on_grad
-        self._peers = dist.get_process_group_ranks(group) if group is not None else list(range(pp))
+        # The group's own send/recv (ranks within the group): the same
+        # operations as dist.isend/irecv without their Python checks, which
+        # cost about as much as the transfer of a small activation.
+        self._pg = group if group is not None else (dist.group.WORLD if pp > 1 else None)
         self._in_meta: dict[int, tuple[torch.dtype, tuple[int, ...]]] = {}  # stage -> input
         self._sent_header: set[int] = set()
         self._head_recv: dict[int, tuple] = {}  # stage -> (work, header) in flight
@@ -150,6 +156,7 @@ class PipelineExecutor:
         self._stores: dict = {}
         stats = RunStats(start=time.perf_counter())
         self._stats = stats
+        self._last_end = stats.start
         for k, a in enumerate(self.actions):
             for j in self._prefetch.get(k, ()):
                 self._post_recv(self.actions[j], early=True)
@@ -180,12 +187,14 @@ class PipelineExecutor:
 
     def _compute(self, a: Action, k: int, armed) -> None:
         s, mb = a.stage, a.microbatch
+        waited = self._stats.recv_wait
         if a.kind == F:
             x = self._input_of(s, mb)
         elif a.kind in (B, I):
             grad = None if s == self.num_stages - 1 else self._grad_of(s, mb)
         self._armed = bool(armed and armed(a))
         t0 = time.perf_counter()
+        self._stats.host += (t0 - self._last_end) - (self._stats.recv_wait - waited)
         if a.kind == F:
             self._forward(s, mb, x)
         else:
@@ -194,7 +203,8 @@ class PipelineExecutor:
                     self._stores.pop((s, mb)).run()
                 else:
                     self._backward(s, mb, grad, split=a.kind == I)
-        self._stats.timeline.append((a, t0, time.perf_counter()))
+        self._last_end = time.perf_counter()
+        self._stats.timeline.append((a, t0, self._last_end))
         self._armed = False
 
     def _forward(self, s: int, mb: int, x: torch.Tensor) -> None:
@@ -247,9 +257,6 @@ class PipelineExecutor:
 
     # ---- point to point --------------------------------------------------------------
 
-    def _peer(self, stage: int) -> int:
-        return self._peers[stage_to_rank(stage, self.pp)]
-
     def _tag(self, kind: int, stage: int, mb: int) -> int:
         return 1 + kind + 3 * (mb + self.microbatches * stage)
 
@@ -271,7 +278,7 @@ class PipelineExecutor:
 
     def _send(self, t: torch.Tensor, to_stage: int, tag: int) -> None:
         t = t.contiguous()
-        self._sends.append(dist.isend(t, dst=self._peer(to_stage), group=self.group, tag=tag))
+        self._sends.append(self._pg.send([t], stage_to_rank(to_stage, self.pp), tag))
 
     def _post_recv(self, a: Action, early: bool) -> None:
         key = (a.kind, a.stage, a.microbatch)
@@ -285,7 +292,7 @@ class PipelineExecutor:
                 if s not in self._head_recv:
                     head = torch.zeros(_HEADER, dtype=torch.int64)
                     tag = self._tag(_HEAD, s, 0)
-                    work = dist.irecv(head, src=self._peer(src), group=self.group, tag=tag)
+                    work = self._pg.recv([head], stage_to_rank(src, self.pp), tag)
                     self._head_recv[s] = (work, head)
                 return
         else:
@@ -298,7 +305,7 @@ class PipelineExecutor:
             meta = (out.dtype, tuple(out.shape))
         buf = torch.empty(meta[1], dtype=meta[0])
         tag = self._tag(kind, tag_stage, mb)
-        self._recv[key] = (dist.irecv(buf, src=self._peer(src), group=self.group, tag=tag), buf)
+        self._recv[key] = (self._pg.recv([buf], stage_to_rank(src, self.pp), tag), buf)
 
     def _wait_recv(self, kind: str, s: int, mb: int) -> torch.Tensor:
         key = (kind, s, mb)

@@ -17,7 +17,8 @@ never blocks (the compute action that needs it waits). Given per-action
 costs (``{"F": 1.0, "B": 2.0}``, or a function of the action, e.g. measured
 per stage) it returns each action's start and end, the step's makespan and
 the bubble: the share of rank-time spent idle, ``1 - sum(busy) / (pp *
-makespan)``.
+makespan)``. A measured per-action host overhead can be charged too (time a
+rank spends around each action that is neither compute nor waiting).
 """
 
 from __future__ import annotations
@@ -246,11 +247,16 @@ def simulate(
     latency: float = 0.0,
     num_stages: int | None = None,
     rank_of: Callable[[int], int] | None = None,
+    overhead: float | Callable[[int], float] = 0.0,
 ) -> Simulation:
     """Runs ``schedule`` on a clock (see the module docstring). ``costs``: per
     kind, or a function of the action; missing kinds cost 0 (B defaults to
-    I + W when only those are given). Raises ``ScheduleError`` on deadlock."""
+    I + W when only those are given). ``overhead`` (seconds, or a function of
+    the rank): host time a rank spends before each compute action (posting
+    transfers, bookkeeping); it delays the rank but is not busy time.
+    Raises ``ScheduleError`` on deadlock."""
     cost = _cost_function(costs)
+    host = overhead if callable(overhead) else (lambda r: overhead)
     if num_stages is None:
         num_stages = 1 + max((a.stage for acts in schedule.values() for a in acts), default=0)
     if rank_of is None:  # where each stage runs, read off the schedule
@@ -272,7 +278,7 @@ def simulate(
                 ready = _ready_time(a, done_at, sent_at, num_stages, latency, rank_of)
                 if ready is None:
                     break
-                t0 = max(clock[r], ready)
+                t0 = max(clock[r] + (host(r) if a.is_compute else 0.0), ready)
                 t1 = t0 + (cost(a) if a.is_compute else 0.0)
                 start[r][pos[r]], end[r][pos[r]] = t0, t1
                 clock[r] = t1

@@ -140,7 +140,7 @@ class _Waiting(torch.autograd.Function):
             notify_grad(layer.weight)  # computed "on the device": nothing to add here
 
         defer_weight_grad(weight_pass)
-        return grad, None, None
+        return grad.contiguous(), None, None  # a dense gradient, as a real layer makes
 
 
 class WaitingLayer(nn.Module):

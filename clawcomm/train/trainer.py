@@ -289,7 +289,8 @@ class Trainer:
         if self.pp_group is not None:
             dist.barrier(group=self.pp_group)
         t0 = time.perf_counter()
-        busy = recv_wait = 0.0
+        busy = recv_wait = host = 0.0
+        computes = 0
         losses = []
         costs: dict = {}
         has_first = 0 in self.local
@@ -306,6 +307,8 @@ class Trainer:
             stats = self.executor.run(inputs, targets, loss_scale=scale, armed=armed)
             busy += stats.busy
             recv_wait += stats.recv_wait
+            host += stats.host
+            computes += len(stats.timeline)
             losses += stats.losses
             for act, s0, s1 in stats.timeline:
                 c = costs.setdefault((act.stage, act.kind), [0.0, 0])
@@ -318,8 +321,9 @@ class Trainer:
         local_loss = float(sum(float(v) for v in losses)) if has_last else 0.0
         sumsq = self._owned_sumsq()
         summary = self._gather(
-            local_loss, sumsq, bytes_before, busy, t_pipe - t0, recv_wait, dp_wait, costs
-        )
+            local_loss, sumsq, bytes_before, busy, t_pipe - t0, recv_wait, dp_wait,
+            host / max(1, computes), costs,
+        )  # fmt: skip
         grad_norm = math.sqrt(summary["sumsq"] / cfg.dp)
         loss = summary["loss"] / count
         if not (math.isfinite(grad_norm) and math.isfinite(loss)):
@@ -401,11 +405,13 @@ class Trainer:
 
     def _owned_sumsq(self) -> float:
         shared_elsewhere = {id(p) for p, _, owner in self._ties if not owner}
-        total = 0.0
-        for p in self.params:
-            if p.grad is not None and id(p) not in shared_elsewhere:
-                total += float(p.grad.double().square().sum())
-        return total
+        grads = [
+            p.grad for p in self.params if p.grad is not None and id(p) not in shared_elsewhere
+        ]
+        if not grads:
+            return 0.0
+        norms = torch.stack([torch.linalg.vector_norm(g) for g in grads]).double()
+        return float(norms.square().sum())
 
     def _bytes_sent(self) -> int:
         if not dist.is_initialized() or dist.get_backend() != "clawcomm":
@@ -419,9 +425,12 @@ class Trainer:
             v["bytes_sent"] for g in groups.values() for v in clawcomm.comm_stats(g).values()
         )
 
-    def _gather(self, loss, sumsq, bytes_before, busy, span, recv_wait, dp_wait, costs) -> dict:
+    def _gather(
+        self, loss, sumsq, bytes_before, busy, span, recv_wait, dp_wait, host, costs
+    ) -> dict:
         """One all-gather: [loss, sumsq, bytes, busy, span, recv wait, dp wait,
-        rss MB, then F/B/I/W mean cost of each local stage]."""
+        rss MB, host overhead per compute action, then the F/B/I/W mean cost
+        of each local stage]."""
         cfg = self.cfg
         v = cfg.virtual_stages
         own = [
@@ -433,12 +442,13 @@ class Trainer:
             recv_wait,
             dp_wait,
             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+            host,
         ]
         for s in sorted(self.local):
             for k in _KINDS:
                 tot, cnt = costs.get((s, k), (0.0, 0))
                 own.append(tot / cnt if cnt else 0.0)
-        width = 8 + 4 * v
+        width = 9 + 4 * v
         mine = torch.tensor(own, dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1:
             everyone = torch.zeros(dist.get_world_size() * width, dtype=torch.float64)
@@ -468,11 +478,20 @@ class Trainer:
                 for j in range(v):
                     s = j * cfg.pp + p_rank
                     for k_i, k in enumerate(_KINDS):
-                        cost[(s, k)] = float(rows[r, 8 + 4 * j + k_i])
+                        cost[(s, k)] = float(rows[r, 9 + 4 * j + k_i])
+            host = [float(rows[r, 8]) for r in replica0]
+
+            def costs_of(a):
+                return cost.get((a.stage, a.kind), 0.0)
+
+            # The prediction charges what was measured besides compute: the
+            # p2p latency per transfer and each rank's host time per action.
             sim = simulate(
-                self.schedule, lambda a: cost.get((a.stage, a.kind), 0.0), latency=self.p2p_latency
+                self.schedule, costs_of, latency=self.p2p_latency, overhead=host.__getitem__
             )
             metrics["bubble_predicted"] = sim.bubble
+            metrics["bubble_ideal"] = simulate(self.schedule, costs_of).bubble
+            metrics["host_us_per_action"] = sum(host) / len(host) * 1e6
         return {
             "loss": float(rows[:, 0].sum()),
             "sumsq": float(rows[:, 1].sum()),
