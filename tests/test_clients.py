@@ -245,10 +245,16 @@ def test_object_collectives():
 
 
 @pytest.mark.parametrize(
-    "example",
-    [["ddp_torchrun.py"], ["data_parallel.py", "--compression", "topk:0.1", "--accumulation", "2"]],
-)
-def test_torchrun_example_runs_unchanged(example):
+    "nproc,example,expect",
+    [
+        (2, ["ddp_torchrun.py"], "parameters identical on 2 ranks"),
+        (2, ["data_parallel.py", "--compression", "topk:0.1", "--accumulation", "2"],
+         "parameters identical on 2 ranks"),
+        (4, ["pipeline_train.py", "--dp", "2", "--pp", "2", "--schedule", "zb1",
+             "--compression", "topk:0.5"], "replicas identical"),
+    ],
+)  # fmt: skip
+def test_torchrun_example_runs_unchanged(nproc, example, expect):
     import subprocess
     import sys
 
@@ -258,7 +264,7 @@ def test_torchrun_example_runs_unchanged(example):
             sys.executable,
             "-m",
             "torch.distributed.run",
-            "--nproc_per_node=2",
+            f"--nproc_per_node={nproc}",
             "--rdzv-endpoint=127.0.0.1:0",
             "--rdzv-backend=c10d",
             os.path.join(root, "examples", example[0]),
@@ -270,4 +276,4 @@ def test_torchrun_example_runs_unchanged(example):
         cwd=root,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "parameters identical on 2 ranks" in proc.stdout
+    assert expect in proc.stdout

@@ -188,6 +188,7 @@ class PipelineExecutor:
     def _compute(self, a: Action, k: int, armed) -> None:
         s, mb = a.stage, a.microbatch
         waited = self._stats.recv_wait
+        grad = None
         if a.kind == F:
             x = self._input_of(s, mb)
         elif a.kind in (B, I):
@@ -197,15 +198,20 @@ class PipelineExecutor:
         self._stats.host += (t0 - self._last_end) - (self._stats.recv_wait - waited)
         if a.kind == F:
             self._forward(s, mb, x)
+        elif self.on_grad is None:
+            self._backward_pass(a, grad)
         else:
             with listening(self._final_grad):
-                if a.kind == W:
-                    self._stores.pop((s, mb)).run()
-                else:
-                    self._backward(s, mb, grad, split=a.kind == I)
+                self._backward_pass(a, grad)
         self._last_end = time.perf_counter()
         self._stats.timeline.append((a, t0, self._last_end))
         self._armed = False
+
+    def _backward_pass(self, a: Action, grad) -> None:
+        if a.kind == W:
+            self._stores.pop((a.stage, a.microbatch)).run()
+        else:
+            self._backward(a.stage, a.microbatch, grad, split=a.kind == I)
 
     def _forward(self, s: int, mb: int, x: torch.Tensor) -> None:
         out = self.stages[s](x)

@@ -255,52 +255,92 @@ def simulate(
     the rank): host time a rank spends before each compute action (posting
     transfers, bookkeeping); it delays the rank but is not busy time.
     Raises ``ScheduleError`` on deadlock."""
-    cost = _cost_function(costs)
-    host = overhead if callable(overhead) else (lambda r: overhead)
-    if num_stages is None:
-        num_stages = 1 + max((a.stage for acts in schedule.values() for a in acts), default=0)
-    if rank_of is None:  # where each stage runs, read off the schedule
-        where = {a.stage: r for r, acts in schedule.items() for a in acts}
-        rank_of = where.__getitem__
-    ranks = sorted(schedule)
-    done_at: dict[Action, float] = {}  # when each action's result exists (on its rank)
-    sent_at: dict[Action, float] = {}  # SEND -> time posted
-    pos = dict.fromkeys(ranks, 0)
-    clock = dict.fromkeys(ranks, 0.0)
-    start = {r: [0.0] * len(schedule[r]) for r in ranks}
-    end = {r: [0.0] * len(schedule[r]) for r in ranks}
-    busy = dict.fromkeys(ranks, 0.0)
-    while True:
-        progress = False
-        for r in ranks:
-            while pos[r] < len(schedule[r]):
-                a = schedule[r][pos[r]]
-                ready = _ready_time(a, done_at, sent_at, num_stages, latency, rank_of)
+    return SimulationPlan(schedule, num_stages, rank_of).run(costs, latency, overhead)
+
+
+class SimulationPlan:
+    """A schedule's dependencies, worked out once, for simulating it many
+    times with other costs (the trainer predicts every step's bubble)."""
+
+    def __init__(self, schedule: Schedule, num_stages: int | None = None, rank_of=None):
+        if num_stages is None:
+            num_stages = 1 + max((a.stage for acts in schedule.values() for a in acts), default=0)
+        if rank_of is None:  # where each stage runs, read off the schedule
+            where = {a.stage: r for r, acts in schedule.items() for a in acts}
+            rank_of = where.__getitem__
+        self.schedule = schedule
+        self.ranks = sorted(schedule)
+        # Per rank, per action: its input groups as (action, is a transfer)
+        # pairs; a RECV is only posted and waits for nothing.
+        self.inputs = {
+            r: [
+                []
+                if a.kind in (RECV_F, RECV_B)
+                else [
+                    [(n, n.kind in (SEND_F, SEND_B)) for n in group]
+                    for group in _inputs(a, num_stages, rank_of, on_rank=False)
+                ]
+                for a in acts
+            ]
+            for r, acts in schedule.items()
+        }
+
+    def run(self, costs=None, latency: float = 0.0, overhead=0.0) -> Simulation:
+        cost = _cost_function(costs)
+        host = overhead if callable(overhead) else (lambda r: overhead)
+        schedule, ranks = self.schedule, self.ranks
+        done_at: dict[Action, float] = {}  # when each action's result exists
+        pos = dict.fromkeys(ranks, 0)
+        clock = dict.fromkeys(ranks, 0.0)
+        start = {r: [0.0] * len(schedule[r]) for r in ranks}
+        end = {r: [0.0] * len(schedule[r]) for r in ranks}
+        busy = dict.fromkeys(ranks, 0.0)
+        overhead_of = {r: host(r) for r in ranks}
+        waiters: dict[Action, list[int]] = {}  # action not done yet -> ranks blocked on it
+        work = list(ranks)
+        while work:
+            r = work.pop()
+            acts, inputs = schedule[r], self.inputs[r]
+            while pos[r] < len(acts):
+                i = pos[r]
+                a = acts[i]
+                ready = 0.0
+                for group in inputs[i]:
+                    got = [done_at[n] + (latency if t else 0.0) for n, t in group if n in done_at]
+                    if not got:
+                        ready = None
+                        for n, _ in group:  # wake r when any of them is done
+                            waiters.setdefault(n, []).append(r)
+                        break
+                    ready = max(ready, min(got))
                 if ready is None:
                     break
-                t0 = max(clock[r] + (host(r) if a.is_compute else 0.0), ready)
-                t1 = t0 + (cost(a) if a.is_compute else 0.0)
-                start[r][pos[r]], end[r][pos[r]] = t0, t1
+                compute = a.is_compute
+                t0 = max(clock[r] + (overhead_of[r] if compute else 0.0), ready)
+                t1 = t0 + (cost(a) if compute else 0.0)
+                start[r][i], end[r][i] = t0, t1
                 clock[r] = t1
-                if a.is_compute:
+                if compute:
                     busy[r] += t1 - t0
-                if a.kind in (SEND_F, SEND_B):
-                    sent_at[a] = t1
                 done_at[a] = t1
-                pos[r] += 1
-                progress = True
-        if all(pos[r] == len(schedule[r]) for r in ranks):
-            break
-        if not progress:
+                pos[r] = i + 1
+                for w in waiters.pop(a, ()):
+                    if w != r and w not in work:
+                        work.append(w)
+        if any(pos[r] < len(schedule[r]) for r in ranks):
             stuck = []
             for r in ranks:
                 if pos[r] < len(schedule[r]):
                     a = schedule[r][pos[r]]
-                    what = _waiting_for(a, done_at, num_stages, rank_of)
+                    missing = next(
+                        (g for g in self.inputs[r][pos[r]] if not any(n in done_at for n, _ in g)),
+                        [],
+                    )
+                    what = " or ".join(str(n) for n, _ in missing) or "?"
                     stuck.append(f"rank {r} at action {pos[r]} ({a}) waits for {what}")
             raise ScheduleError(None, None, None, "deadlock: " + "; ".join(stuck))
-    makespan = max((max(end[r], default=0.0) for r in ranks), default=0.0)
-    return Simulation(start, end, makespan, busy, schedule)
+        makespan = max((max(end[r], default=0.0) for r in ranks), default=0.0)
+        return Simulation(start, end, makespan, busy, schedule)
 
 
 def _cost_function(costs):
@@ -312,32 +352,3 @@ def _cost_function(costs):
     if B not in table and (I in table or W in table):
         table[B] = table.get(I, 0.0) + table.get(W, 0.0)
     return lambda a: float(table.get(a.kind, 0.0))
-
-
-def _ready_time(a, done_at, sent_at, num_stages, latency, rank_of) -> float | None:
-    """When ``a``'s inputs are there, or None if some are not yet known. A
-    RECV is only posted, so it never waits (validate has matched it to its
-    SEND already)."""
-    if a.kind in (RECV_F, RECV_B):
-        return 0.0
-    times = []
-    for group in _inputs(a, num_stages, rank_of, on_rank=False):
-        got = [
-            done_at[n] + (latency if n.kind in (SEND_F, SEND_B) else 0.0)
-            for n in group
-            if n in done_at
-        ]
-        if not got:
-            return None
-        times.append(min(got))
-    return max(times, default=0.0)
-
-
-def _waiting_for(a: Action, done_at, num_stages, rank_of) -> str:
-    if a.kind in (RECV_F, RECV_B):
-        delta = -1 if a.kind == RECV_F else 1
-        return str(Action(a.stage + delta, SEND_F if a.kind == RECV_F else SEND_B, a.microbatch))
-    for group in _inputs(a, num_stages, rank_of, on_rank=False):
-        if not any(n in done_at for n in group):
-            return " or ".join(map(str, group))
-    return "?"

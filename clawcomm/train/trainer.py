@@ -53,7 +53,7 @@ from clawcomm.parallel.reducer import GradReducer
 from clawcomm.pipeline.actions import Action, B, F, I, W
 from clawcomm.pipeline.executor import PipelineExecutor
 from clawcomm.pipeline.schedules import build, stage_to_rank
-from clawcomm.pipeline.validate import simulate, validate
+from clawcomm.pipeline.validate import SimulationPlan, validate
 from clawcomm.pipeline.weight_grad import notify_grad, split_linear_backward
 from clawcomm.train.config import TrainConfig
 from clawcomm.train.layout import Grid, balanced_cuts, measured_costs, parameter_costs
@@ -101,6 +101,7 @@ class Trainer:
         self.names = _full_names(model, stages)
         self.schedule = build(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages)
         validate(self.schedule, cfg.pp, S, cfg.microbatches)
+        self._plan = SimulationPlan(self.schedule, S)
         me = self.grid.pp_rank
         self.local = {s: stages[s] for s in range(S) if stage_to_rank(s, cfg.pp) == me}
         if cfg.schedule == "zb1":
@@ -153,11 +154,18 @@ class Trainer:
         self._counts = [0] * len(self.params)
         self._learned = False
         self._ready_order: list[int] = []
-        self._hooks = [p.register_post_accumulate_grad_hook(notify_grad) for p in self.params]
+        # Autograd's accumulations count toward final gradients only where
+        # there is a data-parallel reduction to launch.
+        self._hooks = (
+            [p.register_post_accumulate_grad_hook(notify_grad) for p in self.params]
+            if self.reducer is not None
+            else []
+        )
         self.p2p_latency = self._measure_p2p_latency()
         self.optimizer = optimizer(self.params)
         self._peak_lr = [g["lr"] for g in self.optimizer.param_groups]
         self.step_index = 0
+        self._engines = None  # for bytes_sent, found on first use
 
     # ---- setup ----------------------------------------------------------------------
 
@@ -404,26 +412,29 @@ class Trainer:
                 p.grad = None
 
     def _owned_sumsq(self) -> float:
+        """Squared norm of this rank's gradients; a tied parameter counts on
+        its first stage's rank only."""
         shared_elsewhere = {id(p) for p, _, owner in self._ties if not owner}
         grads = [
             p.grad for p in self.params if p.grad is not None and id(p) not in shared_elsewhere
         ]
         if not grads:
             return 0.0
+        total = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6: fused
+        if total is not None:
+            return float(total(grads, 2.0)) ** 2
         norms = torch.stack([torch.linalg.vector_norm(g) for g in grads]).double()
         return float(norms.square().sum())
 
     def _bytes_sent(self) -> int:
         if not dist.is_initialized() or dist.get_backend() != "clawcomm":
             return 0
-        import clawcomm
+        if self._engines is None:
+            import clawcomm
 
-        groups = {
-            id(g): g for g in (None, self.pp_group, self.dp_group, *(t[1] for t in self._ties))
-        }
-        return sum(
-            v["bytes_sent"] for g in groups.values() for v in clawcomm.comm_stats(g).values()
-        )
+            groups = (None, self.pp_group, self.dp_group, *(t[1] for t in self._ties))
+            self._engines = list({id(g): clawcomm.engine_of(g) for g in groups}.values())
+        return sum(v["bytes_sent"] for e in self._engines for v in e.comm_stats().values())
 
     def _gather(
         self, loss, sumsq, bytes_before, busy, span, recv_wait, dp_wait, host, costs
@@ -453,24 +464,23 @@ class Trainer:
         if dist.is_initialized() and dist.get_world_size() > 1:
             everyone = torch.zeros(dist.get_world_size() * width, dtype=torch.float64)
             _all_gather(everyone, mine)
-            rows = everyone.view(-1, width)
+            rows = everyone.view(-1, width).tolist()
         else:
-            rows = mine.view(1, width)
+            rows = [own]
         grid = self.grid
         replica0 = [grid.rank_of(0, p) for p in range(cfg.pp)]
         bubble = []
         for d in range(cfg.dp):
             ranks = [grid.rank_of(d, p) for p in range(cfg.pp)]
-            span_max = float(rows[ranks, 4].max())
-            bubble.append(
-                1.0 - float(rows[ranks, 3].sum()) / (cfg.pp * span_max) if span_max > 0 else 0.0
-            )
+            span_max = max(rows[r][4] for r in ranks)
+            busy_sum = sum(rows[r][3] for r in ranks)
+            bubble.append(1.0 - busy_sum / (cfg.pp * span_max) if span_max > 0 else 0.0)
         metrics = {
             "bubble": sum(bubble) / len(bubble),
-            "bytes_sent": int(rows[:, 2].sum()),
-            "dp_wait_ms": float(rows[:, 6].max()) * 1e3,
-            "recv_wait_ms": float(rows[:, 5].max()) * 1e3,
-            "max_rss_mb": float(rows[:, 7].max()),
+            "bytes_sent": int(sum(row[2] for row in rows)),
+            "dp_wait_ms": max(row[6] for row in rows) * 1e3,
+            "recv_wait_ms": max(row[5] for row in rows) * 1e3,
+            "max_rss_mb": max(row[7] for row in rows),
         }
         if grid.rank == 0:
             cost = {}
@@ -478,23 +488,21 @@ class Trainer:
                 for j in range(v):
                     s = j * cfg.pp + p_rank
                     for k_i, k in enumerate(_KINDS):
-                        cost[(s, k)] = float(rows[r, 9 + 4 * j + k_i])
-            host = [float(rows[r, 8]) for r in replica0]
+                        cost[(s, k)] = rows[r][9 + 4 * j + k_i]
+            host = [rows[r][8] for r in replica0]
 
             def costs_of(a):
                 return cost.get((a.stage, a.kind), 0.0)
 
             # The prediction charges what was measured besides compute: the
             # p2p latency per transfer and each rank's host time per action.
-            sim = simulate(
-                self.schedule, costs_of, latency=self.p2p_latency, overhead=host.__getitem__
-            )
+            sim = self._plan.run(costs_of, latency=self.p2p_latency, overhead=host.__getitem__)
             metrics["bubble_predicted"] = sim.bubble
-            metrics["bubble_ideal"] = simulate(self.schedule, costs_of).bubble
+            metrics["bubble_ideal"] = self._plan.run(costs_of).bubble
             metrics["host_us_per_action"] = sum(host) / len(host) * 1e6
         return {
-            "loss": float(rows[:, 0].sum()),
-            "sumsq": float(rows[:, 1].sum()),
+            "loss": sum(row[0] for row in rows),
+            "sumsq": sum(row[1] for row in rows),
             "metrics": metrics,
         }
 
