@@ -1,6 +1,9 @@
 #include "comm/communicator.h"
 
 #include <sched.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstring>
@@ -448,6 +451,10 @@ void Communicator::runCollective(Op& op) {
 }
 
 void Communicator::progressLoop() {
+  if (settings_.progressNice > 0) {
+    // This thread only: on Linux a thread id names one thread here.
+    setpriority(PRIO_PROCESS, id_t(syscall(SYS_gettid)), settings_.progressNice);
+  }
   Clock::time_point idleSince = Clock::now();
   Clock::time_point stopDeadline = Clock::time_point::max();
   while (true) {

@@ -54,6 +54,12 @@ Settings Settings::fromEnv() {
   if (env("CLAWCOMM_SPIN_US")) s.spinMicros = int(envBytes("CLAWCOMM_SPIN_US", 0, 0));
   if (env("CLAWCOMM_YIELD_US")) s.yieldMicros = int(envBytes("CLAWCOMM_YIELD_US", 0, 0));
   s.inlineMaxBytes = envBytes("CLAWCOMM_INLINE_BYTES", s.inlineMaxBytes, 0);
+  if (env("CLAWCOMM_PROGRESS_NICE")) {
+    const size_t nice = envBytes("CLAWCOMM_PROGRESS_NICE", 0, 0);
+    CLAWCOMM_ARG_CHECK(nice <= 19, "clawcomm: CLAWCOMM_PROGRESS_NICE=", nice,
+                       " is not a nice value in 0..19");
+    s.progressNice = int(nice);
+  }
   if (const char* v = env("CLAWCOMM_SOCKET_ADDR")) s.socketAddr = v;
   if (const char* v = env("CLAWCOMM_HOST_ID")) s.hostId = v;
   if (const char* v = env("CLAWCOMM_DEBUG")) s.debug = std::string(v) != "0";

@@ -48,6 +48,14 @@ struct Settings {
   // Larger ones always run on the progress thread, so that the caller can
   // compute while they move. 0 disables.
   size_t inlineMaxBytes = size_t(1) << 20;
+  // CLAWCOMM_PROGRESS_NICE (0..19): the nice value of each communicator's
+  // progress thread. A higher value makes the thread give way to the
+  // rank's compute threads when both want a core: on a CPU host, a
+  // reduction launched during backward then moves bytes while the trainer
+  // waits or sleeps, instead of delaying the training thread by a
+  // scheduler time slice. Collectives that run inline (CLAWCOMM_INLINE_BYTES)
+  // are unaffected.
+  int progressNice = 10;
   // CLAWCOMM_SOCKET_ADDR: the IPv4 address this rank publishes for TCP peers.
   // Empty means: resolve the host name, falling back to 127.0.0.1.
   std::string socketAddr;
