@@ -11,7 +11,7 @@ reference and says so):
 
 1. Bubbles. gpipe, 1f1b, interleaved (v = 2) and zb1 at p = 2 and 4 and
    m = 4, 8 and 16 on the "wait" model: every stage's forward, input-
-   gradient and weight-gradient passes take 10 ms each (5 ms per virtual
+   gradient and weight-gradient passes take 20 ms each (10 ms per virtual
    stage for interleaved, the same work per rank). Measured bubble: the
    share of rank-time not spent in a compute action, 1 - sum(busy) / (p *
    span), per step. Predicted: ``simulate`` of the same action list with the
@@ -25,7 +25,7 @@ reference and says so):
    waiting model and on the GPT, in interleaved rounds, best median.
 3. dp2 x pp2 with overlap: the "wait" model with 2048 x 2048 weights (16
    MiB a layer, one bucket each, a small first layer), four layers a stage,
-   every pass 5 ms a layer, m = 4, 1f1b and zb1. Exposed reduction = step
+   every pass 5 ms a layer (20 ms a stage), m = 4, 1f1b and zb1. Exposed reduction = step
    time minus that of the same dp2 x pp2 run with the bucket reductions
    patched out (so zeroing, the norm and the optimizer cost the same);
    reduction alone = the same buckets averaged with nothing else running;
@@ -49,7 +49,7 @@ from clawcomm.train import cli as train_cli
 from clawcomm.train.data import Noise, global_batches
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb1", 1)]
-PASS_MS = 10.0
+PASS_MS = 20.0
 
 
 def _wait_config(schedule, v, pp, m, dp=1, steps=6, **kw) -> TrainConfig:
@@ -146,7 +146,7 @@ def _versus_torch(rank, world, which, m, steps, rounds):
 # ---- part 3 ----------------------------------------------------------------------
 
 
-def _overlap(rank, world, schedule, m, steps, rounds, reps, width=2048, layer_ms=5.0):
+def _overlap(rank, world, schedule, m, steps, rounds, reps, width=2048, layer_ms=PASS_MS / 4):
     cfg = TrainConfig(model="wait", dp=2, pp=2, schedule=schedule, microbatches=m,
                       bucket_cap_mb=width * width * 4 / 2**20, micro_batch_size=1, steps=steps,
                       clip=0, quiet=True, layers=8)  # fmt: skip
@@ -200,7 +200,7 @@ def _overlap(rank, world, schedule, m, steps, rounds, reps, width=2048, layer_ms
 
 
 def print_report(res) -> None:
-    print("# 1. measured vs predicted bubble, 'wait' model (F = I = W = 10 ms per stage),")
+    print("# 1. measured vs predicted bubble, 'wait' model (F = I = W = 20 ms per stage),")
     print("#    median over timed steps. predicted: simulate() with the step's measured action")
     print("#    costs, p2p latency and host time per action; ideal: action costs only")
     print(f"# {'schedule':<16}{'p':>2}{'m':>4}{'measured':>10}{'predicted':>11}{'rel err':>9}"
@@ -280,12 +280,14 @@ def main() -> None:
             res["bubbles"] += run_ranks(_bubbles, pp, cases, timeout=3600)[0]
     if "2" in parts:
         vs = res["versus_torch"]
-        vs["wait (10 ms passes), m=8"] = run_ranks(_versus_torch, 2, "wait", 8, 5, 4)[0]
+        vs["wait (20 ms passes), m=8"] = run_ranks(_versus_torch, 2, "wait", 8, 5, 4)[0]
         vs["gpt (0.8M params), m=4"] = run_ranks(_versus_torch, 2, "gpt", 4, 10, 5)[0]
         vs["gpt (0.8M params), m=8"] = run_ranks(_versus_torch, 2, "gpt", 8, 10, 5)[0]
     if "3" in parts:
         for schedule in ("1f1b", "zb1"):
-            res["overlap"][schedule] = run_ranks(_overlap, 4, schedule, 4, 5, 6, 5, timeout=3600)[0]
+            res["overlap"][schedule] = run_ranks(_overlap, 4, schedule, 4, 6, 10, 5, timeout=3600)[
+                0
+            ]
     res["command"] = " ".join(sys.argv)
     print_report(res)
     if args.json:

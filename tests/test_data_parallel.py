@@ -413,3 +413,33 @@ def test_reduction_thread_close_does_not_wait_forever_for_a_stuck_job():
     release.set()
     worker._thread.join(5)
     assert not worker._thread.is_alive()
+
+
+def _adoption(rank, world, overlap):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512, bias=False), nn.Linear(512, 4))
+    dp = DataParallel(model, bucket_cap_mb=0.5, first_bucket_mb=0.5, overlap=overlap)
+    weight = model[0].weight  # 512 KiB: a bucket of its own
+    incoming = []
+    weight.register_hook(lambda g: incoming.append(g.data_ptr()))
+    opt = torch.optim.SGD(dp.parameters(), lr=0.1)
+    seen = []
+    for step in range(3):
+        x = torch.randn(8, 256, generator=torch.Generator().manual_seed(step * 2 + rank))
+        dp(x).square().mean().backward()
+        bucket = next(b for b in dp.buckets if b.params == [0])
+        seen.append(
+            (incoming[-1] == weight.grad.data_ptr() == bucket.flat.data_ptr(), len(bucket.params))
+        )
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return seen
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_replaced_gradient_is_adopted_by_its_bucket_not_copied(overlap):
+    """zero_grad(set_to_none=True): autograd's fresh gradient becomes the
+    one-parameter bucket's buffer (same memory as the tensor autograd made),
+    and is the averaged gradient the optimizer reads."""
+    for seen in run_ranks(_adoption, 2, overlap):
+        assert seen == [(True, 1)] * 3, seen

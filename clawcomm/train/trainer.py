@@ -214,23 +214,35 @@ class Trainer:
 
     def _measure_p2p_latency(self, rounds: int = 20) -> float:
         """One-way latency of a small message between the first two stages'
-        ranks (median of ``rounds`` round trips / 2): the link cost the bubble
-        prediction charges per transfer. 0 where pp == 1."""
-        if self.pp_group is None or self.grid.pp_rank > 1:
+        ranks (the median of ``rounds`` round trips, halved): the link cost
+        the bubble prediction charges per transfer. 0 where pp == 1."""
+        if self.pp_group is None:
             return 0.0
-        peer = dist.get_global_rank(self.pp_group, 1 - self.grid.pp_rank)
+        # The other ranks wait for the end in a blocking receive, so that
+        # neither their start-up nor a spinning barrier slows the ping-pong
+        # down (two cores, four ranks).
+        dist.barrier()
+        pp = self.grid.pp_rank
+        done = torch.zeros(1)
+        if pp > 1:
+            self.pp_group.recv([done], 0, 999_999).wait()
+            return 0.0
+        peer = 1 - pp
         buf = torch.zeros(256)
         times = []
         for i in range(rounds):
             t0 = time.perf_counter()
-            if self.grid.pp_rank == 0:
-                dist.send(buf, peer, group=self.pp_group, tag=1_000_000 + i)
-                dist.recv(buf, peer, group=self.pp_group, tag=1_000_000 + i)
+            if pp == 0:
+                self.pp_group.send([buf], peer, 1_000_000 + i).wait()
+                self.pp_group.recv([buf], peer, 1_000_000 + i).wait()
             else:
-                dist.recv(buf, peer, group=self.pp_group, tag=1_000_000 + i)
-                dist.send(buf, peer, group=self.pp_group, tag=1_000_000 + i)
+                self.pp_group.recv([buf], peer, 1_000_000 + i).wait()
+                self.pp_group.send([buf], peer, 1_000_000 + i).wait()
             times.append(time.perf_counter() - t0)
-        return sorted(times)[len(times) // 2] / 2
+        if pp == 0:
+            for r in range(2, self.cfg.pp):
+                self.pp_group.send([done], r, 999_999).wait()
+        return sorted(times)[rounds // 2] / 2  # the median round trip, halved
 
     # ---- the step ---------------------------------------------------------------------
 
