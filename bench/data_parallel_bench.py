@@ -254,9 +254,16 @@ def plot(result, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [(name, mode, rows) for name, r in result.items() for mode, rows in r["modes"].items()]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4), squeeze=False)
-    for ax, (name, mode, rows) in zip(axes[0], panels, strict=True):
+    modes = list(next(iter(result.values()))["modes"])
+    fig, axes = plt.subplots(
+        len(result), len(modes), figsize=(4.6 * len(modes), 3.2 * len(result)), squeeze=False
+    )
+    panels = [
+        (axes[i][j], name, mode, r["modes"][mode])
+        for i, (name, r) in enumerate(result.items())
+        for j, mode in enumerate(modes)
+    ]
+    for ax, name, mode, rows in panels:
         xs = range(len(rows))
         compute = [row["compute_ms"] for row in rows.values()]
         exposed = [row["comm_ms"] - row["hidden_ms"] for row in rows.values()]
@@ -266,12 +273,12 @@ def plot(result, path):
         ax.bar(xs, hidden, bottom=[c + e for c, e in zip(compute, exposed, strict=True)],
                label="comm, hidden", alpha=0.35, hatch="//")  # fmt: skip
         ax.plot(xs, [row["step_ms"] for row in rows.values()], "k_", markersize=30, label="step")
-        ax.set_xticks(list(xs), list(rows), rotation=20)
+        ax.set_xticks(list(xs), list(rows), rotation=12, fontsize=8)
         ax.set_title(f"{name} ({result[name]['params'] / 1e6:.1f}M), zero_grad: {mode}", fontsize=9)
         ax.set_ylabel("ms per step")
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=90)
 
 
 def main() -> None:
@@ -283,7 +290,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5, help="rounds, best kept (5)")
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--plot", metavar="PNG")
+    p.add_argument("--replot", metavar="JSON", help="only redraw --plot from a --json file")
     args = p.parse_args()
+    if args.replot:
+        with open(args.replot) as f:
+            plot(json.load(f)["result"], args.plot)
+        return
     models = args.models.split(",")
     for m in models:
         make_model(m)  # a bad name fails here, before any rank starts
