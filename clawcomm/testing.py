@@ -27,7 +27,15 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["RankFailure", "run_ranks"]
+__all__ = ["RankFailure", "run_ranks", "under_torchrun"]
+
+
+def under_torchrun() -> bool:
+    """Whether this process is a rank that torchrun started (the CLIs then
+    use its ranks instead of spawning their own with ``run_ranks``)."""
+    return all(
+        k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "TORCHELASTIC_RUN_ID")
+    )
 
 
 class RankFailure(AssertionError):

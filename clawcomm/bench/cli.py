@@ -27,6 +27,7 @@ import tempfile
 import time
 
 from clawcomm.bench.collectives import COLLECTIVES, DTYPE_ALIASES, REDOPS
+from clawcomm.testing import under_torchrun
 
 COMPARE_CHOICES = ("gloo", "mpi", "raw")
 ALGO_CHOICES = ("ring", "tree", "auto")
@@ -213,12 +214,6 @@ def run_mpi(options: dict, nproc: int) -> list[dict]:
             return json.load(f)
 
 
-def _under_torchrun() -> bool:
-    return all(
-        k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "TORCHELASTIC_RUN_ID")
-    )
-
-
 def run(args, argv: list[str] | None = None) -> int:
     """Runs the bench for parsed `args`; `argv` (the flags as typed) is
     recorded in the JSON so a result file says how to reproduce it."""
@@ -233,7 +228,7 @@ def run(args, argv: list[str] | None = None) -> int:
                 f"-d {args.datatype!r} is not one of {', '.join(sorted(DTYPE_ALIASES))}"
             )
         dtype = DTYPE_ALIASES[args.datatype]
-        torchrun = _under_torchrun()
+        torchrun = under_torchrun()
         world = int(os.environ["WORLD_SIZE"]) if torchrun else args.nproc
         if world < 1:
             raise ValueError(f"--nproc {args.nproc}: need at least one rank")

@@ -126,14 +126,12 @@ class DataParallel(nn.Module):
 
         self._reducer = GradReducer(
             self._params,
-            self._names,
             process_group,
             bucket_cap_mb=bucket_cap_mb,
             first_bucket_mb=first_bucket_mb,
             compressor=self.compressor,
             compression_warmup_steps=warmup,
             overlap=overlap,
-            what="DataParallel",
         )
         weakref.finalize(self, self._reducer.close)
         self._hooks = [

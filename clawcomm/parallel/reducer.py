@@ -46,13 +46,12 @@ class GradReducer:
     ``expected[i]``: how many times parameter i is marked ready in a step
     (1 by default; the pipeline trainer counts its gradients' final
     accumulations, and 0 means never). ``overlap=False`` launches nothing
-    before ``launch_all``. ``what`` prefixes error messages.
+    before ``launch_all``.
     """
 
     def __init__(
         self,
         params: list[torch.Tensor],
-        names: list[str],
         group=None,
         bucket_cap_mb: float = 25,
         first_bucket_mb: float = 1,
@@ -60,10 +59,8 @@ class GradReducer:
         compression_warmup_steps: int = 0,
         overlap: bool = True,
         order: list[int] | None = None,
-        what: str = "GradReducer",
     ):
         self.params = params
-        self.names = names
         self.group = group
         self.cap_bytes = int(bucket_cap_mb * MB)
         self.first_cap_bytes = int(first_bucket_mb * MB)
@@ -71,7 +68,6 @@ class GradReducer:
         self.compression_state = CompressorState()
         self.compression_warmup_steps = compression_warmup_steps
         self.overlap = overlap
-        self.what = what
         self.world_size = dist.get_world_size(group)
         self._average_op = dist.get_backend(group) == "clawcomm"  # gloo has no AVG
         # A thread only for compressed buckets launched during backward.

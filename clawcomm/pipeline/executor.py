@@ -122,6 +122,7 @@ class PipelineExecutor:
         self._in_meta: dict[int, tuple[torch.dtype, tuple[int, ...]]] = {}  # stage -> input
         self._sent_header: set[int] = set()
         self._head_recv: dict[int, tuple] = {}  # stage -> (work, header) in flight
+        self._armed = False
         # Before compute action k, post the receives listed here (the ones
         # that sit between k and the next compute action).
         self._prefetch: dict[int, list[int]] = {}
@@ -247,7 +248,8 @@ class PipelineExecutor:
 
     @property
     def armed(self) -> bool:
-        return getattr(self, "_armed", False)
+        """Whether the action running now is one the trainer armed."""
+        return self._armed
 
     def _input_of(self, s: int, mb: int) -> torch.Tensor:
         if s == 0:

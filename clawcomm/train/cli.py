@@ -125,9 +125,9 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"clawcomm train: error: {e}", file=sys.stderr)
         return 2
-    torchrun = "TORCHELASTIC_RUN_ID" in os.environ or (
-        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
-    )
+    from clawcomm.testing import under_torchrun
+
+    torchrun = under_torchrun()
     world = int(os.environ["WORLD_SIZE"]) if torchrun else (args.nproc or cfg.dp * cfg.pp)
     try:
         cfg.check(world)

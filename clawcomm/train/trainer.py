@@ -140,14 +140,12 @@ class Trainer:
             compressor = get_compressor(cfg.compression) if cfg.compression else None
             self.reducer = GradReducer(
                 self.params,
-                [self.names.get(id(p), "?") for p in self.params],
                 self.dp_group,
                 bucket_cap_mb=cfg.bucket_cap_mb,
                 first_bucket_mb=min(1.0, cfg.bucket_cap_mb),
                 compressor=compressor,
                 compression_warmup_steps=cfg.compression_warmup,
                 overlap=cfg.overlap,
-                what="clawcomm.train",
             )
             self.reducer.overlap = False  # step 1 learns when gradients are final
             self.reducer.attach_grads()
@@ -405,9 +403,8 @@ class Trainer:
         if not self._learned:
             self._learned = True
             self.reducer.expected = list(self._counts)
-            order = self._ready_order + [
-                i for i in range(len(self.params)) if i not in set(self._ready_order)
-            ]
+            seen = set(self._ready_order)
+            order = self._ready_order + [i for i in range(len(self.params)) if i not in seen]
             t = torch.tensor(order, dtype=torch.int64)
             dist.broadcast(t, dist.get_global_rank(self.dp_group, 0), group=self.dp_group)
             self.reducer.rebuild(t.tolist())
