@@ -11,9 +11,16 @@ Settings are read from ``CLAWCOMM_*`` environment variables when a group is
 created; the README lists them.
 """
 
-from clawcomm._backend import BACKEND_NAME, backend_of, comm_stats, engine_of, register
-
-__all__ = ["BACKEND_NAME", "backend_of", "comm_stats", "engine_of", "register"]
 __version__ = "0.1.0"
 
-register()
+try:
+    import torch.distributed  # noqa: F401
+except ModuleNotFoundError as e:  # the engine (clawcomm._C) works without torch
+    if (e.name or "").split(".")[0] != "torch":
+        raise
+    __all__: list[str] = []
+else:
+    from clawcomm._backend import BACKEND_NAME, backend_of, comm_stats, engine_of, register
+
+    __all__ = ["BACKEND_NAME", "backend_of", "comm_stats", "engine_of", "register"]
+    register()

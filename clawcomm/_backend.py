@@ -7,13 +7,13 @@ import datetime
 
 import torch.distributed as dist
 
-from clawcomm import _C
+from clawcomm import _C, _C_torch
 
 BACKEND_NAME = "clawcomm"
 
 
 def _create_backend(store, rank: int, size: int, timeout: datetime.timedelta):
-    return _C.ClawcommBackend(store, rank, size, timeout)
+    return _C_torch.ClawcommBackend(store, rank, size, timeout)
 
 
 def register() -> None:
@@ -29,13 +29,13 @@ def register() -> None:
     atexit.register(_C._shutdown_all)
 
 
-def backend_of(group=None) -> _C.ClawcommBackend:
+def backend_of(group=None) -> _C_torch.ClawcommBackend:
     """The clawcomm backend object behind ``group`` (default: the world)."""
     import torch
 
     pg = group if group is not None else dist.group.WORLD
     backend = pg._get_backend(torch.device("cpu"))
-    if not isinstance(backend, _C.ClawcommBackend):
+    if not isinstance(backend, _C_torch.ClawcommBackend):
         raise ValueError(f"group {pg} does not use the clawcomm backend for cpu")
     return backend
 
@@ -50,7 +50,7 @@ def engine_of(group=None) -> _C.Engine:
     It shares the group's connections and issue order, so calls on the group
     and on its engine must be made in the same order on every rank.
     """
-    return backend_of(group).engine()
+    return _C._engine_from_handle(backend_of(group)._engine_handle())
 
 
 def comm_stats(group=None) -> dict[str, dict[str, int]]:

@@ -88,9 +88,9 @@ def write_json(path: str, payload: dict) -> None:
 
 def plot(path: str, records, memcpy_gbps: float | None, title: str) -> None:
     """busbw against size on log axes: one panel per table, one line per variant."""
-    import matplotlib
+    from clawcomm._optional import require
 
-    matplotlib.use("Agg")
+    require("matplotlib", "clawcomm bench --plot").use("Agg")
     import matplotlib.pyplot as plt
 
     tables = _groups(records)

@@ -62,7 +62,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _data(seed: int):
     import numpy as np
-    from sklearn.datasets import load_digits
+
+    from clawcomm._optional import require
+
+    load_digits = require("sklearn.datasets", "--model mlp (the digits data)").load_digits
 
     d = load_digits()
     x = (d.data / 16.0).astype(np.float32)
@@ -272,9 +275,9 @@ def run(args) -> int:
         with open(args.json, "w") as f:
             json.dump({"config": vars(args), "results": results}, f, indent=1)
     if args.plot:
-        import matplotlib
+        from clawcomm._optional import require
 
-        matplotlib.use("Agg")
+        require("matplotlib", "clawcomm experiment compression --plot").use("Agg")
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6, 4))

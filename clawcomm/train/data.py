@@ -58,7 +58,10 @@ def default_text() -> str:
 class Digits:
     def __init__(self, seed: int = 0, split: float = 0.8):
         import numpy as np
-        from sklearn.datasets import load_digits
+
+        from clawcomm._optional import require
+
+        load_digits = require("sklearn.datasets", "--model mlp (the digits data)").load_digits
 
         d = load_digits()
         x = torch.from_numpy((d.data / 16.0).astype(np.float32))

@@ -1,6 +1,7 @@
 // The torch.distributed adapter: a c10d::Backend over clawcomm::Communicator.
 //
-// This is the only file that includes torch. Each override checks its
+// This is the only file that includes torch, and it builds its own extension,
+// clawcomm._C_torch, linked against the torch-free engine in clawcomm._C. Each override checks its
 // tensors (one shared set of helpers, every message naming the op), lays
 // them out as flat contiguous buffers (staging copies for non-contiguous or
 // list arguments), queues one engine operation and returns a Work whose
@@ -18,7 +19,6 @@
 
 #include "comm/communicator.h"
 #include "common/errors.h"
-#include "python/engine_bindings.h"
 
 namespace clawcomm {
 namespace {
@@ -722,12 +722,11 @@ class ClawcommBackend : public c10d::Backend {
 }  // namespace
 }  // namespace clawcomm
 
-PYBIND11_MODULE(_C, m) {
+PYBIND11_MODULE(_C_torch, m) {
   namespace py = pybind11;
   using clawcomm::ClawcommBackend;
-  m.doc() = "clawcomm's compiled core: the c10d backend over the C++ engine.";
+  m.doc() = "clawcomm's torch.distributed adapter: the c10d backend over clawcomm._C's engine.";
   py::module::import("torch.distributed");
-  clawcomm::bindEngine(m);
   py::class_<ClawcommBackend, c10d::Backend, c10::intrusive_ptr<ClawcommBackend>>(m,
                                                                                   "ClawcommBackend")
       .def(py::init<const c10::intrusive_ptr<c10d::Store>&, int, int, std::chrono::milliseconds>(),
@@ -742,10 +741,16 @@ PYBIND11_MODULE(_C, m) {
           [](ClawcommBackend& b, size_t bytes) {
             return b.communicator().allReduceAlgorithm(bytes);
           },
-          py::arg("nbytes"), "'ring' or 'tree': what all_reduce of `nbytes` bytes uses.")
-      .def("engine", &ClawcommBackend::sharedCommunicator,
-           "The group's engine (clawcomm._C.Engine), for calls below torch's dispatch.");
-  m.def("_shutdown_all", &clawcomm::Communicator::shutdownAll,
-        py::call_guard<py::gil_scoped_release>(),
-        "Shuts down every live communicator (registered with atexit by clawcomm).");
+          py::arg("nbytes"), "The algorithm all_reduce of `nbytes` bytes uses ('ring', 'tree').")
+      .def(
+          "_engine_handle",
+          [](ClawcommBackend& b) {
+            // A capsule, not a pybind11 type: the two extensions may be built
+            // with different pybind11 copies, which need not share types.
+            auto* p = new std::shared_ptr<clawcomm::Communicator>(b.sharedCommunicator());
+            return py::capsule(p, "clawcomm.Engine", [](void* q) {
+              delete static_cast<std::shared_ptr<clawcomm::Communicator>*>(q);
+            });
+          },
+          "A handle for clawcomm._C._engine_from_handle (use clawcomm.engine_of()).");
 }

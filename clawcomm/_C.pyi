@@ -1,0 +1,242 @@
+"""Type stub for ``clawcomm._C``: the engine, its kernels and codecs, built
+without torch (csrc/python/). ``kernels`` and ``compress`` are submodules at
+run time; they are written as classes of static functions here so that one
+stub file covers the module. Regenerate the signatures with
+``pybind11-stubgen clawcomm._C`` after changing the bindings;
+tests/test_engine.py checks that every public name is here.
+"""
+
+from __future__ import annotations
+
+import typing
+
+import numpy
+import numpy.typing
+import typing_extensions
+
+class kernels:
+    """The ``clawcomm._C.kernels`` submodule: the engine's element-wise kernels, for tests and micro-benchmarks."""
+
+    @staticmethod
+    def add_from16(
+        dst: typing_extensions.Buffer,
+        src: typing_extensions.Buffer,
+        dtype: str = "float16",
+        level: typing.Any = None,
+        dst_scale: typing.SupportsFloat | typing.SupportsIndex = 1.0,
+    ) -> None:
+        """
+        dst = dst * dst_scale + widen(src): the 16-bit ring's decode-and-accumulate step.
+        """
+    @staticmethod
+    def add_from16_and_round(
+        dst: typing_extensions.Buffer,
+        src: typing_extensions.Buffer,
+        out: typing_extensions.Buffer,
+        dtype: str = "float16",
+        level: typing.Any = None,
+        dst_scale: typing.SupportsFloat | typing.SupportsIndex = 1.0,
+        out_scale: typing.SupportsFloat | typing.SupportsIndex = 1.0,
+    ) -> None:
+        """
+        add_from16, then out = round16(dst) and dst = widen(out) * out_scale: the 16-bit ring's last reduce-scatter step.
+        """
+    @staticmethod
+    def best_simd_level() -> str:
+        """
+        The best SIMD level this CPU supports.
+        """
+    @staticmethod
+    def from_float32(
+        src: typing_extensions.Buffer,
+        dst: typing_extensions.Buffer,
+        dtype: str = "float16",
+        level: typing.Any = None,
+        scale: typing.SupportsFloat | typing.SupportsIndex = 1.0,
+    ) -> None:
+        """
+        Rounds float32 times `scale` to 16-bit floats (nearest even).
+        """
+    @staticmethod
+    def reduce(
+        dst: typing_extensions.Buffer,
+        src: typing_extensions.Buffer,
+        op: str = "sum",
+        level: typing.Any = None,
+        dtype: typing.Any = None,
+    ) -> None:
+        """
+        dst[i] = dst[i] op src[i].
+        """
+    @staticmethod
+    def simd_level() -> str:
+        """
+        The SIMD level the engine uses (CLAWCOMM_SIMD caps it).
+        """
+    @staticmethod
+    def to_float32(
+        src: typing_extensions.Buffer,
+        dst: typing_extensions.Buffer,
+        dtype: str = "float16",
+        level: typing.Any = None,
+        scale: typing.SupportsFloat | typing.SupportsIndex = 1.0,
+    ) -> None:
+        """
+        Widens 16-bit floats (held in a uint16 or float16 buffer) into a float32 buffer, times `scale`.
+        """
+
+class compress:
+    """The ``clawcomm._C.compress`` submodule: sparsification kernels for gradient compression."""
+
+    @staticmethod
+    def decode_indices(
+        data: bytes, count: typing.SupportsInt | typing.SupportsIndex
+    ) -> numpy.typing.NDArray[numpy.int32]:
+        """
+        The inverse of encode_indices.
+        """
+    @staticmethod
+    def encode_indices(idx: numpy.typing.NDArray[numpy.int32]) -> bytes:
+        """
+        Delta + LEB128 varint bytes of ascending int32 indices.
+        """
+    @staticmethod
+    def scatter_add(
+        dense: numpy.typing.NDArray[numpy.float32],
+        idx: numpy.typing.NDArray[numpy.int32],
+        val: numpy.typing.NDArray[numpy.float32],
+        scale: typing.SupportsFloat | typing.SupportsIndex = 1.0,
+    ) -> None:
+        """
+        dense[idx[i]] += val[i] * scale (indices are checked).
+        """
+    @staticmethod
+    def threshold_scan(
+        acc: numpy.typing.NDArray[numpy.float32],
+        threshold: typing.SupportsFloat | typing.SupportsIndex,
+        grad: typing.Any = None,
+        level: typing.Any = None,
+    ) -> tuple[numpy.typing.NDArray[numpy.int32], numpy.typing.NDArray[numpy.float32]]:
+        """
+        The pass behind top-k (compress/threshold_scan.h), for tests: entries of `acc` (or of grad + acc, folding grad into acc and zeroing grad) with magnitude >= threshold, as (indices, values); they are zeroed in `acc`.
+        """
+    @staticmethod
+    def topk(
+        acc: numpy.typing.NDArray[numpy.float32],
+        k: typing.SupportsInt | typing.SupportsIndex,
+        method: str = "sampled",
+        seed: typing.SupportsInt | typing.SupportsIndex = 0,
+    ) -> tuple[numpy.typing.NDArray[numpy.int32], numpy.typing.NDArray[numpy.float32]]:
+        """
+        Selects (at most) k entries of largest magnitude from the float32 array `acc`, returns (indices ascending as int32, values), and zeroes them in `acc`, which keeps the residual.
+        """
+    @staticmethod
+    def topk_feedback(
+        grad: numpy.typing.NDArray[numpy.float32],
+        residual: numpy.typing.NDArray[numpy.float32],
+        k: typing.SupportsInt | typing.SupportsIndex,
+        method: str = "sampled",
+        seed: typing.SupportsInt | typing.SupportsIndex = 0,
+    ) -> tuple[numpy.typing.NDArray[numpy.int32], numpy.typing.NDArray[numpy.float32]]:
+        """
+        Top-k with error feedback in one pass: selects (at most) k entries of largest magnitude of grad + residual and returns (indices ascending as int32, values); `residual` becomes what was not sent and `grad` is zeroed.
+        """
+
+class Engine:
+    """
+    A communicator's collectives on buffer-protocol objects, below torch's dispatch. Every call blocks until the operation is complete on this rank.
+    """
+    def all_gather(
+        self,
+        input: typing_extensions.Buffer,
+        output: typing_extensions.Buffer,
+        dtype: typing.Any = None,
+    ) -> None: ...
+    def all_reduce(
+        self, buf: typing_extensions.Buffer, op: str = "sum", dtype: typing.Any = None
+    ) -> None:
+        """
+        In place, over every rank.
+        """
+    def all_reduce_16bit_wire(
+        self,
+        buf: typing_extensions.Buffer,
+        wire: str = "float16",
+        prescale: typing.SupportsFloat | typing.SupportsIndex = 1.0,
+        postscale: typing.SupportsFloat | typing.SupportsIndex = 1.0,
+    ) -> None:
+        """
+        Sum of a float32 buffer with float16 or bfloat16 on the wire and float32 accumulation at every step; values are multiplied by `prescale` first and the result by `postscale`, inside the conversion kernels.
+        """
+    def all_to_all(
+        self,
+        input: typing_extensions.Buffer,
+        output: typing_extensions.Buffer,
+        dtype: typing.Any = None,
+    ) -> None: ...
+    def barrier(self) -> None: ...
+    def broadcast(
+        self,
+        buf: typing_extensions.Buffer,
+        root: typing.SupportsInt | typing.SupportsIndex = 0,
+        dtype: typing.Any = None,
+    ) -> None: ...
+    def comm_stats(self) -> dict:
+        """
+        Calls and bytes on the wire so far, per operation: whole frames (bytes_*) and payload only (payload_bytes_*).
+        """
+    def recv(
+        self,
+        buf: typing_extensions.Buffer,
+        src: typing.SupportsInt | typing.SupportsIndex = -1,
+        tag: typing.SupportsInt | typing.SupportsIndex = 0,
+    ) -> int:
+        """
+        Returns the rank the message came from (src=-1: any rank).
+        """
+    def reduce(
+        self,
+        buf: typing_extensions.Buffer,
+        root: typing.SupportsInt | typing.SupportsIndex = 0,
+        op: str = "sum",
+        dtype: typing.Any = None,
+    ) -> None: ...
+    def reduce_scatter(
+        self,
+        input: typing_extensions.Buffer,
+        output: typing_extensions.Buffer,
+        op: str = "sum",
+        dtype: typing.Any = None,
+    ) -> None: ...
+    def send(
+        self,
+        buf: typing_extensions.Buffer,
+        dst: typing.SupportsInt | typing.SupportsIndex,
+        tag: typing.SupportsInt | typing.SupportsIndex = 0,
+    ) -> None: ...
+    def sendrecv(
+        self,
+        send_buf: typing_extensions.Buffer,
+        dst: typing.SupportsInt | typing.SupportsIndex,
+        recv_buf: typing_extensions.Buffer,
+        src: typing.SupportsInt | typing.SupportsIndex,
+        tag: typing.SupportsInt | typing.SupportsIndex = 0,
+    ) -> None:
+        """
+        Sends to `dst` while receiving from `src`.
+        """
+    def transport_of(self, peer: typing.SupportsInt | typing.SupportsIndex) -> str: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+
+def _engine_from_handle(handle: typing_extensions.CapsuleType) -> Engine:
+    """
+    The Engine behind a handle from ClawcommBackend._engine_handle().
+    """
+
+def _shutdown_all() -> None:
+    """
+    Shuts down every live communicator (registered with atexit by clawcomm).
+    """

@@ -1,0 +1,18 @@
+"""Type stub for ``clawcomm._C_torch``: the torch.distributed adapter
+(csrc/torch/), linked against ``clawcomm._C``."""
+
+import datetime
+
+import torch.distributed as dist
+from typing_extensions import CapsuleType
+
+class ClawcommBackend(dist.ProcessGroup):  # a c10d::Backend at run time
+    def __init__(
+        self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta
+    ) -> None: ...
+    def transport_of(self, peer: int) -> str:
+        """How this rank reaches `peer`: 'shm', 'tcp' or 'self'."""
+    def all_reduce_algorithm(self, nbytes: int) -> str:
+        """The algorithm all_reduce of `nbytes` bytes uses ('ring', 'tree')."""
+    def _engine_handle(self) -> CapsuleType:
+        """A handle for clawcomm._C._engine_from_handle (use clawcomm.engine_of())."""

@@ -1,0 +1,36 @@
+// clawcomm._C: the engine, its kernels and their Python bindings, built
+// without torch. The torch adapter (clawcomm._C_torch, csrc/torch/) is a
+// separate extension that links against this one.
+#include <pybind11/pybind11.h>
+
+#include <memory>
+
+#include "comm/communicator.h"
+#include "python/engine_bindings.h"
+
+namespace {
+
+constexpr const char* kEngineHandle = "clawcomm.Engine";
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  namespace py = pybind11;
+  m.doc() = "clawcomm's compiled core: the C++ engine, its kernels and codecs (no torch).";
+  clawcomm::bindEngine(m);
+  m.def(
+      "_engine_from_handle",
+      [](py::capsule handle) {
+        // The adapter hands over a heap-allocated shared_ptr; copy it, so the
+        // capsule keeps its own reference until Python frees it.
+        auto* p = handle.get_pointer<std::shared_ptr<clawcomm::Communicator>>();
+        if (std::string(handle.name()) != kEngineHandle || p == nullptr) {
+          throw py::value_error("clawcomm._C._engine_from_handle: not an engine handle");
+        }
+        return *p;
+      },
+      py::arg("handle"), "The Engine behind a handle from ClawcommBackend._engine_handle().");
+  m.def("_shutdown_all", &clawcomm::Communicator::shutdownAll,
+        py::call_guard<py::gil_scoped_release>(),
+        "Shuts down every live communicator (registered with atexit by clawcomm).");
+}
