@@ -17,12 +17,17 @@ void Channel::send(int peer, const void* buf, size_t bytes) {
 
 void Channel::recv(int peer, void* buf, size_t bytes) {
   pending_.push_back(
-      messenger_.recvCollective(peer, sig_, recvSteps_[peer]++, buf, bytes, /*reduce=*/false));
+      messenger_.recvCollective(peer, sig_, recvSteps_[peer]++, ReceiveSink::copy(buf), bytes));
 }
 
 void Channel::recvReduce(int peer, void* buf, size_t bytes) {
   pending_.push_back(
-      messenger_.recvCollective(peer, sig_, recvSteps_[peer]++, buf, bytes, /*reduce=*/true));
+      messenger_.recvCollective(peer, sig_, recvSteps_[peer]++,
+                                ReceiveSink::reduce(buf, sig_.dtype, sig_.redop), bytes));
+}
+
+void Channel::recvInto(int peer, const ReceiveSink& sink, size_t bytes) {
+  pending_.push_back(messenger_.recvCollective(peer, sig_, recvSteps_[peer]++, sink, bytes));
 }
 
 void Channel::wait() {

@@ -11,7 +11,7 @@
 
 #include "common/op.h"
 #include "common/settings.h"
-#include "transport/messenger.h"
+#include "messenger/messenger.h"
 
 namespace clawcomm {
 
@@ -33,6 +33,10 @@ class Channel {
   // Posts a receive that combines the peer's elements into `buf` with the
   // op's reduce operator, straight from the transport's memory.
   void recvReduce(int peer, void* buf, size_t bytes);
+  // Posts a receive whose `bytes` of payload go to `sink` as they arrive
+  // (messenger/sink.h), e.g. decoded from 16 bits and added to a float32
+  // buffer.
+  void recvInto(int peer, const ReceiveSink& sink, size_t bytes);
   // Waits for everything posted so far.
   void wait();
   // Moves whatever bytes can move now without blocking (posted sends into

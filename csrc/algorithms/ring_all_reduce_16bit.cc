@@ -6,9 +6,11 @@
 // what crosses the wire is rounded, once per hop. Bytes on the wire are half
 // of a float32 ring all-reduce.
 //
-// The buffer is cut into n chunks (ring_all_reduce.cc); what crosses the
-// wire is staged through 16-bit buffers of one segment, two to send from and
-// two to receive into, and one of this rank's finished chunk:
+// The buffer is cut into n chunks (ring_all_reduce.cc); what is sent is
+// encoded into 16-bit buffers of one segment (two, alternating) or, for
+// this rank's finished chunk, one of its own. What arrives is decoded by the
+// receive's sink (messenger/sink.h) straight out of the transport's memory,
+// with no copy into a staging buffer first:
 //   Reduce-scatter, steps s = 0 .. n-2: rank r encodes chunk r-s-1 to 16
 //     bits and sends it to r+1; it receives chunk r-s-2 from r-1 and adds the
 //     decoded values into its float32 copy (one fused decode-add pass).
@@ -22,8 +24,8 @@
 //     buffer.
 // Every step moves its chunk in segments of CLAWCOMM_SEGMENT_BYTES on the
 // wire. A (step, segment) pair is a unit; units run in order, and while unit
-// u is on the wire the rank decodes unit u-1 and encodes unit u+1, so the
-// conversions overlap the transfer instead of adding to it. Unit u+1 depends
+// u is on the wire (and decoded as it arrives) the rank encodes unit u+1, so
+// encoding overlaps the transfer instead of adding to it. Unit u+1 depends
 // on unit u+1-segments (the same segment one step earlier), which is done by
 // then whenever a chunk has two segments or more; with one segment the
 // units run one after another.
@@ -83,7 +85,6 @@ void ringAllReduce16BitWire(Channel& ch, float* buf, size_t count, float prescal
   };
   const size_t bufElems = std::min(largest, segElems + 1);
   std::vector<uint16_t> out[2] = {std::vector<uint16_t>(bufElems), std::vector<uint16_t>(bufElems)};
-  std::vector<uint16_t> in[2] = {std::vector<uint16_t>(bufElems), std::vector<uint16_t>(bufElems)};
   // Our finished chunk in 16 bits, encoded by the last reduce-scatter step
   // and sent from here by the first all-gather step.
   std::vector<uint16_t> own(counts[r]);
@@ -129,22 +130,22 @@ void ringAllReduce16BitWire(Channel& ch, float* buf, size_t count, float prescal
       scale(buf + o, l, postscale);
     }  // (step 0 sends `own`, encoded when the chunk was finished)
   };
-  // Decodes what unit u received from in[u % 2] into the buffer.
-  auto finish = [&](size_t u) {
+  // How unit u's payload is taken in as it arrives.
+  auto sinkOf = [&](size_t u) {
     const Unit x = unit(u);
     size_t o, l;
     segment(x.recvChunk, x.seg, &o, &l);
-    const uint16_t* got = in[u % 2].data();
     if (x.gather) {
       // A segment forwarded in the next step gets its post-scale then.
-      toFloat32(wire, got, buf + o, l, x.step == n - 2 ? postscale : 1.0f);
-    } else if (x.step == n - 2) {
+      return ReceiveSink::decode(buf + o, wire, x.step == n - 2 ? postscale : 1.0f);
+    }
+    if (x.step == n - 2) {
       // Our chunk is complete: encode it for the all-gather, and keep the
       // rounded values every other rank will decode.
-      addFrom16AndRound(wire, buf + o, got, own.data() + (o - offsets[r]), l, prescale, postscale);
-    } else {
-      addFrom16(wire, buf + o, got, l, prescale);  // first use of our input
+      return ReceiveSink::decodeAddRound(buf + o, wire, own.data() + (o - offsets[r]), prescale,
+                                         postscale);
     }
+    return ReceiveSink::decodeAdd(buf + o, wire, prescale);  // first use of our input
   };
   auto post = [&](size_t u) {
     const Unit x = unit(u);
@@ -152,27 +153,20 @@ void ringAllReduce16BitWire(Channel& ch, float* buf, size_t count, float prescal
     segment(x.sendChunk, x.seg, &so, &sl);
     segment(x.recvChunk, x.seg, &ro, &rl);
     ch.send(next, payload(u, so), sl * 2);
-    ch.recv(prev, in[u % 2].data(), rl * 2);
+    ch.recvInto(prev, sinkOf(u), rl * 2);
     ch.progress();  // the send starts before we compute
   };
-  // Unit v needs unit v - segments decoded (same segment, previous step),
-  // except in the first reduce-scatter step.
-  auto ready = [&](size_t v, size_t finished) { return v < segments || v - segments < finished; };
 
-  size_t finished = 0;  // units [0, finished) are decoded
   prepare(0);
   for (size_t u = 0; u < units; ++u) {
     post(u);
-    if (finished < u) finish(finished++);  // unit u-1, while u is on the wire
-    const bool ahead = u + 1 < units && ready(u + 1, finished);
+    // Unit u+1 reads what unit u+1-segments decoded (except in the first
+    // reduce-scatter step): already done unless that is unit u itself.
+    const bool ahead = u + 1 < units && (u + 1 < segments || u + 1 - segments < u);
     if (ahead) prepare(u + 1);
     ch.wait();
-    if (!ahead && u + 1 < units) {
-      finish(finished++);  // unit u, which unit u+1 needs
-      prepare(u + 1);
-    }
+    if (!ahead && u + 1 < units) prepare(u + 1);
   }
-  while (finished < units) finish(finished++);
 }
 
 }  // namespace clawcomm

@@ -15,7 +15,7 @@
 #include "comm/rendezvous.h"
 #include "common/errors.h"
 #include "reduce/reduce_kernels.h"
-#include "transport/messenger.h"
+#include "messenger/messenger.h"
 
 namespace clawcomm {
 

@@ -14,8 +14,9 @@
 //   * point-to-point frames are matched by (source, tag) in arrival order;
 //     one with no posted receive is copied aside ("unexpected") so that the
 //     frames behind it keep flowing.
-//   * a receive in reduce mode combines the payload into its buffer straight
-//     out of the transport's memory, with no intermediate copy.
+//   * a receive hands the payload to its sink (messenger/sink.h: copy,
+//     reduce, decode, decode-and-add) straight out of the transport's
+//     memory, with no intermediate copy.
 //
 // One thread (the communicator's progress thread) owns a Messenger.
 #pragma once
@@ -28,6 +29,7 @@
 
 #include "common/op.h"
 #include "common/traffic.h"
+#include "messenger/sink.h"
 #include "transport/transport.h"
 
 namespace clawcomm {
@@ -56,7 +58,7 @@ struct FrameHeader {
 static_assert(sizeof(FrameHeader) == 64, "frame header is 64 bytes");
 
 struct Transfer {
-  enum class Mode { kSend, kRecvCopy, kRecvReduce };
+  enum class Mode { kSend, kRecv };
   Mode mode = Mode::kSend;
   int peer = -1;         // -1: any source, until matched
   FrameHeader header{};  // sends: the header on the wire
@@ -64,7 +66,7 @@ struct Transfer {
   uint32_t step = 0;
   uint64_t tag = 0;
   const uint8_t* src = nullptr;
-  uint8_t* dst = nullptr;
+  ReceiveSink sink;  // receives: where the payload goes
   size_t bytes = 0;
   size_t done = 0;  // sends: frame bytes written; receives: payload bytes
   bool complete = false;
@@ -89,8 +91,9 @@ class Messenger {
 
   TransferPtr sendCollective(int peer, const OpSignature& sig, uint32_t step, const void* src,
                              size_t bytes);
-  TransferPtr recvCollective(int peer, const OpSignature& sig, uint32_t step, void* dst,
-                             size_t bytes, bool reduce);
+  // `sink` takes the `bytes` of payload as they arrive.
+  TransferPtr recvCollective(int peer, const OpSignature& sig, uint32_t step,
+                             const ReceiveSink& sink, size_t bytes);
   TransferPtr sendPointToPoint(int peer, uint64_t tag, const void* src, size_t bytes);
   // peer == -1 receives from any source; the matched peer is stored in `peer`.
   TransferPtr recvPointToPoint(int peer, uint64_t tag, void* dst, size_t bytes);

@@ -1,4 +1,4 @@
-#include "transport/messenger.h"
+#include "messenger/messenger.h"
 
 #include <poll.h>
 #include <sched.h>
@@ -11,7 +11,6 @@
 #include <thread>
 
 #include "common/errors.h"
-#include "reduce/reduce_kernels.h"
 #include "transport/doorbell.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -128,15 +127,15 @@ TransferPtr Messenger::sendCollective(int peer, const OpSignature& sig, uint32_t
   return queueSend(peer, h, src, bytes);
 }
 
-TransferPtr Messenger::recvCollective(int peer, const OpSignature& sig, uint32_t step, void* dst,
-                                      size_t bytes, bool reduce) {
+TransferPtr Messenger::recvCollective(int peer, const OpSignature& sig, uint32_t step,
+                                      const ReceiveSink& sink, size_t bytes) {
   CLAWCOMM_CHECK(peer >= 0 && peer < size_ && peer != rank_, "recv from rank ", peer);
   auto t = std::make_shared<Transfer>();
-  t->mode = reduce ? Transfer::Mode::kRecvReduce : Transfer::Mode::kRecvCopy;
+  t->mode = Transfer::Mode::kRecv;
   t->peer = peer;
   t->expect = sig;
   t->step = step;
-  t->dst = static_cast<uint8_t*>(dst);
+  t->sink = sink;
   t->bytes = bytes;
   peers_[peer].postedCollective.push_back(t);
   return t;
@@ -153,10 +152,10 @@ TransferPtr Messenger::sendPointToPoint(int peer, uint64_t tag, const void* src,
 
 TransferPtr Messenger::recvPointToPoint(int peer, uint64_t tag, void* dst, size_t bytes) {
   auto t = std::make_shared<Transfer>();
-  t->mode = Transfer::Mode::kRecvCopy;
+  t->mode = Transfer::Mode::kRecv;
   t->peer = peer;
   t->tag = tag;
-  t->dst = static_cast<uint8_t*>(dst);
+  t->sink = ReceiveSink::copy(dst);
   t->bytes = bytes;
   // An unexpected frame that already arrived (or is arriving) is claimed
   // first, oldest first, so messages between a pair with one tag stay FIFO.
@@ -189,7 +188,7 @@ TransferPtr Messenger::recvPointToPoint(int peer, uint64_t tag, void* dst, size_
 }
 
 void Messenger::deliver(Transfer& stash, Transfer& recv) {
-  if (stash.bytes) std::memcpy(recv.dst, stash.stash.data(), stash.bytes);
+  recv.sink.take(0, stash.stash.data(), stash.bytes);
   recv.done = stash.bytes;
   recv.complete = true;
 }
@@ -294,14 +293,10 @@ bool Messenger::progressRecv(int peer, PeerState& ps) {
       size_t n;
       if (ps.frameDone < payload) {
         n = std::min(r.size, payload - ps.frameDone);
-        if (t.mode == Transfer::Mode::kRecvReduce) {
-          const size_t es = elementSize(t.expect.dtype);
-          n -= n % es;
-          if (n == 0) return moved;  // the rest of an element is still in flight
-          reduceInto(t.expect.dtype, t.expect.redop, t.dst + ps.frameDone, r.data, n / es);
-        } else {
-          std::memcpy(t.dst + ps.frameDone, r.data, n);
-        }
+        const size_t unit = t.sink.granule();
+        n -= n % unit;
+        if (n == 0) return moved;  // the rest of an element is still in flight
+        t.sink.take(ps.frameDone, r.data, n);
         t.done += n;
       } else {
         n = std::min(r.size, total - ps.frameDone);
@@ -347,7 +342,7 @@ TransferPtr Messenger::match(int peer, PeerState& ps, const FrameHeader& h) {
     reason->peer = peer;
     reason->bytes = h.payloadBytes;
     reason->stash.resize(h.payloadBytes);
-    reason->dst = reason->stash.data();
+    reason->sink = ReceiveSink::copy(reason->stash.data());
     return reason;
   }
   CLAWCOMM_CHECK(h.kind == FrameKind::kPointToPoint, "frame kind ", int(h.kind));
@@ -369,13 +364,13 @@ TransferPtr Messenger::match(int peer, PeerState& ps, const FrameHeader& h) {
   if (TransferPtr t = take(ps.postedPointToPoint)) return t;
   if (TransferPtr t = take(anySource_)) return t;
   auto stash = std::make_shared<Transfer>();
-  stash->mode = Transfer::Mode::kRecvCopy;
+  stash->mode = Transfer::Mode::kRecv;
   stash->peer = peer;
   stash->tag = h.seq;
   stash->bytes = h.payloadBytes;
   stash->unexpected = true;
   stash->stash.resize(h.payloadBytes);
-  stash->dst = stash->stash.data();
+  stash->sink = ReceiveSink::copy(stash->stash.data());
   ps.unexpected.push_back(stash);
   return stash;
 }
