@@ -21,9 +21,8 @@ void Channel::recv(int peer, void* buf, size_t bytes) {
 }
 
 void Channel::recvReduce(int peer, void* buf, size_t bytes) {
-  pending_.push_back(
-      messenger_.recvCollective(peer, sig_, recvSteps_[peer]++,
-                                ReceiveSink::reduce(buf, sig_.dtype, sig_.redop), bytes));
+  pending_.push_back(messenger_.recvCollective(
+      peer, sig_, recvSteps_[peer]++, ReceiveSink::reduce(buf, sig_.dtype, sig_.redop), bytes));
 }
 
 void Channel::recvInto(int peer, const ReceiveSink& sink, size_t bytes) {
