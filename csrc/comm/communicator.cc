@@ -14,8 +14,8 @@
 #include "algorithms/channel.h"
 #include "comm/rendezvous.h"
 #include "common/errors.h"
-#include "reduce/reduce_kernels.h"
 #include "messenger/messenger.h"
+#include "reduce/reduce_kernels.h"
 
 namespace clawcomm {
 
