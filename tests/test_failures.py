@@ -297,3 +297,28 @@ def test_a_bad_progress_nice_value_is_refused():
         RankFailure, match=r"CLAWCOMM_PROGRESS_NICE=25 is not a nice value in 0..19"
     ):
         run_ranks(_nothing, 2, env={"CLAWCOMM_PROGRESS_NICE": "25"}, timeout=60)
+
+
+@pytest.mark.parametrize(
+    "env,message",
+    [
+        ({"CLAWCOMM_TRANSPORT": "rdma"}, r"CLAWCOMM_TRANSPORT=rdma is not one of auto, shm, tcp"),
+        ({"CLAWCOMM_ALGO": "butterfly"}, r"CLAWCOMM_ALGO=butterfly is not one of auto, ring, tree"),
+    ],
+)
+def test_unknown_transport_or_algorithm_names_the_choices(env, message):
+    # The names come from the transport registry and the algorithm table.
+    with pytest.raises(RankFailure, match=message):
+        run_ranks(_nothing, 2, env=env, timeout=60, pg_timeout=10)
+
+
+def test_forced_shared_memory_across_hosts_is_refused():
+    with pytest.raises(RankFailure, match=r"CLAWCOMM_TRANSPORT=shm cannot connect rank \d"):
+        run_ranks(
+            _nothing,
+            2,
+            env={"CLAWCOMM_TRANSPORT": "shm"},
+            rank_env=[{"CLAWCOMM_HOST_ID": "a"}, {"CLAWCOMM_HOST_ID": "b"}],
+            timeout=60,
+            pg_timeout=10,
+        )

@@ -49,7 +49,24 @@ void pairwiseAllToAll(Channel& ch, const void* in, const std::vector<size_t>& se
 
 void disseminationBarrier(Channel& ch);
 
-// CLAWCOMM_ALGO=auto's choice for an all-reduce of `bytes` over `size` ranks.
-bool allReduceUsesTree(size_t bytes, int size, const Settings& settings);
+// One all-reduce algorithm: a row of the table in selection.cc.
+struct AllReduceAlgorithm {
+  Algorithm id;
+  const char* name;  // what CLAWCOMM_ALGO and all_reduce_algorithm() say
+  void (*run)(Channel& ch, void* buf, size_t count);
+  // The cost model's prediction, in seconds, for `bytes` over `size` ranks.
+  double (*cost)(double bytes, int size);
+};
+
+// Every all-reduce algorithm CLAWCOMM_ALGO can name.
+const std::vector<AllReduceAlgorithm>& allReduceAlgorithms();
+
+// The all-reduce of `bytes` over `size` ranks: CLAWCOMM_ALGO's, or with
+// auto the one the cost model predicts fastest (CLAWCOMM_TREE_MAX_BYTES
+// overrides the model with a fixed crossover).
+const AllReduceAlgorithm& chooseAllReduce(size_t bytes, int size, const Settings& settings);
+
+// Checks a CLAWCOMM_ALGO value: "auto" or a name in the table.
+void checkAlgorithmSetting(const std::string& value);
 
 }  // namespace clawcomm

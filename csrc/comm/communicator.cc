@@ -16,6 +16,7 @@
 #include "common/errors.h"
 #include "messenger/messenger.h"
 #include "reduce/reduce_kernels.h"
+#include "transport/registry.h"
 
 namespace clawcomm {
 
@@ -98,20 +99,19 @@ Communicator::Communicator(std::shared_ptr<Store> store, int rank, int size,
     : rank_(rank), size_(size), timeoutMs_(timeout.count()), settings_(std::move(settings)) {
   CLAWCOMM_ARG_CHECK(size >= 1 && rank >= 0 && rank < size, "clawcomm: rank ", rank,
                      " is not in a group of ", size, " ranks");
-  auto conns = rendezvous(*store, rank, size, settings_, Clock::now() + this->timeout());
+  checkTransportSetting(settings_.transport);
+  checkAlgorithmSetting(settings_.algo);
+  Connections conns = rendezvous(*store, rank, size, settings_, Clock::now() + this->timeout());
   transports_.resize(size_t(size));
-  int localRanks = 1;
-  for (int p = 0; p < size; ++p) {
-    transports_[p] = p == rank ? "self" : conns[p]->kind();
-    localRanks += transports_[p] == "shm";
-  }
+  for (int p = 0; p < size; ++p) transports_[p] = p == rank ? "self" : conns.toRank[p]->kind();
+  const int localRanks = conns.sameHostRanks;
   cpu_set_t cpus;
   const int cores = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
   const bool oversubscribed = localRanks > cores;
   if (settings_.spinMicros < 0) settings_.spinMicros = oversubscribed ? 5 : 50;
   if (settings_.yieldMicros < 0) settings_.yieldMicros = oversubscribed ? 1000 : 0;
-  messenger_ = std::make_unique<Messenger>(rank, size, std::move(conns), settings_.spinMicros,
-                                           settings_.yieldMicros);
+  messenger_ = std::make_unique<Messenger>(rank, size, std::move(conns.toRank),
+                                           settings_.spinMicros, settings_.yieldMicros);
   thread_ = std::thread([this] { progressLoop(); });
   std::lock_guard<std::mutex> lock(registryMutex);
   registry().insert(this);
@@ -156,7 +156,7 @@ const Traffic& Communicator::traffic() const {
 }
 
 std::string Communicator::allReduceAlgorithm(size_t bytes) const {
-  return allReduceUsesTree(bytes, size_, settings_) ? "tree" : "ring";
+  return chooseAllReduce(bytes, size_, settings_).name;
 }
 
 void Communicator::checkRoot(OpType op, int root) const {
@@ -177,18 +177,14 @@ void Communicator::checkCounts(OpType op, const std::vector<size_t>& counts,
 RequestPtr Communicator::allReduce(void* buf, size_t count, DataType dtype, ReduceOp op,
                                    Callback cb) {
   checkReduceOp(OpType::kAllReduce, dtype, op);
-  const bool tree = allReduceUsesTree(count * elementSize(dtype), size_, settings_);
+  const AllReduceAlgorithm& algo = chooseAllReduce(count * elementSize(dtype), size_, settings_);
   OpSignature sig{OpType::kAllReduce, dtype, op, -1, count};
-  sig.algo = tree ? 2 : 1;
+  sig.algo = algo.id;
   const int n = size_;
   return enqueueCollective(
       sig, count * elementSize(dtype),
       [=](Channel& ch) {
-        if (tree) {
-          treeAllReduce(ch, buf, count);
-        } else {
-          ringAllReduce(ch, buf, count);
-        }
+        algo.run(ch, buf, count);
         if (op == ReduceOp::kAvg) divideInPlace(dtype, buf, count, n);
       },
       std::move(cb));
@@ -205,7 +201,7 @@ RequestPtr Communicator::allReduce16BitWire(float* buf, size_t count, DataType w
                      "clawcomm::all_reduce: postscale ", postscale,
                      " is not a finite non-zero factor");
   OpSignature sig{OpType::kAllReduce, wire, ReduceOp::kSum, -1, count};
-  sig.algo = 3;  // ring with a 16-bit wire
+  sig.algo = Algorithm::kRing16BitWire;
   return enqueueCollective(
       sig, count * 2,
       [=](Channel& ch) { ringAllReduce16BitWire(ch, buf, count, prescale, postscale); },

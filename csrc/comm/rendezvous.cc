@@ -9,8 +9,7 @@
 #include <sstream>
 
 #include "common/errors.h"
-#include "transport/shm/connection.h"
-#include "transport/tcp/connection.h"
+#include "transport/registry.h"
 
 namespace clawcomm {
 namespace {
@@ -32,21 +31,14 @@ std::string hostIdentity() {
   return std::string(host) + "/" + boot;
 }
 
-const char* transportName(TransportChoice t) {
-  switch (t) {
-    case TransportChoice::kShm: return "shm";
-    case TransportChoice::kTcp: return "tcp";
-    default: return "auto";
-  }
-}
-
 }  // namespace
 
-std::vector<std::unique_ptr<Connection>> rendezvous(Store& store, int rank, int size,
-                                                    const Settings& settings,
-                                                    Clock::time_point deadline) {
-  std::vector<std::unique_ptr<Connection>> conns(static_cast<size_t>(size));
-  if (size == 1) return conns;
+Connections rendezvous(Store& store, int rank, int size, const Settings& settings,
+                       Clock::time_point deadline) {
+  Connections out;
+  auto& conns = out.toRank;
+  conns.resize(static_cast<size_t>(size));
+  if (size == 1) return out;
 
   // 1. The job token: random, from rank 0. Every TCP connection presents it
   //    and it names the shm segments, so two jobs never cross.
@@ -62,67 +54,82 @@ std::vector<std::unique_ptr<Connection>> rendezvous(Store& store, int rank, int 
 
   // 2. Where everybody runs, and which transport setting they use.
   const std::string host = settings.hostId.empty() ? hostIdentity() : settings.hostId;
-  const std::string me =
-      host + "|" + transportName(settings.transport) + "|" + std::to_string(settings.shmRingBytes);
-  store.set("clawcomm/host/" + std::to_string(rank), bytesOf(me));
-  std::vector<std::string> hosts(static_cast<size_t>(size));
-  std::vector<bool> useShm(static_cast<size_t>(size), false);
-  bool anyShm = false, anyTcp = false;
+  const std::string mySetting = settings.transport + "|" + std::to_string(settings.shmRingBytes);
+  store.set("clawcomm/host/" + std::to_string(rank), bytesOf(host + "|" + mySetting));
+  std::vector<RankInfo> ranks(static_cast<size_t>(size));
   for (int p = 0; p < size; ++p) {
-    hosts[p] = p == rank ? me : stringOf(store.get("clawcomm/host/" + std::to_string(p)));
-    const std::string theirs = hosts[p].substr(hosts[p].find('|'));
-    const std::string mine = me.substr(me.find('|'));
-    if (theirs != mine) {
+    const std::string theirs =
+        stringOf(store.get("clawcomm/host/" + std::to_string(p)));  // "host|transport|ring bytes"
+    const size_t bar = theirs.find('|');
+    if (theirs.substr(bar + 1) != mySetting) {
       throw InvalidArgument(CLAWCOMM_CONCAT(
-          "clawcomm: rank ", p, " runs with transport|ring bytes ", theirs.substr(1), ", rank ",
-          rank, " with ", mine.substr(1),
+          "clawcomm: rank ", p, " runs with transport|ring bytes ", theirs.substr(bar + 1),
+          ", rank ", rank, " with ", mySetting,
           "; CLAWCOMM_TRANSPORT and CLAWCOMM_SHM_RING_BYTES must match on every rank"));
     }
-    if (p == rank) continue;
-    const bool sameHost = hosts[p] == me;
-    if (settings.transport == TransportChoice::kShm && !sameHost) {
-      throw InvalidArgument(CLAWCOMM_CONCAT("clawcomm: CLAWCOMM_TRANSPORT=shm but rank ", p,
-                                            " runs on another host than rank ", rank));
-    }
-    useShm[p] = settings.transport == TransportChoice::kShm ||
-                (settings.transport == TransportChoice::kAuto && sameHost);
-    anyShm |= useShm[p];
-    anyTcp |= !useShm[p];
+    ranks[p].rank = p;
+    ranks[p].host = theirs.substr(0, bar);
+    if (p != rank) out.sameHostRanks += ranks[p].host == host;
   }
 
-  // 3. Create the endpoints this rank needs and publish their addresses.
-  std::unique_ptr<Endpoint> shm, tcp;
-  if (anyShm) shm = std::make_unique<ShmEndpoint>(tokenHex, rank, size, settings.shmRingBytes);
-  if (anyTcp) {
-    const std::string addr =
-        settings.socketAddr.empty() ? TcpEndpoint::defaultHostAddress() : settings.socketAddr;
-    tcp = std::make_unique<TcpEndpoint>(token, rank, size, addr);
-  }
-  store.set("clawcomm/addr/shm/" + std::to_string(rank), bytesOf(shm ? shm->address() : ""));
-  store.set("clawcomm/addr/tcp/" + std::to_string(rank), bytesOf(tcp ? tcp->address() : ""));
-
-  // 4. Connect every pair. TCP endpoints pair up by rank order themselves;
-  //    shared memory needs only the peer's segment name.
+  // 3. Each pair's transport: the forced one, which must be able to connect
+  //    it, or the first in the registry that can.
+  const auto& registry = transportRegistry();
+  std::vector<const TransportEntry*> chosen(static_cast<size_t>(size), nullptr);
+  std::vector<bool> used(registry.size(), false);
   for (int p = 0; p < size; ++p) {
     if (p == rank) continue;
-    const char* kind = useShm[p] ? "shm" : "tcp";
-    const std::string addr = stringOf(store.get(CLAWCOMM_CONCAT("clawcomm/addr/", kind, "/", p)));
-    conns[p] = (useShm[p] ? shm : tcp)->connect(p, addr, deadline);
+    for (size_t i = 0; i < registry.size(); ++i) {
+      const TransportEntry& t = registry[i];
+      if (settings.transport != "auto" && settings.transport != t.name) continue;
+      if (!t.canConnect(ranks[rank], ranks[p])) {
+        if (settings.transport == t.name) {
+          throw InvalidArgument(CLAWCOMM_CONCAT(
+              "clawcomm: CLAWCOMM_TRANSPORT=", t.name, " cannot connect rank ", rank, " (host ",
+              ranks[rank].host, ") with rank ", p, " (host ", ranks[p].host, ")"));
+        }
+        continue;
+      }
+      chosen[p] = &t;
+      used[i] = true;
+      break;
+    }
+    CLAWCOMM_CHECK(chosen[p] != nullptr, "no transport connects rank ", rank, " with rank ", p);
+  }
+
+  // 4. Create the endpoints this rank needs and publish their addresses
+  //    (an empty one for a transport it does not use).
+  const EndpointSetup setup{tokenHex, token, rank, size, &settings};
+  std::vector<std::unique_ptr<Endpoint>> endpoints(registry.size());
+  for (size_t i = 0; i < registry.size(); ++i) {
+    if (used[i]) endpoints[i] = registry[i].makeEndpoint(setup);
+    store.set(CLAWCOMM_CONCAT("clawcomm/addr/", registry[i].name, "/", rank),
+              bytesOf(endpoints[i] ? endpoints[i]->address() : ""));
+  }
+
+  // 5. Connect every pair, each through its transport's endpoint.
+  for (int p = 0; p < size; ++p) {
+    if (p == rank) continue;
+    const size_t i = size_t(chosen[p] - registry.data());
+    const std::string addr =
+        stringOf(store.get(CLAWCOMM_CONCAT("clawcomm/addr/", registry[i].name, "/", p)));
+    conns[p] = endpoints[i]->connect(p, addr, deadline);
     if (settings.debug) {
-      std::cerr << "clawcomm: rank " << rank << " -> rank " << p << " over " << kind << " (" << addr
-                << ")\n";
+      std::cerr << "clawcomm: rank " << rank << " -> rank " << p << " over " << registry[i].name
+                << " (" << addr << ")\n";
     }
   }
 
-  // 5. Once everybody has mapped and connected, nothing needs the names any
+  // 6. Once everybody has mapped and connected, nothing needs the names any
   //    more: unlink the segment so a crash cannot leak it.
   store.set("clawcomm/connected/" + std::to_string(rank), bytesOf("1"));
   for (int p = 0; p < size; ++p) {
     if (p != rank) store.get("clawcomm/connected/" + std::to_string(p));
   }
-  if (shm) shm->finishSetup();
-  if (tcp) tcp->finishSetup();
-  return conns;
+  for (auto& e : endpoints) {
+    if (e) e->finishSetup();
+  }
+  return out;
 }
 
 }  // namespace clawcomm

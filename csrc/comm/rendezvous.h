@@ -13,9 +13,14 @@
 
 namespace clawcomm {
 
-// Returns one connection per rank (null for `rank` itself).
-std::vector<std::unique_ptr<Connection>> rendezvous(Store& store, int rank, int size,
-                                                    const Settings& settings,
-                                                    Clock::time_point deadline);
+struct Connections {
+  std::vector<std::unique_ptr<Connection>> toRank;  // one per rank, null for this rank
+  int sameHostRanks = 1;                            // ranks on this rank's host, itself included
+};
+
+// Connects this rank to every other through the transport registry
+// (transport/registry.h).
+Connections rendezvous(Store& store, int rank, int size, const Settings& settings,
+                       Clock::time_point deadline);
 
 }  // namespace clawcomm

@@ -21,6 +21,16 @@ const char* opTypeName(OpType t) {
   return "unknown-op";
 }
 
+const char* algorithmName(Algorithm a) {
+  switch (a) {
+    case Algorithm::kDefault: return "default";
+    case Algorithm::kRing: return "ring";
+    case Algorithm::kTree: return "tree";
+    case Algorithm::kRing16BitWire: return "ring with a 16-bit wire";
+  }
+  return "unknown-algorithm";
+}
+
 std::string OpSignature::describe() const {
   std::string s = CLAWCOMM_CONCAT(opTypeName(type), " #", seq);
   if (type != OpType::kBarrier && type != OpType::kAllToAll) {
@@ -32,8 +42,8 @@ std::string OpSignature::describe() const {
       type == OpType::kAllReduce || type == OpType::kReduceScatter || type == OpType::kReduce;
   if (reducing) s += CLAWCOMM_CONCAT(" (", reduceOpName(redop), ")");
   if (root >= 0) s += CLAWCOMM_CONCAT(" (root ", root, ")");
-  if (algo == 1) s += " with the ring algorithm";
-  if (algo == 2) s += " with the tree algorithm";
+  if (algo != Algorithm::kDefault)
+    s += CLAWCOMM_CONCAT(" with the ", algorithmName(algo), " algorithm");
   return s;
 }
 

@@ -24,6 +24,19 @@ enum class OpType : uint8_t {
 
 const char* opTypeName(OpType t);
 
+// Which algorithm moves an operation's bytes. Every frame carries it, so
+// ranks that chose differently fail with a clear error instead of mixing
+// two algorithms' messages. The all-reduce algorithms and their cost model
+// are a table in algorithms/selection.cc.
+enum class Algorithm : uint8_t {
+  kDefault = 0,        // the op's only algorithm
+  kRing = 1,           // ring all-reduce (reduce-scatter + all-gather)
+  kTree = 2,           // recursive doubling
+  kRing16BitWire = 3,  // ring all-reduce of float32 with a 16-bit wire
+};
+
+const char* algorithmName(Algorithm a);
+
 // The signature a collective carries in every frame header; the receiver
 // compares it with its own and fails both ranks on any difference.
 struct OpSignature {
@@ -33,7 +46,7 @@ struct OpSignature {
   int32_t root = -1;   // -1 for unrooted ops
   uint64_t count = 0;  // elements all ranks must agree on (0: not compared)
   uint64_t seq = 0;    // collective sequence number in this communicator
-  uint8_t algo = 0;    // which algorithm moves the bytes (0: the op's only one)
+  Algorithm algo = Algorithm::kDefault;
 
   bool sameAs(const OpSignature& o) const {
     return type == o.type && dtype == o.dtype && redop == o.redop && root == o.root &&

@@ -45,8 +45,8 @@ SimdChoice simdChoiceFromEnv() {
 
 Settings Settings::fromEnv() {
   Settings s;
-  s.transport = TransportChoice(envChoice("CLAWCOMM_TRANSPORT", {"auto", "shm", "tcp"}));
-  s.algo = AlgoChoice(envChoice("CLAWCOMM_ALGO", {"auto", "ring", "tree"}));
+  if (const char* v = env("CLAWCOMM_TRANSPORT")) s.transport = v;
+  if (const char* v = env("CLAWCOMM_ALGO")) s.algo = v;
   // Ring sizes are rounded to 64 bytes so that frames stay aligned.
   s.shmRingBytes = envBytes("CLAWCOMM_SHM_RING_BYTES", s.shmRingBytes, 4096) & ~size_t(63);
   s.segmentBytes = envBytes("CLAWCOMM_SEGMENT_BYTES", s.segmentBytes, 64);

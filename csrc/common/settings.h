@@ -9,8 +9,6 @@
 
 namespace clawcomm {
 
-enum class TransportChoice { kAuto, kShm, kTcp };
-enum class AlgoChoice { kAuto, kRing, kTree };
 enum class SimdChoice { kAuto, kAvx512, kAvx2, kPortable };
 
 // CLAWCOMM_SIMD=auto|avx512|avx2|portable: the most the element-wise kernels
@@ -18,12 +16,16 @@ enum class SimdChoice { kAuto, kAvx512, kAvx2, kPortable };
 SimdChoice simdChoiceFromEnv();
 
 struct Settings {
-  // CLAWCOMM_TRANSPORT=auto|shm|tcp. auto: shared memory to peers on the same
-  // host, TCP to the others.
-  TransportChoice transport = TransportChoice::kAuto;
-  // CLAWCOMM_ALGO=auto|ring|tree. auto picks by the cost model in
-  // docs/algorithms.md (see algorithms/selection.cc).
-  AlgoChoice algo = AlgoChoice::kAuto;
+  // CLAWCOMM_TRANSPORT=auto or a transport's name (transport/registry.cc:
+  // shm, tcp). auto: for each pair, the first transport in the registry
+  // that can connect it: shared memory on one host, TCP across hosts.
+  // Checked against the registry when a communicator is created.
+  std::string transport = "auto";
+  // CLAWCOMM_ALGO=auto or an all-reduce algorithm's name
+  // (algorithms/selection.cc: ring, tree). auto picks by the cost model in
+  // docs/algorithms.md. Checked against the table when a communicator is
+  // created.
+  std::string algo = "auto";
   // CLAWCOMM_SHM_RING_BYTES: bytes of each one-way shared-memory ring.
   size_t shmRingBytes = size_t(4) << 20;
   // CLAWCOMM_SEGMENT_BYTES: ring algorithms pipeline each chunk in segments of

@@ -43,7 +43,7 @@ OpSignature signatureOf(const FrameHeader& h) {
   s.root = h.root;
   s.count = h.count;
   s.seq = h.seq;
-  s.algo = h.algo;
+  s.algo = Algorithm(h.algo);
   return s;
 }
 
@@ -123,7 +123,7 @@ TransferPtr Messenger::sendCollective(int peer, const OpSignature& sig, uint32_t
   h.count = sig.count;
   h.root = sig.root;
   h.step = step;
-  h.algo = sig.algo;
+  h.algo = uint8_t(sig.algo);
   return queueSend(peer, h, src, bytes);
 }
 
