@@ -23,7 +23,17 @@ def register() -> None:
         or BACKEND_NAME in dist.Backend.backend_list
     ):
         return
-    dist.Backend.register_backend(BACKEND_NAME, _create_backend, devices=["cpu"])
+    import torch
+
+    # CUDA tensors are staged through pinned host memory (csrc/torch/
+    # process_group.cc). torch calls the creator once per device type, so a
+    # CUDA machine gets a second communicator for its CUDA tensors; a CPU
+    # machine registers for cpu only and keeps one.
+    # device_count() asks NVML, so the CUDA driver stays uninitialised here
+    # and ranks forked from this process can still use the GPU.
+    cuda = torch.backends.cuda.is_built() and torch.cuda.device_count() > 0
+    devices = ["cpu", "cuda"] if cuda else ["cpu"]
+    dist.Backend.register_backend(BACKEND_NAME, _create_backend, devices=devices)
     # Stop every progress thread before Python finalizes: a thread that runs a
     # completion callback during finalization would be killed mid-way.
     atexit.register(_C._shutdown_all)

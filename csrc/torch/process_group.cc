@@ -7,11 +7,16 @@
 // list arguments), queues one engine operation and returns a Work whose
 // future completes on the engine's progress thread, after the results have
 // been copied back into the caller's tensors.
+#include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <pybind11/chrono.h>
 #include <torch/extension.h>
 
 #include <atomic>
+#include <map>
 #include <numeric>
+#include <optional>
 #include <thread>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -94,8 +99,15 @@ void checkTensor(const char* op, const at::Tensor& t) {
   TORCH_CHECK_VALUE(t.defined(), "clawcomm::", op, ": got an undefined tensor");
   TORCH_CHECK_VALUE(t.layout() == at::kStrided, "clawcomm::", op, ": got a ", t.layout(),
                     " tensor; clawcomm handles dense (strided) tensors only");
-  TORCH_CHECK_VALUE(t.device().is_cpu(), "clawcomm::", op, ": got a tensor on ", t.device(),
-                    "; the clawcomm backend handles cpu tensors");
+  TORCH_CHECK_VALUE(t.device().is_cpu() || t.device().is_cuda(), "clawcomm::", op,
+                    ": got a tensor on ", t.device(),
+                    "; the clawcomm backend handles cpu and cuda tensors");
+}
+
+void checkSameDevice(const char* op, const at::Tensor& a, const at::Tensor& b) {
+  TORCH_CHECK_VALUE(a.device() == b.device(), "clawcomm::", op, ": tensors on ", a.device(),
+                    " and ", b.device(),
+                    " in one call; every tensor of a call must be on one device");
 }
 
 // Checks every tensor and that they share one dtype; returns it.
@@ -105,6 +117,7 @@ DataType checkTensors(const char* op, const TensorList& ts) {
     checkTensor(op, t);
     TORCH_CHECK_VALUE(t.scalar_type() == ts[0].scalar_type(), "clawcomm::", op,
                       ": tensors mix dtypes ", ts[0].scalar_type(), " and ", t.scalar_type());
+    checkSameDevice(op, ts[0], t);
   }
   return toDataType(op, ts[0].scalar_type());
 }
@@ -121,6 +134,7 @@ void checkNumel(const char* op, const char* what, int64_t got, int64_t expected)
 }
 
 void checkSameDtype(const char* op, const at::Tensor& a, const at::Tensor& b) {
+  checkSameDevice(op, a, b);
   TORCH_CHECK_VALUE(a.scalar_type() == b.scalar_type(), "clawcomm::", op,
                     ": input and output dtypes differ (", a.scalar_type(), " vs ", b.scalar_type(),
                     ")");
@@ -155,17 +169,112 @@ std::vector<size_t> numels(const TensorList& ts) {
 }
 
 // ---------------------------------------------------------------------------
+// CUDA tensors through pinned host memory.
+//
+// The engine moves host bytes, so a CUDA tensor is staged, as
+// ProcessGroupGloo does: c10d's stream rules are kept with events only,
+// through c10's device-generic interfaces, so this file builds against a CPU
+// torch as well (where no CUDA tensor can reach it).
+//   1. On the caller's thread: each engine buffer the op reads is copied
+//      into a pinned host mirror on the caller's current stream, so it
+//      follows the kernels that produced it; the thread waits for those
+//      copies (an event), then queues the engine op on the mirrors.
+//   2. On the progress thread, when the engine is done: the communicator's
+//      own stream waits for the caller's stream, copies every mirror the op
+//      wrote back to the device, and runs the op's device-side finalize
+//      (split, copy back) there; the device buffers are recorded on that
+//      stream for the caching allocator.
+//   3. The future is CUDA-aware: completed on the communicator's stream, it
+//      carries an event, and Work::wait() or future.wait() make the
+//      caller's current stream wait for it.
+
+enum class Access { kRead, kWrite, kReadWrite };
+
+// A tensor the engine reads or writes, as passed to launch().
+struct EngineBuffer {
+  at::Tensor* tensor;
+  Access access;
+};
+EngineBuffer reads(at::Tensor& t) {
+  return {&t, Access::kRead};
+}
+EngineBuffer writes(at::Tensor& t) {
+  return {&t, Access::kWrite};
+}
+EngineBuffer updates(at::Tensor& t) {
+  return {&t, Access::kReadWrite};
+}
+
+class DeviceStaging {
+ public:
+  DeviceStaging(c10::Device device, c10::Stream stream)
+      : device_(device), stream_(stream), ready_(device.type()) {}
+
+  const c10::Stream& stream() const { return stream_; }
+
+  // The pinned host buffer the engine works on instead of `dev`.
+  at::Tensor mirror(const at::Tensor& dev, Access access) {
+    at::Tensor host = at::empty(dev.sizes(), dev.options().device(at::kCPU).pinned_memory(true));
+    if (access != Access::kWrite) host.copy_(dev, /*non_blocking=*/true);
+    if (access != Access::kRead) writeBack_.push_back({host, dev});
+    touched_.push_back(dev);
+    return host;
+  }
+
+  // Keeps `t` (an output) safe from the caching allocator until the
+  // communicator's stream is done with it.
+  void touches(const at::Tensor& t) { touched_.push_back(t); }
+
+  // Step 1: the caller's stream has issued every copy to host; wait for them.
+  void fetch() {
+    c10::impl::VirtualGuardImpl impl(device_.type());
+    ready_.record(impl.getStream(device_));
+    ready_.synchronize();
+  }
+
+  // Step 2, on the progress thread, inside a StreamGuard on stream().
+  void store() {
+    ready_.block(stream_);
+    for (auto& [host, dev] : writeBack_) dev.copy_(host, /*non_blocking=*/true);
+  }
+
+  // After the device-side finalize, still on stream().
+  void release() {
+    c10::impl::VirtualGuardImpl impl(device_.type());
+    for (const auto& t : touched_) {
+      if (t.defined() && t.device() == device_) {
+        impl.recordDataPtrOnStream(t.storage().data_ptr(), stream_);
+      }
+    }
+    touched_.clear();
+    writeBack_.clear();
+  }
+
+ private:
+  c10::Device device_;
+  c10::Stream stream_;
+  c10::Event ready_;
+  std::vector<std::pair<at::Tensor, at::Tensor>> writeBack_;  // (host mirror, device buffer)
+  TensorList touched_;
+};
+
+// ---------------------------------------------------------------------------
 // Work.
 
 // What completes when the engine finishes: shared by the Work and the engine
 // callback, so that neither keeps the other alive.
 struct Completion {
-  c10::intrusive_ptr<c10::ivalue::Future> future =
-      c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
-  TensorList outputs;              // what the future yields
-  std::function<void()> finalize;  // copies results back into the caller's tensors
-  TensorList keepAlive;            // staging buffers the engine reads or writes
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  TensorList outputs;                      // what the future yields
+  std::function<void()> finalize;          // copies results back into the caller's tensors
+  TensorList keepAlive;                    // staging buffers the engine reads or writes
+  std::shared_ptr<DeviceStaging> staging;  // CUDA ops only
 };
+
+c10::intrusive_ptr<c10::ivalue::Future> makeFuture(std::vector<c10::Device> devices = {}) {
+  return c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
+                                                  std::move(devices));
+}
 
 class ClawcommWork : public c10d::Work {
  public:
@@ -190,6 +299,9 @@ class ClawcommWork : public c10d::Work {
                                " ms; the operation is still running"));
     }
     if (auto e = request_->exception()) rethrowForTorch(e);
+    // CUDA: the caller's current stream waits for the copies back to the
+    // device (an event on the communicator's stream); the host does not.
+    if (completion_->staging) completion_->future->wait();
     return true;
   }
 
@@ -204,10 +316,7 @@ class ClawcommWork : public c10d::Work {
 class CoalescedWork : public c10d::Work {
  public:
   CoalescedWork(int rank, std::vector<c10::intrusive_ptr<c10d::Work>> children)
-      : Work(rank, OpType::COALESCED),
-        children_(std::move(children)),
-        future_(c10::make_intrusive<c10::ivalue::Future>(
-            c10::ListType::create(c10::TensorType::get()))) {
+      : Work(rank, OpType::COALESCED), children_(std::move(children)), future_(makeFuture()) {
     if (children_.empty()) {
       future_->markCompleted(c10::IValue(TensorList{}));
       return;
@@ -308,7 +417,7 @@ class ClawcommBackend : public c10d::Backend {
     const at::Tensor& t = single(op, tensors);
     const ReduceOp redop = toReduceOp(op, opts.reduceOp);
     at::Tensor buf = flat(t);
-    return launch(OpType::ALLREDUCE, {t}, {buf}, copyBack(buf, t), [&](auto cb) {
+    return launch(OpType::ALLREDUCE, {t}, {updates(buf)}, copyBack(buf, t), [&](auto cb) {
       return comm_->allReduce(buf.data_ptr(), size_t(buf.numel()), dt, redop, cb);
     });
   }
@@ -321,7 +430,7 @@ class ClawcommBackend : public c10d::Backend {
     at::Tensor buf = concat(tensors);
     TensorList outs = tensors;
     return launch(
-        OpType::ALLREDUCE_COALESCED, outs, {buf}, [buf, outs] { splitInto(buf, outs); },
+        OpType::ALLREDUCE_COALESCED, outs, {updates(buf)}, [buf, outs] { splitInto(buf, outs); },
         [&](auto cb) {
           return comm_->allReduce(buf.data_ptr(), size_t(buf.numel()), dt, redop, cb);
         });
@@ -335,7 +444,7 @@ class ClawcommBackend : public c10d::Backend {
     const ReduceOp redop = toReduceOp(op, opts.reduceOp);
     const int root = int(opts.rootRank);
     at::Tensor buf = flat(t);
-    return launch(OpType::REDUCE, {t}, {buf}, copyBack(buf, t), [&](auto cb) {
+    return launch(OpType::REDUCE, {t}, {updates(buf)}, copyBack(buf, t), [&](auto cb) {
       return comm_->reduce(buf.data_ptr(), size_t(buf.numel()), dt, redop, root, cb);
     });
   }
@@ -347,7 +456,7 @@ class ClawcommBackend : public c10d::Backend {
     const at::Tensor& t = single(op, tensors);
     const int root = int(opts.rootRank);
     at::Tensor buf = flat(t);
-    return launch(OpType::BROADCAST, {t}, {buf}, copyBack(buf, t), [&](auto cb) {
+    return launch(OpType::BROADCAST, {t}, {updates(buf)}, copyBack(buf, t), [&](auto cb) {
       return comm_->broadcast(buf.data_ptr(), size_t(buf.numel()), dt, root, cb);
     });
   }
@@ -370,7 +479,7 @@ class ClawcommBackend : public c10d::Backend {
     at::Tensor src = flat(in);
     at::Tensor buf = at::empty({total}, in.options());
     return launch(
-        OpType::ALLGATHER, outs, {src, buf}, [buf, outs] { splitInto(buf, outs); },
+        OpType::ALLGATHER, outs, {reads(src), writes(buf)}, [buf, outs] { splitInto(buf, outs); },
         [&](auto cb) { return comm_->allGather(src.data_ptr(), buf.data_ptr(), counts, dt, cb); });
   }
 
@@ -383,7 +492,7 @@ class ClawcommBackend : public c10d::Backend {
     at::Tensor buf = flat(output);
     std::vector<size_t> counts(static_cast<size_t>(getSize()), static_cast<size_t>(input.numel()));
     return launch(
-        OpType::_ALLGATHER_BASE, {output}, {src, buf}, copyBack(buf, output),
+        OpType::_ALLGATHER_BASE, {output}, {reads(src), writes(buf)}, copyBack(buf, output),
         [&](auto cb) { return comm_->allGather(src.data_ptr(), buf.data_ptr(), counts, dt, cb); });
   }
 
@@ -415,7 +524,7 @@ class ClawcommBackend : public c10d::Backend {
         }
       }
     };
-    return launch(OpType::COALESCED, outs, {src, buf}, finalize, [&](auto cb) {
+    return launch(OpType::COALESCED, outs, {reads(src), writes(buf)}, finalize, [&](auto cb) {
       return comm_->allGather(src.data_ptr(), buf.data_ptr(), counts, dt, cb);
     });
   }
@@ -442,7 +551,7 @@ class ClawcommBackend : public c10d::Backend {
     TensorList flatOuts;  // rank-major, matching the gathered layout
     for (auto& list : outputLists) flatOuts.insert(flatOuts.end(), list.begin(), list.end());
     return launch(
-        OpType::ALLGATHER_COALESCED, flatOuts, {src, buf},
+        OpType::ALLGATHER_COALESCED, flatOuts, {reads(src), writes(buf)},
         [buf, flatOuts] { splitInto(buf, flatOuts); },
         [&](auto cb) { return comm_->allGather(src.data_ptr(), buf.data_ptr(), counts, dt, cb); });
   }
@@ -464,9 +573,10 @@ class ClawcommBackend : public c10d::Backend {
     at::Tensor src = concat(inputs[0]);
     at::Tensor buf = flat(out);
     const std::vector<size_t> counts = numels(inputs[0]);
-    return launch(OpType::REDUCE_SCATTER, {out}, {src, buf}, copyBack(buf, out), [&](auto cb) {
-      return comm_->reduceScatter(src.data_ptr(), buf.data_ptr(), counts, dt, redop, cb);
-    });
+    return launch(
+        OpType::REDUCE_SCATTER, {out}, {reads(src), writes(buf)}, copyBack(buf, out), [&](auto cb) {
+          return comm_->reduceScatter(src.data_ptr(), buf.data_ptr(), counts, dt, redop, cb);
+        });
   }
 
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
@@ -478,10 +588,11 @@ class ClawcommBackend : public c10d::Backend {
     at::Tensor src = flat(input);
     at::Tensor buf = flat(output);
     std::vector<size_t> counts(static_cast<size_t>(getSize()), static_cast<size_t>(output.numel()));
-    return launch(
-        OpType::_REDUCE_SCATTER_BASE, {output}, {src, buf}, copyBack(buf, output), [&](auto cb) {
-          return comm_->reduceScatter(src.data_ptr(), buf.data_ptr(), counts, dt, redop, cb);
-        });
+    return launch(OpType::_REDUCE_SCATTER_BASE, {output}, {reads(src), writes(buf)},
+                  copyBack(buf, output), [&](auto cb) {
+                    return comm_->reduceScatter(src.data_ptr(), buf.data_ptr(), counts, dt, redop,
+                                                cb);
+                  });
   }
 
   c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
@@ -512,7 +623,7 @@ class ClawcommBackend : public c10d::Backend {
     std::vector<size_t> counts(static_cast<size_t>(n), static_cast<size_t>(perRank));
     TensorList outs = outputs;
     return launch(
-        OpType::COALESCED, outs, {src, buf}, [buf, outs] { splitInto(buf, outs); },
+        OpType::COALESCED, outs, {reads(src), writes(buf)}, [buf, outs] { splitInto(buf, outs); },
         [&](auto cb) {
           return comm_->reduceScatter(src.data_ptr(), buf.data_ptr(), counts, dt, redop, cb);
         });
@@ -554,9 +665,11 @@ class ClawcommBackend : public c10d::Backend {
     const auto recvCounts = countsOf(output, outputSplits, "the output");
     at::Tensor src = flat(input);
     at::Tensor buf = flat(output);
-    return launch(OpType::ALLTOALL_BASE, {output}, {src, buf}, copyBack(buf, output), [&](auto cb) {
-      return comm_->allToAll(src.data_ptr(), sendCounts, buf.data_ptr(), recvCounts, dt, cb);
-    });
+    return launch(OpType::ALLTOALL_BASE, {output}, {reads(src), writes(buf)}, copyBack(buf, output),
+                  [&](auto cb) {
+                    return comm_->allToAll(src.data_ptr(), sendCounts, buf.data_ptr(), recvCounts,
+                                           dt, cb);
+                  });
   }
 
   c10::intrusive_ptr<c10d::Work> alltoall(TensorList& outputs, TensorList& inputs,
@@ -575,7 +688,7 @@ class ClawcommBackend : public c10d::Backend {
     const auto sendCounts = numels(inputs);
     TensorList outs = outputs;
     return launch(
-        OpType::ALLTOALL, outs, {src, buf}, [buf, outs] { splitInto(buf, outs); },
+        OpType::ALLTOALL, outs, {reads(src), writes(buf)}, [buf, outs] { splitInto(buf, outs); },
         [&](auto cb) {
           return comm_->allToAll(src.data_ptr(), sendCounts, buf.data_ptr(), recvCounts, dt, cb);
         });
@@ -607,7 +720,7 @@ class ClawcommBackend : public c10d::Backend {
       buf = at::empty({0}, in.options());
     }
     return launch(
-        OpType::GATHER, outs, {src, buf}, [buf, outs] { splitInto(buf, outs); },
+        OpType::GATHER, outs, {reads(src), writes(buf)}, [buf, outs] { splitInto(buf, outs); },
         [&](auto cb) {
           return comm_->gather(src.data_ptr(), buf.data_ptr(), size_t(in.numel()), dt, root, cb);
         });
@@ -636,9 +749,10 @@ class ClawcommBackend : public c10d::Backend {
       src = at::empty({0}, out.options());
     }
     at::Tensor buf = flat(out);
-    return launch(OpType::SCATTER, {out}, {src, buf}, copyBack(buf, out), [&](auto cb) {
-      return comm_->scatter(src.data_ptr(), buf.data_ptr(), size_t(out.numel()), dt, root, cb);
-    });
+    return launch(
+        OpType::SCATTER, {out}, {reads(src), writes(buf)}, copyBack(buf, out), [&](auto cb) {
+          return comm_->scatter(src.data_ptr(), buf.data_ptr(), size_t(out.numel()), dt, root, cb);
+        });
   }
 
   c10::intrusive_ptr<c10d::Work> send(TensorList& tensors, int dstRank, int tag) override {
@@ -646,7 +760,7 @@ class ClawcommBackend : public c10d::Backend {
     checkTensors(op, tensors);
     const at::Tensor& t = single(op, tensors);
     at::Tensor buf = flat(t);
-    return launch(OpType::SEND, {t}, {buf}, nullptr, [&](auto cb) {
+    return launch(OpType::SEND, {t}, {reads(buf)}, nullptr, [&](auto cb) {
       return comm_->send(buf.data_ptr(), size_t(buf.nbytes()), dstRank, uint64_t(tag), cb);
     });
   }
@@ -674,30 +788,60 @@ class ClawcommBackend : public c10d::Backend {
     checkTensors(op, tensors);
     const at::Tensor& t = single(op, tensors);
     at::Tensor buf = flat(t);
-    return launch(type, {t}, {buf}, copyBack(buf, t), [&](auto cb) {
+    return launch(type, {t}, {writes(buf)}, copyBack(buf, t), [&](auto cb) {
       return comm_->recv(buf.data_ptr(), size_t(buf.nbytes()), srcRank, uint64_t(tag), cb);
     });
   }
 
+  // The communicator's stream on `device` (one per device, from torch's pool).
+  c10::Stream streamFor(c10::Device device) {
+    std::lock_guard<std::mutex> lock(streamsMutex_);
+    auto it = streams_.find(device.index());
+    if (it == streams_.end()) {
+      c10::impl::VirtualGuardImpl impl(device.type());
+      it = streams_.emplace(device.index(), impl.getStreamFromGlobalPool(device)).first;
+    }
+    return it->second;
+  }
+
   // Queues one engine operation. `outputs` is what the future yields,
-  // `keepAlive` the buffers the engine touches, `finalize` runs on success
-  // before the future completes.
+  // `buffers` the tensors the engine reads and writes (replaced by pinned
+  // host mirrors when they live on a GPU: the `issue` callback reads them
+  // after that), `finalize` runs on success before the future completes.
   template <typename Issue>
-  c10::intrusive_ptr<c10d::Work> launch(OpType type, TensorList outputs, TensorList keepAlive,
+  c10::intrusive_ptr<c10d::Work> launch(OpType type, TensorList outputs,
+                                        std::vector<EngineBuffer> buffers,
                                         std::function<void()> finalize, Issue issue) {
     auto completion = std::make_shared<Completion>();
+    std::vector<c10::Device> devices;
+    for (const auto& b : buffers) {
+      if (b.tensor->device().is_cuda()) {
+        devices = {b.tensor->device()};
+        break;
+      }
+    }
+    completion->future = makeFuture(devices);
+    if (!devices.empty()) {
+      auto staging = std::make_shared<DeviceStaging>(devices[0], streamFor(devices[0]));
+      for (auto& b : buffers) *b.tensor = staging->mirror(*b.tensor, b.access);
+      for (const auto& t : outputs) staging->touches(t);
+      staging->fetch();
+      completion->staging = std::move(staging);
+    }
     completion->outputs = std::move(outputs);
-    completion->keepAlive = std::move(keepAlive);
+    for (const auto& b : buffers) completion->keepAlive.push_back(*b.tensor);
     completion->finalize = std::move(finalize);
     auto work = c10::make_intrusive<ClawcommWork>(getRank(), type, completion);
     Request::Callback cb = [completion](std::exception_ptr error) {
-      if (!error && completion->finalize) {
-        try {
-          completion->finalize();
-        } catch (...) {
-          error = std::current_exception();
-        }
+      std::optional<c10::StreamGuard> onStream;
+      if (completion->staging) onStream.emplace(completion->staging->stream());
+      try {
+        if (!error && completion->staging) completion->staging->store();
+        if (!error && completion->finalize) completion->finalize();
+      } catch (...) {
+        error = std::current_exception();
       }
+      if (completion->staging) completion->staging->release();
       completion->keepAlive.clear();
       if (error) {
         completion->future->setError(error);
@@ -715,6 +859,8 @@ class ClawcommBackend : public c10d::Backend {
   }
 
   std::shared_ptr<Communicator> comm_;
+  std::mutex streamsMutex_;
+  std::map<c10::DeviceIndex, c10::Stream> streams_;
   bool coalescing_ = false;
   std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;
 };

@@ -1,0 +1,156 @@
+"""CUDA tensors through the clawcomm backend (issue 11, step 1: staging through
+pinned host memory). Every test carries the ``gpu`` marker and skips cleanly
+where there is no GPU; ranks share the one GPU a test machine has.
+
+Results are compared with the same collectives on CPU tensors, which the rest
+of the suite checks against local values and gloo.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from clawcomm.testing import run_ranks
+
+# device_count() asks NVML: the driver stays uninitialised in this process, so
+# the forked ranks can use the GPU.
+HAVE_GPU = torch.backends.cuda.is_built() and torch.cuda.device_count() > 0
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not HAVE_GPU, reason="no CUDA GPU (CUDA tests run on the GPU machine)"),
+]
+
+
+def _inputs(rank, count, dtype):
+    g = torch.Generator().manual_seed(1000 + rank)
+    x = torch.randint(-8, 9, (count,), generator=g).to(dtype)
+    return x
+
+
+def _every_collective(rank, n, dtype, count):
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    problems = []
+
+    def same(name, got, want):
+        if not torch.equal(got.cpu(), want.cpu()):
+            problems.append(f"{name}: got {got.flatten()[:6].tolist()}, want {want.flatten()[:6]}")
+
+    x = _inputs(rank, count, dtype)
+    # all_reduce on a side stream: the work must follow the caller's stream
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        d = x.to(dev) * 1  # produced on the side stream
+        work = dist.all_reduce(d, async_op=True)
+        work.wait()  # the side stream waits; the host does not need to
+        d2 = d * 1  # ordered after the copy back on the side stream
+    c = x.clone()
+    dist.all_reduce(c)
+    torch.cuda.synchronize()
+    same("all_reduce", d2, c)
+
+    for op in (dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT):
+        d, c = x.to(dev), x.clone()
+        dist.all_reduce(d, op=op)
+        dist.all_reduce(c, op=op)
+        same(f"all_reduce {op}", d, c)
+
+    d, c = x.to(dev), x.clone()
+    dist.broadcast(d, src=n - 1)
+    dist.broadcast(c, src=n - 1)
+    same("broadcast", d, c)
+
+    outs_d = [torch.empty_like(x, device=dev) for _ in range(n)]
+    outs_c = [torch.empty_like(x) for _ in range(n)]
+    dist.all_gather(outs_d, x.to(dev))
+    dist.all_gather(outs_c, x)
+    same("all_gather", torch.cat(outs_d), torch.cat(outs_c))
+
+    big = torch.cat([x] * n)
+    d = torch.empty_like(x, device=dev)
+    c = torch.empty_like(x)
+    dist.reduce_scatter_tensor(d, big.to(dev))
+    dist.reduce_scatter_tensor(c, big)
+    same("reduce_scatter_tensor", d, c)
+
+    d = torch.empty_like(big, device=dev)
+    c = torch.empty_like(big)
+    dist.all_to_all_single(d, big.to(dev))
+    dist.all_to_all_single(c, big)
+    same("all_to_all_single", d, c)
+
+    if n > 1:
+        peer = (rank + 1) % n
+        src = (rank - 1) % n
+        got = torch.empty_like(x, device=dev)
+        reqs = dist.batch_isend_irecv(
+            [dist.P2POp(dist.isend, x.to(dev), peer), dist.P2POp(dist.irecv, got, src)]
+        )
+        for r in reqs:
+            r.wait()
+        same("send/recv", got, _inputs(src, count, dtype))
+
+    # the future is CUDA-aware: then() sees the copied-back values
+    d = x.to(dev)
+    fut = dist.all_reduce(d, async_op=True).get_future()
+    total = fut.then(lambda f: f.value()[0].sum()).wait()
+    c = x.clone()
+    dist.all_reduce(c)
+    if total.item() != c.sum().item():
+        problems.append(f"future.then: {total.item()} != {c.sum().item()}")
+    return problems
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+@pytest.mark.parametrize("count", [0, 1, 1001, 1 << 18])
+def test_cuda_collectives_match_the_cpu_engine(world_size, dtype, count):
+    for problems in run_ranks(_every_collective, world_size, dtype, count, timeout=300):
+        assert not problems, problems
+
+
+def _mixed_devices(rank, n):
+    out = torch.empty(4 * n, device="cuda")
+    try:
+        dist.all_gather_into_tensor(out, torch.ones(4))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_mixing_devices_in_one_call_is_a_clear_error():
+    for msg in run_ranks(_mixed_devices, 2, timeout=120):
+        assert "cuda:0" in msg and "cpu" in msg and "one device" in msg, msg
+
+
+def _ddp_step(rank, n):
+    torch.manual_seed(0)
+    dev = torch.device("cuda", 0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    ref = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    ref.load_state_dict(model.state_dict())
+    ddp = torch.nn.parallel.DistributedDataParallel(model.to(dev))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        x = torch.randn(8 * n, 16, generator=g)
+        y = torch.randn(8 * n, 4, generator=g)
+        mine = slice(8 * rank, 8 * rank + 8)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x[mine].to(dev)), y[mine].to(dev)).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    return max(
+        (a.detach().cpu() - b.detach()).abs().max().item()
+        for a, b in zip(ddp.module.parameters(), ref.parameters(), strict=True)
+    )
+
+
+def test_ddp_on_cuda_matches_single_process_training():
+    for err in run_ranks(_ddp_step, 2, timeout=300):
+        assert err < 1e-5, err
