@@ -1,9 +1,9 @@
 """Type stub for ``clawcomm._C``: the engine, its kernels and codecs, built
-without torch (csrc/python/). ``kernels`` and ``compress`` are submodules at
-run time; they are written as classes of static functions here so that one
-stub file covers the module. Regenerate the signatures with
-``pybind11-stubgen clawcomm._C`` after changing the bindings;
-tests/test_engine.py checks that every public name is here.
+without torch (csrc/python/). ``kernels``, ``compress`` (and ``cuda`` in CUDA
+builds) are submodules at run time; they are written as classes of static
+functions here so that one stub file covers the module. Regenerate with
+``python3 .ci/gen_stub.py`` after changing the bindings; tests/test_engine.py
+checks that every public name is here.
 """
 
 from __future__ import annotations
@@ -14,8 +14,76 @@ import numpy
 import numpy.typing
 import typing_extensions
 
+class compress:
+    """The ``clawcomm._C.compress`` submodule: Sparsification kernels for gradient compression."""
+
+    @staticmethod
+    def decode_indices(
+        data: bytes, count: typing.SupportsInt | typing.SupportsIndex
+    ) -> numpy.typing.NDArray[numpy.int32]:
+        """
+        The inverse of encode_indices.
+        """
+    @staticmethod
+    def encode16_feedback(
+        grad: numpy.typing.NDArray[numpy.float32],
+        residual: numpy.typing.NDArray[numpy.float32],
+        payload: numpy.ndarray,
+        dtype: str = "float16",
+        scale: typing.SupportsFloat | typing.SupportsIndex = 1.0,
+    ) -> None:
+        """
+        Error feedback with a 16-bit payload in one pass: acc = grad + residual, payload = round16(acc * scale), residual = acc - widen(payload) / scale.
+        """
+    @staticmethod
+    def encode_indices(idx: numpy.typing.NDArray[numpy.int32]) -> bytes:
+        """
+        Delta + LEB128 varint bytes of ascending int32 indices.
+        """
+    @staticmethod
+    def scatter_add(
+        dense: numpy.typing.NDArray[numpy.float32],
+        idx: numpy.typing.NDArray[numpy.int32],
+        val: numpy.typing.NDArray[numpy.float32],
+        scale: typing.SupportsFloat | typing.SupportsIndex = 1.0,
+    ) -> None:
+        """
+        dense[idx[i]] += val[i] * scale (indices are checked).
+        """
+    @staticmethod
+    def threshold_scan(
+        acc: numpy.typing.NDArray[numpy.float32],
+        threshold: typing.SupportsFloat | typing.SupportsIndex,
+        grad: typing.Any = None,
+        level: typing.Any = None,
+    ) -> tuple[numpy.typing.NDArray[numpy.int32], numpy.typing.NDArray[numpy.float32]]:
+        """
+        The pass behind top-k (compress/threshold_scan.h), for tests: entries of `acc` (or of grad + acc, folding grad into acc and zeroing grad) with magnitude >= threshold, as (indices, values); they are zeroed in `acc`.
+        """
+    @staticmethod
+    def topk(
+        acc: numpy.typing.NDArray[numpy.float32],
+        k: typing.SupportsInt | typing.SupportsIndex,
+        method: str = "sampled",
+        seed: typing.SupportsInt | typing.SupportsIndex = 0,
+    ) -> tuple[numpy.typing.NDArray[numpy.int32], numpy.typing.NDArray[numpy.float32]]:
+        """
+        Selects (at most) k entries of largest magnitude from the float32 array `acc`, returns (indices ascending as int32, values), and zeroes them in `acc`, which keeps the residual.
+        """
+    @staticmethod
+    def topk_feedback(
+        grad: numpy.typing.NDArray[numpy.float32],
+        residual: numpy.typing.NDArray[numpy.float32],
+        k: typing.SupportsInt | typing.SupportsIndex,
+        method: str = "sampled",
+        seed: typing.SupportsInt | typing.SupportsIndex = 0,
+    ) -> tuple[numpy.typing.NDArray[numpy.int32], numpy.typing.NDArray[numpy.float32]]:
+        """
+        Top-k with error feedback in one pass: selects (at most) k entries of largest magnitude of grad + residual and returns (indices ascending as int32, values); `residual` becomes what was not sent and `grad` is zeroed.
+        """
+
 class kernels:
-    """The ``clawcomm._C.kernels`` submodule: the engine's element-wise kernels, for tests and micro-benchmarks."""
+    """The ``clawcomm._C.kernels`` submodule: The engine's element-wise kernels, for tests and micro-benchmarks."""
 
     @staticmethod
     def add_from16(
@@ -83,63 +151,6 @@ class kernels:
     ) -> None:
         """
         Widens 16-bit floats (held in a uint16 or float16 buffer) into a float32 buffer, times `scale`.
-        """
-
-class compress:
-    """The ``clawcomm._C.compress`` submodule: sparsification kernels for gradient compression."""
-
-    @staticmethod
-    def decode_indices(
-        data: bytes, count: typing.SupportsInt | typing.SupportsIndex
-    ) -> numpy.typing.NDArray[numpy.int32]:
-        """
-        The inverse of encode_indices.
-        """
-    @staticmethod
-    def encode_indices(idx: numpy.typing.NDArray[numpy.int32]) -> bytes:
-        """
-        Delta + LEB128 varint bytes of ascending int32 indices.
-        """
-    @staticmethod
-    def scatter_add(
-        dense: numpy.typing.NDArray[numpy.float32],
-        idx: numpy.typing.NDArray[numpy.int32],
-        val: numpy.typing.NDArray[numpy.float32],
-        scale: typing.SupportsFloat | typing.SupportsIndex = 1.0,
-    ) -> None:
-        """
-        dense[idx[i]] += val[i] * scale (indices are checked).
-        """
-    @staticmethod
-    def threshold_scan(
-        acc: numpy.typing.NDArray[numpy.float32],
-        threshold: typing.SupportsFloat | typing.SupportsIndex,
-        grad: typing.Any = None,
-        level: typing.Any = None,
-    ) -> tuple[numpy.typing.NDArray[numpy.int32], numpy.typing.NDArray[numpy.float32]]:
-        """
-        The pass behind top-k (compress/threshold_scan.h), for tests: entries of `acc` (or of grad + acc, folding grad into acc and zeroing grad) with magnitude >= threshold, as (indices, values); they are zeroed in `acc`.
-        """
-    @staticmethod
-    def topk(
-        acc: numpy.typing.NDArray[numpy.float32],
-        k: typing.SupportsInt | typing.SupportsIndex,
-        method: str = "sampled",
-        seed: typing.SupportsInt | typing.SupportsIndex = 0,
-    ) -> tuple[numpy.typing.NDArray[numpy.int32], numpy.typing.NDArray[numpy.float32]]:
-        """
-        Selects (at most) k entries of largest magnitude from the float32 array `acc`, returns (indices ascending as int32, values), and zeroes them in `acc`, which keeps the residual.
-        """
-    @staticmethod
-    def topk_feedback(
-        grad: numpy.typing.NDArray[numpy.float32],
-        residual: numpy.typing.NDArray[numpy.float32],
-        k: typing.SupportsInt | typing.SupportsIndex,
-        method: str = "sampled",
-        seed: typing.SupportsInt | typing.SupportsIndex = 0,
-    ) -> tuple[numpy.typing.NDArray[numpy.int32], numpy.typing.NDArray[numpy.float32]]:
-        """
-        Top-k with error feedback in one pass: selects (at most) k entries of largest magnitude of grad + residual and returns (indices ascending as int32, values); `residual` becomes what was not sent and `grad` is zeroed.
         """
 
 class Engine:

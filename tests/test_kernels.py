@@ -158,3 +158,37 @@ def test_clawcomm_simd_caps_the_level_in_each_rank():
     capped = "avx2" if "avx2" in LEVELS else "portable"
     assert run_ranks(_simd_level, 1, env={"CLAWCOMM_SIMD": "avx2"}) == [capped]
     assert run_ranks(_simd_level, 1, env={"CLAWCOMM_SIMD": "auto"}) == [LEVELS[-1]]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("n", [0, 1, 17, 1500])
+@pytest.mark.parametrize("scale", [1.0, 0.25, 3.0])
+def test_16_bit_error_feedback_pass(dtype, n, scale):
+    """encode16_feedback (the math the CUDA kernel shares): payload is torch's
+    rounding of (grad + residual) * scale, and payload / scale + new residual
+    gives back grad + residual."""
+    rng = np.random.default_rng(n)
+    grad = rng.standard_normal(n).astype(np.float32) * 100
+    residual = rng.standard_normal(n).astype(np.float32)
+    grad[:3] = [np.inf, -0.0, 1e-30][: min(3, n)]
+    acc = grad + residual
+    payload = np.empty(n, np.uint16)
+    _C.compress.encode16_feedback(grad, residual, payload, dtype, scale)
+    tdt = getattr(torch, dtype)
+    want = (torch.from_numpy(acc) * scale).to(tdt).view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(payload, want)
+    sent = torch.from_numpy(payload.view(np.int16)).view(tdt).float().numpy()
+    back = acc - sent * np.float32(1 / scale)
+    assert np.array_equal(residual, back, equal_nan=True)
+    finite = np.isfinite(acc)
+    assert np.allclose((sent / scale + residual)[finite], acc[finite], rtol=1e-6, atol=1e-30)
+
+
+def test_16_bit_error_feedback_rejects_bad_arguments():
+    g = np.zeros(4, np.float32)
+    with pytest.raises(ValueError, match="encode16_feedback: the wire format"):
+        _C.compress.encode16_feedback(g, g.copy(), np.empty(4, np.uint16), "int8")
+    with pytest.raises(ValueError, match="encode16_feedback: scale 0"):
+        _C.compress.encode16_feedback(g, g.copy(), np.empty(4, np.uint16), "float16", 0.0)
+    with pytest.raises(ValueError, match="encode16_feedback: grad has 4 elements, residual 3"):
+        _C.compress.encode16_feedback(g, g[:3].copy(), np.empty(4, np.uint16))

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "common/errors.h"
+#include "compress/feedback16.h"
 #include "compress/threshold_scan.h"
 #include "compress/topk.h"
 #include "compress/varint.h"
@@ -19,6 +20,33 @@ using IndexArray = py::array_t<int32_t, py::array::c_style>;
 
 void bindCompress(py::module_& m) {
   py::module_ c = m.def_submodule("compress", "Sparsification kernels for gradient compression.");
+  c.def(
+      "encode16_feedback",
+      [](FloatArray grad, FloatArray residual, py::array payload, const std::string& dtype,
+         float scale) {
+        const char* op = "encode16_feedback";
+        const size_t n = size_t(grad.size());
+        CLAWCOMM_ARG_CHECK(size_t(residual.size()) == n && size_t(payload.size()) == n,
+                           "clawcomm::", op, ": grad has ", n, " elements, residual ",
+                           residual.size(), ", payload ", payload.size());
+        CLAWCOMM_ARG_CHECK(payload.itemsize() == 2 && payload.writeable() &&
+                               (payload.flags() & py::array::c_style),
+                           "clawcomm::", op,
+                           ": payload must be a writable contiguous 16-bit array");
+        CLAWCOMM_ARG_CHECK(residual.writeable(), "clawcomm::", op, ": residual must be writable");
+        const DataType wire = dtype == "float16"    ? DataType::kFloat16
+                              : dtype == "bfloat16" ? DataType::kBFloat16
+                                                    : DataType::kFloat32;
+        uint16_t* out = static_cast<uint16_t*>(payload.mutable_data());
+        const float* g = grad.data();
+        float* r = residual.mutable_data();
+        py::gil_scoped_release release;
+        encode16WithFeedback(wire, g, r, out, n, scale);
+      },
+      py::arg("grad").noconvert(), py::arg("residual").noconvert(), py::arg("payload"),
+      py::arg("dtype") = "float16", py::arg("scale") = 1.0f,
+      "Error feedback with a 16-bit payload in one pass: acc = grad + residual, "
+      "payload = round16(acc * scale), residual = acc - widen(payload) / scale.");
   c.def(
       "topk",
       [](FloatArray acc, size_t k, const std::string& method, uint64_t seed) {

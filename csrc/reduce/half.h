@@ -2,31 +2,42 @@
 //
 // Written with plain integer operations so that loops calling them vectorise
 // without F16C: the portable kernels use them, and the F16C / AVX-512 ones use
-// them for the tail of a block.
+// them for the tail of a block. The CUDA kernels (csrc/cuda/) call the same
+// functions, so a GPU rounds exactly as the CPU does.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
 
+#include "common/hd.h"
+
 namespace clawcomm {
 
-inline float bitsToFloat(uint32_t u) {
+CLAWCOMM_HD float bitsToFloat(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
   float f;
   std::memcpy(&f, &u, 4);
   return f;
+#endif
 }
 
-inline uint32_t floatToBits(float f) {
+CLAWCOMM_HD uint32_t floatToBits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
   uint32_t u;
   std::memcpy(&u, &f, 4);
   return u;
+#endif
 }
 
-inline float bf16ToFloat(uint16_t h) {
+CLAWCOMM_HD float bf16ToFloat(uint16_t h) {
   return bitsToFloat(uint32_t(h) << 16);
 }
 
-inline uint16_t floatToBf16(float f) {
+CLAWCOMM_HD uint16_t floatToBf16(float f) {
   uint32_t u = floatToBits(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // quiet NaN
   u += 0x7fffu + ((u >> 16) & 1u);
@@ -34,7 +45,7 @@ inline uint16_t floatToBf16(float f) {
 }
 
 // IEEE binary16 -> binary32, exact (normals, subnormals, inf, NaN).
-inline float halfToFloat(uint16_t h) {
+CLAWCOMM_HD float halfToFloat(uint16_t h) {
   const uint32_t sign = uint32_t(h & 0x8000u) << 16;
   const uint32_t twoH = uint32_t(h) << 17;  // drop the sign
   // Normal numbers: shift exponent/mantissa into place and rebias by 2^112.
@@ -46,7 +57,7 @@ inline float halfToFloat(uint16_t h) {
 }
 
 // IEEE binary32 -> binary16 with round to nearest even; overflow gives inf.
-inline uint16_t floatToHalf(float f) {
+CLAWCOMM_HD uint16_t floatToHalf(float f) {
   const float scaleToInf = bitsToFloat(0x77800000u);   // 2^112
   const float scaleToZero = bitsToFloat(0x08800000u);  // 2^-110
   float base = (f < 0 ? -f : f) * scaleToInf * scaleToZero;
@@ -61,6 +72,16 @@ inline uint16_t floatToHalf(float f) {
   const uint32_t mantBits = bits & 0x00000fffu;
   const uint32_t nonsign = expBits + mantBits;
   return uint16_t((sign >> 16) | (shl1 > 0xff000000u ? 0x7e00u : nonsign));
+}
+
+// A 16-bit float (`kHalf`: IEEE binary16, else bfloat16) and back.
+template <bool kHalf>
+CLAWCOMM_HD float widen16(uint16_t h) {
+  return kHalf ? halfToFloat(h) : bf16ToFloat(h);
+}
+template <bool kHalf>
+CLAWCOMM_HD uint16_t round16(float f) {
+  return kHalf ? floatToHalf(f) : floatToBf16(f);
 }
 
 }  // namespace clawcomm

@@ -12,54 +12,20 @@
 #include "common/dtype.h"
 #include "common/errors.h"
 #include "reduce/half.h"
+#include "reduce/ops.h"
 
 #define CLAWCOMM_INLINE inline __attribute__((always_inline))
 
 namespace clawcomm {
 namespace kernels {
 
-struct Sum {
-  template <typename T>
-  static CLAWCOMM_INLINE T apply(T a, T b) {
-    return a + b;
-  }
-};
-struct Prod {
-  template <typename T>
-  static CLAWCOMM_INLINE T apply(T a, T b) {
-    return a * b;
-  }
-};
-struct Min {
-  template <typename T>
-  static CLAWCOMM_INLINE T apply(T a, T b) {
-    return b < a ? b : a;
-  }
-};
-struct Max {
-  template <typename T>
-  static CLAWCOMM_INLINE T apply(T a, T b) {
-    return a < b ? b : a;
-  }
-};
-struct Band {
-  template <typename T>
-  static CLAWCOMM_INLINE T apply(T a, T b) {
-    return a & b;
-  }
-};
-struct Bor {
-  template <typename T>
-  static CLAWCOMM_INLINE T apply(T a, T b) {
-    return a | b;
-  }
-};
-struct Bxor {
-  template <typename T>
-  static CLAWCOMM_INLINE T apply(T a, T b) {
-    return a ^ b;
-  }
-};
+using ops::Band;
+using ops::Bor;
+using ops::Bxor;
+using ops::Max;
+using ops::Min;
+using ops::Prod;
+using ops::Sum;
 
 // Portable conversions: integer bit tricks, vectorised by the compiler.
 struct PortableCvt {
@@ -146,12 +112,8 @@ CLAWCOMM_INLINE void bitwise(DataType type, void* dst, const void* src, size_t n
 template <typename Cvt>
 CLAWCOMM_INLINE void reduce(DataType type, ReduceOp op, void* dst, const void* src, size_t n) {
   if (type == DataType::kBool) {
-    switch (op) {
-      case ReduceOp::kSum:
-      case ReduceOp::kMax:
+    switch (ops::boolOp(op)) {
       case ReduceOp::kBor: return loop<uint8_t, Bor>(dst, src, n);
-      case ReduceOp::kProduct:
-      case ReduceOp::kMin:
       case ReduceOp::kBand: return loop<uint8_t, Band>(dst, src, n);
       case ReduceOp::kBxor: return loop<uint8_t, Bxor>(dst, src, n);
       default: CLAWCOMM_CHECK(false, "op ", reduceOpName(op), " on bool");
