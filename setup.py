@@ -12,9 +12,12 @@ Build against the torch that is already installed (any of 2.11 to 2.13):
 
     pip install --no-build-isolation -e .
 
-CUDA (csrc/cuda/*.cu): compiled into ``_C`` when nvcc is found and the
-installed torch is a CUDA build, or when CLAWCOMM_CUDA=1; CLAWCOMM_CUDA=0
-leaves it out. CLAWCOMM_CUDA_ARCH picks the GPU architectures (default 90).
+CUDA (csrc/cuda/: the kernels, their bindings ``clawcomm._C.cuda``): compiled
+into ``_C`` when nvcc is found and the installed torch is a CUDA build, or
+when CLAWCOMM_CUDA=1; CLAWCOMM_CUDA=0 leaves it out. CLAWCOMM_CUDA_ARCH picks
+the GPU architectures (default 90, e.g. "80;90"). nvcc's flags are in
+csrc/cuda/nvcc_flags.txt, which the CI compile check (tests/test_cuda_build.py)
+uses too.
 """
 
 import glob
@@ -54,8 +57,30 @@ def pybind11_include():
         ) from None
 
 
-engine_sources = [s for s in sources("csrc/**/*.cc") if not s.startswith("csrc/torch/")]
+engine_sources = [
+    s for s in sources("csrc/**/*.cc") if not s.startswith(("csrc/torch/", "csrc/cuda/"))
+]
 adapter_sources = sources("csrc/torch/*.cc")
+
+
+def cuda_home():
+    nvcc = shutil.which("nvcc")
+    return os.environ.get("CUDA_HOME") or (os.path.dirname(os.path.dirname(nvcc)) if nvcc else None)
+
+
+def want_cuda():
+    """CLAWCOMM_CUDA=1 or 0 decides; unset: nvcc is there and torch is a CUDA build."""
+    choice = os.environ.get("CLAWCOMM_CUDA", "")
+    if choice in ("0", "1"):
+        return choice == "1"
+    return bool(HAVE_TORCH and cuda_home() and getattr(torch.version, "cuda", None))
+
+
+with open(os.path.join(HERE, "csrc", "cuda", "nvcc_flags.txt")) as f:
+    NVCC_FLAGS = f.read().split()
+use_cuda = want_cuda()
+if use_cuda and not HAVE_TORCH:
+    raise SystemExit("clawcomm: CLAWCOMM_CUDA=1 needs torch (its build_ext compiles the .cu files)")
 
 # -ffp-contract=off: no fused multiply-add behind our back, so every SIMD
 # build of a kernel rounds the same way and gives the same bits. No
@@ -63,16 +88,29 @@ adapter_sources = sources("csrc/torch/*.cc")
 # (pybind11 hides its own).
 cxx_flags = ["-O3", "-std=c++17", "-ffp-contract=off", "-Wall", "-Wno-sign-compare"]
 
-extensions = [
-    Extension(
-        name="clawcomm._C",
-        sources=engine_sources,
-        include_dirs=[os.path.join(HERE, "csrc"), pybind11_include()],
-        extra_compile_args=list(cxx_flags),
-        libraries=["rt"],
-        language="c++",
-    )
-]
+engine = dict(
+    name="clawcomm._C",
+    sources=engine_sources,
+    include_dirs=[os.path.join(HERE, "csrc"), pybind11_include()],
+    extra_compile_args=list(cxx_flags),
+    libraries=["rt"],
+    language="c++",
+)
+if use_cuda:
+    # The CUDA kernels (csrc/cuda/, no torch headers) join the engine module.
+    archs = os.environ.get("CLAWCOMM_CUDA_ARCH", "90").replace(",", ";").split(";")
+    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs if a]
+    home = cuda_home()
+    engine["sources"] = engine_sources + sources("csrc/cuda/*.cc") + sources("csrc/cuda/*.cu")
+    engine["include_dirs"].append(os.path.join(home, "include"))
+    engine["library_dirs"] = [os.path.join(home, "lib64")]
+    engine["libraries"] = ["rt", "cudart"]
+    engine["define_macros"] = [("CLAWCOMM_WITH_CUDA", "1")]
+    engine["extra_compile_args"] = {
+        "cxx": cxx_flags + ["-DCLAWCOMM_WITH_CUDA=1"],
+        "nvcc": NVCC_FLAGS + gencode + ["-DCLAWCOMM_WITH_CUDA=1"],
+    }
+extensions = [Extension(**engine)]
 if HAVE_TORCH:
     extensions.append(
         CppExtension(

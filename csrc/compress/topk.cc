@@ -6,18 +6,11 @@
 #include <vector>
 
 #include "common/errors.h"
+#include "compress/sampling.h"
 #include "compress/threshold_scan.h"
 
 namespace clawcomm {
 namespace {
-
-// splitmix64: a small, fast generator for sample positions.
-uint64_t nextRandom(uint64_t& state) {
-  uint64_t z = (state += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
 
 // The `k`-th largest of `mags` (1-based), reordering them.
 float kthLargest(std::vector<float>& mags, size_t k) {
@@ -25,28 +18,18 @@ float kthLargest(std::vector<float>& mags, size_t k) {
   return mags[k - 1];
 }
 
-// 0.2% of the entries, at least 4096 (or all of them): DGC samples
-// 0.1-1%; the exact pass over the candidates corrects an overshoot.
-size_t sampleSize(size_t n) {
-  return std::min(n, std::max<size_t>(4096, n / 500));
-}
-
-// The magnitude that k/n of a sample of `magAt(i)` reach. The sample is
-// whole cache lines at random positions: 16 values per memory access
-// instead of one, which keeps sampling far below the cost of the pass.
+// The magnitude that k/n of a sample of `magAt(i)` reach (compress/sampling.h
+// says where the sample lies).
 template <typename MagAt>
 float sampledThreshold(size_t n, size_t k, uint64_t seed, MagAt magAt) {
-  constexpr size_t kRun = 16;
-  const size_t samples = sampleSize(n);
+  const size_t runs = sampleRuns(n);
   std::vector<float> mags;
-  mags.reserve(samples + kRun);
-  uint64_t state = seed;
-  while (mags.size() < samples) {
-    const uint64_t start = uint64_t((__uint128_t(nextRandom(state)) * (n - kRun + 1)) >> 64);
-    for (size_t j = 0; j < kRun; ++j) mags.push_back(magAt(start + j));
+  mags.reserve(runs * kSampleRun);
+  for (size_t j = 0; j < runs; ++j) {
+    const uint64_t start = sampleStart(seed, j, n);
+    for (size_t i = 0; i < kSampleRun; ++i) mags.push_back(magAt(start + i));
   }
-  const size_t rank = std::max<size_t>(1, size_t(double(k) * double(mags.size()) / double(n)));
-  return kthLargest(mags, rank);
+  return kthLargest(mags, sampleRank(k, mags.size(), n));
 }
 
 // Keeps the k largest candidates (ties: lower index first), writes them to

@@ -15,6 +15,8 @@ namespace clawcomm {
 void bindEngine(pybind11::module_& m);
 // The `compress` submodule (python/compress_bindings.cc).
 void bindCompress(pybind11::module_& m);
+// The `cuda` submodule (cuda/python_bindings.cc; CUDA builds only).
+void bindCuda(pybind11::module_& m);
 
 // A SIMD level from its name ("portable", "avx2", "avx512"); None means the
 // active one.

@@ -1,0 +1,51 @@
+"""A compile-only check of the CUDA code, so it can never rot on machines
+without a GPU: every ``csrc/cuda/*.cu`` through nvcc for sm_90 with the
+flags setup.py uses (csrc/cuda/nvcc_flags.txt), and every ``csrc/cuda/*.cc``
+through the host compiler against the CUDA headers. Skips where nvcc is
+missing. Running the kernels is tests/test_gpu_kernels.py's job (GPU only)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sysconfig
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CUDA = os.path.join(ROOT, "csrc", "cuda")
+NVCC = shutil.which("nvcc")
+
+pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
+
+
+def _files(ext):
+    return sorted(f for f in os.listdir(CUDA) if f.endswith(ext))
+
+
+def _cuda_include():
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(NVCC))), "include")
+
+
+@pytest.mark.parametrize("name", _files(".cu"))
+def test_cu_file_compiles_for_sm90(name, tmp_path):
+    with open(os.path.join(CUDA, "nvcc_flags.txt")) as f:
+        flags = f.read().split()
+    cmd = [NVCC, "-c", *flags, "-gencode=arch=compute_90,code=sm_90", "-DCLAWCOMM_WITH_CUDA=1"]
+    cmd += ["-I", os.path.join(ROOT, "csrc"), os.path.join(CUDA, name), "-o", str(tmp_path / "x.o")]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "warning" not in out.stderr.lower(), out.stderr[-4000:]
+
+
+@pytest.mark.parametrize("name", _files(".cc"))
+def test_cuda_host_file_compiles(name):
+    import pybind11
+
+    cxx = shutil.which("c++") or shutil.which("g++")
+    cmd = [cxx, "-fsyntax-only", "-std=c++17", "-Wall", "-DCLAWCOMM_WITH_CUDA=1"]
+    cmd += ["-I", os.path.join(ROOT, "csrc"), "-I", _cuda_include(), "-I", pybind11.get_include()]
+    cmd += ["-I", sysconfig.get_paths()["include"], os.path.join(CUDA, name)]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-4000:]
