@@ -64,8 +64,16 @@ adapter_sources = sources("csrc/torch/*.cc")
 
 
 def cuda_home():
+    """The CUDA toolkit: $CUDA_HOME, else where nvcc really lives, else /usr/local/cuda."""
+    if os.environ.get("CUDA_HOME"):
+        return os.environ["CUDA_HOME"]
     nvcc = shutil.which("nvcc")
-    return os.environ.get("CUDA_HOME") or (os.path.dirname(os.path.dirname(nvcc)) if nvcc else None)
+    for home in ([os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))] if nvcc else []) + [
+        "/usr/local/cuda"
+    ]:
+        if os.path.exists(os.path.join(home, "include", "cuda_runtime.h")):
+            return home
+    return None
 
 
 def want_cuda():
@@ -81,6 +89,14 @@ with open(os.path.join(HERE, "csrc", "cuda", "nvcc_flags.txt")) as f:
 use_cuda = want_cuda()
 if use_cuda and not HAVE_TORCH:
     raise SystemExit("clawcomm: CLAWCOMM_CUDA=1 needs torch (its build_ext compiles the .cu files)")
+if use_cuda:
+    import torch.utils.cpp_extension as cpp
+
+    # A CPU torch leaves CUDA_HOME unset and would refuse .cu files; with
+    # CLAWCOMM_CUDA=1 and nvcc present, point it at the toolkit, so the CUDA
+    # build can be compiled and linked (not run) on a machine without a GPU.
+    if cpp.CUDA_HOME is None:
+        cpp.CUDA_HOME = cuda_home()
 
 # -ffp-contract=off: no fused multiply-add behind our back, so every SIMD
 # build of a kernel rounds the same way and gives the same bits. No

@@ -63,6 +63,9 @@ Settings Settings::fromEnv() {
   if (const char* v = env("CLAWCOMM_SOCKET_ADDR")) s.socketAddr = v;
   if (const char* v = env("CLAWCOMM_HOST_ID")) s.hostId = v;
   if (const char* v = env("CLAWCOMM_DEBUG")) s.debug = std::string(v) != "0";
+  s.cudaIpc = envChoice("CLAWCOMM_CUDA_IPC", {"auto", "0"}) == 0;
+  s.cudaIpcBytes = envBytes("CLAWCOMM_CUDA_IPC_BYTES", s.cudaIpcBytes, 4096);
+  s.cudaOneShotMaxBytes = envBytes("CLAWCOMM_CUDA_ONESHOT_BYTES", s.cudaOneShotMaxBytes, 0);
   return s;
 }
 

@@ -67,6 +67,19 @@ struct Settings {
   std::string hostId;
   // CLAWCOMM_DEBUG=1 prints connection and algorithm choices to stderr.
   bool debug = false;
+  // CLAWCOMM_CUDA_IPC=auto|0. auto: CUDA tensors of a group whose ranks all
+  // share one host go through CUDA IPC buffers and kernels (cuda/ipc.h)
+  // when the setup probe passes; 0, or a failed probe, or ranks on several
+  // hosts: they are staged through pinned host memory and the engine.
+  bool cudaIpc = true;
+  // CLAWCOMM_CUDA_IPC_BYTES: each rank's IPC input and result areas (the
+  // largest piece one kernel moves; larger all-reduces go in pieces).
+  size_t cudaIpcBytes = size_t(64) << 20;
+  // CLAWCOMM_CUDA_ONESHOT_BYTES: CUDA IPC all-reduces up to this size use
+  // the one-shot kernel (every rank reads every input), larger ones the
+  // two-shot (reduce-scatter + all-gather). Not calibrated yet: a default
+  // from vLLM's and TensorRT-LLM's crossovers.
+  size_t cudaOneShotMaxBytes = size_t(256) << 10;
 
   // Reads the environment; throws InvalidArgument naming a bad value.
   static Settings fromEnv();

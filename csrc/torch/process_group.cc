@@ -24,6 +24,7 @@
 
 #include "comm/communicator.h"
 #include "common/errors.h"
+#include "cuda/ipc.h"
 
 namespace clawcomm {
 namespace {
@@ -363,6 +364,34 @@ class CoalescedWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
+// A CUDA IPC op: queued on the communicator's stream, complete when that
+// stream gets there. wait() makes the caller's current stream wait (the host
+// does not); a peer that never arrives makes the kernel trap (cuda/ipc.h).
+class DeviceWork : public c10d::Work {
+ public:
+  DeviceWork(int rank, OpType type, TensorList outputs,
+             c10::intrusive_ptr<c10::ivalue::Future> future, std::shared_ptr<c10::Event> done)
+      : Work(rank, type),
+        outputs_(std::move(outputs)),
+        future_(std::move(future)),
+        done_(std::move(done)) {}
+
+  bool isCompleted() override { return done_->query(); }
+  bool isSuccess() const override { return true; }
+  std::vector<at::Tensor> result() override { return outputs_; }
+  void synchronize() override { future_->wait(); }
+  bool wait(std::chrono::milliseconds) override {
+    future_->wait();  // the current stream waits for the future's event
+    return true;
+  }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+ private:
+  TensorList outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::shared_ptr<c10::Event> done_;
+};
+
 // ---------------------------------------------------------------------------
 // The backend.
 
@@ -372,8 +401,8 @@ class ClawcommBackend : public c10d::Backend {
                   std::chrono::milliseconds timeout)
       : Backend(rank, size) {
     try {
-      comm_ = std::make_shared<Communicator>(std::make_shared<StoreAdapter>(store), rank, size,
-                                             timeout);
+      store_ = std::make_shared<StoreAdapter>(store);
+      comm_ = std::make_shared<Communicator>(store_, rank, size, timeout);
     } catch (...) {
       rethrowForTorch(std::current_exception());
     }
@@ -416,6 +445,16 @@ class ClawcommBackend : public c10d::Backend {
     const DataType dt = checkTensors(op, tensors);
     const at::Tensor& t = single(op, tensors);
     const ReduceOp redop = toReduceOp(op, opts.reduceOp);
+    if (cuda::IpcGroup* ipc = ipcFor(t); ipc && t.is_contiguous()) {
+      const size_t n = size_t(t.numel());
+      const auto algo = size_t(t.nbytes()) <= comm_->settings().cudaOneShotMaxBytes
+                            ? cuda::IpcAllReduce::kOneShot
+                            : cuda::IpcAllReduce::kTwoShot;
+      return launchOnDevice(OpType::ALLREDUCE, {t}, {}, [&](cuda::Stream s) {
+        ipc->allReduce(t.data_ptr(), t.data_ptr(), n, dt, redop, algo, s);
+        if (redop == ReduceOp::kAvg) cuda::divideInPlace(dt, t.data_ptr(), n, getSize(), s);
+      });
+    }
     at::Tensor buf = flat(t);
     return launch(OpType::ALLREDUCE, {t}, {updates(buf)}, copyBack(buf, t), [&](auto cb) {
       return comm_->allReduce(buf.data_ptr(), size_t(buf.numel()), dt, redop, cb);
@@ -455,6 +494,14 @@ class ClawcommBackend : public c10d::Backend {
     const DataType dt = checkTensors(op, tensors);
     const at::Tensor& t = single(op, tensors);
     const int root = int(opts.rootRank);
+    TORCH_CHECK_VALUE(root >= 0 && root < getSize(), "clawcomm::broadcast: root ", root,
+                      " is out of range for a group of ", getSize(), " ranks");
+    if (cuda::IpcGroup* ipc = ipcFor(t);
+        ipc && t.is_contiguous() && size_t(t.nbytes()) <= ipc->capacity()) {
+      return launchOnDevice(OpType::BROADCAST, {t}, {}, [&](cuda::Stream s) {
+        ipc->broadcast(t.data_ptr(), size_t(t.nbytes()), root, s);
+      });
+    }
     at::Tensor buf = flat(t);
     return launch(OpType::BROADCAST, {t}, {updates(buf)}, copyBack(buf, t), [&](auto cb) {
       return comm_->broadcast(buf.data_ptr(), size_t(buf.numel()), dt, root, cb);
@@ -488,6 +535,12 @@ class ClawcommBackend : public c10d::Backend {
     const char* op = "all_gather_into_tensor";
     const DataType dt = checkTensors(op, {input, output});
     checkNumel(op, "the output", output.numel(), input.numel() * getSize());
+    if (cuda::IpcGroup* ipc = ipcFor(output);
+        ipc && contiguous(input, output) && size_t(output.nbytes()) <= ipc->capacity()) {
+      return launchOnDevice(OpType::_ALLGATHER_BASE, {output}, {input}, [&](cuda::Stream s) {
+        ipc->allGather(input.data_ptr(), output.data_ptr(), size_t(input.numel()), dt, s);
+      });
+    }
     at::Tensor src = flat(input);
     at::Tensor buf = flat(output);
     std::vector<size_t> counts(static_cast<size_t>(getSize()), static_cast<size_t>(input.numel()));
@@ -585,6 +638,14 @@ class ClawcommBackend : public c10d::Backend {
     const DataType dt = checkTensors(op, {input, output});
     checkNumel(op, "the input", input.numel(), output.numel() * getSize());
     const ReduceOp redop = toReduceOp(op, opts.reduceOp);
+    if (cuda::IpcGroup* ipc = ipcFor(output);
+        ipc && contiguous(input, output) && size_t(input.nbytes()) <= ipc->capacity()) {
+      const size_t n = size_t(output.numel());
+      return launchOnDevice(OpType::_REDUCE_SCATTER_BASE, {output}, {input}, [&](cuda::Stream s) {
+        ipc->reduceScatter(input.data_ptr(), output.data_ptr(), n, dt, redop, s);
+        if (redop == ReduceOp::kAvg) cuda::divideInPlace(dt, output.data_ptr(), n, getSize(), s);
+      });
+    }
     at::Tensor src = flat(input);
     at::Tensor buf = flat(output);
     std::vector<size_t> counts(static_cast<size_t>(getSize()), static_cast<size_t>(output.numel()));
@@ -663,6 +724,15 @@ class ClawcommBackend : public c10d::Backend {
     };
     const auto sendCounts = countsOf(input, inputSplits, "the input");
     const auto recvCounts = countsOf(output, outputSplits, "the output");
+    // CUDA IPC takes even splits; uneven ones are staged.
+    if (cuda::IpcGroup* ipc = ipcFor(output); ipc && contiguous(input, output) &&
+                                              inputSplits.empty() && outputSplits.empty() &&
+                                              size_t(input.nbytes()) <= ipc->capacity()) {
+      const size_t per = size_t(input.nbytes()) / size_t(n);
+      return launchOnDevice(OpType::ALLTOALL_BASE, {output}, {input}, [&](cuda::Stream s) {
+        ipc->allToAll(input.data_ptr(), output.data_ptr(), per, s);
+      });
+    }
     at::Tensor src = flat(input);
     at::Tensor buf = flat(output);
     return launch(OpType::ALLTOALL_BASE, {output}, {reads(src), writes(buf)}, copyBack(buf, output),
@@ -793,6 +863,70 @@ class ClawcommBackend : public c10d::Backend {
     });
   }
 
+  // The CUDA IPC group for `t`'s device, or null where CUDA tensors are
+  // staged instead. Created at the first collective that could use it: the
+  // same call on every rank, since every rank issues the same collectives in
+  // the same order, so the creation (collective itself) lines up.
+  cuda::IpcGroup* ipcFor(const at::Tensor& t) {
+    if (!t.is_cuda() || !cuda::built() || !comm_->settings().cudaIpc) return nullptr;
+    for (int p = 0; p < getSize(); ++p) {
+      if (comm_->transportOf(p) == "tcp") return nullptr;  // several hosts
+    }
+    auto it = ipc_.find(t.device().index());
+    if (it == ipc_.end()) {
+      c10::DeviceGuard onDevice(t.device());
+      std::unique_ptr<cuda::IpcGroup> group;
+      try {
+        group =
+            cuda::IpcGroup::create(*store_, getRank(), getSize(), comm_->settings().cudaIpcBytes,
+                                   int64_t(comm_->timeout().count()) * 1000000);
+      } catch (...) {
+        rethrowForTorch(std::current_exception());
+      }
+      if (!group->usable()) {
+        TORCH_WARN("clawcomm: CUDA IPC is not usable on ", t.device(), " (", group->whyNot(),
+                   "); CUDA tensors are staged through host memory");
+      }
+      it = ipc_.emplace(t.device().index(), std::move(group)).first;
+    }
+    return it->second->usable() ? it->second.get() : nullptr;
+  }
+
+  static bool contiguous(const at::Tensor& a, const at::Tensor& b) {
+    return a.is_contiguous() && b.is_contiguous();
+  }
+
+  // Queues `run` on the communicator's stream of the outputs' device, after
+  // everything queued so far on the caller's current stream.
+  template <typename Run>
+  c10::intrusive_ptr<c10d::Work> launchOnDevice(OpType type, TensorList outputs, TensorList inputs,
+                                                Run run) {
+    const c10::Device device = outputs[0].device();
+    const c10::Stream stream = streamFor(device);
+    c10::impl::VirtualGuardImpl impl(device.type());
+    c10::Event ready(device.type());
+    ready.record(impl.getStream(device));
+    ready.block(stream);
+    auto future = makeFuture({device});
+    auto done = std::make_shared<c10::Event>(device.type());
+    {
+      c10::StreamGuard onStream(stream);
+      try {
+        run(stream.native_handle());
+      } catch (...) {
+        rethrowForTorch(std::current_exception());
+      }
+      for (const auto* list : {&inputs, &outputs}) {
+        for (const auto& t : *list) impl.recordDataPtrOnStream(t.storage().data_ptr(), stream);
+      }
+      done->record(stream);
+      future->markCompleted(c10::IValue(outputs));
+    }
+    auto work = c10::make_intrusive<DeviceWork>(getRank(), type, outputs, future, done);
+    if (coalescing_) coalesced_.push_back(work);
+    return work;
+  }
+
   // The communicator's stream on `device` (one per device, from torch's pool).
   c10::Stream streamFor(c10::Device device) {
     std::lock_guard<std::mutex> lock(streamsMutex_);
@@ -858,7 +992,9 @@ class ClawcommBackend : public c10d::Backend {
     return work;
   }
 
+  std::shared_ptr<StoreAdapter> store_;
   std::shared_ptr<Communicator> comm_;
+  std::map<c10::DeviceIndex, std::unique_ptr<cuda::IpcGroup>> ipc_;  // per device; caller's thread
   std::mutex streamsMutex_;
   std::map<c10::DeviceIndex, c10::Stream> streams_;
   bool coalescing_ = false;
