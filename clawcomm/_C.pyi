@@ -82,6 +82,106 @@ class compress:
         Top-k with error feedback in one pass: selects (at most) k entries of largest magnitude of grad + residual and returns (indices ascending as int32, values); `residual` becomes what was not sent and `grad` is zeroed.
         """
 
+class cuda:
+    """The ``clawcomm._C.cuda`` submodule: The CUDA kernels on device pointers (integers), asynchronous on `stream`."""
+
+    @staticmethod
+    def add_from16(
+        dst: typing.SupportsInt | typing.SupportsIndex,
+        src: typing.SupportsInt | typing.SupportsIndex,
+        count: typing.SupportsInt | typing.SupportsIndex,
+        dtype: str = "float16",
+        dst_scale: typing.SupportsFloat | typing.SupportsIndex = 1.0,
+        stream: typing.SupportsInt | typing.SupportsIndex = 0,
+    ) -> None: ...
+    @staticmethod
+    def add_from16_and_round(
+        dst: typing.SupportsInt | typing.SupportsIndex,
+        src: typing.SupportsInt | typing.SupportsIndex,
+        out: typing.SupportsInt | typing.SupportsIndex,
+        count: typing.SupportsInt | typing.SupportsIndex,
+        dtype: str = "float16",
+        dst_scale: typing.SupportsFloat | typing.SupportsIndex = 1.0,
+        out_scale: typing.SupportsFloat | typing.SupportsIndex = 1.0,
+        stream: typing.SupportsInt | typing.SupportsIndex = 0,
+    ) -> None: ...
+    @staticmethod
+    def encode16_feedback(
+        grad: typing.SupportsInt | typing.SupportsIndex,
+        residual: typing.SupportsInt | typing.SupportsIndex,
+        payload: typing.SupportsInt | typing.SupportsIndex,
+        count: typing.SupportsInt | typing.SupportsIndex,
+        dtype: str = "float16",
+        scale: typing.SupportsFloat | typing.SupportsIndex = 1.0,
+        stream: typing.SupportsInt | typing.SupportsIndex = 0,
+    ) -> None: ...
+    @staticmethod
+    def from_float32(
+        src: typing.SupportsInt | typing.SupportsIndex,
+        dst: typing.SupportsInt | typing.SupportsIndex,
+        count: typing.SupportsInt | typing.SupportsIndex,
+        dtype: str = "float16",
+        scale: typing.SupportsFloat | typing.SupportsIndex = 1.0,
+        stream: typing.SupportsInt | typing.SupportsIndex = 0,
+    ) -> None: ...
+    @staticmethod
+    def reduce(
+        dst: typing.SupportsInt | typing.SupportsIndex,
+        src: typing.SupportsInt | typing.SupportsIndex,
+        count: typing.SupportsInt | typing.SupportsIndex,
+        dtype: str = "float32",
+        op: str = "sum",
+        stream: typing.SupportsInt | typing.SupportsIndex = 0,
+    ) -> None:
+        """
+        dst[i] = dst[i] op src[i].
+        """
+    @staticmethod
+    def scatter_add(
+        dense: typing.SupportsInt | typing.SupportsIndex,
+        n: typing.SupportsInt | typing.SupportsIndex,
+        idx: typing.SupportsInt | typing.SupportsIndex,
+        val: typing.SupportsInt | typing.SupportsIndex,
+        m: typing.SupportsInt | typing.SupportsIndex,
+        scale: typing.SupportsFloat | typing.SupportsIndex = 1.0,
+        deterministic: bool = False,
+        workspace: typing.SupportsInt | typing.SupportsIndex = 0,
+        stream: typing.SupportsInt | typing.SupportsIndex = 0,
+    ) -> None:
+        """
+        dense[idx[i]] += val[i] * scale; deterministic=True sorts by index first (needs scatter_add_workspace_bytes(m) of workspace) and gives the CPU's bits.
+        """
+    @staticmethod
+    def scatter_add_workspace_bytes(m: typing.SupportsInt | typing.SupportsIndex) -> int: ...
+    @staticmethod
+    def to_float32(
+        src: typing.SupportsInt | typing.SupportsIndex,
+        dst: typing.SupportsInt | typing.SupportsIndex,
+        count: typing.SupportsInt | typing.SupportsIndex,
+        dtype: str = "float16",
+        scale: typing.SupportsFloat | typing.SupportsIndex = 1.0,
+        stream: typing.SupportsInt | typing.SupportsIndex = 0,
+    ) -> None: ...
+    @staticmethod
+    def topk_feedback(
+        grad: typing.SupportsInt | typing.SupportsIndex,
+        residual: typing.SupportsInt | typing.SupportsIndex,
+        n: typing.SupportsInt | typing.SupportsIndex,
+        k: typing.SupportsInt | typing.SupportsIndex,
+        idx: typing.SupportsInt | typing.SupportsIndex,
+        val: typing.SupportsInt | typing.SupportsIndex,
+        count: typing.SupportsInt | typing.SupportsIndex,
+        workspace: typing.SupportsInt | typing.SupportsIndex,
+        method: str = "sampled",
+        seed: typing.SupportsInt | typing.SupportsIndex = 0,
+        stream: typing.SupportsInt | typing.SupportsIndex = 0,
+    ) -> None:
+        """
+        Top-k with error feedback (grad may be 0: select from residual alone); the number selected lands in `count` (a device uint32).
+        """
+    @staticmethod
+    def topk_workspace_bytes(n: typing.SupportsInt | typing.SupportsIndex) -> int: ...
+
 class kernels:
     """The ``clawcomm._C.kernels`` submodule: The engine's element-wise kernels, for tests and micro-benchmarks."""
 
@@ -251,3 +351,5 @@ def _shutdown_all() -> None:
     """
     Shuts down every live communicator (registered with atexit by clawcomm).
     """
+
+cuda_built: bool  # True in CUDA builds, which add the `cuda` submodule

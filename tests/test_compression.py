@@ -386,7 +386,7 @@ def test_hook_state_checks():
 
 def test_non_float32_tensors_are_refused():
     def body(rank, n):
-        with pytest.raises(ValueError, match="needs a contiguous float32 CPU tensor"):
+        with pytest.raises(ValueError, match="needs a contiguous float32 CPU or CUDA tensor"):
             compressed_all_reduce(torch.zeros(4, dtype=torch.float64), "topk:0.5")
         return True
 

@@ -153,8 +153,8 @@ def test_topk_with_feedback_matches_the_cpu(method, n, k, ties):
     count = torch.zeros(1, dtype=torch.int32, device="cuda")
     ws = torch.empty(_C.cuda.topk_workspace_bytes(n), dtype=torch.uint8, device="cuda")
     _C.cuda.topk_feedback(
-        dg.data_ptr(), dr.data_ptr(), n, k, method, 11,
-        idx.data_ptr(), val.data_ptr(), count.data_ptr(), ws.data_ptr(), _stream(),
+        dg.data_ptr(), dr.data_ptr(), n, k,
+        idx.data_ptr(), val.data_ptr(), count.data_ptr(), ws.data_ptr(), method, 11, _stream(),
     )  # fmt: skip
     torch.cuda.synchronize()
     m = int(count.item())

@@ -37,9 +37,13 @@ def _k_of(k: float | int, numel: int) -> int:
 
 
 def _flat_f32(tensor: torch.Tensor, op: str) -> None:
-    if tensor.dtype != torch.float32 or not tensor.is_contiguous() or tensor.device.type != "cpu":
+    if (
+        tensor.dtype != torch.float32
+        or not tensor.is_contiguous()
+        or tensor.device.type not in ("cpu", "cuda")
+    ):
         raise ValueError(
-            f"clawcomm.compression.{op}: needs a contiguous float32 CPU tensor, got "
+            f"clawcomm.compression.{op}: needs a contiguous float32 CPU or CUDA tensor, got "
             f"{tensor.dtype} on {tensor.device}{'' if tensor.is_contiguous() else ' (strided)'}"
         )
 
@@ -80,6 +84,12 @@ class HalfPrecision(Compressor):
 
     def _reduce(self, tensor, group, mean: bool):
         n = dist.get_world_size(group)
+        if tensor.is_cuda:
+            from clawcomm.compression import gpu
+
+            pre = 1.0 / n if self.prescale or mean else 1.0
+            gpu.half_all_reduce(tensor, self.wire, pre, 1.0 if mean else 1.0 / pre, group)
+            return
         engine = _engine(group)
         if engine is None:
             half = tensor.to(getattr(torch, self.wire))
@@ -131,6 +141,14 @@ class TopK(Compressor):
         _flat_f32(tensor, "topk")
         k = _k_of(self.k, tensor.numel())
         seed = _seed(state, key)
+        if tensor.is_cuda:
+            from clawcomm.compression import gpu
+
+            residual = state.residual(key, tensor) if state is not None else None
+            gpu.topk_all_reduce(
+                tensor, residual, k, self.selection, seed, self.values, scale, group
+            )
+            return
         if state is not None:
             # One pass: residual + gradient, selection, the new residual, and
             # the gradient zeroed for the sum (compress/topk.h).
@@ -168,7 +186,7 @@ class RandomK(Compressor):
         if k == 0:
             return
         gen = torch.Generator().manual_seed(_seed(state, key))
-        idx = torch.randint(0, numel, (k,), generator=gen)
+        idx = torch.randint(0, numel, (k,), generator=gen).to(tensor.device)
         vals = tensor[idx] * (numel / k)
         if self.values == "fp32":
             dist.all_reduce(vals, group=group)

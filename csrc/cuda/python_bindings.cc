@@ -110,8 +110,8 @@ void bindCuda(py::module_& m) {
   c.def("topk_workspace_bytes", &cuda::topkWorkspaceBytes, py::arg("n"));
   c.def(
       "topk_feedback",
-      [](P grad, P residual, size_t n, size_t k, const std::string& method, uint64_t seed, P idx,
-         P val, P count, P workspace, P s) {
+      [](P grad, P residual, size_t n, size_t k, P idx, P val, P count, P workspace,
+         const std::string& method, uint64_t seed, P s) {
         CLAWCOMM_ARG_CHECK(method == "exact" || method == "sampled",
                            "clawcomm::cuda::topk_feedback: method '", method,
                            "' is not 'exact' or 'sampled'");
@@ -120,9 +120,9 @@ void bindCuda(py::module_& m) {
             method == "exact" ? cuda::TopkMethod::kExact : cuda::TopkMethod::kSampled, seed,
             ptr<int32_t>(idx), ptr<float>(val), ptr<uint32_t>(count), ptr(workspace), stream(s));
       },
-      py::arg("grad"), py::arg("residual"), py::arg("n"), py::arg("k"),
-      py::arg("method") = "sampled", py::arg("seed") = 0, py::arg("idx"), py::arg("val"),
-      py::arg("count"), py::arg("workspace"), py::arg("stream") = 0, release,
+      py::arg("grad"), py::arg("residual"), py::arg("n"), py::arg("k"), py::arg("idx"),
+      py::arg("val"), py::arg("count"), py::arg("workspace"), py::arg("method") = "sampled",
+      py::arg("seed") = 0, py::arg("stream") = 0, release,
       "Top-k with error feedback (grad may be 0: select from residual alone); the number "
       "selected lands in `count` (a device uint32).");
   c.def("scatter_add_workspace_bytes", &cuda::scatterAddWorkspaceBytes, py::arg("m"));
