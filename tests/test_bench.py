@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from clawcomm.bench import cli, collectives
 from clawcomm.bench.runners import Prepared
@@ -102,11 +103,19 @@ def test_bad_flags_are_refused(args, message, capsys):
 
 def test_bad_choices_are_refused_by_the_parser(capsys):
     with pytest.raises(SystemExit):
-        cli.main(["--compare", "nccl"])
-    assert "backend nccl not one of gloo, mpi, raw" in capsys.readouterr().err
+        cli.main(["--compare", "nvshmem"])
+    assert "backend nvshmem not one of gloo, mpi, raw, nccl" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["-b", "lots"])
     assert "'lots' is not a size" in capsys.readouterr().err
+
+
+def test_device_flags_are_checked_before_any_rank_starts(capsys):
+    assert cli.main(["--compare", "nccl"]) == 2
+    assert "--compare nccl needs --device cuda" in capsys.readouterr().err
+    if not torch.cuda.device_count():
+        assert cli.main(["--device", "cuda"]) == 2
+        assert "--device cuda: no CUDA GPU" in capsys.readouterr().err
 
 
 def test_sizes_follow_nccl_tests():

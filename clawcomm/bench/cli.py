@@ -29,7 +29,7 @@ import time
 from clawcomm.bench.collectives import COLLECTIVES, DTYPE_ALIASES, REDOPS
 from clawcomm.testing import under_torchrun
 
-COMPARE_CHOICES = ("gloo", "mpi", "raw")
+COMPARE_CHOICES = ("gloo", "mpi", "raw", "nccl")
 ALGO_CHOICES = ("ring", "tree", "auto")
 
 
@@ -103,8 +103,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--compare",
         type=_csv(COMPARE_CHOICES, "backend"),
         default=[],
-        help="add gloo (torch.distributed), mpi (mpi4py under mpirun) and/or raw "
-        "(clawcomm's engine on numpy, below torch's dispatch)",
+        help="add gloo (torch.distributed), mpi (mpi4py under mpirun), raw "
+        "(clawcomm's engine on numpy, below torch's dispatch) and/or nccl (--device cuda; "
+        "n/a where NCCL refuses several ranks on one GPU)",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the tensors live (cpu). cuda: rank r uses GPU r %% device count, so "
+        "ranks share a GPU when there are fewer GPUs than ranks",
     )
     p.add_argument(
         "--transport",
@@ -236,6 +244,15 @@ def run(args, argv: list[str] | None = None) -> int:
             raise ValueError(f"-r {args.root} is not a rank of {world}")
         if args.warmup_iters < 1 or args.iters < 0 or args.repeats < 1:
             raise ValueError("-w and --repeats must be at least 1, -n at least 0")
+        if args.device == "cuda":
+            import torch
+
+            if not (torch.backends.cuda.is_built() and torch.cuda.device_count() > 0):
+                raise ValueError("--device cuda: no CUDA GPU (or torch is a CPU build)")
+            if "raw" in args.compare or "mpi" in args.compare:
+                raise ValueError("--device cuda compares with gloo and nccl, not raw or mpi")
+        elif "nccl" in args.compare:
+            raise ValueError("--compare nccl needs --device cuda")
     except ValueError as e:
         print(f"clawcomm bench: error: {e}", file=sys.stderr)
         return 2
@@ -255,6 +272,7 @@ def run(args, argv: list[str] | None = None) -> int:
         "algos": args.algo,
         "compare": [c for c in args.compare if c != "mpi"],
         "progress": not args.quiet,
+        "device": args.device,
     }
     # The ranks' CLAWCOMM_TRANSPORT; this process's environment is left alone.
     transport = args.transport or os.environ.get("CLAWCOMM_TRANSPORT", "auto")
@@ -271,7 +289,7 @@ def run(args, argv: list[str] | None = None) -> int:
         os.environ["CLAWCOMM_TRANSPORT"] = transport  # this process is a rank
         dist.init_process_group("clawcomm")
         try:
-            records = rank_main(rank, world, options)
+            result = rank_main(rank, world, options)
         finally:
             dist.destroy_process_group()
         if rank != 0:
@@ -279,7 +297,7 @@ def run(args, argv: list[str] | None = None) -> int:
     else:
         from clawcomm.testing import run_ranks
 
-        records = run_ranks(
+        result = run_ranks(
             rank_main,
             world,
             options,
@@ -287,6 +305,7 @@ def run(args, argv: list[str] | None = None) -> int:
             pg_timeout=600,
             env={"CLAWCOMM_TRANSPORT": transport},
         )[0]
+    records, d2d = result["records"], result.get("d2d_GBps")
 
     notes = []
     if "mpi" in args.compare:
@@ -308,7 +327,12 @@ def run(args, argv: list[str] | None = None) -> int:
     print(
         f"# {info['cpu']}, {info['cores']} cores, torch {info['torch']}, " f"kernels {info['simd']}"
     )
-    print(f"# memcpy ceiling (one core, 64 MiB numpy.copyto, best of 10): {memcpy:.2f} GB/s")
+    if args.device == "cuda":
+        print(
+            f"# device {result['gpu']}; device-to-device copy (256 MiB, best of 10): {d2d:.1f} GB/s"
+        )
+    else:
+        print(f"# memcpy ceiling (one core, 64 MiB numpy.copyto, best of 10): {memcpy:.2f} GB/s")
     for note in notes:
         print(note)
     print(format_tables(records, lambda _coll: reference, world, header))
@@ -321,13 +345,22 @@ def run(args, argv: list[str] | None = None) -> int:
                 "world_size": world,
                 "machine": info,
                 "memcpy_GBps": memcpy,
+                "device": args.device,
+                "gpu": result.get("gpu"),
+                "d2d_copy_GBps": d2d,
                 "options": options,
                 "reference": reference,
                 "records": records,
             },
         )
     if args.plot:
-        plot(args.plot, records, memcpy, f"clawcomm bench, {world} ranks, {info['cpu']}")
+        where = result.get("gpu") if args.device == "cuda" else info["cpu"]
+        plot(
+            args.plot,
+            records,
+            d2d if args.device == "cuda" else memcpy,
+            f"clawcomm bench, {world} ranks, {where}",
+        )
     if wrong:
         print(f"# FAILED: {wrong} wrong or out-of-bounds elements", file=sys.stderr)
         return 1

@@ -53,10 +53,14 @@ def prepared(step, fill, want, dtype: str, output, guard_changes) -> Prepared:
 
 
 class TorchRunner:
-    def __init__(self, name: str, group, backend: str):
+    """torch.distributed on `group`, with tensors on `device` (cpu or cuda:
+    the current CUDA device)."""
+
+    def __init__(self, name: str, group, backend: str, device: str = "cpu"):
         self.name = name
         self.group = group
         self.backend = backend
+        self.device = device
 
     def prepare(self, coll: Collective, count: int, dtype: str, redop: str, root: int):
         import torch
@@ -82,10 +86,11 @@ class TorchRunner:
         nxt = dist.get_global_rank(g, (rank + 1) % n) if g is not None else (rank + 1) % n
         prv = dist.get_global_rank(g, (rank - 1) % n) if g is not None else (rank - 1) % n
 
-        full = torch.full((out_count + GUARD,), SENTINEL, dtype=tdtype)
+        dev = self.device
+        full = torch.full((out_count + GUARD,), SENTINEL, dtype=tdtype, device=dev)
         out = full[:out_count]
         inplace = coll.shape == "inplace"
-        inp = out if inplace else torch.empty(in_count, dtype=tdtype)
+        inp = out if inplace else torch.empty(in_count, dtype=tdtype, device=dev)
 
         def fill():
             full.fill_(SENTINEL)
@@ -124,8 +129,10 @@ class TorchRunner:
             fill,
             lambda: expected(coll, rank, count, redop, root, n),
             dtype,
-            lambda: out.to(torch.float64).numpy(),
-            lambda: int(np.count_nonzero(full[out_count:].to(torch.float64).numpy() != SENTINEL)),
+            lambda: out.to(torch.float64).cpu().numpy(),
+            lambda: int(
+                np.count_nonzero(full[out_count:].to(torch.float64).cpu().numpy() != SENTINEL)
+            ),
         )
 
 

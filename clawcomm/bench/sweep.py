@@ -34,6 +34,9 @@ class Sync:
     barrier: Callable[[], None]
     max: Callable[[float], float]
     sum: Callable[[int], int]
+    # Waits for the device (CUDA: torch.cuda.synchronize), so a timed block
+    # ends when the GPU is done, not when the launches are queued.
+    device: Callable[[], None] = lambda: None
 
 
 @dataclass
@@ -77,9 +80,11 @@ def _timed_block(step, iters: int, sync: Sync) -> float:
     collecting = gc.isenabled()
     gc.disable()  # as timeit does: no collector pauses inside a block
     try:
+        sync.device()
         t0 = time.perf_counter()
         for _ in range(iters):
             step()
+        sync.device()
         elapsed = time.perf_counter() - t0
     finally:
         if collecting:

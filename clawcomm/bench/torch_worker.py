@@ -23,8 +23,39 @@ def reference_algo(algos: list[str]) -> str:
     return "auto" if "auto" in algos else algos[0]
 
 
+def d2d_copy_gbps(nbytes: int = 256 << 20, repeats: int = 10) -> float:
+    """This GPU's device-to-device copy (GB/s of bytes copied): the ceiling
+    the CUDA kernels are measured against, taken in the same run."""
+    import torch
+
+    src = torch.ones(nbytes // 4, device="cuda")
+    dst = torch.empty_like(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(repeats):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return nbytes / best / 1e9
+
+
+class _Failed:
+    """A variant that could not be set up: every point shows n/a and why."""
+
+    def __init__(self, name: str, why: str):
+        self.name = name
+        self.why = why
+
+    def prepare(self, *args):
+        from clawcomm.bench.runners import Unsupported
+
+        raise Unsupported(self.why)
+
+
 def rank_main(rank: int, world_size: int, options: dict):
-    """Returns every record on rank 0, None elsewhere."""
+    """Returns {"records": [...], ...} on rank 0, None elsewhere."""
     import torch
     import torch.distributed as dist
 
@@ -33,6 +64,9 @@ def rank_main(rank: int, world_size: int, options: dict):
     cfg = Config(**options["config"])
     algos: list[str] = options["algos"]
     compare: list[str] = options["compare"]
+    device = options.get("device", "cpu")
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
 
     control = dist.new_group(backend="gloo")
     runners = {}
@@ -41,7 +75,7 @@ def rank_main(rank: int, world_size: int, options: dict):
         os.environ["CLAWCOMM_ALGO"] = algo
         group = dist.new_group(backend="clawcomm")
         runners[clawcomm_name(algo, algos)] = TorchRunner(
-            clawcomm_name(algo, algos), group, "clawcomm"
+            clawcomm_name(algo, algos), group, "clawcomm", device
         )
     if previous is None:
         os.environ.pop("CLAWCOMM_ALGO", None)
@@ -51,13 +85,20 @@ def rank_main(rank: int, world_size: int, options: dict):
     if "raw" in compare:
         runners["raw"] = EngineRunner("raw", clawcomm.engine_of(runners[reference].group))
     if "gloo" in compare:
-        runners["gloo"] = TorchRunner("gloo", control, "gloo")
+        runners["gloo"] = TorchRunner("gloo", control, "gloo", device)
+    if "nccl" in compare:
+        try:
+            nccl = dist.new_group(backend="nccl")
+            dist.barrier(group=nccl)  # NCCL connects lazily: fail here, not mid-sweep
+            runners["nccl"] = TorchRunner("nccl", nccl, "nccl", device)
+        except Exception as e:  # e.g. "Duplicate GPU detected": several ranks on one GPU
+            runners["nccl"] = _Failed("nccl", f"NCCL: {str(e).splitlines()[0][:60]}")
 
     def runner_names(collective: str) -> list[str]:
         # The all-reduce algorithm only matters to all_reduce.
         names = [clawcomm_name(a, algos) for a in algos] if collective == "all_reduce" else []
         names = names or [reference]
-        return names + [c for c in ("raw", "gloo") if c in compare]
+        return names + [c for c in ("raw", "gloo", "nccl") if c in compare]
 
     def agree(value, op):
         t = torch.tensor([value], dtype=torch.float64)
@@ -68,6 +109,7 @@ def rank_main(rank: int, world_size: int, options: dict):
         barrier=lambda: dist.barrier(group=control),
         max=lambda v: agree(v, dist.ReduceOp.MAX),
         sum=lambda v: int(agree(v, dist.ReduceOp.SUM)),
+        device=torch.cuda.synchronize if device == "cuda" else (lambda: None),
     )
     progress = None
     if rank == 0 and options.get("progress", True):
@@ -80,4 +122,10 @@ def rank_main(rank: int, world_size: int, options: dict):
     finally:
         if progress is not None:
             progress.close()
-    return records if rank == 0 else None
+    if rank != 0:
+        return None
+    result = {"records": records}
+    if device == "cuda":
+        result["gpu"] = torch.cuda.get_device_name()
+        result["d2d_GBps"] = d2d_copy_gbps()
+    return result
