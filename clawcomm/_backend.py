@@ -39,18 +39,19 @@ def register() -> None:
     atexit.register(_C._shutdown_all)
 
 
-def backend_of(group=None) -> _C_torch.ClawcommBackend:
-    """The clawcomm backend object behind ``group`` (default: the world)."""
+def backend_of(group=None, device: str = "cpu") -> _C_torch.ClawcommBackend:
+    """The clawcomm backend object behind ``group`` (default: the world) for
+    ``device``'s tensors ("cpu", or "cuda", which has its own communicator)."""
     import torch
 
     pg = group if group is not None else dist.group.WORLD
-    backend = pg._get_backend(torch.device("cpu"))
+    backend = pg._get_backend(torch.device(device))
     if not isinstance(backend, _C_torch.ClawcommBackend):
-        raise ValueError(f"group {pg} does not use the clawcomm backend for cpu")
+        raise ValueError(f"group {pg} does not use the clawcomm backend for {device}")
     return backend
 
 
-def engine_of(group=None) -> _C.Engine:
+def engine_of(group=None, device: str = "cpu") -> _C.Engine:
     """The engine behind ``group``: its collectives on numpy arrays (or any
     buffer-protocol object), called without torch's dispatch::
 
@@ -60,10 +61,10 @@ def engine_of(group=None) -> _C.Engine:
     It shares the group's connections and issue order, so calls on the group
     and on its engine must be made in the same order on every rank.
     """
-    return _C._engine_from_handle(backend_of(group)._engine_handle())
+    return _C._engine_from_handle(backend_of(group, device)._engine_handle())
 
 
-def comm_stats(group=None) -> dict[str, dict[str, int]]:
+def comm_stats(group=None, device: str = "cpu") -> dict[str, dict[str, int]]:
     """Traffic of ``group``'s communicator so far, per collective: calls, and
     bytes sent and received as measured on the wire (``bytes_*``: whole
     frames with their 64-byte headers; ``payload_bytes_*``: payload only)::
@@ -72,5 +73,9 @@ def comm_stats(group=None) -> dict[str, dict[str, int]]:
         ...  # a training step
         after = clawcomm.comm_stats()
         sent = after["all_gather"]["bytes_sent"] - before["all_gather"]["bytes_sent"]
+
+    ``device="cuda"``: the CUDA tensors' communicator. Collectives it runs
+    through CUDA IPC kernels count the payload peers read from this rank's
+    buffers as sent and what it read from theirs as received.
     """
-    return engine_of(group).comm_stats()
+    return engine_of(group, device).comm_stats()

@@ -55,6 +55,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--momentum", type=float, default=0.5, help="SGD momentum (0.5)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--transport", choices=("auto", "shm", "tcp"), default="auto")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu, or cuda: the model, data and gradients on the rank's GPU (ranks share one "
+        "when GPUs are fewer), compressed by clawcomm's CUDA kernels",
+    )
     p.add_argument("--json", metavar="FILE", help="write the results and loss curves")
     p.add_argument("--plot", metavar="FILE", help="draw the loss curves (PNG)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -75,8 +82,13 @@ def _data(seed: int):
     return x[order[:cut]], y[order[:cut]], x[order[cut:]], y[order[cut:]]
 
 
-def _wire_bytes(stats) -> int:
-    return sum(v["bytes_sent"] for v in stats.values())
+def _wire_bytes(device: str) -> int:
+    """Bytes this rank sent so far, on the CPU communicator and, for CUDA
+    runs, the CUDA one (CUDA IPC payload included)."""
+    import clawcomm
+
+    devices = ["cpu"] + (["cuda"] if device == "cuda" else [])
+    return sum(v["bytes_sent"] for d in devices for v in clawcomm.comm_stats(device=d).values())
 
 
 def _mlp_task(cfg: dict, rank: int):
@@ -84,7 +96,8 @@ def _mlp_task(cfg: dict, rank: int):
     returning (loss, accuracy) of the task."""
     import torch
 
-    xtr, ytr, xte, yte = (torch.from_numpy(a) for a in _data(cfg["seed"]))
+    dev = cfg.get("device", "cpu")
+    xtr, ytr, xte, yte = (torch.from_numpy(a).to(dev) for a in _data(cfg["seed"]))
     torch.manual_seed(cfg["seed"])
     model = torch.nn.Sequential(
         torch.nn.Linear(64, 256), torch.nn.ReLU(),
@@ -100,7 +113,7 @@ def _mlp_task(cfg: dict, rank: int):
         )
 
     def batch():
-        idx = torch.randint(0, len(xtr), (cfg["batch"],), generator=gen)
+        idx = torch.randint(0, len(xtr), (cfg["batch"],), generator=gen).to(dev)
         return xtr[idx], ytr[idx]
 
     def evaluate():
@@ -125,10 +138,16 @@ def _gpt_task(cfg: dict, rank: int):
         return models.gpt_loss(logits, y) / y.numel()
 
     gen = torch.Generator().manual_seed(cfg["seed"] * 1000 + rank)
+    dev = cfg.get("device", "cpu")
     held_out = [
-        ds.batch(
-            torch.randint(0, len(ds.val) - 65, (16,), generator=torch.Generator().manual_seed(i)),
-            "val",
+        tuple(
+            t.to(dev)
+            for t in ds.batch(
+                torch.randint(
+                    0, len(ds.val) - 65, (16,), generator=torch.Generator().manual_seed(i)
+                ),
+                "val",
+            )
         )
         for i in range(32)
     ]
@@ -137,7 +156,8 @@ def _gpt_task(cfg: dict, rank: int):
         return torch.optim.AdamW(params, lr=cfg["lr"], weight_decay=cfg["weight_decay"])
 
     def batch():
-        return ds.batch(torch.randint(0, len(ds), (cfg["batch"],), generator=gen))
+        x, y = ds.batch(torch.randint(0, len(ds), (cfg["batch"],), generator=gen))
+        return x.to(dev), y.to(dev)
 
     def evaluate():
         total = correct = tokens = 0.0
@@ -154,15 +174,18 @@ def _gpt_task(cfg: dict, rank: int):
 
 def train(rank: int, world_size: int, spec: str, cfg: dict) -> dict | None:
     """One run on one rank; rank 0 returns the measurements."""
+    import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import clawcomm
     from clawcomm.hooks import CompressionHookState, compression_hook
 
+    device = cfg.get("device", "cpu")
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     task = _gpt_task if cfg["model"] == "gpt" else _mlp_task
     model, loss_fn, make_opt, batch, evaluate = task(cfg, rank)
-    ddp = DDP(model)
+    ddp = DDP(model.to(device))
     hook = CompressionHookState(spec, warmup_steps=cfg["warmup"])
     ddp.register_comm_hook(hook, compression_hook)
     opt = make_opt(ddp.parameters())
@@ -171,10 +194,10 @@ def train(rank: int, world_size: int, spec: str, cfg: dict) -> dict | None:
     schedule = torch_lr_schedule(opt, cfg["steps"])
     every = max(1, cfg["steps"] // 50)
     curve, step_seconds = [(0, evaluate()[0])], 0.0
-    before = _wire_bytes(clawcomm.comm_stats())
+    before = _wire_bytes(device)
     for step in range(1, cfg["steps"] + 1):
         if step == cfg["warmup"] + 1:  # bytes per step count compressed steps only
-            before = _wire_bytes(clawcomm.comm_stats())
+            before = _wire_bytes(device)
         x, y = batch()
         t0 = time.perf_counter()
         opt.zero_grad()
@@ -184,7 +207,9 @@ def train(rank: int, world_size: int, spec: str, cfg: dict) -> dict | None:
         step_seconds += time.perf_counter() - t0
         if step % every == 0 or step == cfg["steps"]:
             curve.append((step, evaluate()[0]))
-    sent = _wire_bytes(clawcomm.comm_stats()) - before
+    if device == "cuda":
+        torch.cuda.synchronize()
+    sent = _wire_bytes(device) - before
     final_loss, accuracy = evaluate()
     result = {
         "compressor": spec,
@@ -239,12 +264,27 @@ def run(args) -> int:
             get_compressor(s)
         if args.nproc < 1 or args.steps < 1 or args.batch < 1 or args.warmup < 0:
             raise ValueError("--nproc, --steps and --batch must be positive, --warmup >= 0")
+        if args.device == "cuda":
+            import torch
+
+            if not (torch.backends.cuda.is_built() and torch.cuda.device_count() > 0):
+                raise ValueError("--device cuda: no CUDA GPU (or torch is a CPU build)")
     except ValueError as e:
         print(f"clawcomm experiment compression: error: {e}", file=sys.stderr)
         return 2
     cfg = {
         k: getattr(args, k)
-        for k in ("model", "steps", "batch", "lr", "warmup", "seed", "weight_decay", "momentum")
+        for k in (
+            "model",
+            "steps",
+            "batch",
+            "lr",
+            "warmup",
+            "seed",
+            "weight_decay",
+            "momentum",
+            "device",
+        )
     }
     progress = None
     if not args.quiet:
@@ -268,7 +308,7 @@ def run(args) -> int:
     print(
         f"# clawcomm experiment compression: {task} ({results[0]['parameters']} parameters), "
         f"{args.nproc} ranks, {args.steps} steps of {args.batch} {what}/rank, "
-        f"{args.warmup} dense warm-up steps, transport {args.transport}"
+        f"{args.warmup} dense warm-up steps, transport {args.transport}, device {args.device}"
     )
     print(_table(results))
     if args.json:

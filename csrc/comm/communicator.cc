@@ -155,6 +155,15 @@ const Traffic& Communicator::traffic() const {
   return messenger_->traffic();
 }
 
+void Communicator::countExternal(OpType type, uint64_t sent, uint64_t received) {
+  OpTraffic& t = messenger_->traffic().of(type);
+  Traffic::add(t.calls, 1);
+  Traffic::add(t.bytesSent, sent);
+  Traffic::add(t.payloadSent, sent);
+  Traffic::add(t.bytesReceived, received);
+  Traffic::add(t.payloadReceived, received);
+}
+
 std::string Communicator::allReduceAlgorithm(size_t bytes) const {
   return chooseAllReduce(bytes, size_, settings_).name;
 }

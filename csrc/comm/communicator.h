@@ -74,6 +74,10 @@ class Communicator {
   // Bytes on the wire and calls so far, per operation type (see
   // common/traffic.h). Calls are counted when issued, even if rejected later.
   const Traffic& traffic() const;
+  // Counts an operation whose bytes moved outside the messenger (CUDA IPC
+  // kernels): one call, `sent` bytes that peers read from this rank's
+  // buffers and `received` bytes it read from theirs (payload only).
+  void countExternal(OpType type, uint64_t sent, uint64_t received);
 
   // "ring" or "tree": what all_reduce of `bytes` would use.
   std::string allReduceAlgorithm(size_t bytes) const;

@@ -450,6 +450,11 @@ class ClawcommBackend : public c10d::Backend {
       const auto algo = size_t(t.nbytes()) <= comm_->settings().cudaOneShotMaxBytes
                             ? cuda::IpcAllReduce::kOneShot
                             : cuda::IpcAllReduce::kTwoShot;
+      const uint64_t bytes = t.nbytes(), peers = getSize() - 1;
+      const uint64_t moved = algo == cuda::IpcAllReduce::kOneShot
+                                 ? peers * bytes
+                                 : 2 * peers * bytes / uint64_t(getSize());
+      comm_->countExternal(clawcomm::OpType::kAllReduce, moved, moved);
       return launchOnDevice(OpType::ALLREDUCE, {t}, {}, [&](cuda::Stream s) {
         ipc->allReduce(t.data_ptr(), t.data_ptr(), n, dt, redop, algo, s);
         if (redop == ReduceOp::kAvg) cuda::divideInPlace(dt, t.data_ptr(), n, getSize(), s);
@@ -498,6 +503,10 @@ class ClawcommBackend : public c10d::Backend {
                       " is out of range for a group of ", getSize(), " ranks");
     if (cuda::IpcGroup* ipc = ipcFor(t);
         ipc && t.is_contiguous() && size_t(t.nbytes()) <= ipc->capacity()) {
+      const uint64_t bytes = t.nbytes();
+      comm_->countExternal(clawcomm::OpType::kBroadcast,
+                           getRank() == root ? bytes * (getSize() - 1) : 0,
+                           getRank() == root ? 0 : bytes);
       return launchOnDevice(OpType::BROADCAST, {t}, {}, [&](cuda::Stream s) {
         ipc->broadcast(t.data_ptr(), size_t(t.nbytes()), root, s);
       });
@@ -537,6 +546,8 @@ class ClawcommBackend : public c10d::Backend {
     checkNumel(op, "the output", output.numel(), input.numel() * getSize());
     if (cuda::IpcGroup* ipc = ipcFor(output);
         ipc && contiguous(input, output) && size_t(output.nbytes()) <= ipc->capacity()) {
+      const uint64_t moved = uint64_t(input.nbytes()) * (getSize() - 1);
+      comm_->countExternal(clawcomm::OpType::kAllGather, moved, moved);
       return launchOnDevice(OpType::_ALLGATHER_BASE, {output}, {input}, [&](cuda::Stream s) {
         ipc->allGather(input.data_ptr(), output.data_ptr(), size_t(input.numel()), dt, s);
       });
@@ -641,6 +652,8 @@ class ClawcommBackend : public c10d::Backend {
     if (cuda::IpcGroup* ipc = ipcFor(output);
         ipc && contiguous(input, output) && size_t(input.nbytes()) <= ipc->capacity()) {
       const size_t n = size_t(output.numel());
+      const uint64_t moved = uint64_t(output.nbytes()) * (getSize() - 1);
+      comm_->countExternal(clawcomm::OpType::kReduceScatter, moved, moved);
       return launchOnDevice(OpType::_REDUCE_SCATTER_BASE, {output}, {input}, [&](cuda::Stream s) {
         ipc->reduceScatter(input.data_ptr(), output.data_ptr(), n, dt, redop, s);
         if (redop == ReduceOp::kAvg) cuda::divideInPlace(dt, output.data_ptr(), n, getSize(), s);
@@ -729,6 +742,7 @@ class ClawcommBackend : public c10d::Backend {
                                               inputSplits.empty() && outputSplits.empty() &&
                                               size_t(input.nbytes()) <= ipc->capacity()) {
       const size_t per = size_t(input.nbytes()) / size_t(n);
+      comm_->countExternal(clawcomm::OpType::kAllToAll, per * (n - 1), per * (n - 1));
       return launchOnDevice(OpType::ALLTOALL_BASE, {output}, {input}, [&](cuda::Stream s) {
         ipc->allToAll(input.data_ptr(), output.data_ptr(), per, s);
       });
