@@ -241,3 +241,40 @@ def test_compressors_on_cuda_tensors_match_the_cpu(spec):
     entries as the CPU ones, so the sums agree (up to summation order)."""
     for err in run_ranks(_compressed, 2, spec, timeout=300):
         assert err < TOLERANCE.get(spec, 1e-5), (spec, err)
+
+
+def _data_parallel_cuda(rank, n, compression):
+    from clawcomm.parallel import DataParallel
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    base = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    ref = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    ref.load_state_dict(base.state_dict())
+    dp = DataParallel(
+        base.to(dev), bucket_cap_mb=0.002, first_bucket_mb=0.001, compression=compression
+    )
+    opt = torch.optim.SGD(dp.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(7)
+    for _ in range(3):
+        x, y = torch.randn(6 * n, 16, generator=g), torch.randn(6 * n, 4, generator=g)
+        mine = slice(6 * rank, 6 * rank + 6)
+        torch.nn.functional.mse_loss(dp(x[mine].to(dev)), y[mine].to(dev)).backward()
+        opt.step()
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return max(
+        (a.detach().cpu() - b.detach()).abs().max().item()
+        for a, b in zip(dp.parameters(), ref.parameters(), strict=True)
+    )
+
+
+@pytest.mark.parametrize("compression,atol", [(None, 1e-5), ("fp16", 2e-3)])
+def test_data_parallel_on_cuda_matches_single_process_training(compression, atol):
+    """Buckets on the GPU, reduced through the CUDA path while backward runs."""
+    for err in run_ranks(_data_parallel_cuda, 2, compression, timeout=300):
+        assert err < atol, err
