@@ -14,5 +14,8 @@ class ClawcommBackend(dist.ProcessGroup):  # a c10d::Backend at run time
         """How this rank reaches `peer`: 'shm', 'tcp' or 'self'."""
     def all_reduce_algorithm(self, nbytes: int) -> str:
         """The algorithm all_reduce of `nbytes` bytes uses ('ring', 'tree')."""
+    def cuda_ipc_status(self) -> dict[int, str]:
+        """Per CUDA device index used so far: 'ok' where collectives go through
+        CUDA IPC, else why they are staged through host memory."""
     def _engine_handle(self) -> CapsuleType:
         """A handle for clawcomm._C._engine_from_handle (use clawcomm.engine_of())."""

@@ -127,6 +127,11 @@ def _graph_replay(rank, n):
     with torch.cuda.stream(side):
         dist.all_reduce(x)  # warm-up outside the graph: creates the IPC group
     torch.cuda.current_stream().wait_stream(side)
+    import clawcomm
+
+    status = clawcomm.backend_of(device="cuda").cuda_ipc_status()
+    if status.get(0) != "ok":  # staging needs the host: it cannot be captured
+        return True, f"skipped: CUDA IPC unusable here ({status})"
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         dist.all_reduce(x)
@@ -143,8 +148,11 @@ def _graph_replay(rank, n):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ipc_all_reduce_replays_inside_a_cuda_graph(world_size):
     """The epochs live in device memory, so each replay synchronises afresh."""
-    for ok, got in run_ranks(_graph_replay, world_size, timeout=300):
+    results = run_ranks(_graph_replay, world_size, timeout=300)
+    for ok, got in results:
         assert ok, got
+    if isinstance(results[0][1], str):
+        pytest.skip(results[0][1])
 
 
 def _peer_never_comes(rank, n):

@@ -11,6 +11,7 @@
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <pybind11/chrono.h>
+#include <pybind11/stl.h>
 #include <torch/extension.h>
 
 #include <atomic>
@@ -425,6 +426,13 @@ class ClawcommBackend : public c10d::Backend {
   void setSequenceNumberForGroup() override {}
   uint64_t getSequenceNumberForGroup() override { return comm_->collectivesIssued(); }
   Communicator& communicator() { return *comm_; }
+  // Per CUDA device used so far: "ok" where collectives go through CUDA
+  // IPC, else why not (they are staged through host memory).
+  std::map<int, std::string> cudaIpcStatus() const {
+    std::map<int, std::string> out;
+    for (const auto& [index, group] : ipc_) out[index] = group->usable() ? "ok" : group->whyNot();
+    return out;
+  }
   std::shared_ptr<Communicator> sharedCommunicator() { return comm_; }
 
   void startCoalescing() override {
@@ -1038,6 +1046,9 @@ PYBIND11_MODULE(_C_torch, m) {
             return b.communicator().allReduceAlgorithm(bytes);
           },
           py::arg("nbytes"), "The algorithm all_reduce of `nbytes` bytes uses ('ring', 'tree').")
+      .def("cuda_ipc_status", &ClawcommBackend::cudaIpcStatus,
+           "Per CUDA device index used so far: 'ok' where collectives go through CUDA IPC, "
+           "else why they are staged through host memory.")
       .def(
           "_engine_handle",
           [](ClawcommBackend& b) {
