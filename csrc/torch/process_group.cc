@@ -1,397 +1,30 @@
 // The torch.distributed adapter: a c10d::Backend over clawcomm::Communicator.
 //
-// This is the only file that includes torch, and it builds its own extension,
-// clawcomm._C_torch, linked against the torch-free engine in clawcomm._C. Each override checks its
-// tensors (one shared set of helpers, every message naming the op), lays
-// them out as flat contiguous buffers (staging copies for non-contiguous or
-// list arguments), queues one engine operation and returns a Work whose
+// This is the only translation unit that includes torch (with
+// adapter_helpers.h and work.h, which only it includes), and it builds its
+// own extension, clawcomm._C_torch, linked against the torch-free engine in
+// clawcomm._C. Each override checks its tensors (one shared set of helpers,
+// every message naming the op), lays them out as flat contiguous buffers
+// (staging copies for non-contiguous or list arguments, pinned host mirrors
+// for CUDA tensors), queues one engine operation and returns a Work whose
 // future completes on the engine's progress thread, after the results have
-// been copied back into the caller's tensors.
-#include <c10/core/Event.h>
-#include <c10/core/StreamGuard.h>
-#include <c10/core/impl/VirtualGuardImpl.h>
+// been copied back into the caller's tensors. Eligible CUDA collectives on
+// one host go through CUDA IPC kernels on the communicator's stream instead.
 #include <pybind11/chrono.h>
 #include <pybind11/stl.h>
-#include <torch/extension.h>
 
-#include <atomic>
 #include <map>
-#include <numeric>
 #include <optional>
 #include <thread>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
-#include <torch/csrc/distributed/c10d/Store.hpp>
-#include <torch/csrc/distributed/c10d/Work.hpp>
 
-#include "comm/communicator.h"
-#include "common/errors.h"
 #include "cuda/ipc.h"
+#include "torch/adapter_helpers.h"
+#include "torch/work.h"
 
 namespace clawcomm {
+namespace adapter {
 namespace {
-
-using c10d::OpType;
-using TensorList = std::vector<at::Tensor>;
-
-class StoreAdapter : public Store {
- public:
-  explicit StoreAdapter(c10::intrusive_ptr<c10d::Store> store) : store_(std::move(store)) {}
-  void set(const std::string& key, const std::vector<uint8_t>& value) override {
-    store_->set(key, value);
-  }
-  std::vector<uint8_t> get(const std::string& key) override { return store_->get(key); }
-
- private:
-  c10::intrusive_ptr<c10d::Store> store_;
-};
-
-// Engine errors become torch.distributed.DistBackendError in Python; argument
-// errors become ValueError.
-[[noreturn]] void rethrowForTorch(std::exception_ptr e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const InvalidArgument& x) {
-    TORCH_CHECK_VALUE(false, x.what());
-  } catch (const c10::Error&) {
-    throw;
-  } catch (const std::exception& x) {
-    C10_THROW_ERROR(DistBackendError, x.what());
-  }
-  C10_THROW_ERROR(DistBackendError, "clawcomm: unknown error");
-}
-
-// ---------------------------------------------------------------------------
-// Argument checks shared by every op.
-
-DataType toDataType(const char* op, at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return DataType::kFloat32;
-    case at::kDouble: return DataType::kFloat64;
-    case at::kHalf: return DataType::kFloat16;
-    case at::kBFloat16: return DataType::kBFloat16;
-    case at::kChar: return DataType::kInt8;
-    case at::kByte: return DataType::kUInt8;
-    case at::kInt: return DataType::kInt32;
-    case at::kLong: return DataType::kInt64;
-    case at::kBool: return DataType::kBool;
-    default:
-      TORCH_CHECK_VALUE(false, "clawcomm::", op, ": dtype ", t,
-                        " is not supported (float32, float64, float16, bfloat16, int8, uint8, "
-                        "int32, int64, bool are)");
-  }
-}
-
-ReduceOp toReduceOp(const char* op, const c10d::ReduceOp& r) {
-  switch (r.op_) {
-    case c10d::ReduceOp::SUM: return ReduceOp::kSum;
-    case c10d::ReduceOp::AVG: return ReduceOp::kAvg;
-    case c10d::ReduceOp::PRODUCT: return ReduceOp::kProduct;
-    case c10d::ReduceOp::MIN: return ReduceOp::kMin;
-    case c10d::ReduceOp::MAX: return ReduceOp::kMax;
-    case c10d::ReduceOp::BAND: return ReduceOp::kBand;
-    case c10d::ReduceOp::BOR: return ReduceOp::kBor;
-    case c10d::ReduceOp::BXOR: return ReduceOp::kBxor;
-    default:
-      TORCH_CHECK_VALUE(false, "clawcomm does not support reduce op ", int(r.op_), " in ", op,
-                        " (PREMUL_SUM is not implemented)");
-  }
-}
-
-void checkTensor(const char* op, const at::Tensor& t) {
-  TORCH_CHECK_VALUE(t.defined(), "clawcomm::", op, ": got an undefined tensor");
-  TORCH_CHECK_VALUE(t.layout() == at::kStrided, "clawcomm::", op, ": got a ", t.layout(),
-                    " tensor; clawcomm handles dense (strided) tensors only");
-  TORCH_CHECK_VALUE(t.device().is_cpu() || t.device().is_cuda(), "clawcomm::", op,
-                    ": got a tensor on ", t.device(),
-                    "; the clawcomm backend handles cpu and cuda tensors");
-}
-
-void checkSameDevice(const char* op, const at::Tensor& a, const at::Tensor& b) {
-  TORCH_CHECK_VALUE(a.device() == b.device(), "clawcomm::", op, ": tensors on ", a.device(),
-                    " and ", b.device(),
-                    " in one call; every tensor of a call must be on one device");
-}
-
-// Checks every tensor and that they share one dtype; returns it.
-DataType checkTensors(const char* op, const TensorList& ts) {
-  TORCH_CHECK_VALUE(!ts.empty(), "clawcomm::", op, ": got an empty tensor list");
-  for (const auto& t : ts) {
-    checkTensor(op, t);
-    TORCH_CHECK_VALUE(t.scalar_type() == ts[0].scalar_type(), "clawcomm::", op,
-                      ": tensors mix dtypes ", ts[0].scalar_type(), " and ", t.scalar_type());
-    checkSameDevice(op, ts[0], t);
-  }
-  return toDataType(op, ts[0].scalar_type());
-}
-
-const at::Tensor& single(const char* op, const TensorList& ts) {
-  TORCH_CHECK_VALUE(ts.size() == 1, "clawcomm::", op, ": expects one tensor per call, got ",
-                    ts.size());
-  return ts[0];
-}
-
-void checkNumel(const char* op, const char* what, int64_t got, int64_t expected) {
-  TORCH_CHECK_VALUE(got == expected, "clawcomm::", op, ": ", what, " has ", got,
-                    " elements, expected ", expected);
-}
-
-void checkSameDtype(const char* op, const at::Tensor& a, const at::Tensor& b) {
-  checkSameDevice(op, a, b);
-  TORCH_CHECK_VALUE(a.scalar_type() == b.scalar_type(), "clawcomm::", op,
-                    ": input and output dtypes differ (", a.scalar_type(), " vs ", b.scalar_type(),
-                    ")");
-}
-
-// A contiguous view of `t`, or a contiguous copy when `t` is strided.
-at::Tensor flat(const at::Tensor& t) {
-  return t.contiguous().view({-1});
-}
-
-// Flattens a list into one new contiguous buffer.
-at::Tensor concat(const TensorList& ts) {
-  if (ts.empty()) return at::empty({0});
-  TensorList flats;
-  for (const auto& t : ts) flats.push_back(t.reshape({-1}));
-  return at::cat(flats);
-}
-
-// Copies consecutive slices of `buffer` into each tensor of `outs`.
-void splitInto(const at::Tensor& buffer, const TensorList& outs) {
-  int64_t offset = 0;
-  for (const auto& o : outs) {
-    o.copy_(buffer.narrow(0, offset, o.numel()).view(o.sizes()));
-    offset += o.numel();
-  }
-}
-
-std::vector<size_t> numels(const TensorList& ts) {
-  std::vector<size_t> out;
-  for (const auto& t : ts) out.push_back(size_t(t.numel()));
-  return out;
-}
-
-// ---------------------------------------------------------------------------
-// CUDA tensors through pinned host memory.
-//
-// The engine moves host bytes, so a CUDA tensor is staged, as
-// ProcessGroupGloo does: c10d's stream rules are kept with events only,
-// through c10's device-generic interfaces, so this file builds against a CPU
-// torch as well (where no CUDA tensor can reach it).
-//   1. On the caller's thread: each engine buffer the op reads is copied
-//      into a pinned host mirror on the caller's current stream, so it
-//      follows the kernels that produced it; the thread waits for those
-//      copies (an event), then queues the engine op on the mirrors.
-//   2. On the progress thread, when the engine is done: the communicator's
-//      own stream waits for the caller's stream, copies every mirror the op
-//      wrote back to the device, and runs the op's device-side finalize
-//      (split, copy back) there; the device buffers are recorded on that
-//      stream for the caching allocator.
-//   3. The future is CUDA-aware: completed on the communicator's stream, it
-//      carries an event, and Work::wait() or future.wait() make the
-//      caller's current stream wait for it.
-
-enum class Access { kRead, kWrite, kReadWrite };
-
-// A tensor the engine reads or writes, as passed to launch().
-struct EngineBuffer {
-  at::Tensor* tensor;
-  Access access;
-};
-EngineBuffer reads(at::Tensor& t) {
-  return {&t, Access::kRead};
-}
-EngineBuffer writes(at::Tensor& t) {
-  return {&t, Access::kWrite};
-}
-EngineBuffer updates(at::Tensor& t) {
-  return {&t, Access::kReadWrite};
-}
-
-class DeviceStaging {
- public:
-  DeviceStaging(c10::Device device, c10::Stream stream)
-      : device_(device), stream_(stream), ready_(device.type()) {}
-
-  const c10::Stream& stream() const { return stream_; }
-
-  // The pinned host buffer the engine works on instead of `dev`.
-  at::Tensor mirror(const at::Tensor& dev, Access access) {
-    at::Tensor host = at::empty(dev.sizes(), dev.options().device(at::kCPU).pinned_memory(true));
-    if (access != Access::kWrite) host.copy_(dev, /*non_blocking=*/true);
-    if (access != Access::kRead) writeBack_.push_back({host, dev});
-    touched_.push_back(dev);
-    return host;
-  }
-
-  // Keeps `t` (an output) safe from the caching allocator until the
-  // communicator's stream is done with it.
-  void touches(const at::Tensor& t) { touched_.push_back(t); }
-
-  // Step 1: the caller's stream has issued every copy to host; wait for them.
-  void fetch() {
-    c10::impl::VirtualGuardImpl impl(device_.type());
-    ready_.record(impl.getStream(device_));
-    ready_.synchronize();
-  }
-
-  // Step 2, on the progress thread, inside a StreamGuard on stream().
-  void store() {
-    ready_.block(stream_);
-    for (auto& [host, dev] : writeBack_) dev.copy_(host, /*non_blocking=*/true);
-  }
-
-  // After the device-side finalize, still on stream().
-  void release() {
-    c10::impl::VirtualGuardImpl impl(device_.type());
-    for (const auto& t : touched_) {
-      if (t.defined() && t.device() == device_) {
-        impl.recordDataPtrOnStream(t.storage().data_ptr(), stream_);
-      }
-    }
-    touched_.clear();
-    writeBack_.clear();
-  }
-
- private:
-  c10::Device device_;
-  c10::Stream stream_;
-  c10::Event ready_;
-  std::vector<std::pair<at::Tensor, at::Tensor>> writeBack_;  // (host mirror, device buffer)
-  TensorList touched_;
-};
-
-// ---------------------------------------------------------------------------
-// Work.
-
-// What completes when the engine finishes: shared by the Work and the engine
-// callback, so that neither keeps the other alive.
-struct Completion {
-  c10::intrusive_ptr<c10::ivalue::Future> future;
-  TensorList outputs;                      // what the future yields
-  std::function<void()> finalize;          // copies results back into the caller's tensors
-  TensorList keepAlive;                    // staging buffers the engine reads or writes
-  std::shared_ptr<DeviceStaging> staging;  // CUDA ops only
-};
-
-c10::intrusive_ptr<c10::ivalue::Future> makeFuture(std::vector<c10::Device> devices = {}) {
-  return c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
-                                                  std::move(devices));
-}
-
-class ClawcommWork : public c10d::Work {
- public:
-  ClawcommWork(int rank, OpType type, std::shared_ptr<Completion> completion)
-      : Work(rank, type), completion_(std::move(completion)) {}
-
-  void attach(RequestPtr request) { request_ = std::move(request); }
-
-  bool isCompleted() override { return request_->isCompleted(); }
-  bool isSuccess() const override { return request_->isCompleted() && !request_->exception(); }
-  std::exception_ptr exception() const override { return request_->exception(); }
-  int sourceRank() const override { return request_->sourceRank(); }
-  std::vector<at::Tensor> result() override { return completion_->outputs; }
-  void synchronize() override {}
-
-  bool wait(std::chrono::milliseconds timeout) override {
-    const bool done =
-        request_->waitFor(timeout == kNoTimeout ? std::chrono::milliseconds(-1) : timeout);
-    if (!done) {
-      C10_THROW_ERROR(DistBackendError,
-                      c10::str("clawcomm: Work::wait timed out after ", timeout.count(),
-                               " ms; the operation is still running"));
-    }
-    if (auto e = request_->exception()) rethrowForTorch(e);
-    // CUDA: the caller's current stream waits for the copies back to the
-    // device (an event on the communicator's stream); the host does not.
-    if (completion_->staging) completion_->future->wait();
-    return true;
-  }
-
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return completion_->future; }
-
- private:
-  std::shared_ptr<Completion> completion_;
-  RequestPtr request_;
-};
-
-// Completes when every child does (coalesced point-to-point and collectives).
-class CoalescedWork : public c10d::Work {
- public:
-  CoalescedWork(int rank, std::vector<c10::intrusive_ptr<c10d::Work>> children)
-      : Work(rank, OpType::COALESCED), children_(std::move(children)), future_(makeFuture()) {
-    if (children_.empty()) {
-      future_->markCompleted(c10::IValue(TensorList{}));
-      return;
-    }
-    auto remaining = std::make_shared<std::atomic<size_t>>(children_.size());
-    auto future = future_;
-    for (auto& child : children_) {
-      child->getFuture()->addCallback([remaining, future](c10::ivalue::Future& f) {
-        if (f.hasError()) {
-          if (!future->completed()) future->setErrorIfNeeded(f.exception_ptr());
-        } else if (--*remaining == 0 && !future->completed()) {
-          future->markCompleted(c10::IValue(TensorList{}));
-        }
-      });
-    }
-  }
-
-  bool isCompleted() override {
-    for (auto& c : children_) {
-      if (!c->isCompleted()) return false;
-    }
-    return true;
-  }
-  bool isSuccess() const override {
-    for (auto& c : children_) {
-      if (!c->isSuccess()) return false;
-    }
-    return true;
-  }
-  std::exception_ptr exception() const override {
-    for (auto& c : children_) {
-      if (auto e = c->exception()) return e;
-    }
-    return nullptr;
-  }
-  bool wait(std::chrono::milliseconds timeout) override {
-    for (auto& c : children_) c->wait(timeout);
-    return true;
-  }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
-
- private:
-  std::vector<c10::intrusive_ptr<c10d::Work>> children_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
-};
-
-// A CUDA IPC op: queued on the communicator's stream, complete when that
-// stream gets there. wait() makes the caller's current stream wait (the host
-// does not); a peer that never arrives makes the kernel trap (cuda/ipc.h).
-class DeviceWork : public c10d::Work {
- public:
-  DeviceWork(int rank, OpType type, TensorList outputs,
-             c10::intrusive_ptr<c10::ivalue::Future> future, std::shared_ptr<c10::Event> done)
-      : Work(rank, type),
-        outputs_(std::move(outputs)),
-        future_(std::move(future)),
-        done_(std::move(done)) {}
-
-  bool isCompleted() override { return done_->query(); }
-  bool isSuccess() const override { return true; }
-  std::vector<at::Tensor> result() override { return outputs_; }
-  void synchronize() override { future_->wait(); }
-  bool wait(std::chrono::milliseconds) override {
-    future_->wait();  // the current stream waits for the future's event
-    return true;
-  }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
-
- private:
-  TensorList outputs_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
-  std::shared_ptr<c10::Event> done_;
-};
 
 // ---------------------------------------------------------------------------
 // The backend.
@@ -1024,11 +657,12 @@ class ClawcommBackend : public c10d::Backend {
 };
 
 }  // namespace
+}  // namespace adapter
 }  // namespace clawcomm
 
 PYBIND11_MODULE(_C_torch, m) {
   namespace py = pybind11;
-  using clawcomm::ClawcommBackend;
+  using clawcomm::adapter::ClawcommBackend;
   m.doc() = "clawcomm's torch.distributed adapter: the c10d backend over clawcomm._C's engine.";
   py::module::import("torch.distributed");
   py::class_<ClawcommBackend, c10d::Backend, c10::intrusive_ptr<ClawcommBackend>>(m,

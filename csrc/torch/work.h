@@ -1,0 +1,236 @@
+// The adapter's Work types and the CUDA staging (included by
+// process_group.cc alone): ClawcommWork completes with the engine, its
+// CUDA-aware future after the copy back to the device; CoalescedWork joins
+// several; DeviceWork is a CUDA IPC op that completes on a stream.
+#pragma once
+
+#include "torch/adapter_helpers.h"
+
+namespace clawcomm {
+namespace adapter {
+
+// ---------------------------------------------------------------------------
+// CUDA tensors through pinned host memory.
+//
+// The engine moves host bytes, so a CUDA tensor is staged, as
+// ProcessGroupGloo does: c10d's stream rules are kept with events only,
+// through c10's device-generic interfaces, so this file builds against a CPU
+// torch as well (where no CUDA tensor can reach it).
+//   1. On the caller's thread: each engine buffer the op reads is copied
+//      into a pinned host mirror on the caller's current stream, so it
+//      follows the kernels that produced it; the thread waits for those
+//      copies (an event), then queues the engine op on the mirrors.
+//   2. On the progress thread, when the engine is done: the communicator's
+//      own stream waits for the caller's stream, copies every mirror the op
+//      wrote back to the device, and runs the op's device-side finalize
+//      (split, copy back) there; the device buffers are recorded on that
+//      stream for the caching allocator.
+//   3. The future is CUDA-aware: completed on the communicator's stream, it
+//      carries an event, and Work::wait() or future.wait() make the
+//      caller's current stream wait for it.
+
+enum class Access { kRead, kWrite, kReadWrite };
+
+// A tensor the engine reads or writes, as passed to launch().
+struct EngineBuffer {
+  at::Tensor* tensor;
+  Access access;
+};
+inline EngineBuffer reads(at::Tensor& t) {
+  return {&t, Access::kRead};
+}
+inline EngineBuffer writes(at::Tensor& t) {
+  return {&t, Access::kWrite};
+}
+inline EngineBuffer updates(at::Tensor& t) {
+  return {&t, Access::kReadWrite};
+}
+
+class DeviceStaging {
+ public:
+  DeviceStaging(c10::Device device, c10::Stream stream)
+      : device_(device), stream_(stream), ready_(device.type()) {}
+
+  const c10::Stream& stream() const { return stream_; }
+
+  // The pinned host buffer the engine works on instead of `dev`.
+  at::Tensor mirror(const at::Tensor& dev, Access access) {
+    at::Tensor host = at::empty(dev.sizes(), dev.options().device(at::kCPU).pinned_memory(true));
+    if (access != Access::kWrite) host.copy_(dev, /*non_blocking=*/true);
+    if (access != Access::kRead) writeBack_.push_back({host, dev});
+    touched_.push_back(dev);
+    return host;
+  }
+
+  // Keeps `t` (an output) safe from the caching allocator until the
+  // communicator's stream is done with it.
+  void touches(const at::Tensor& t) { touched_.push_back(t); }
+
+  // Step 1: the caller's stream has issued every copy to host; wait for them.
+  void fetch() {
+    c10::impl::VirtualGuardImpl impl(device_.type());
+    ready_.record(impl.getStream(device_));
+    ready_.synchronize();
+  }
+
+  // Step 2, on the progress thread, inside a StreamGuard on stream().
+  void store() {
+    ready_.block(stream_);
+    for (auto& [host, dev] : writeBack_) dev.copy_(host, /*non_blocking=*/true);
+  }
+
+  // After the device-side finalize, still on stream().
+  void release() {
+    c10::impl::VirtualGuardImpl impl(device_.type());
+    for (const auto& t : touched_) {
+      if (t.defined() && t.device() == device_) {
+        impl.recordDataPtrOnStream(t.storage().data_ptr(), stream_);
+      }
+    }
+    touched_.clear();
+    writeBack_.clear();
+  }
+
+ private:
+  c10::Device device_;
+  c10::Stream stream_;
+  c10::Event ready_;
+  std::vector<std::pair<at::Tensor, at::Tensor>> writeBack_;  // (host mirror, device buffer)
+  TensorList touched_;
+};
+
+// ---------------------------------------------------------------------------
+// Work.
+
+// What completes when the engine finishes: shared by the Work and the engine
+// callback, so that neither keeps the other alive.
+struct Completion {
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  TensorList outputs;                      // what the future yields
+  std::function<void()> finalize;          // copies results back into the caller's tensors
+  TensorList keepAlive;                    // staging buffers the engine reads or writes
+  std::shared_ptr<DeviceStaging> staging;  // CUDA ops only
+};
+
+inline c10::intrusive_ptr<c10::ivalue::Future> makeFuture(std::vector<c10::Device> devices = {}) {
+  return c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
+                                                  std::move(devices));
+}
+
+class ClawcommWork : public c10d::Work {
+ public:
+  ClawcommWork(int rank, OpType type, std::shared_ptr<Completion> completion)
+      : Work(rank, type), completion_(std::move(completion)) {}
+
+  void attach(RequestPtr request) { request_ = std::move(request); }
+
+  bool isCompleted() override { return request_->isCompleted(); }
+  bool isSuccess() const override { return request_->isCompleted() && !request_->exception(); }
+  std::exception_ptr exception() const override { return request_->exception(); }
+  int sourceRank() const override { return request_->sourceRank(); }
+  std::vector<at::Tensor> result() override { return completion_->outputs; }
+  void synchronize() override {}
+
+  bool wait(std::chrono::milliseconds timeout) override {
+    const bool done =
+        request_->waitFor(timeout == kNoTimeout ? std::chrono::milliseconds(-1) : timeout);
+    if (!done) {
+      C10_THROW_ERROR(DistBackendError,
+                      c10::str("clawcomm: Work::wait timed out after ", timeout.count(),
+                               " ms; the operation is still running"));
+    }
+    if (auto e = request_->exception()) rethrowForTorch(e);
+    // CUDA: the caller's current stream waits for the copies back to the
+    // device (an event on the communicator's stream); the host does not.
+    if (completion_->staging) completion_->future->wait();
+    return true;
+  }
+
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return completion_->future; }
+
+ private:
+  std::shared_ptr<Completion> completion_;
+  RequestPtr request_;
+};
+
+// Completes when every child does (coalesced point-to-point and collectives).
+class CoalescedWork : public c10d::Work {
+ public:
+  CoalescedWork(int rank, std::vector<c10::intrusive_ptr<c10d::Work>> children)
+      : Work(rank, OpType::COALESCED), children_(std::move(children)), future_(makeFuture()) {
+    if (children_.empty()) {
+      future_->markCompleted(c10::IValue(TensorList{}));
+      return;
+    }
+    auto remaining = std::make_shared<std::atomic<size_t>>(children_.size());
+    auto future = future_;
+    for (auto& child : children_) {
+      child->getFuture()->addCallback([remaining, future](c10::ivalue::Future& f) {
+        if (f.hasError()) {
+          if (!future->completed()) future->setErrorIfNeeded(f.exception_ptr());
+        } else if (--*remaining == 0 && !future->completed()) {
+          future->markCompleted(c10::IValue(TensorList{}));
+        }
+      });
+    }
+  }
+
+  bool isCompleted() override {
+    for (auto& c : children_) {
+      if (!c->isCompleted()) return false;
+    }
+    return true;
+  }
+  bool isSuccess() const override {
+    for (auto& c : children_) {
+      if (!c->isSuccess()) return false;
+    }
+    return true;
+  }
+  std::exception_ptr exception() const override {
+    for (auto& c : children_) {
+      if (auto e = c->exception()) return e;
+    }
+    return nullptr;
+  }
+  bool wait(std::chrono::milliseconds timeout) override {
+    for (auto& c : children_) c->wait(timeout);
+    return true;
+  }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+ private:
+  std::vector<c10::intrusive_ptr<c10d::Work>> children_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+// A CUDA IPC op: queued on the communicator's stream, complete when that
+// stream gets there. wait() makes the caller's current stream wait (the host
+// does not); a peer that never arrives makes the kernel trap (cuda/ipc.h).
+class DeviceWork : public c10d::Work {
+ public:
+  DeviceWork(int rank, OpType type, TensorList outputs,
+             c10::intrusive_ptr<c10::ivalue::Future> future, std::shared_ptr<c10::Event> done)
+      : Work(rank, type),
+        outputs_(std::move(outputs)),
+        future_(std::move(future)),
+        done_(std::move(done)) {}
+
+  bool isCompleted() override { return done_->query(); }
+  bool isSuccess() const override { return true; }
+  std::vector<at::Tensor> result() override { return outputs_; }
+  void synchronize() override { future_->wait(); }
+  bool wait(std::chrono::milliseconds) override {
+    future_->wait();  // the current stream waits for the future's event
+    return true;
+  }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+ private:
+  TensorList outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::shared_ptr<c10::Event> done_;
+};
+
+}  // namespace adapter
+}  // namespace clawcomm
