@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 from clawcomm.train import config as config_mod
 from clawcomm.train.config import TrainConfig
@@ -85,11 +86,27 @@ def train_rank(cfg: TrainConfig, announce: bool = True) -> list[dict]:
         params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
         print(f"clawcomm train: {cfg.model}, {params / 1e6:.2f}M parameters", flush=True)
         print(trainer.describe(), flush=True)
+    start = 0
+    if cfg.resume and cfg.checkpoint_dir:
+        from clawcomm.train import checkpoint
+
+        if checkpoint.latest(cfg.checkpoint_dir) is not None:
+            t0 = time.perf_counter()
+            start = trainer.load_checkpoint(cfg.checkpoint_dir)
+            if rank == 0 and announce:
+                print(
+                    f"clawcomm train: resumed from step {start} of {cfg.checkpoint_dir} "
+                    f"(loaded in {time.perf_counter() - t0:.2f} s)",
+                    flush=True,
+                )
     try:
         return trainer.fit(
-            global_batches(ds, cfg.effective_batch, cfg.seed),
+            global_batches(ds, cfg.effective_batch, cfg.seed, start=start),
             metrics_file=cfg.metrics or None,
             progress=not cfg.quiet,
+            checkpoint_dir=cfg.checkpoint_dir or None,
+            checkpoint_every=cfg.checkpoint_every,
+            keep_checkpoints=cfg.keep_checkpoints,
         )
     finally:
         trainer.close()

@@ -62,6 +62,13 @@ class TrainConfig:
     compression_warmup: int = _opt(0, "dense steps before compressing")
     bucket_cap_mb: float = _opt(25.0, "gradient bucket size")
     overlap: bool = _opt(True, "reduce buckets while the pipeline drains")
+    # checkpoints
+    checkpoint_dir: str = _opt(
+        "", "save atomic checkpoints here (DCP; a `latest` file names the last)"
+    )
+    checkpoint_every: int = _opt(0, "save a checkpoint every this many steps and after the last")
+    keep_checkpoints: int = _opt(2, "checkpoints kept (older ones are removed)")
+    resume: bool = _opt(False, "continue from --checkpoint-dir's latest checkpoint, if any")
     # output
     metrics: str = _opt("", "write per-step metrics as JSON lines to this file")
     quiet: bool = _opt(False, "no progress bar")
@@ -112,7 +119,11 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup_steps", "base_batch", "compression_warmup"):
+        if self.keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
+        if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
+            raise ValueError("checkpoint_every and resume need checkpoint_dir")
+        for name in ("warmup_steps", "base_batch", "compression_warmup", "checkpoint_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("lr", "bucket_cap_mb"):

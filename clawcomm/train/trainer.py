@@ -99,6 +99,7 @@ class Trainer:
         S = cfg.num_stages
         stages, self.cuts = _cut(model, S, cfg.balance, sample)
         self.names = _full_names(model, stages)
+        self.shapes = _full_shapes(model, stages)
         self.schedule = build(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages)
         validate(self.schedule, cfg.pp, S, cfg.microbatches)
         self._plan = SimulationPlan(self.schedule, S)
@@ -517,6 +518,20 @@ class Trainer:
 
     # ---- the loop -------------------------------------------------------------------------
 
+    def save_checkpoint(self, root: str, keep: int = 2) -> str:
+        """Saves an atomic checkpoint under ``root`` (every rank calls it);
+        see clawcomm.train.checkpoint."""
+        from clawcomm.train import checkpoint
+
+        return checkpoint.save(self, root, keep)
+
+    def load_checkpoint(self, path: str) -> int:
+        """Loads a checkpoint (or ``path``'s latest one), at this run's layout
+        whatever the layout it was saved at; returns its step."""
+        from clawcomm.train import checkpoint
+
+        return checkpoint.load(self, path)
+
     def fit(
         self,
         batches: Iterable,
@@ -524,13 +539,20 @@ class Trainer:
         metrics_file: str | None = None,
         progress: bool = True,
         log: Callable[[dict], None] | None = None,
+        checkpoint_dir: str | None = None,
+        checkpoint_every: int = 0,
+        keep_checkpoints: int = 2,
     ) -> list[dict]:
-        """Runs ``steps`` steps (default: the config's) over ``batches``.
-        Rank 0 writes each step's metrics to ``metrics_file`` (JSON lines) and
-        shows a progress bar. Returns the metrics of every step."""
+        """Runs ``steps`` steps (default: the config's, less those already
+        done) over ``batches``. Rank 0 writes each step's metrics to
+        ``metrics_file`` (JSON lines, appended to when resuming) and shows a
+        progress bar. With ``checkpoint_dir`` and ``checkpoint_every``, a
+        checkpoint is saved every that many steps and after the last; the
+        step's metrics then carry ``checkpoint_ms``. Returns the metrics of
+        every step."""
         import json
 
-        steps = self.cfg.steps if steps is None else steps
+        steps = self.cfg.steps - self.step_index if steps is None else steps
         rank0 = self.grid.rank == 0
         bar = None
         if rank0 and progress:
@@ -538,10 +560,19 @@ class Trainer:
 
             bar = tqdm(total=steps, unit="step", leave=False)
         out = []
-        sink = open(metrics_file, "w") if (rank0 and metrics_file) else None  # noqa: SIM115
+        mode = "a" if self.step_index else "w"
+        sink = open(metrics_file, mode) if (rank0 and metrics_file) else None  # noqa: SIM115
         try:
-            for _, batch in zip(range(steps), batches, strict=False):
+            for k, batch in zip(range(steps), batches, strict=False):
                 m = self.step(batch)
+                if (
+                    checkpoint_dir
+                    and checkpoint_every
+                    and (self.step_index % checkpoint_every == 0 or k == steps - 1)
+                ):
+                    t0 = time.perf_counter()
+                    self.save_checkpoint(checkpoint_dir, keep_checkpoints)
+                    m["checkpoint_ms"] = 1e3 * (time.perf_counter() - t0)
                 out.append(m)
                 if sink is not None:
                     sink.write(json.dumps(m) + "\n")
@@ -600,6 +631,15 @@ def _cut(model, num_stages: int, balance: str, sample) -> tuple[list[nn.Module],
             f"clawcomm.train: {len(stages)} stage modules given for {num_stages} stages (pp x v)"
         )
     return stages, list(range(num_stages + 1))
+
+
+def _full_shapes(model, stages) -> dict[str, list[int]]:
+    """Every parameter's shape, by its name in the whole model."""
+    params = {id(p): p for p in (model.parameters() if isinstance(model, nn.Sequential) else ())}
+    for s in stages:
+        params.update({id(p): p for p in s.parameters()})
+    names = _full_names(model, stages)
+    return {names[i]: list(p.shape) for i, p in params.items()}
 
 
 def _full_names(model, stages) -> dict[int, str]:

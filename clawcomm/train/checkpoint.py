@@ -1,0 +1,346 @@
+"""Checkpoints of a ``Trainer``: atomic, resumable bit for bit, and loadable
+at another layout.
+
+What is saved (through torch.distributed.checkpoint, DCP), keyed so that any
+layout can find its part:
+
+    model/<name>               every parameter, by its name in the whole model
+    optim/<name>/<key>         its optimizer state (momentum, Adam moments, step)
+    residual/dp<d>/<name>      error-feedback residual of data-parallel rank d
+    rng/rank<r>                torch, Python and numpy RNG states of rank r
+    trainer/rank<r>            rank r's reducer state: compression step and
+                               call counts, the learned bucket order and counts
+    meta                       format, step, model (names and shapes),
+                               compressor, optimizer, layout
+
+Parameters and optimizer state are replicated over data-parallel ranks and
+split over pipeline stages; DCP writes each key once. Loading asks each rank
+for the keys of the parameters it holds now, so a checkpoint taken at dp2 x
+pp2 loads at dp1 x pp4. What only makes sense at the same layout (RNG
+streams, the reducer's bucket order) is restored only there; residuals of a
+different data-parallel width are averaged, which keeps the mean update
+they still owe.
+
+Atomic: DCP writes into ``<root>/step-<N>.tmp-<token>`` (files fsynced), rank
+0 renames it to ``<root>/step-<N>`` and then replaces ``<root>/latest``
+(a one-line file naming it) by writing ``latest.tmp``, fsyncing and renaming.
+A process killed at any moment leaves ``latest`` naming a complete
+checkpoint (or no ``latest`` at all before the first one); leftover
+``*.tmp-*`` folders are removed by the next save.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import shutil
+import time
+
+import torch
+import torch.distributed as dist
+
+FORMAT = 1
+LATEST = "latest"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded into this run: it says why."""
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _broadcast_object(obj):
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def latest(root: str) -> str | None:
+    """The checkpoint ``<root>/latest`` names, or None when there is none yet."""
+    try:
+        with open(os.path.join(root, LATEST)) as f:
+            name = f.read().strip()
+    except FileNotFoundError:
+        return None
+    path = os.path.join(root, name)
+    if not os.path.exists(os.path.join(path, ".metadata")):
+        raise CheckpointError(f"{root}/latest names {name!r}, which is not a complete checkpoint")
+    return path
+
+
+def _rng_state() -> bytes:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return pickle.dumps(state)
+
+
+def _set_rng_state(blob: bytes) -> None:
+    state = pickle.loads(blob)
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _layout(trainer) -> dict:
+    cfg = trainer.cfg
+    return {
+        "dp": cfg.dp,
+        "pp": cfg.pp,
+        "virtual_stages": cfg.virtual_stages,
+        "cuts": list(trainer.cuts),
+        "schedule": cfg.schedule,
+    }
+
+
+def _model_shapes(trainer) -> dict[str, list[int]]:
+    """Every parameter of the whole model (not only this rank's), by name."""
+    return dict(trainer.shapes)
+
+
+def _optimizer_name(trainer) -> str:
+    return type(trainer.optimizer).__name__
+
+
+def _local(trainer):
+    """(name, index, parameter) of every parameter this rank holds."""
+    for i, p in enumerate(trainer.params):
+        yield trainer.names[id(p)], i, p
+
+
+def _residual_segments(trainer) -> dict[str, torch.Tensor]:
+    """This rank's error-feedback residual, cut by parameter."""
+    r = trainer.reducer
+    if r is None or r.compressor is None:
+        return {}
+    out = {}
+    for name, i, _ in _local(trainer):
+        bucket, slot = r.slot[i]
+        res = r.compression_state.residuals.get(bucket.index)
+        if res is not None:
+            out[name] = bucket.segment(res, slot).clone()
+    return out
+
+
+def state_dict(trainer) -> dict:
+    """This rank's part of the checkpoint (see the module docstring)."""
+    rank, d = _rank(), trainer.grid.dp_rank
+    sd: dict = {}
+    for name, _, p in _local(trainer):
+        sd[f"model/{name}"] = p.detach()
+        for k, v in trainer.optimizer.state.get(p, {}).items():
+            if isinstance(v, torch.Tensor):
+                sd[f"optim/{name}/{k}"] = v
+    for name, seg in _residual_segments(trainer).items():
+        sd[f"residual/dp{d}/{name}"] = seg
+    sd[f"rng/rank{rank}"] = _rng_state()
+    r = trainer.reducer
+    # Dicts travel pickled: DCP would flatten them into one key per field.
+    sd[f"trainer/rank{rank}"] = pickle.dumps(
+        {
+            "layout": _layout(trainer),
+            "learned": trainer._learned,
+            "expected": list(r.expected) if r is not None else None,
+            "order": [i for b in r.buckets for i in b.params] if r is not None else None,
+            "compression_step": r.compression_state.step if r is not None else 0,
+            "calls": dict(r.compression_state.calls) if r is not None else {},
+        }
+    )
+    if rank == 0:
+        sd["meta"] = pickle.dumps(
+            {
+                "format": FORMAT,
+                "step": trainer.step_index,
+                "model": _model_shapes(trainer),
+                "compression": trainer.cfg.compression,
+                "optimizer": _optimizer_name(trainer),
+                "layout": _layout(trainer),
+                "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            }
+        )
+    return sd
+
+
+def save(trainer, root: str, keep: int = 2) -> str:
+    """Saves ``trainer`` under ``root`` (every rank calls it) and returns the
+    checkpoint's path. Keeps the newest ``keep`` checkpoints."""
+    import torch.distributed.checkpoint as dcp
+
+    rank = _rank()
+    name = f"step-{trainer.step_index:08d}"
+    token = _broadcast_object(
+        f"{os.getpid():x}{time.time_ns() & 0xFFFFFF:x}" if rank == 0 else None
+    )
+    tmp = os.path.join(root, f"{name}.tmp-{token}")
+    final = os.path.join(root, name)
+    if rank == 0:
+        os.makedirs(tmp, exist_ok=True)
+    _barrier()
+    sd = state_dict(trainer)
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
+    if rank == 0:
+        _fsync_dir(tmp)
+        if os.path.exists(final):  # the same step saved again: replace it
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        pointer = os.path.join(root, LATEST + ".tmp")
+        with open(pointer, "w") as f:
+            f.write(name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(pointer, os.path.join(root, LATEST))
+        _fsync_dir(root)
+        _prune(root, keep, name)
+    _barrier()
+    return final
+
+
+def _prune(root: str, keep: int, newest: str) -> None:
+    """Drops leftover temporaries and all but the newest ``keep`` checkpoints."""
+    entries = sorted(os.listdir(root))
+    for e in entries:
+        if ".tmp-" in e and not e.startswith(newest + ".tmp-"):
+            shutil.rmtree(os.path.join(root, e), ignore_errors=True)
+    done = [e for e in entries if e.startswith("step-") and ".tmp-" not in e]
+    for e in done[: max(0, len(done) - keep)]:
+        if e != newest:
+            shutil.rmtree(os.path.join(root, e), ignore_errors=True)
+
+
+def _check(meta: dict, trainer, path: str) -> None:
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: format {meta.get('format')}, this clawcomm reads {FORMAT}")
+    mine = _model_shapes(trainer)
+    theirs = meta["model"]
+    if set(mine) != set(theirs):
+        missing = sorted(set(mine) - set(theirs))[:3]
+        extra = sorted(set(theirs) - set(mine))[:3]
+        raise CheckpointError(
+            f"{path} holds another model: it lacks {missing or 'nothing'} and has "
+            f"{extra or 'nothing'} that this model lacks"
+        )
+    for n, shape in mine.items():
+        if list(theirs[n]) != shape:
+            raise CheckpointError(
+                f"{path} holds another model: parameter {n!r} is {theirs[n]} there, {shape} here"
+            )
+    if meta["compression"] != trainer.cfg.compression:
+        raise CheckpointError(
+            f"{path} was made with compression {meta['compression']!r}, this run uses "
+            f"{trainer.cfg.compression!r} (its residuals and counters would not fit)"
+        )
+    if meta["optimizer"] != _optimizer_name(trainer):
+        raise CheckpointError(
+            f"{path} was made with optimizer {meta['optimizer']}, this run uses "
+            f"{_optimizer_name(trainer)}"
+        )
+
+
+def load(trainer, path: str) -> int:
+    """Loads the checkpoint at ``path`` (a checkpoint, or a root whose
+    ``latest`` names one) into ``trainer`` on every rank; returns its step."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    if not os.path.exists(os.path.join(path, ".metadata")):
+        found = latest(path)
+        if found is None:
+            raise CheckpointError(f"{path}: no checkpoint there (no .metadata, no latest)")
+        path = found
+    reader = dcp.FileSystemReader(path)
+    have = reader.read_metadata().state_dict_metadata
+    rank, d = _rank(), trainer.grid.dp_rank
+    if "meta" not in have:
+        raise CheckpointError(f"{path} is not a clawcomm training checkpoint (no meta entry)")
+    head = {"meta": None}
+    own = f"trainer/rank{rank}"
+    if own in have:
+        head[own] = None
+    dcp.load(head, storage_reader=dcp.FileSystemReader(path))
+    meta = pickle.loads(head["meta"])
+    _check(meta, trainer, path)
+    same_layout = meta["layout"] == _layout(trainer)
+
+    request: dict = {}
+    for name, _, p in _local(trainer):
+        request[f"model/{name}"] = p.detach()
+    optim_keys = {}
+    for name, _, p in _local(trainer):
+        prefix = f"optim/{name}/"
+        for key, md in have.items():
+            if key.startswith(prefix) and not isinstance(md, BytesStorageMetadata):
+                t = torch.empty(md.size, dtype=md.properties.dtype)
+                request[key] = t
+                optim_keys[key] = (p, key[len(prefix) :])
+    residual_keys: dict[str, list[str]] = {}
+    r = trainer.reducer
+    if r is not None and r.compressor is not None:
+        old_dp = meta["layout"]["dp"]
+        ranks = [d] if old_dp == trainer.cfg.dp else list(range(old_dp))
+        for name, _, _p in _local(trainer):
+            for k in (f"residual/dp{j}/{name}" for j in ranks):
+                if k in have:
+                    request[k] = torch.empty(have[k].size, dtype=have[k].properties.dtype)
+                    residual_keys.setdefault(name, []).append(k)
+    rng_key = f"rng/rank{rank}"
+    if same_layout and rng_key in have:
+        request[rng_key] = None
+    dcp.load(request, storage_reader=reader)
+
+    for key, (p, k) in optim_keys.items():
+        trainer.optimizer.state.setdefault(p, {})[k] = request[key]
+    state = pickle.loads(head[own]) if head.get(own) is not None else None
+    if r is not None and same_layout and state is not None and state["learned"]:
+        r.expected = list(state["expected"])
+        r.rebuild(state["order"])
+        r.overlap = trainer.cfg.overlap
+        trainer._learned = True
+        r.reset()
+    if r is not None and state is not None and same_layout:
+        r.compression_state.step = int(state["compression_step"])
+        r.compression_state.calls = dict(state["calls"])
+    if r is not None and r.compressor is not None:
+        for name, i, _p in _local(trainer):
+            keys = residual_keys.get(name)
+            if not keys:
+                continue
+            bucket, slot = r.slot[i]
+            res = r.compression_state.residual(bucket.index, bucket.flat)
+            bucket.segment(res, slot).copy_(
+                torch.stack([request[k] for k in keys]).mean(0).reshape(-1)
+            )
+    if rng_key in request:
+        _set_rng_state(request[rng_key])
+    trainer.step_index = int(meta["step"])
+    _barrier()
+    return trainer.step_index

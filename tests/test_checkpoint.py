@@ -1,0 +1,174 @@
+"""Checkpoints of the trainer (clawcomm.train.checkpoint): exact resume,
+loading at another layout, atomicity under SIGKILL, and clear errors for a
+checkpoint of another model, compressor or optimizer."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from clawcomm.testing import run_ranks
+from clawcomm.train import checkpoint
+from clawcomm.train.config import TrainConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _config(**kw) -> TrainConfig:
+    base = dict(model="mlp", hidden=32, steps=6, microbatches=2, micro_batch_size=4, quiet=True)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _run(rank, n, cfg, stop, resume):
+    """Trains to step `stop` (resuming from cfg.checkpoint_dir if asked);
+    returns the losses and this rank's parameters by name."""
+    from clawcomm.train.cli import build
+    from clawcomm.train.data import global_batches
+    from clawcomm.train.trainer import Trainer
+
+    model, loss, opt, ds, tokens, sample = build(cfg)
+    tr = Trainer(model, loss, opt, cfg, tokens_per_sample=tokens, sample=sample)
+    start = tr.load_checkpoint(cfg.checkpoint_dir) if resume else 0
+    metrics = tr.fit(
+        global_batches(ds, cfg.effective_batch, cfg.seed, start=start),
+        steps=stop - start,
+        progress=False,
+        checkpoint_dir=cfg.checkpoint_dir or None,
+        checkpoint_every=cfg.checkpoint_every,
+    )
+    params = {tr.names[id(p)]: p.detach().clone() for p in tr.params}
+    tr.close()
+    return [m["loss"] for m in metrics], params
+
+
+@pytest.mark.parametrize(
+    "dp,pp,compression,optimizer",
+    [(2, 2, "topk:0.1", "adamw"), (2, 1, "fp16", "sgd"), (1, 2, "", "adamw")],
+)
+def test_a_resumed_run_reproduces_the_uninterrupted_one_bit_for_bit(
+    tmp_path, dp, pp, compression, optimizer
+):
+    cfg = _config(dp=dp, pp=pp, compression=compression, optimizer=optimizer)
+    n = dp * pp
+    whole = run_ranks(_run, n, cfg, 6, False, timeout=300)[0][0]
+    cfg = dataclasses.replace(cfg, checkpoint_dir=str(tmp_path), checkpoint_every=2)
+    first = run_ranks(_run, n, cfg, 3, False, timeout=300)[0][0]  # saves at 2 and 3
+    assert open(tmp_path / "latest").read().strip() == "step-00000003"
+    second = run_ranks(_run, n, cfg, 6, True, timeout=300)[0][0]
+    assert first + second == whole  # the same floats, not merely close
+
+
+@pytest.mark.parametrize("before,after", [((2, 2), (1, 4)), ((2, 1), (1, 2)), ((1, 4), (2, 2))])
+def test_a_checkpoint_loads_at_another_layout(tmp_path, before, after):
+    (dp, pp), (dp2, pp2) = before, after
+    cfg = _config(dp=dp, pp=pp, microbatches=4, checkpoint_dir=str(tmp_path), checkpoint_every=3)
+    saved = {}
+    for _, params in run_ranks(_run, dp * pp, cfg, 3, False, timeout=300):
+        saved.update(params)
+    cfg2 = dataclasses.replace(cfg, dp=dp2, pp=pp2)
+    loaded = {}
+    for _, params in run_ranks(_run, dp2 * pp2, cfg2, 3, True, timeout=300):  # 0 more steps
+        loaded.update(params)
+    assert set(loaded) == set(saved)
+    for name, t in saved.items():
+        assert torch.equal(loaded[name], t), name
+
+
+def _save_once(cfg, root):
+    from clawcomm.train.cli import build
+    from clawcomm.train.trainer import Trainer
+
+    model, loss, opt, _, _, _ = build(cfg)
+    tr = Trainer(model, loss, opt, cfg)
+    tr.step_index = 5
+    tr.save_checkpoint(root)
+    tr.close()
+
+
+def _load_once(cfg, root):
+    from clawcomm.train.cli import build
+    from clawcomm.train.trainer import Trainer
+
+    model, loss, opt, _, _, _ = build(cfg)
+    tr = Trainer(model, loss, opt, cfg)
+    try:
+        return tr.load_checkpoint(root)
+    finally:
+        tr.close()
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"hidden": 48}, "holds another model: parameter '0.0.weight' is \\[32, 64\\] there"),
+        ({"layers": 5}, "holds another model: it lacks"),
+        ({"compression": "topk:0.1", "dp": 1}, "made with compression '', this run uses"),
+        ({"optimizer": "sgd"}, "made with optimizer AdamW, this run uses SGD"),
+    ],
+)
+def test_a_checkpoint_of_another_run_is_a_clear_error(tmp_path, change, message):
+    cfg = _config()
+    _save_once(cfg, str(tmp_path))
+    with pytest.raises(checkpoint.CheckpointError, match=message):
+        _load_once(dataclasses.replace(cfg, **change), str(tmp_path))
+    assert _load_once(cfg, str(tmp_path)) == 5
+
+
+def test_no_checkpoint_and_a_dangling_latest_are_errors(tmp_path):
+    with pytest.raises(checkpoint.CheckpointError, match="no checkpoint there"):
+        _load_once(_config(), str(tmp_path))
+    (tmp_path / "latest").write_text("step-00000009\n")
+    with pytest.raises(checkpoint.CheckpointError, match="not a complete checkpoint"):
+        checkpoint.latest(str(tmp_path))
+
+
+SAVER = """
+import sys, time
+from clawcomm.train.config import TrainConfig
+from clawcomm.train.cli import build
+from clawcomm.train.trainer import Trainer
+cfg = TrainConfig(model="gpt", dim=64, layers=2, steps=10**6, quiet=True)
+model, loss, opt, _, _, _ = build(cfg)
+tr = Trainer(model, loss, opt, cfg)
+for step in range(1, 10**6):
+    tr.step_index = step
+    tr.save_checkpoint(sys.argv[1], keep=2)
+    print(step, flush=True)
+"""
+
+
+def kill_mid_save_trial(root: str, rng: random.Random) -> tuple[int, int]:
+    """Starts a process that saves checkpoints in a loop, SIGKILLs it at a
+    random moment after its first save, and loads what `latest` names.
+    Returns (the last step it reported saved, the step loaded)."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SAVER, root], stdout=subprocess.PIPE, text=True, env=env
+    )
+    first = proc.stdout.readline()  # one checkpoint exists
+    assert first.strip() == "1", first
+    time.sleep(rng.uniform(0.0, 0.4))
+    proc.send_signal(signal.SIGKILL)
+    rest = proc.stdout.read().split()
+    proc.wait()
+    last = int(rest[-1]) if rest else 1
+    cfg = TrainConfig(model="gpt", dim=64, layers=2, steps=10**6, quiet=True)
+    return last, _load_once(cfg, root)
+
+
+def test_a_process_killed_while_saving_leaves_a_loadable_checkpoint(tmp_path):
+    """bench/checkpoint_bench.py runs 100 of these trials."""
+    rng = random.Random(0)
+    for trial in range(4):
+        root = str(tmp_path / f"t{trial}")
+        last, loaded = kill_mid_save_trial(root, rng)
+        assert loaded in (last, last + 1), (last, loaded)  # the kill may follow a rename
