@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import os
 
 import torch.distributed as dist
 
@@ -13,6 +14,13 @@ BACKEND_NAME = "clawcomm"
 
 
 def _create_backend(store, rank: int, size: int, timeout: datetime.timedelta):
+    # torchrun's agent keeps one store for every restart of a job, and the
+    # keys of the previous attempt are still there (checked with torch
+    # 2.13): a restarted rank could read its predecessors' token and
+    # addresses. Each attempt's keys get their own prefix.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is not None:
+        store = dist.PrefixStore(f"clawcomm-attempt-{attempt}/", store)
     return _C_torch.ClawcommBackend(store, rank, size, timeout)
 
 

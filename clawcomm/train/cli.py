@@ -71,17 +71,46 @@ def build(cfg: TrainConfig):
     return model, loss, optimizer, ds, tokens, sample
 
 
+class Events:
+    """Recovery events as JSON lines in ``<checkpoint_dir>/events.jsonl``
+    (every rank appends; one clock, the host's): what examples/recovery.py
+    splits the time from a kill to training again into. A no-op without a
+    checkpoint directory."""
+
+    def __init__(self, cfg: TrainConfig, rank: int):
+        self.path = os.path.join(cfg.checkpoint_dir, "events.jsonl") if cfg.checkpoint_dir else ""
+        self.rank = rank
+        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+    def log(self, event: str, **fields) -> None:
+        if not self.path:
+            return
+        import json
+
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        line = {"event": event, "time": time.time(), "rank": self.rank, "attempt": self.attempt}
+        line.update(fields)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
 def train_rank(cfg: TrainConfig, announce: bool = True) -> list[dict]:
     """Runs the training on this rank (the process group is up); returns
     the metrics of every step (rank 0's carry the bubble prediction)."""
+    import signal
+
     import torch.distributed as dist
 
     from clawcomm.train.data import global_batches
     from clawcomm.train.trainer import Trainer
 
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    events = Events(cfg, rank)
+    events.log("group_ready")
     model, loss, optimizer, ds, tokens, sample = build(cfg)
     trainer = Trainer(model, loss, optimizer, cfg, tokens_per_sample=tokens, sample=sample)
-    rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0 and announce:
         params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
         print(f"clawcomm train: {cfg.model}, {params / 1e6:.2f}M parameters", flush=True)
@@ -93,21 +122,37 @@ def train_rank(cfg: TrainConfig, announce: bool = True) -> list[dict]:
         if checkpoint.latest(cfg.checkpoint_dir) is not None:
             t0 = time.perf_counter()
             start = trainer.load_checkpoint(cfg.checkpoint_dir)
+            events.log("resumed", step=start, load_s=time.perf_counter() - t0)
             if rank == 0 and announce:
                 print(
                     f"clawcomm train: resumed from step {start} of {cfg.checkpoint_dir} "
                     f"(loaded in {time.perf_counter() - t0:.2f} s)",
                     flush=True,
                 )
+    first = [True]
+
+    def after_step(m: dict) -> None:
+        if first[0]:
+            first[0] = False
+            events.log("first_step", step=m["step"])
+        drill = rank == cfg.kill_rank and events.attempt == 0 and m["step"] == cfg.kill_at_step
+        if drill:  # the fault drill: die as a crashed or preempted process would
+            events.log("killed", step=m["step"])
+            os.kill(os.getpid(), signal.SIGKILL)
+
     try:
         return trainer.fit(
             global_batches(ds, cfg.effective_batch, cfg.seed, start=start),
             metrics_file=cfg.metrics or None,
             progress=not cfg.quiet,
+            log=after_step,
             checkpoint_dir=cfg.checkpoint_dir or None,
             checkpoint_every=cfg.checkpoint_every,
             keep_checkpoints=cfg.keep_checkpoints,
         )
+    except BaseException as e:
+        events.log("failed", error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        raise
     finally:
         trainer.close()
 

@@ -69,6 +69,10 @@ class TrainConfig:
     checkpoint_every: int = _opt(0, "save a checkpoint every this many steps and after the last")
     keep_checkpoints: int = _opt(2, "checkpoints kept (older ones are removed)")
     resume: bool = _opt(False, "continue from --checkpoint-dir's latest checkpoint, if any")
+    kill_rank: int = _opt(
+        -1, "fault drill: this rank SIGKILLs itself (first torchrun attempt only)"
+    )
+    kill_at_step: int = _opt(0, "fault drill: ... after this step (see examples/recovery.py)")
     # output
     metrics: str = _opt("", "write per-step metrics as JSON lines to this file")
     quiet: bool = _opt(False, "no progress bar")
