@@ -5,21 +5,14 @@ checkpoint of another model, compressor or optimizer."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
 
-from clawcomm.testing import run_ranks
+from clawcomm.testing import kill_mid_save_trial, run_ranks
 from clawcomm.train import checkpoint
 from clawcomm.train.config import TrainConfig
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _config(**kw) -> TrainConfig:
@@ -131,44 +124,10 @@ def test_no_checkpoint_and_a_dangling_latest_are_errors(tmp_path):
         checkpoint.latest(str(tmp_path))
 
 
-SAVER = """
-import sys, time
-from clawcomm.train.config import TrainConfig
-from clawcomm.train.cli import build
-from clawcomm.train.trainer import Trainer
-cfg = TrainConfig(model="gpt", dim=64, layers=2, steps=10**6, quiet=True)
-model, loss, opt, _, _, _ = build(cfg)
-tr = Trainer(model, loss, opt, cfg)
-for step in range(1, 10**6):
-    tr.step_index = step
-    tr.save_checkpoint(sys.argv[1], keep=2)
-    print(step, flush=True)
-"""
-
-
-def kill_mid_save_trial(root: str, rng: random.Random) -> tuple[int, int]:
-    """Starts a process that saves checkpoints in a loop, SIGKILLs it at a
-    random moment after its first save, and loads what `latest` names.
-    Returns (the last step it reported saved, the step loaded)."""
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.Popen(
-        [sys.executable, "-c", SAVER, root], stdout=subprocess.PIPE, text=True, env=env
-    )
-    first = proc.stdout.readline()  # one checkpoint exists
-    assert first.strip() == "1", first
-    time.sleep(rng.uniform(0.0, 0.4))
-    proc.send_signal(signal.SIGKILL)
-    rest = proc.stdout.read().split()
-    proc.wait()
-    last = int(rest[-1]) if rest else 1
-    cfg = TrainConfig(model="gpt", dim=64, layers=2, steps=10**6, quiet=True)
-    return last, _load_once(cfg, root)
-
-
 def test_a_process_killed_while_saving_leaves_a_loadable_checkpoint(tmp_path):
     """bench/checkpoint_bench.py runs 100 of these trials."""
     rng = random.Random(0)
     for trial in range(4):
         root = str(tmp_path / f"t{trial}")
-        last, loaded = kill_mid_save_trial(root, rng)
+        last, loaded = kill_mid_save_trial(root, rng.uniform(0.0, 0.4))
         assert loaded in (last, last + 1), (last, loaded)  # the kill may follow a rename

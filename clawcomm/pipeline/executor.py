@@ -67,6 +67,9 @@ class RunStats:
     loss of each micro-batch (last stage only; unscaled sums)."""
 
     timeline: list[tuple[Action, float, float]] = field(default_factory=list)
+    # Each wait for a peer: (what, start, end): a received tensor, or the
+    # sends still in flight at the end of the run.
+    waits: list[tuple[str, float, float]] = field(default_factory=list)
     recv_wait: float = 0.0
     # Host time between compute actions that was neither compute nor a
     # wait for a peer's tensor: posting sends and receives, bookkeeping.
@@ -172,10 +175,13 @@ class PipelineExecutor:
                 self._send(grad, a.stage - 1, self._tag(_GRAD, a.stage, a.microbatch))
             elif a.kind == REDUCE_GRAD:
                 pass  # the trainer starts each reduction itself (see GradReducer)
+        drain = time.perf_counter()
         for work in self._sends:
             work.wait()
         self._sends = []
         stats.end = time.perf_counter()
+        if stats.end - drain > 20e-6:
+            stats.waits.append(("sends in flight", drain, stats.end))
         leftover = [k for k in (self._x, self._out, self._gin, self._recv) if k]
         if leftover:
             raise RuntimeError(
@@ -327,5 +333,8 @@ class PipelineExecutor:
             self._post_recv(Action(s, kind, mb), early=False)
         work, buf = self._recv.pop(key)
         work.wait()
-        self._stats.recv_wait += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self._stats.recv_wait += t1 - t0
+        what = "activation" if kind == RECV_F else "gradient"
+        self._stats.waits.append((f"recv {what} s{s} mb{mb}", t0, t1))
         return buf

@@ -75,6 +75,8 @@ class TrainConfig:
     kill_at_step: int = _opt(0, "fault drill: ... after this step (see examples/recovery.py)")
     # output
     metrics: str = _opt("", "write per-step metrics as JSON lines to this file")
+    trace: str = _opt("", "write a Chrome/Perfetto trace of every step, all ranks (JSON)")
+    timeline: str = _opt("", "draw the last step, ranks against time (PNG; needs matplotlib)")
     quiet: bool = _opt(False, "no progress bar")
 
     def __post_init__(self):

@@ -165,6 +165,12 @@ class Trainer:
         self._peak_lr = [g["lr"] for g in self.optimizer.param_groups]
         self.step_index = 0
         self._engines = None  # for bytes_sent, found on first use
+        # Per-step events for --trace/--timeline (clawcomm.train.trace), or None.
+        self.recorder = None
+        if cfg.trace or cfg.timeline:
+            from clawcomm.train.trace import StepRecorder
+
+            self.recorder = StepRecorder()
 
     # ---- setup ----------------------------------------------------------------------
 
@@ -314,6 +320,7 @@ class Trainer:
         costs: dict = {}
         has_first = 0 in self.local
         has_last = cfg.num_stages - 1 in self.local
+        events: list = []
         for a in range(cfg.accumulation):
             rows = slice(
                 lo + a * per_replica // cfg.accumulation,
@@ -324,6 +331,8 @@ class Trainer:
             last_round = a == cfg.accumulation - 1
             armed = self._armed if (last_round and self.reducer is not None) else None
             stats = self.executor.run(inputs, targets, loss_scale=scale, armed=armed)
+            if self.recorder is not None:
+                events += self._events_of(stats, a)
             busy += stats.busy
             recv_wait += stats.recv_wait
             host += stats.host
@@ -355,9 +364,18 @@ class Trainer:
             for p in self.params:
                 if p.grad is not None:
                     p.grad.mul_(factor)
+        t_opt = time.perf_counter()
         self.optimizer.step()
         self._zero_grads()
         step_s = time.perf_counter() - t0
+        if self.recorder is not None:
+            from clawcomm.train.trace import COMM, COMPUTE, STEP
+
+            t_end = t0 + step_s
+            events.append((COMM, "dp reduction (exposed)", t_pipe, t_pipe + dp_wait, {}))
+            events.append((COMPUTE, "optimizer", t_opt, t_end, {"kind": "opt"}))
+            events.append((STEP, f"step {self.step_index + 1}", t0, t_end, {}))
+            self.recorder.add_step(events)
         self.step_index += 1
         out = {
             "step": self.step_index,
@@ -371,6 +389,39 @@ class Trainer:
             out["tokens_per_s"] = n * self.tokens_per_sample / step_s
         out.update(summary["metrics"])
         return out
+
+    def _events_of(self, stats, accumulation_round: int) -> list:
+        from clawcomm.train.trace import COMM, COMPUTE
+
+        out = []
+        for act, s0, s1 in stats.timeline:
+            args = {"kind": act.kind, "stage": act.stage, "mb": act.microbatch}
+            if self.cfg.accumulation > 1:
+                args["round"] = accumulation_round
+            out.append((COMPUTE, f"{act.kind}{act.microbatch} s{act.stage}", s0, s1, args))
+        out += [(COMM, what, s0, s1, {}) for what, s0, s1 in stats.waits]
+        return out
+
+    def write_trace(self, trace: str | None, timeline: str | None) -> None:
+        """Gathers every rank's recorded steps on rank 0 and writes the
+        Chrome trace and/or the timeline picture (collective)."""
+        from clawcomm.train import trace as tr
+
+        if self.recorder is None:
+            return
+        g = self.grid
+        ranks = self.recorder.gather(g.rank, f"rank {g.rank} (dp {g.dp_rank}, pp {g.pp_rank})")
+        if g.rank != 0:
+            return
+        if trace:
+            tr.write_chrome_trace(trace, ranks)
+        if timeline:
+            cfg = self.cfg
+            title = (
+                f"step {self.step_index}: dp {cfg.dp} x pp {cfg.pp}, {cfg.schedule}, "
+                f"{cfg.microbatches} micro-batches"
+            )
+            tr.draw_timeline(timeline, ranks, -1, title)
 
     def _armed(self, a: Action) -> bool:
         return a in self._final_actions
@@ -587,6 +638,7 @@ class Trainer:
                 bar.close()
             if sink is not None:
                 sink.close()
+        self.write_trace(self.cfg.trace or None, self.cfg.timeline or None)
         return out
 
     def close(self) -> None:

@@ -17,6 +17,7 @@
 #include <optional>
 #include <thread>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <utility>
 
 #include "cuda/ipc.h"
 #include "torch/adapter_helpers.h"
@@ -620,7 +621,8 @@ class ClawcommBackend : public c10d::Backend {
     completion->outputs = std::move(outputs);
     for (const auto& b : buffers) completion->keepAlive.push_back(*b.tensor);
     completion->finalize = std::move(finalize);
-    auto work = c10::make_intrusive<ClawcommWork>(getRank(), type, completion);
+    auto work = c10::make_intrusive<ClawcommWork>(getRank(), type, completion, completion->outputs);
+    completion->profilingEnd = work->takeProfilingEnd();
     Request::Callback cb = [completion](std::exception_ptr error) {
       std::optional<c10::StreamGuard> onStream;
       if (completion->staging) onStream.emplace(completion->staging->stream());
@@ -632,6 +634,7 @@ class ClawcommBackend : public c10d::Backend {
       }
       if (completion->staging) completion->staging->release();
       completion->keepAlive.clear();
+      if (completion->profilingEnd) std::exchange(completion->profilingEnd, nullptr)();
       if (error) {
         completion->future->setError(error);
         std::rethrow_exception(error);

@@ -109,6 +109,7 @@ struct Completion {
   TensorList outputs;                      // what the future yields
   std::function<void()> finalize;          // copies results back into the caller's tensors
   TensorList keepAlive;                    // staging buffers the engine reads or writes
+  std::function<void()> profilingEnd;      // closes the op's torch.profiler span
   std::shared_ptr<DeviceStaging> staging;  // CUDA ops only
 };
 
@@ -117,10 +118,43 @@ inline c10::intrusive_ptr<c10::ivalue::Future> makeFuture(std::vector<c10::Devic
                                                   std::move(devices));
 }
 
+// The span torch.profiler shows for an op ("clawcomm:allreduce"): c10d's
+// Work keeps the pointer, so these are string literals.
+inline const char* profilingTitle(OpType type) {
+  switch (type) {
+    case OpType::BROADCAST: return "clawcomm:broadcast";
+    case OpType::ALLREDUCE: return "clawcomm:allreduce";
+    case OpType::ALLREDUCE_COALESCED: return "clawcomm:allreduce_coalesced";
+    case OpType::REDUCE: return "clawcomm:reduce";
+    case OpType::ALLGATHER: return "clawcomm:all_gather";
+    case OpType::_ALLGATHER_BASE: return "clawcomm:_allgather_base";
+    case OpType::ALLGATHER_COALESCED: return "clawcomm:allgather_coalesced";
+    case OpType::GATHER: return "clawcomm:gather";
+    case OpType::SCATTER: return "clawcomm:scatter";
+    case OpType::REDUCE_SCATTER: return "clawcomm:reduce_scatter";
+    case OpType::_REDUCE_SCATTER_BASE: return "clawcomm:_reduce_scatter_base";
+    case OpType::ALLTOALL_BASE: return "clawcomm:alltoall_base";
+    case OpType::ALLTOALL: return "clawcomm:alltoall";
+    case OpType::SEND: return "clawcomm:send";
+    case OpType::RECV: return "clawcomm:recv";
+    case OpType::RECVANYSOURCE: return "clawcomm:recvAnySource";
+    case OpType::BARRIER: return "clawcomm:barrier";
+    case OpType::COALESCED: return "clawcomm:coalesced";
+    default: return "clawcomm:op";
+  }
+}
+
 class ClawcommWork : public c10d::Work {
  public:
-  ClawcommWork(int rank, OpType type, std::shared_ptr<Completion> completion)
-      : Work(rank, type), completion_(std::move(completion)) {}
+  // With torch.profiler on, c10d's Work opens a span titled
+  // profilingTitle(type) here; profilingEnd() closes it when the engine is done.
+  ClawcommWork(int rank, OpType type, std::shared_ptr<Completion> completion,
+               const TensorList& inputs)
+      : Work(rank, type, profilingTitle(type), inputs), completion_(std::move(completion)) {}
+
+  // The profiler's end-of-span callback (empty when not profiling), handed
+  // to the engine's completion callback.
+  std::function<void()> takeProfilingEnd() { return std::move(recordFunctionEndCallback_); }
 
   void attach(RequestPtr request) { request_ = std::move(request); }
 

@@ -1,0 +1,124 @@
+"""The trainer's step, seen from every rank: a Chrome/Perfetto trace and a
+timeline picture.
+
+Each rank records, per step, on the host's monotonic clock (the executor's
+``time.perf_counter``, which is CLOCK_MONOTONIC and so one clock for every
+process of a host):
+
+* compute: each forward (F), backward (B), input-gradient (I) and
+  weight-gradient (W) pass, with its stage and micro-batch, and the
+  optimizer step;
+* communication: every wait for a received activation or gradient, the
+  final wait for sends, and the exposed part of the data-parallel
+  reduction (what the step waited for after the pipeline drained);
+* the step itself.
+
+``write_chrome_trace`` merges every rank's events into one JSON file that
+chrome://tracing and ui.perfetto.dev open: a process per rank, a track for
+compute and one for communication. ``draw_timeline`` draws one step: ranks
+against time, compute and waits coloured, bubbles left blank.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch.distributed as dist
+
+# (track, name, start s, end s, args)
+Event = tuple[int, str, float, float, dict]
+COMPUTE, COMM, STEP = 0, 1, 2
+TRACKS = {COMPUTE: "compute", COMM: "communication", STEP: "steps"}
+COLORS = {"F": "#4C72B0", "B": "#DD8452", "I": "#C44E52", "W": "#55A868", "opt": "#8172B3"}
+
+
+class StepRecorder:
+    """The events of this rank's steps (bounded to the last ``keep``)."""
+
+    def __init__(self, keep: int = 1000):
+        self.keep = keep
+        self.steps: list[list[Event]] = []
+
+    def add_step(self, events: list[Event]) -> None:
+        self.steps.append(events)
+        del self.steps[: -self.keep]
+
+    def gather(self, rank: int, label: str) -> list | None:
+        """Every rank's (rank, label, steps) on rank 0 (collective)."""
+        mine = (rank, label, self.steps)
+        if not dist.is_initialized():
+            return [mine]
+        out = [None] * dist.get_world_size() if rank == 0 else None
+        dist.gather_object(mine, out, dst=0)
+        return out
+
+
+def write_chrome_trace(path: str, ranks: list) -> None:
+    """ranks: [(rank, label, steps)] from StepRecorder.gather."""
+    origin = min((e[2] for _, _, steps in ranks for s in steps for e in s), default=0.0)
+    events = []
+    for rank, label, steps in ranks:
+        events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": label}})
+        events.append(
+            {"ph": "M", "name": "process_sort_index", "pid": rank, "args": {"sort_index": rank}}
+        )
+        for tid, name in TRACKS.items():
+            events.append(
+                {"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": name}}
+            )
+        for step in steps:
+            for track, name, t0, t1, args in step:
+                events.append(
+                    {
+                        "name": name,
+                        "cat": TRACKS[track],
+                        "ph": "X",
+                        "ts": (t0 - origin) * 1e6,
+                        "dur": max(0.0, (t1 - t0) * 1e6),
+                        "pid": rank,
+                        "tid": track,
+                        "args": args,
+                    }
+                )
+    with open(path, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+
+
+def draw_timeline(path: str, ranks: list, step: int = -1, title: str = "") -> None:
+    """One step (default: the last recorded), ranks against time."""
+    from clawcomm._optional import require
+
+    require("matplotlib", "clawcomm train --timeline").use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    rows = sorted(ranks, key=lambda r: r[0])
+    chosen = [r[2][step] for r in rows if r[2]]
+    origin = min(e[2] for s in chosen for e in s)
+    end = max(e[3] for s in chosen for e in s)
+    fig, ax = plt.subplots(figsize=(11, 0.7 * len(rows) + 1.4))
+    for y, (_rank, _label, steps) in enumerate(rows):
+        if not steps:
+            continue
+        for track, _name, t0, t1, args in steps[step]:
+            x, w = (t0 - origin) * 1e3, (t1 - t0) * 1e3
+            if track == COMPUTE:
+                kind = args.get("kind", "opt")
+                ax.broken_barh([(x, w)], (y - 0.35, 0.7), color=COLORS.get(kind, "#999999"))
+                if kind in "FBIW" and w > (end - origin) * 1e3 / 80:
+                    ax.text(x + w / 2, y, f"{args.get('mb', '')}", ha="center", va="center",
+                            fontsize=7, color="white")  # fmt: skip
+            elif track == COMM:
+                ax.broken_barh([(x, w)], (y - 0.35, 0.18), color="#333333")
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([label for _, label, _ in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms since the step began (blank: bubble)")
+    ax.set_xlim(0, (end - origin) * 1e3)
+    handles = [Patch(color=c, label=k if k != "opt" else "optimizer") for k, c in COLORS.items()]
+    handles.append(Patch(color="#333333", label="waiting on communication"))
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=6, fontsize=8)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
