@@ -337,6 +337,15 @@ class Engine:
         Sends to `dst` while receiving from `src`.
         """
     def transport_of(self, peer: typing.SupportsInt | typing.SupportsIndex) -> str: ...
+    def flight_record(self) -> str:
+        """
+        The last operations of this communicator, oldest first, as JSON (the flight recorder; CLAWCOMM_RECORDER_ENTRIES sizes it).
+        """
+    @property
+    def flight_record_path(self) -> str:
+        """
+        Where this communicator writes its flight record if it fails.
+        """
     @property
     def rank(self) -> int: ...
     @property

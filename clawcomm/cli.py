@@ -38,6 +38,15 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train_cli.add_arguments(train)
+    from clawcomm import flight
+
+    flight_parser = sub.add_parser(
+        "flight",
+        help="read the flight records of a failed job: which ranks are missing from which op",
+        description=flight.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    flight.add_arguments(flight_parser)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     if args.command == "bench":
@@ -46,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         return compression_experiment.run(args)
     if args.command == "train":
         return train_cli.run(args)
+    if args.command == "flight":
+        return flight.run(args)
     return 2
 
 

@@ -72,3 +72,107 @@ def test_trace_has_every_rank_both_tracks_and_nested_events_on_one_clock(tmp_pat
         ends = [by_rank[r][k]["ts"] + by_rank[r][k]["dur"] for r in range(4)]
         assert max(starts) < min(ends), (k, starts, ends)
     assert (tmp_path / "t.png").stat().st_size > 10_000
+
+
+def _recorded(rank, n):
+    import json
+
+    import clawcomm
+
+    t = torch.ones(8)
+    dist.all_reduce(t)
+    dist.broadcast(t, 0)
+    if rank == 0:
+        dist.send(t, 1)
+    elif rank == 1:
+        dist.recv(t, 0)
+    rec = json.loads(clawcomm.engine_of().flight_record())
+    return rec
+
+
+def test_the_recorder_keeps_every_operation_with_its_state():
+    for rank, rec in enumerate(run_ranks(_recorded, 2, timeout=120)):
+        ops = rec["ops"]
+        assert rec["rank"] == rank and rec["size"] == 2
+        names = [o["op"] for o in ops]
+        assert "all_reduce" in names and "broadcast" in names, names
+        assert ("send" if rank == 0 else "recv") in names, names
+        assert all(o["state"] == "done" for o in ops), ops
+        assert all(o["end_us"] >= o["start_us"] > 0 for o in ops), ops
+        ar = next(o for o in ops if o["op"] == "all_reduce")
+        assert (ar["count"], ar["dtype"], ar["bytes"]) == (8, "float32", 32)
+
+
+def _mismatch(rank, n, flight_dir):
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    try:
+        if rank == 0:
+            dist.all_reduce(t)
+        else:
+            dist.broadcast(t, 0)
+    except Exception as e:  # the mismatch: every rank fails with a flight record
+        return str(e)
+    return "no error"
+
+
+def _timeout(rank, n, flight_dir):
+    import time
+
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    if rank == 1:
+        time.sleep(4)  # never joins the next collective in time
+        return "slept"
+    try:
+        dist.all_reduce(t)
+    except Exception as e:
+        return str(e)
+    return "no error"
+
+
+def _flight_dir_of(messages):
+    import re
+
+    paths = [re.search(r"flight record: (\S+?)\)", m) for m in messages]
+    found = [p.group(1) for p in paths if p]
+    assert found, messages
+    import os
+
+    return os.path.dirname(found[0])
+
+
+def test_flight_records_name_the_mismatch(tmp_path):
+    from clawcomm import flight
+
+    env = {"CLAWCOMM_FLIGHT_DIR": str(tmp_path)}
+    msgs = run_ranks(_mismatch, 2, str(tmp_path), env=env, timeout=120, pg_timeout=10)
+    lines = flight.diagnose(flight.load(_flight_dir_of(msgs)))
+    text = "\n".join(lines)
+    assert "collective #1 differs between ranks" in text, text
+    assert "rank 0: all_reduce #1" in text and "rank 1: broadcast #1" in text, text
+
+
+def test_flight_records_name_the_rank_missing_after_a_timeout(tmp_path):
+    from clawcomm import flight
+
+    env = {"CLAWCOMM_FLIGHT_DIR": str(tmp_path)}
+    out = run_ranks(_timeout, 2, str(tmp_path), env=env, timeout=120, pg_timeout=1)
+    assert out[1] == "slept" and "timeout" in out[0], out
+    lines = flight.diagnose(flight.load(_flight_dir_of([out[0]])))
+    text = "\n".join(lines)
+    assert "all_reduce #1" in text and "(rank 0 failed)" in text, text
+    assert "ranks [1] wrote no flight record" in text, text
+    assert "rank 1" in text, text  # no record, or missing from #1
+
+
+def test_recording_can_be_turned_off():
+    def body(rank, n):
+        import json
+
+        import clawcomm
+
+        dist.all_reduce(torch.ones(2))
+        return json.loads(clawcomm.engine_of().flight_record())["ops"]
+
+    assert run_ranks(body, 2, env={"CLAWCOMM_RECORDER_ENTRIES": "0"}, timeout=60) == [[], []]

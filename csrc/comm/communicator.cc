@@ -2,11 +2,14 @@
 
 #include <sched.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <numeric>
 #include <set>
 
@@ -33,6 +36,7 @@ struct Communicator::Op {
   uint64_t tag = 0;
   TransferPtr transfer;
   Clock::time_point deadline;
+  uint64_t record = 0;  // its flight-recorder id
 };
 
 namespace {
@@ -53,6 +57,25 @@ std::exception_ptr withContext(std::exception_ptr e, const std::string& message)
     return std::make_exception_ptr(Error(message + x.what()));
   } catch (...) {
     return std::make_exception_ptr(Error(message + "unknown error"));
+  }
+}
+
+// The same error type with `suffix` after its text.
+std::exception_ptr withSuffix(std::exception_ptr e, const std::string& suffix) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const TimeoutError& x) {
+    return std::make_exception_ptr(TimeoutError(x.what() + suffix));
+  } catch (const PeerError& x) {
+    return std::make_exception_ptr(PeerError(x.what() + suffix));
+  } catch (const MismatchError& x) {
+    return std::make_exception_ptr(MismatchError(x.what() + suffix));
+  } catch (const InvalidArgument& x) {
+    return std::make_exception_ptr(InvalidArgument(x.what() + suffix));
+  } catch (const std::exception& x) {
+    return std::make_exception_ptr(Error(x.what() + suffix));
+  } catch (...) {
+    return e;
   }
 }
 
@@ -96,12 +119,17 @@ std::set<Communicator*>& registry() {
 
 Communicator::Communicator(std::shared_ptr<Store> store, int rank, int size,
                            std::chrono::milliseconds timeout, Settings settings)
-    : rank_(rank), size_(size), timeoutMs_(timeout.count()), settings_(std::move(settings)) {
+    : rank_(rank),
+      size_(size),
+      timeoutMs_(timeout.count()),
+      settings_(std::move(settings)),
+      recorder_(settings_.recorderEntries) {
   CLAWCOMM_ARG_CHECK(size >= 1 && rank >= 0 && rank < size, "clawcomm: rank ", rank,
                      " is not in a group of ", size, " ranks");
   checkTransportSetting(settings_.transport);
   checkAlgorithmSetting(settings_.algo);
   Connections conns = rendezvous(*store, rank, size, settings_, Clock::now() + this->timeout());
+  jobToken_ = conns.jobToken;
   transports_.resize(size_t(size));
   for (int p = 0; p < size; ++p) transports_[p] = p == rank ? "self" : conns.toRank[p]->kind();
   const int localRanks = conns.sameHostRanks;
@@ -368,6 +396,7 @@ RequestPtr Communicator::enqueueCollective(const OpSignature& sig, size_t bytes,
     std::lock_guard<std::mutex> lock(mutex_);
     CLAWCOMM_ARG_CHECK(!stopping_, opPrefix(sig.type), "the communicator is shutting down");
     op->sig.seq = nextSeq_++;
+    op->record = recorder_.queued(op->sig, -1, bytes);
     // Small and nothing ahead of it: run it right here. The progress thread
     // stays parked until it is done (inlineBusy_), so one thread at a time
     // drives the messenger and issue order is kept.
@@ -412,6 +441,7 @@ RequestPtr Communicator::enqueuePointToPoint(bool isSend, void* buf, size_t byte
   {
     std::lock_guard<std::mutex> lock(mutex_);
     CLAWCOMM_ARG_CHECK(!stopping_, opPrefix(op->sig.type), "the communicator is shutting down");
+    op->record = recorder_.queued(op->sig, peer, bytes);
     queue_.push_back(std::move(op));
   }
   cv_.notify_one();
@@ -427,20 +457,57 @@ void Communicator::fail(std::exception_ptr error) {
     broken_ = error;
     messenger_->abort(CLAWCOMM_CONCAT("rank ", rank_, " failed: ", errorText(error)));
   }
-  for (auto& op : pointToPoint_) op->request->complete(error);
+  for (auto& op : pointToPoint_) {
+    recorder_.finished(op->record, false);
+    op->request->complete(error);
+  }
   pointToPoint_.clear();
+}
+
+std::string Communicator::flightRecord(const std::string& why) const {
+  return recorder_.dumpJson(rank_, size_, why);
+}
+
+std::string Communicator::flightRecordPath() const {
+  return CLAWCOMM_CONCAT(settings_.flightDir, "/", jobToken_, "/rank", rank_, ".json");
+}
+
+// Writes the flight record where flightRecordPath() says (best effort: a
+// failure here must not hide the error being reported). Returns the path,
+// or "" if it could not be written.
+std::string Communicator::dumpFlightRecord(const std::string& why) noexcept {
+  if (!recorder_.enabled() || settings_.flightDir.empty()) return "";
+  try {
+    const std::string dir = CLAWCOMM_CONCAT(settings_.flightDir, "/", jobToken_);
+    ::mkdir(settings_.flightDir.c_str(), 0777);
+    ::mkdir(dir.c_str(), 0777);
+    const std::string path = flightRecordPath();
+    const std::string tmp = path + ".tmp";
+    {
+      std::ofstream f(tmp);
+      f << flightRecord(why) << "\n";
+      if (!f) return "";
+    }
+    if (std::rename(tmp.c_str(), path.c_str()) != 0) return "";
+    return path;
+  } catch (...) {
+    return "";
+  }
 }
 
 void Communicator::runCollective(Op& op) {
   if (broken_) {
+    recorder_.finished(op.record, false);
     op.request->complete(withContext(
         broken_, CLAWCOMM_CONCAT(opPrefix(op.sig.type),
                                  "the communicator was aborted by an earlier error: ")));
     return;
   }
   std::exception_ptr error;
+  const Clock::time_point start = Clock::now();
+  recorder_.started(op.record, start);
   try {
-    Channel ch(*messenger_, op.sig, Clock::now() + this->timeout(), settings_);
+    Channel ch(*messenger_, op.sig, start + this->timeout(), settings_);
     op.run(ch);
   } catch (const TimeoutError&) {
     // "clawcomm::all_reduce: timeout after 5 s: rank 0 timed out waiting
@@ -451,7 +518,15 @@ void Communicator::runCollective(Op& op) {
   } catch (...) {
     error = withContext(std::current_exception(), opPrefix(op.sig.type));
   }
-  if (error) fail(error);
+  recorder_.finished(op.record, !error);
+  if (error) {
+    // The first failure leaves a flight record, named in the error.
+    if (!broken_) {
+      const std::string path = dumpFlightRecord(errorText(error));
+      if (!path.empty()) error = withSuffix(error, CLAWCOMM_CONCAT(" (flight record: ", path, ")"));
+    }
+    fail(error);
+  }
   op.request->complete(error);
 }
 
@@ -489,8 +564,11 @@ void Communicator::progressLoop() {
       if (!op->pointToPoint) {
         runCollective(*op);
       } else {
-        op->deadline = Clock::now() + this->timeout();
+        const Clock::time_point start = Clock::now();
+        op->deadline = start + this->timeout();
+        recorder_.started(op->record, start);
         if (broken_) {
+          recorder_.finished(op->record, false);
           op->request->complete(withContext(
               broken_, CLAWCOMM_CONCAT(opPrefix(op->sig.type),
                                        "the communicator was aborted by an earlier error: ")));
@@ -516,6 +594,7 @@ void Communicator::progressLoop() {
       for (size_t i = 0; i < pointToPoint_.size();) {
         Op& p = *pointToPoint_[i];
         if (p.transfer->complete) {
+          recorder_.finished(p.record, true);
           p.request->complete(nullptr, p.transfer->peer);
           pointToPoint_.erase(pointToPoint_.begin() + long(i));
         } else {
@@ -540,7 +619,13 @@ void Communicator::progressLoop() {
       }
     } catch (...) {
       const Op& first = *pointToPoint_.front();
-      fail(withContext(std::current_exception(), opPrefix(first.sig.type)));
+      std::exception_ptr error = withContext(std::current_exception(), opPrefix(first.sig.type));
+      if (!broken_) {
+        const std::string path = dumpFlightRecord(errorText(error));
+        if (!path.empty())
+          error = withSuffix(error, CLAWCOMM_CONCAT(" (flight record: ", path, ")"));
+      }
+      fail(error);
     }
   }
 }

@@ -25,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "comm/recorder.h"
 #include "comm/request.h"
 #include "common/dtype.h"
 #include "common/op.h"
@@ -79,6 +80,12 @@ class Communicator {
   // buffers and `received` bytes it read from theirs (payload only).
   void countExternal(OpType type, uint64_t sent, uint64_t received);
 
+  // The flight record (comm/recorder.h) as JSON: the last operations, oldest
+  // first, with their state. Any thread; fields may be mid-update.
+  std::string flightRecord(const std::string& why = "requested") const;
+  // Where this communicator writes it if it fails.
+  std::string flightRecordPath() const;
+
   // "ring" or "tree": what all_reduce of `bytes` would use.
   std::string allReduceAlgorithm(size_t bytes) const;
 
@@ -130,6 +137,7 @@ class Communicator {
   void progressLoop();
   void runCollective(Op& op);
   void fail(std::exception_ptr error);
+  std::string dumpFlightRecord(const std::string& why) noexcept;
 
   int rank_;
   int size_;
@@ -137,6 +145,8 @@ class Communicator {
   Settings settings_;
   std::unique_ptr<Messenger> messenger_;
   std::vector<std::string> transports_;
+  std::string jobToken_;
+  Recorder recorder_;
 
   std::mutex mutex_;
   std::condition_variable cv_;

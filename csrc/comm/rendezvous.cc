@@ -50,6 +50,7 @@ Connections rendezvous(Store& store, int rank, int size, const Settings& setting
     store.set("clawcomm/token", bytesOf(hex));
   }
   const std::string tokenHex = stringOf(store.get("clawcomm/token"));
+  out.jobToken = tokenHex;
   const uint64_t token = std::stoull(tokenHex, nullptr, 16);
 
   // 2. Where everybody runs, and which transport setting they use.

@@ -16,6 +16,7 @@ namespace clawcomm {
 struct Connections {
   std::vector<std::unique_ptr<Connection>> toRank;  // one per rank, null for this rank
   int sameHostRanks = 1;                            // ranks on this rank's host, itself included
+  std::string jobToken;                             // the group's random token (hex)
 };
 
 // Connects this rank to every other through the transport registry

@@ -64,6 +64,13 @@ Settings Settings::fromEnv() {
   if (const char* v = env("CLAWCOMM_HOST_ID")) s.hostId = v;
   if (const char* v = env("CLAWCOMM_DEBUG")) s.debug = std::string(v) != "0";
   s.cudaIpc = envChoice("CLAWCOMM_CUDA_IPC", {"auto", "0"}) == 0;
+  s.recorderEntries = envBytes("CLAWCOMM_RECORDER_ENTRIES", s.recorderEntries, 0);
+  if (const char* v = env("CLAWCOMM_FLIGHT_DIR")) {
+    s.flightDir = v;
+  } else {
+    const char* tmp = env("TMPDIR");
+    s.flightDir = std::string(tmp ? tmp : "/tmp") + "/clawcomm-flight";
+  }
   s.cudaIpcBytes = envBytes("CLAWCOMM_CUDA_IPC_BYTES", s.cudaIpcBytes, 4096);
   s.cudaOneShotMaxBytes = envBytes("CLAWCOMM_CUDA_ONESHOT_BYTES", s.cudaOneShotMaxBytes, 0);
   return s;

@@ -67,6 +67,13 @@ struct Settings {
   std::string hostId;
   // CLAWCOMM_DEBUG=1 prints connection and algorithm choices to stderr.
   bool debug = false;
+  // CLAWCOMM_RECORDER_ENTRIES: operations each communicator remembers for
+  // the flight recorder (comm/recorder.h); 0 turns recording off.
+  size_t recorderEntries = 1024;
+  // CLAWCOMM_FLIGHT_DIR: where a failing communicator writes its flight
+  // record, as <dir>/<job token>/rank<r>.json. Empty means
+  // $TMPDIR/clawcomm-flight (/tmp/clawcomm-flight).
+  std::string flightDir;
   // CLAWCOMM_CUDA_IPC=auto|0. auto: CUDA tensors of a group whose ranks all
   // share one host go through CUDA IPC buffers and kernels (cuda/ipc.h)
   // when the setup probe passes; 0, or a failed probe, or ranks on several

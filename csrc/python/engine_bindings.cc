@@ -259,6 +259,12 @@ void bindEngine(py::module_& m) {
       .def_property_readonly("size", &Communicator::size)
       .def("transport_of", &Communicator::transportOf, py::arg("peer"))
       .def(
+          "flight_record", [](const Communicator& c) { return c.flightRecord(); },
+          "The last operations of this communicator, oldest first, as JSON (the flight "
+          "recorder; CLAWCOMM_RECORDER_ENTRIES sizes it).")
+      .def_property_readonly("flight_record_path", &Communicator::flightRecordPath,
+                             "Where this communicator writes its flight record if it fails.")
+      .def(
           "comm_stats",
           [](const Communicator& c) {
             py::dict out;

@@ -1,0 +1,108 @@
+"""``clawcomm flight DIR``: which ranks are missing from which operation.
+
+A communicator that fails (a timeout, a dead peer, ranks calling different
+collectives) writes its flight record, its last operations with their
+state, to ``<CLAWCOMM_FLIGHT_DIR>/<job token>/rank<r>.json`` and names the
+file in its error. Point this command at that folder::
+
+    clawcomm flight /tmp/clawcomm-flight/1bcf244e98326bc3
+
+It reads every rank's record and reports the first collective that did not
+complete everywhere: the ranks that reached it (and whether they were
+waiting in it or failed), the ranks that never called it and the last
+collective they did call, ranks that called a different collective under
+the same number, pending sends and receives, and ranks that wrote no record
+at all (still running, killed, or stuck outside clawcomm).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+
+
+def load(directory: str) -> dict[int, dict]:
+    """rank -> its flight record, for every rank<r>.json in `directory`."""
+    out = {}
+    for path in glob.glob(os.path.join(directory, "rank*.json")):
+        with open(path) as f:
+            record = json.load(f)
+        out[int(record["rank"])] = record
+    return out
+
+
+def _describe(op: dict) -> str:
+    what = f"{op['op']} #{op['seq']}" if "seq" in op else op["op"]
+    if op["op"] in ("send", "recv"):
+        direction = "to" if op["op"] == "send" else "from"
+        return f"{what} of {op['bytes']} bytes {direction} rank {op['peer']}"
+    return f"{what} of {op['count']} {op['dtype']} elements"
+
+
+def diagnose(records: dict[int, dict]) -> list[str]:
+    """The report, one line per finding."""
+    if not records:
+        return ["no flight records found"]
+    size = max(r["size"] for r in records.values())
+    lines = []
+    for rank in sorted(records):
+        lines.append(f"rank {rank} failed: {records[rank]['why']}")
+    silent = [r for r in range(size) if r not in records]
+    if silent:
+        lines.append(
+            f"ranks {silent} wrote no flight record: they did not see the failure (still running, "
+            "killed, or stuck outside clawcomm)"
+        )
+    collectives = {
+        rank: {op["seq"]: op for op in rec["ops"] if "seq" in op} for rank, rec in records.items()
+    }
+    pending = sorted(
+        {seq for ops in collectives.values() for seq, op in ops.items() if op["state"] != "done"}
+    )
+    if pending:
+        seq = pending[0]
+        at = {rank: ops[seq] for rank, ops in collectives.items() if seq in ops}
+        kinds = {(op["op"], op["count"], op["dtype"]) for op in at.values()}
+        if len(kinds) > 1:
+            calls = ", ".join(f"rank {r}: {_describe(op)}" for r, op in sorted(at.items()))
+            lines.append(f"collective #{seq} differs between ranks: {calls}")
+        else:
+            op = next(iter(at.values()))
+            states = ", ".join(f"rank {r} {o['state']}" for r, o in sorted(at.items()))
+            lines.append(f"first collective not completed everywhere: {_describe(op)} ({states})")
+        missing = [r for r in range(size) if r in collectives and seq not in collectives[r]]
+        for r in missing:
+            last = max(collectives[r], default=None)
+            before = f"its last collective was #{last}" if last is not None else "it issued none"
+            lines.append(f"rank {r} is missing from collective #{seq}: {before}")
+        if silent:
+            lines.append(f"ranks {silent} may be missing from collective #{seq} (no record)")
+    for rank, rec in sorted(records.items()):
+        for op in rec["ops"]:
+            if "seq" not in op and op["state"] in ("queued", "started", "failed"):
+                lines.append(f"rank {rank}: {_describe(op)} {op['state']}, not completed")
+    return lines
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("directory", help="the folder holding rank<r>.json (named in the error)")
+
+
+def run(args) -> int:
+    records = load(args.directory)
+    for line in diagnose(records):
+        print(line)
+    return 0 if records else 1
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="clawcomm flight", description=__doc__)
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
