@@ -11,6 +11,7 @@ EXTRAS = {
     "sklearn": ("experiments", "the bundled digits data set"),
     "numba": ("codecs", "JIT-compiled codecs"),
     "cupy": ("cuda", "GPU arrays"),
+    "tensorboard": ("tensorboard", "TensorBoard logs"),
 }
 
 

@@ -312,3 +312,31 @@ def test_torchrun_runs_the_same_trainer(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(metrics.read_text().splitlines()) == 3
+
+
+def test_metrics_split_compute_exposed_communication_and_bytes_per_group(tmp_path):
+    import json
+
+    from clawcomm.train.cli import train_rank
+    from clawcomm.train.config import TrainConfig
+
+    def body(rank, n, board):
+        cfg = TrainConfig(
+            model="mlp", hidden=32, dp=2, pp=2, steps=2, microbatches=4, micro_batch_size=2,
+            quiet=True, tensorboard=board,
+        )  # fmt: skip
+        return train_rank(cfg, announce=False)
+
+    board = str(tmp_path / "tb")
+    metrics = run_ranks(body, 4, board, timeout=180)[0]
+    m = metrics[-1]
+    assert m["compute_ms"] > 0 and m["exposed_comm_ms"] >= 0, m
+    assert m["bytes_sent_pp"] > 0 and m["bytes_sent_dp"] > 0, m
+    assert m["bytes_sent"] >= m["bytes_sent_pp"] + m["bytes_sent_dp"], m
+    json.dumps(m)
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        return
+    files = list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert files and files[0].stat().st_size > 0

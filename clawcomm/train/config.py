@@ -76,6 +76,7 @@ class TrainConfig:
     # output
     metrics: str = _opt("", "write per-step metrics as JSON lines to this file")
     trace: str = _opt("", "write a Chrome/Perfetto trace of every step, all ranks (JSON)")
+    tensorboard: str = _opt("", "write the per-step metrics for TensorBoard to this folder")
     timeline: str = _opt("", "draw the last step, ranks against time (PNG; needs matplotlib)")
     quiet: bool = _opt(False, "no progress bar")
 

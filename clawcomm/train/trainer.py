@@ -487,40 +487,52 @@ class Trainer:
         norms = torch.stack([torch.linalg.vector_norm(g) for g in grads]).double()
         return float(norms.square().sum())
 
-    def _bytes_sent(self) -> int:
+    def _bytes_sent(self) -> list[int]:
+        """Bytes this rank sent so far: [every group, the pipeline group, the
+        data-parallel group]."""
         if not dist.is_initialized() or dist.get_backend() != "clawcomm":
-            return 0
+            return [0, 0, 0]
         if self._engines is None:
             import clawcomm
 
+            named = {"pp": self.pp_group, "dp": self.dp_group}
             groups = (None, self.pp_group, self.dp_group, *(t[1] for t in self._ties))
-            self._engines = list({id(g): clawcomm.engine_of(g) for g in groups}.values())
-        return sum(v["bytes_sent"] for e in self._engines for v in e.comm_stats().values())
+            engines = {id(g): clawcomm.engine_of(g) for g in groups}
+            self._engines = (list(engines.values()), {k: engines[id(g)] for k, g in named.items()})
+        every, named = self._engines
+
+        def sent(e) -> int:
+            return sum(v["bytes_sent"] for v in e.comm_stats().values())
+
+        return [sum(sent(e) for e in every), sent(named["pp"]), sent(named["dp"])]
 
     def _gather(
         self, loss, sumsq, bytes_before, busy, span, recv_wait, dp_wait, host, costs
     ) -> dict:
         """One all-gather: [loss, sumsq, bytes, busy, span, recv wait, dp wait,
-        rss MB, host overhead per compute action, then the F/B/I/W mean cost
-        of each local stage]."""
+        rss MB, host overhead per compute action, pp bytes, dp bytes, then the
+        F/B/I/W mean cost of each local stage]."""
         cfg = self.cfg
         v = cfg.virtual_stages
+        sent = [float(a - b) for a, b in zip(self._bytes_sent(), bytes_before, strict=True)]
         own = [
             loss,
             sumsq,
-            float(self._bytes_sent() - bytes_before),
+            sent[0],
             busy,
             span,
             recv_wait,
             dp_wait,
             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
             host,
+            sent[1],
+            sent[2],
         ]
         for s in sorted(self.local):
             for k in _KINDS:
                 tot, cnt = costs.get((s, k), (0.0, 0))
                 own.append(tot / cnt if cnt else 0.0)
-        width = 9 + 4 * v
+        width = 11 + 4 * v
         mine = torch.tensor(own, dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1:
             everyone = torch.zeros(dist.get_world_size() * width, dtype=torch.float64)
@@ -542,6 +554,12 @@ class Trainer:
             "dp_wait_ms": max(row[6] for row in rows) * 1e3,
             "recv_wait_ms": max(row[5] for row in rows) * 1e3,
             "max_rss_mb": max(row[7] for row in rows),
+            # the busiest rank's compute, and the longest exposed
+            # communication (waits for tensors + the reduction's tail)
+            "compute_ms": max(row[3] for row in rows) * 1e3,
+            "exposed_comm_ms": max(row[5] + row[6] for row in rows) * 1e3,
+            "bytes_sent_pp": int(sum(row[9] for row in rows)),
+            "bytes_sent_dp": int(sum(row[10] for row in rows)),
         }
         if grid.rank == 0:
             cost = {}
@@ -549,7 +567,7 @@ class Trainer:
                 for j in range(v):
                     s = j * cfg.pp + p_rank
                     for k_i, k in enumerate(_KINDS):
-                        cost[(s, k)] = rows[r][9 + 4 * j + k_i]
+                        cost[(s, k)] = rows[r][11 + 4 * j + k_i]
             host = [rows[r][8] for r in replica0]
 
             def costs_of(a):
@@ -613,6 +631,14 @@ class Trainer:
         out = []
         mode = "a" if self.step_index else "w"
         sink = open(metrics_file, mode) if (rank0 and metrics_file) else None  # noqa: SIM115
+        board = None
+        if rank0 and self.cfg.tensorboard:
+            from clawcomm._optional import require
+
+            require("tensorboard", "clawcomm train --tensorboard")
+            from torch.utils.tensorboard import SummaryWriter
+
+            board = SummaryWriter(self.cfg.tensorboard)
         try:
             for k, batch in zip(range(steps), batches, strict=False):
                 m = self.step(batch)
@@ -628,6 +654,10 @@ class Trainer:
                 if sink is not None:
                     sink.write(json.dumps(m) + "\n")
                     sink.flush()
+                if board is not None:
+                    for key, value in m.items():
+                        if key != "step" and isinstance(value, int | float):
+                            board.add_scalar(f"train/{key}", value, m["step"])
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{m['loss']:.4f}", bubble=f"{m['bubble']:.2f}")
@@ -638,6 +668,8 @@ class Trainer:
                 bar.close()
             if sink is not None:
                 sink.close()
+            if board is not None:
+                board.close()
         self.write_trace(self.cfg.trace or None, self.cfg.timeline or None)
         return out
 
