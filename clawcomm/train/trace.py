@@ -11,7 +11,10 @@ process of a host):
 * communication: every wait for a received activation or gradient, the
   final wait for sends, and the exposed part of the data-parallel
   reduction (what the step waited for after the pipeline drained);
-* the step itself.
+* the step itself;
+* engine ops: the data-parallel group's collectives (the bucket reductions,
+  which overlap compute) and the pipeline group's sends and receives, from
+  the engine's flight recorder, whose clock (steady_clock) is the same.
 
 ``write_chrome_trace`` merges every rank's events into one JSON file that
 chrome://tracing and ui.perfetto.dev open: a process per rank, a track for
@@ -27,8 +30,8 @@ import torch.distributed as dist
 
 # (track, name, start s, end s, args)
 Event = tuple[int, str, float, float, dict]
-COMPUTE, COMM, STEP = 0, 1, 2
-TRACKS = {COMPUTE: "compute", COMM: "communication", STEP: "steps"}
+COMPUTE, COMM, STEP, ENGINE = 0, 1, 2, 3
+TRACKS = {COMPUTE: "compute", COMM: "communication", STEP: "steps", ENGINE: "engine ops"}
 COLORS = {"F": "#4C72B0", "B": "#DD8452", "I": "#C44E52", "W": "#55A868", "opt": "#8172B3"}
 
 
@@ -110,6 +113,8 @@ def draw_timeline(path: str, ranks: list, step: int = -1, title: str = "") -> No
                             fontsize=7, color="white")  # fmt: skip
             elif track == COMM:
                 ax.broken_barh([(x, w)], (y - 0.35, 0.18), color="#333333")
+            elif track == ENGINE and args.get("group") == "dp":
+                ax.broken_barh([(x, w)], (y + 0.22, 0.13), color="#937860")
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([label for _, label, _ in rows])
     ax.invert_yaxis()
@@ -117,6 +122,7 @@ def draw_timeline(path: str, ranks: list, step: int = -1, title: str = "") -> No
     ax.set_xlim(0, (end - origin) * 1e3)
     handles = [Patch(color=c, label=k if k != "opt" else "optimizer") for k, c in COLORS.items()]
     handles.append(Patch(color="#333333", label="waiting on communication"))
+    handles.append(Patch(color="#937860", label="dp reduction in flight"))
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=6, fontsize=8)
     ax.set_title(title)
     fig.tight_layout()

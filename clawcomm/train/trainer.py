@@ -375,6 +375,7 @@ class Trainer:
             events.append((COMM, "dp reduction (exposed)", t_pipe, t_pipe + dp_wait, {}))
             events.append((COMPUTE, "optimizer", t_opt, t_end, {"kind": "opt"}))
             events.append((STEP, f"step {self.step_index + 1}", t0, t_end, {}))
+            events += self._engine_events(t0, t_end)
             self.recorder.add_step(events)
         self.step_index += 1
         out = {
@@ -400,6 +401,27 @@ class Trainer:
                 args["round"] = accumulation_round
             out.append((COMPUTE, f"{act.kind}{act.microbatch} s{act.stage}", s0, s1, args))
         out += [(COMM, what, s0, s1, {}) for what, s0, s1 in stats.waits]
+        return out
+
+    def _engine_events(self, t0: float, t1: float) -> list:
+        """The dp group's collectives and the pp group's sends and receives
+        that ran in [t0, t1], from the engines' flight records."""
+        import json
+
+        from clawcomm.train.trace import ENGINE
+
+        if not dist.is_initialized() or dist.get_backend() != "clawcomm":
+            return []
+        self._bytes_sent()  # finds the engines
+        out = []
+        for label, eng in self._engines[1].items():
+            for op in json.loads(eng.flight_record())["ops"]:
+                s0, s1 = op["start_us"] / 1e6, op["end_us"] / 1e6
+                p2p = op["op"] in ("send", "recv")
+                if op["state"] != "done" or s1 < t0 or s0 > t1 or (label == "dp") == p2p:
+                    continue
+                name = f"{label} {op['op']}" + (f" #{op['seq']}" if "seq" in op else "")
+                out.append((ENGINE, name, s0, s1, {"group": label, "bytes": op["bytes"]}))
         return out
 
     def write_trace(self, trace: str | None, timeline: str | None) -> None:
@@ -498,13 +520,19 @@ class Trainer:
             named = {"pp": self.pp_group, "dp": self.dp_group}
             groups = (None, self.pp_group, self.dp_group, *(t[1] for t in self._ties))
             engines = {id(g): clawcomm.engine_of(g) for g in groups}
-            self._engines = (list(engines.values()), {k: engines[id(g)] for k, g in named.items()})
+            # a group of one rank is None: nothing sent there
+            self._engines = (
+                list(engines.values()),
+                {k: engines[id(g)] for k, g in named.items() if g is not None},
+            )
         every, named = self._engines
 
         def sent(e) -> int:
             return sum(v["bytes_sent"] for v in e.comm_stats().values())
 
-        return [sum(sent(e) for e in every), sent(named["pp"]), sent(named["dp"])]
+        return [sum(sent(e) for e in every)] + [
+            sent(named[k]) if k in named else 0 for k in ("pp", "dp")
+        ]
 
     def _gather(
         self, loss, sumsq, bytes_before, busy, span, recv_wait, dp_wait, host, costs
