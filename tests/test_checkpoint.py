@@ -131,3 +131,18 @@ def test_a_process_killed_while_saving_leaves_a_loadable_checkpoint(tmp_path):
         root = str(tmp_path / f"t{trial}")
         last, loaded = kill_mid_save_trial(root, rng.uniform(0.0, 0.4))
         assert loaded in (last, last + 1), (last, loaded)  # the kill may follow a rename
+
+
+@pytest.mark.parametrize("dp,pp", [(2, 2), (1, 2)])
+def test_an_asynchronous_save_resumes_exactly_too(tmp_path, dp, pp):
+    """Training goes on while the files are written; the state saved is the
+    one of the step it was taken at, and the run resumes from it exactly."""
+    cfg = _config(dp=dp, pp=pp, compression="topk:0.1" if dp > 1 else "")
+    whole = run_ranks(_run, dp * pp, cfg, 6, False, timeout=300)[0][0]
+    cfg = dataclasses.replace(
+        cfg, checkpoint_dir=str(tmp_path), checkpoint_every=3, async_checkpoint=True
+    )
+    first = run_ranks(_run, dp * pp, cfg, 4, False, timeout=300)[0][0]  # saves at 3 and 4
+    assert open(tmp_path / "latest").read().strip() == "step-00000004"
+    second = run_ranks(_run, dp * pp, cfg, 6, True, timeout=300)[0][0]
+    assert first + second == whole

@@ -190,9 +190,32 @@ def state_dict(trainer) -> dict:
     return sd
 
 
-def save(trainer, root: str, keep: int = 2) -> str:
+class PendingSave:
+    """An asynchronous save in flight: the state was copied when it began;
+    ``wait()`` waits for the files and commits the checkpoint (the renames),
+    as a synchronous save does at its end."""
+
+    def __init__(self, future, commit):
+        self._future = future
+        self._commit = commit
+
+    def wait(self) -> None:
+        if self._future is None:
+            return
+        future, self._future = self._future, None
+        future.result()  # the files are written (an error surfaces here)
+        self._commit()
+
+
+def save(trainer, root: str, keep: int = 2, asynchronous: bool = False, group=None):
     """Saves ``trainer`` under ``root`` (every rank calls it) and returns the
-    checkpoint's path. Keeps the newest ``keep`` checkpoints."""
+    checkpoint's path. Keeps the newest ``keep`` checkpoints.
+
+    ``asynchronous``: returns a ``PendingSave`` as soon as the state has been
+    copied; DCP writes the files from a thread, talking over ``group`` (a
+    group of its own, so that its collectives never interleave with the
+    training's), and ``wait()`` commits. Until then ``latest`` still names
+    the previous checkpoint."""
     import torch.distributed.checkpoint as dcp
 
     rank = _rank()
@@ -206,23 +229,36 @@ def save(trainer, root: str, keep: int = 2) -> str:
         os.makedirs(tmp, exist_ok=True)
     _barrier()
     sd = state_dict(trainer)
-    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
-    if rank == 0:
-        _fsync_dir(tmp)
-        if os.path.exists(final):  # the same step saved again: replace it
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_dir(root)
-        pointer = os.path.join(root, LATEST + ".tmp")
-        with open(pointer, "w") as f:
-            f.write(name + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(pointer, os.path.join(root, LATEST))
-        _fsync_dir(root)
-        _prune(root, keep, name)
+    writer = dcp.FileSystemWriter(tmp, sync_files=True)
+
+    def commit() -> None:
+        if rank == 0:
+            _commit(root, tmp, final, name, keep)
+
+    if asynchronous:
+        future = dcp.async_save(sd, storage_writer=writer, process_group=group)
+        return PendingSave(future, commit)
+    dcp.save(sd, storage_writer=writer)
+    commit()
     _barrier()
     return final
+
+
+def _commit(root: str, tmp: str, final: str, name: str, keep: int) -> None:
+    """Rank 0: the written folder becomes the checkpoint, then `latest` names it."""
+    _fsync_dir(tmp)
+    if os.path.exists(final):  # the same step saved again: replace it
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    pointer = os.path.join(root, LATEST + ".tmp")
+    with open(pointer, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(pointer, os.path.join(root, LATEST))
+    _fsync_dir(root)
+    _prune(root, keep, name)
 
 
 def _prune(root: str, keep: int, newest: str) -> None:

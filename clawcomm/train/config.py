@@ -68,6 +68,9 @@ class TrainConfig:
     )
     checkpoint_every: int = _opt(0, "save a checkpoint every this many steps and after the last")
     keep_checkpoints: int = _opt(2, "checkpoints kept (older ones are removed)")
+    async_checkpoint: bool = _opt(
+        False, "save asynchronously: training goes on while the files are written"
+    )
     resume: bool = _opt(False, "continue from --checkpoint-dir's latest checkpoint, if any")
     kill_rank: int = _opt(
         -1, "fault drill: this rank SIGKILLs itself (first torchrun attempt only)"

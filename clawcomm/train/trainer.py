@@ -165,6 +165,8 @@ class Trainer:
         self._peak_lr = [g["lr"] for g in self.optimizer.param_groups]
         self.step_index = 0
         self._engines = None  # for bytes_sent, found on first use
+        self._pending_save = None
+        self._checkpoint_group = None
         # Per-step events for --trace/--timeline (clawcomm.train.trace), or None.
         self.recorder = None
         if cfg.trace or cfg.timeline:
@@ -615,12 +617,28 @@ class Trainer:
 
     # ---- the loop -------------------------------------------------------------------------
 
-    def save_checkpoint(self, root: str, keep: int = 2) -> str:
+    def save_checkpoint(self, root: str, keep: int = 2, asynchronous: bool = False):
         """Saves an atomic checkpoint under ``root`` (every rank calls it);
-        see clawcomm.train.checkpoint."""
+        see clawcomm.train.checkpoint. ``asynchronous``: returns once the
+        state is copied; the files are written meanwhile and committed by
+        ``wait_checkpoint()`` (or the next save)."""
         from clawcomm.train import checkpoint
 
-        return checkpoint.save(self, root, keep)
+        self.wait_checkpoint()
+        if not asynchronous:
+            return checkpoint.save(self, root, keep)
+        if self._checkpoint_group is None and dist.is_initialized():
+            self._checkpoint_group = dist.new_group(backend=dist.get_backend())
+        self._pending_save = checkpoint.save(
+            self, root, keep, asynchronous=True, group=self._checkpoint_group
+        )
+        return self._pending_save
+
+    def wait_checkpoint(self) -> None:
+        """Waits for an asynchronous save and commits it."""
+        if self._pending_save is not None:
+            pending, self._pending_save = self._pending_save, None
+            pending.wait()
 
     def load_checkpoint(self, path: str) -> int:
         """Loads a checkpoint (or ``path``'s latest one), at this run's layout
@@ -676,7 +694,9 @@ class Trainer:
                     and (self.step_index % checkpoint_every == 0 or k == steps - 1)
                 ):
                     t0 = time.perf_counter()
-                    self.save_checkpoint(checkpoint_dir, keep_checkpoints)
+                    self.save_checkpoint(
+                        checkpoint_dir, keep_checkpoints, asynchronous=self.cfg.async_checkpoint
+                    )
                     m["checkpoint_ms"] = 1e3 * (time.perf_counter() - t0)
                 out.append(m)
                 if sink is not None:
@@ -698,10 +718,12 @@ class Trainer:
                 sink.close()
             if board is not None:
                 board.close()
+        self.wait_checkpoint()
         self.write_trace(self.cfg.trace or None, self.cfg.timeline or None)
         return out
 
     def close(self) -> None:
+        self.wait_checkpoint()
         if self.reducer is not None:
             self.reducer.close()
         for h in self._hooks:
