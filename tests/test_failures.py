@@ -294,7 +294,7 @@ def test_progress_thread_runs_at_the_nice_value_set(nice):
 
 def test_a_bad_progress_nice_value_is_refused():
     with pytest.raises(
-        RankFailure, match=r"CLAWCOMM_PROGRESS_NICE=25 is not a nice value in 0..19"
+        RankFailure, match=r"CLAWCOMM_PROGRESS_NICE=25 is not a whole number in \[0, 19\]"
     ):
         run_ranks(_nothing, 2, env={"CLAWCOMM_PROGRESS_NICE": "25"}, timeout=60)
 
@@ -322,3 +322,45 @@ def test_forced_shared_memory_across_hosts_is_refused():
             timeout=60,
             pg_timeout=10,
         )
+
+
+def _wide_roots(rank, n):
+    t = torch.ones(4)
+    messages = []
+    for call in (
+        lambda: dist.broadcast(t, src=2**32 + 1),
+        lambda: dist.reduce(t, dst=2**32),
+        lambda: dist.broadcast(t, src=-1),
+    ):
+        try:
+            call()
+            messages.append("no error")
+        except (ValueError, RuntimeError) as e:
+            messages.append(str(e))
+    dist.all_reduce(t)  # the group still works
+    return messages, t.tolist()
+
+
+def test_a_root_is_checked_before_it_is_narrowed_to_an_int():
+    """2**32 + 1 used to become rank 1: a silently wrong broadcast."""
+    for messages, after in run_ranks(_wide_roots, 2, timeout=60):
+        assert all("out of range" in m for m in messages), messages
+        assert after == [2.0] * 4
+
+
+@pytest.mark.parametrize(
+    "var,value",
+    [
+        ("CLAWCOMM_SHM_RING_BYTES", "-1"),
+        ("CLAWCOMM_SHM_RING_BYTES", "18446744073709551615"),
+        ("CLAWCOMM_SEGMENT_BYTES", "1k"),
+        ("CLAWCOMM_SPIN_US", "99999999"),
+        ("CLAWCOMM_INLINE_BYTES", " 5"),
+        ("CLAWCOMM_RECORDER_ENTRIES", "99999999999999999999999"),
+    ],
+)
+def test_numeric_settings_are_parsed_strictly_and_range_checked(var, value):
+    import re
+
+    with pytest.raises(RankFailure, match=re.escape(f"{var}={value} is not a whole number in [")):
+        run_ranks(_nothing, 2, env={var: value}, timeout=60, pg_timeout=10)

@@ -1,5 +1,6 @@
 #include "common/settings.h"
 
+#include <cerrno>
 #include <cstdlib>
 #include <initializer_list>
 #include <string>
@@ -14,15 +15,22 @@ const char* env(const char* name) {
   return (v && *v) ? v : nullptr;
 }
 
-size_t envBytes(const char* name, size_t fallback, size_t minimum) {
+// A whole number in [minimum, maximum]: digits only (strtoull alone would
+// take "-1" as 2^64 - 1, and " 5" or "5k" in part), no overflow.
+size_t envNumber(const char* name, size_t fallback, size_t minimum, size_t maximum) {
   const char* v = env(name);
   if (!v) return fallback;
+  bool digits = *v != '\0';
+  for (const char* c = v; *c; ++c) digits &= *c >= '0' && *c <= '9';
+  errno = 0;
   char* end = nullptr;
-  unsigned long long n = std::strtoull(v, &end, 10);
-  CLAWCOMM_ARG_CHECK(end && *end == '\0' && n >= minimum, "clawcomm: ", name, "=", v,
-                     " is not a byte count >= ", minimum);
+  const unsigned long long n = digits ? std::strtoull(v, &end, 10) : 0;
+  CLAWCOMM_ARG_CHECK(digits && errno != ERANGE && n >= minimum && n <= maximum, "clawcomm: ", name,
+                     "=", v, " is not a whole number in [", minimum, ", ", maximum, "]");
   return size_t(n);
 }
+
+constexpr size_t kGiB = size_t(1) << 30;
 
 // The index of the variable's value in `choices` (0, the first, when unset).
 int envChoice(const char* name, std::initializer_list<const char*> choices) {
@@ -48,31 +56,30 @@ Settings Settings::fromEnv() {
   if (const char* v = env("CLAWCOMM_TRANSPORT")) s.transport = v;
   if (const char* v = env("CLAWCOMM_ALGO")) s.algo = v;
   // Ring sizes are rounded to 64 bytes so that frames stay aligned.
-  s.shmRingBytes = envBytes("CLAWCOMM_SHM_RING_BYTES", s.shmRingBytes, 4096) & ~size_t(63);
-  s.segmentBytes = envBytes("CLAWCOMM_SEGMENT_BYTES", s.segmentBytes, 64);
-  s.treeMaxBytes = envBytes("CLAWCOMM_TREE_MAX_BYTES", s.treeMaxBytes, 0);
-  if (env("CLAWCOMM_SPIN_US")) s.spinMicros = int(envBytes("CLAWCOMM_SPIN_US", 0, 0));
-  if (env("CLAWCOMM_YIELD_US")) s.yieldMicros = int(envBytes("CLAWCOMM_YIELD_US", 0, 0));
-  s.inlineMaxBytes = envBytes("CLAWCOMM_INLINE_BYTES", s.inlineMaxBytes, 0);
+  s.shmRingBytes =
+      envNumber("CLAWCOMM_SHM_RING_BYTES", s.shmRingBytes, 4096, 16 * kGiB) & ~size_t(63);
+  s.segmentBytes = envNumber("CLAWCOMM_SEGMENT_BYTES", s.segmentBytes, 64, 16 * kGiB);
+  s.treeMaxBytes = envNumber("CLAWCOMM_TREE_MAX_BYTES", s.treeMaxBytes, 0, 1024 * kGiB);
+  if (env("CLAWCOMM_SPIN_US")) s.spinMicros = int(envNumber("CLAWCOMM_SPIN_US", 0, 0, 1000000));
+  if (env("CLAWCOMM_YIELD_US")) s.yieldMicros = int(envNumber("CLAWCOMM_YIELD_US", 0, 0, 1000000));
+  s.inlineMaxBytes = envNumber("CLAWCOMM_INLINE_BYTES", s.inlineMaxBytes, 0, 16 * kGiB);
   if (env("CLAWCOMM_PROGRESS_NICE")) {
-    const size_t nice = envBytes("CLAWCOMM_PROGRESS_NICE", 0, 0);
-    CLAWCOMM_ARG_CHECK(nice <= 19, "clawcomm: CLAWCOMM_PROGRESS_NICE=", nice,
-                       " is not a nice value in 0..19");
-    s.progressNice = int(nice);
+    s.progressNice = int(envNumber("CLAWCOMM_PROGRESS_NICE", 0, 0, 19));  // a nice value
   }
   if (const char* v = env("CLAWCOMM_SOCKET_ADDR")) s.socketAddr = v;
   if (const char* v = env("CLAWCOMM_HOST_ID")) s.hostId = v;
   if (const char* v = env("CLAWCOMM_DEBUG")) s.debug = std::string(v) != "0";
   s.cudaIpc = envChoice("CLAWCOMM_CUDA_IPC", {"auto", "0"}) == 0;
-  s.recorderEntries = envBytes("CLAWCOMM_RECORDER_ENTRIES", s.recorderEntries, 0);
+  s.recorderEntries = envNumber("CLAWCOMM_RECORDER_ENTRIES", s.recorderEntries, 0, size_t(1) << 20);
   if (const char* v = env("CLAWCOMM_FLIGHT_DIR")) {
     s.flightDir = v;
   } else {
     const char* tmp = env("TMPDIR");
     s.flightDir = std::string(tmp ? tmp : "/tmp") + "/clawcomm-flight";
   }
-  s.cudaIpcBytes = envBytes("CLAWCOMM_CUDA_IPC_BYTES", s.cudaIpcBytes, 4096);
-  s.cudaOneShotMaxBytes = envBytes("CLAWCOMM_CUDA_ONESHOT_BYTES", s.cudaOneShotMaxBytes, 0);
+  s.cudaIpcBytes = envNumber("CLAWCOMM_CUDA_IPC_BYTES", s.cudaIpcBytes, 4096, 64 * kGiB);
+  s.cudaOneShotMaxBytes =
+      envNumber("CLAWCOMM_CUDA_ONESHOT_BYTES", s.cudaOneShotMaxBytes, 0, 64 * kGiB);
   return s;
 }
 

@@ -128,7 +128,7 @@ class ClawcommBackend : public c10d::Backend {
     const DataType dt = checkTensors(op, tensors);
     const at::Tensor& t = single(op, tensors);
     const ReduceOp redop = toReduceOp(op, opts.reduceOp);
-    const int root = int(opts.rootRank);
+    const int root = rootOf(op, opts.rootRank);
     at::Tensor buf = flat(t);
     return launch(OpType::REDUCE, {t}, {updates(buf)}, copyBack(buf, t), [&](auto cb) {
       return comm_->reduce(buf.data_ptr(), size_t(buf.numel()), dt, redop, root, cb);
@@ -140,9 +140,7 @@ class ClawcommBackend : public c10d::Backend {
     const char* op = "broadcast";
     const DataType dt = checkTensors(op, tensors);
     const at::Tensor& t = single(op, tensors);
-    const int root = int(opts.rootRank);
-    TORCH_CHECK_VALUE(root >= 0 && root < getSize(), "clawcomm::broadcast: root ", root,
-                      " is out of range for a group of ", getSize(), " ranks");
+    const int root = rootOf(op, opts.rootRank);
     if (cuda::IpcGroup* ipc = ipcFor(t);
         ipc && t.is_contiguous() && size_t(t.nbytes()) <= ipc->capacity()) {
       const uint64_t bytes = t.nbytes();
@@ -425,9 +423,7 @@ class ClawcommBackend : public c10d::Backend {
     const char* op = "gather";
     const DataType dt = checkTensors(op, inputs);
     const at::Tensor& in = single(op, inputs);
-    const int root = int(opts.rootRank);
-    TORCH_CHECK_VALUE(root >= 0 && root < getSize(), "clawcomm::gather: root ", root,
-                      " is out of range for a group of ", getSize(), " ranks");
+    const int root = rootOf(op, opts.rootRank);
     at::Tensor src = flat(in);
     TensorList outs;
     at::Tensor buf;
@@ -457,9 +453,7 @@ class ClawcommBackend : public c10d::Backend {
     const char* op = "scatter";
     const DataType dt = checkTensors(op, outputs);
     const at::Tensor& out = single(op, outputs);
-    const int root = int(opts.rootRank);
-    TORCH_CHECK_VALUE(root >= 0 && root < getSize(), "clawcomm::scatter: root ", root,
-                      " is out of range for a group of ", getSize(), " ranks");
+    const int root = rootOf(op, opts.rootRank);
     at::Tensor src;
     if (getRank() == root) {
       TORCH_CHECK_VALUE(inputs.size() == 1 && int(inputs[0].size()) == getSize(),
@@ -517,6 +511,14 @@ class ClawcommBackend : public c10d::Backend {
     return launch(type, {t}, {writes(buf)}, copyBack(buf, t), [&](auto cb) {
       return comm_->recv(buf.data_ptr(), size_t(buf.nbytes()), srcRank, uint64_t(tag), cb);
     });
+  }
+
+  // The root as an int, checked before narrowing: torch passes an int64,
+  // and 2**32 + 1 must not become rank 1.
+  int rootOf(const char* op, int64_t root) const {
+    TORCH_CHECK_VALUE(root >= 0 && root < getSize(), "clawcomm::", op, ": root ", root,
+                      " is out of range for a group of ", getSize(), " ranks");
+    return int(root);
   }
 
   // The CUDA IPC group for `t`'s device, or null where CUDA tensors are
