@@ -364,3 +364,47 @@ def test_numeric_settings_are_parsed_strictly_and_range_checked(var, value):
 
     with pytest.raises(RankFailure, match=re.escape(f"{var}={value} is not a whole number in [")):
         run_ranks(_nothing, 2, env={var: value}, timeout=60, pg_timeout=10)
+
+
+SMALL_SHM_SCRIPT = """
+import torch, torch.distributed as dist
+from clawcomm.testing import run_ranks, RankFailure
+def f(rank, n):
+    t = torch.ones(1 << 20)
+    dist.all_reduce(t)
+    return t[0].item()
+try:
+    print(run_ranks(f, 2, timeout=60, pg_timeout=10))
+except RankFailure as e:
+    print("FAILED:", list(e.errors.values())[0].strip().splitlines()[-1])
+"""
+
+
+def test_a_dev_shm_too_small_is_an_error_that_says_what_is_needed():
+    """Used to be SIGBUS at the first write into a ring (tmpfs hands out
+    pages lazily); the segment's pages are now reserved at setup."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    if not shutil.which("unshare"):
+        pytest.skip("needs unshare to mount a small /dev/shm")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = f"mount -t tmpfs -o size=4M tmpfs /dev/shm && {sys.executable} -c '{SMALL_SHM_SCRIPT}'"
+    proc = subprocess.run(
+        ["unshare", "-m", "sh", "-c", cmd],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=root),
+    )
+    if "mount" in proc.stderr and "FAILED" not in proc.stdout:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()[:200]}")
+    assert "/dev/shm has no room for rank" in proc.stdout, proc.stdout + proc.stderr
+    assert "CLAWCOMM_SHM_RING_BYTES=4194304" in proc.stdout, proc.stdout
+
+
+def test_a_bad_simd_setting_is_refused_at_setup():
+    with pytest.raises(RankFailure, match=r"CLAWCOMM_SIMD=bogus is not one of auto, avx512"):
+        run_ranks(_nothing, 2, env={"CLAWCOMM_SIMD": "bogus"}, timeout=60, pg_timeout=10)

@@ -53,6 +53,7 @@ SimdChoice simdChoiceFromEnv() {
 
 Settings Settings::fromEnv() {
   Settings s;
+  simdChoiceFromEnv();  // CLAWCOMM_SIMD is read once per process; refuse a bad one at setup
   if (const char* v = env("CLAWCOMM_TRANSPORT")) s.transport = v;
   if (const char* v = env("CLAWCOMM_ALGO")) s.algo = v;
   // Ring sizes are rounded to 64 bytes so that frames stay aligned.

@@ -217,6 +217,19 @@ ShmEndpoint::ShmEndpoint(const std::string& jobToken, int rank, int size, size_t
                                 " bytes: ", std::strerror(err),
                                 " (is /dev/shm large enough? lower CLAWCOMM_SHM_RING_BYTES)"));
   }
+  // tmpfs gives pages only when they are first touched: without reserving
+  // them now, a /dev/shm too small (Docker's default is 64 MB) would show up
+  // later as SIGBUS on the first write into a ring.
+  const int reserved = posix_fallocate(fd, 0, off_t(bytes));
+  if (reserved != 0 && reserved != EOPNOTSUPP && reserved != EINVAL) {
+    ::close(fd);
+    shm_unlink(name_.c_str());
+    throw Error(CLAWCOMM_CONCAT(
+        "clawcomm shm: /dev/shm has no room for rank ", rank, "'s ", bytes, " bytes (", size,
+        " rings of CLAWCOMM_SHM_RING_BYTES=", ringBytes, "): ", std::strerror(reserved),
+        "; every local rank needs as much: give /dev/shm more room (Docker: --shm-size) or "
+        "lower CLAWCOMM_SHM_RING_BYTES"));
+  }
   try {
     own_ = mapSegment(fd, bytes, name_);
   } catch (...) {
