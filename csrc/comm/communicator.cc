@@ -41,42 +41,33 @@ struct Communicator::Op {
 
 namespace {
 
-// Rethrows `e` as the same error type with `message` in front of its text.
-std::exception_ptr withContext(std::exception_ptr e, const std::string& message) {
+// The same error type as `e`, with `prefix` before its text and `suffix`
+// after it.
+std::exception_ptr rewrapped(std::exception_ptr e, const std::string& prefix,
+                             const std::string& suffix) {
   try {
     std::rethrow_exception(e);
   } catch (const TimeoutError& x) {
-    return std::make_exception_ptr(TimeoutError(message + x.what()));
+    return std::make_exception_ptr(TimeoutError(prefix + x.what() + suffix));
   } catch (const PeerError& x) {
-    return std::make_exception_ptr(PeerError(message + x.what()));
+    return std::make_exception_ptr(PeerError(prefix + x.what() + suffix));
   } catch (const MismatchError& x) {
-    return std::make_exception_ptr(MismatchError(message + x.what()));
+    return std::make_exception_ptr(MismatchError(prefix + x.what() + suffix));
   } catch (const InvalidArgument& x) {
-    return std::make_exception_ptr(InvalidArgument(message + x.what()));
+    return std::make_exception_ptr(InvalidArgument(prefix + x.what() + suffix));
   } catch (const std::exception& x) {
-    return std::make_exception_ptr(Error(message + x.what()));
+    return std::make_exception_ptr(Error(prefix + x.what() + suffix));
   } catch (...) {
-    return std::make_exception_ptr(Error(message + "unknown error"));
+    return std::make_exception_ptr(Error(prefix + "unknown error" + suffix));
   }
 }
 
-// The same error type with `suffix` after its text.
+std::exception_ptr withContext(std::exception_ptr e, const std::string& message) {
+  return rewrapped(e, message, "");
+}
+
 std::exception_ptr withSuffix(std::exception_ptr e, const std::string& suffix) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const TimeoutError& x) {
-    return std::make_exception_ptr(TimeoutError(x.what() + suffix));
-  } catch (const PeerError& x) {
-    return std::make_exception_ptr(PeerError(x.what() + suffix));
-  } catch (const MismatchError& x) {
-    return std::make_exception_ptr(MismatchError(x.what() + suffix));
-  } catch (const InvalidArgument& x) {
-    return std::make_exception_ptr(InvalidArgument(x.what() + suffix));
-  } catch (const std::exception& x) {
-    return std::make_exception_ptr(Error(x.what() + suffix));
-  } catch (...) {
-    return e;
-  }
+  return rewrapped(e, "", suffix);
 }
 
 std::string errorText(std::exception_ptr e) {

@@ -95,6 +95,15 @@ __device__ __forceinline__ void copyPacks(const uint4* src, uint4* dst, size_t l
     dst[i] = fromPeer ? __ldcg(src + i) : src[i];
 }
 
+// Copies this block's part [lo, hi) of each of the size pieces of `in`
+// (`piece` packs each) into this rank's input area, at the same offsets.
+__device__ __forceinline__ void copyPiecesIn(const IpcPeers& P, const uint4* in, size_t piece,
+                                             size_t lo, size_t hi) {
+  for (int q = 0; q < P.size; ++q) {
+    copyPacks(in + q * piece, reinterpret_cast<uint4*>(P.input[P.rank]) + q * piece, lo, hi, false);
+  }
+}
+
 template <typename S>
 struct Plain {
   using Store = S;
@@ -190,12 +199,7 @@ __global__ void reduceScatterKernel(IpcPeers P, const uint4* in, uint4* out, siz
   const uint32_t flag = beginOp(P);
   size_t lo, hi;
   split(piece, gridDim.x, blockIdx.x, lo, hi);
-  if (in) {
-    for (int q = 0; q < P.size; ++q) {
-      copyPacks(in + q * piece, reinterpret_cast<uint4*>(P.input[P.rank]) + q * piece, lo, hi,
-                false);
-    }
-  }
+  if (in) copyPiecesIn(P, in, piece, lo, hi);
   barrier(P, kIpcStart, flag);
   uint4* dst = out ? out : reinterpret_cast<uint4*>(P.result[P.rank]);
   reducePacks<E, Op>(P, P.input, size_t(P.rank) * piece, lo, hi, dst, nullptr);
@@ -234,12 +238,7 @@ __global__ void allToAllKernel(IpcPeers P, const uint4* in, uint4* out, size_t p
   const uint32_t flag = beginOp(P);
   size_t lo, hi;
   split(piece, gridDim.x, blockIdx.x, lo, hi);
-  if (in) {
-    for (int q = 0; q < P.size; ++q) {
-      copyPacks(in + q * piece, reinterpret_cast<uint4*>(P.input[P.rank]) + q * piece, lo, hi,
-                false);
-    }
-  }
+  if (in) copyPiecesIn(P, in, piece, lo, hi);
   barrier(P, kIpcStart, flag);
   uint4* dst = out ? out : reinterpret_cast<uint4*>(P.result[P.rank]);
   for (int p = 0; p < P.size; ++p) {
