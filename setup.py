@@ -23,6 +23,7 @@ uses too.
 import glob
 import os
 import shutil
+import subprocess
 
 from setuptools import Extension, setup
 
@@ -152,6 +153,32 @@ class build_ext(Base):
         elif ext.name == "clawcomm._C_torch":
             ext.extra_link_args = [self.get_ext_fullpath("clawcomm._C"), "-Wl,-rpath,$ORIGIN"]
         super().build_extension(ext)
+        if ext.name == "clawcomm._C":
+            check_libstdcxx_is_shared(self.get_ext_fullpath(ext.name))
+
+
+def check_libstdcxx_is_shared(path):
+    """Refuses a ``_C`` that carries its own copy of libstdc++.
+
+    Some toolchains (a GCC under /opt whose libstdc++ exists only as a static
+    archive, as on the GPU machines' image, where CXX=/opt/gcc/bin/g++) link
+    libstdc++ into the module. torch has already loaded the system's
+    libstdc++.so, and the two copies' locale tables do not mix: the first
+    number formatted into a string segfaults (seen in rendezvous).
+    """
+    try:
+        out = subprocess.run(
+            ["nm", "-D", "--defined-only", path], capture_output=True, text=True, check=True
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return  # no nm here: nothing to check with
+    if " _ZNSt6locale7classicEv" in out:
+        raise SystemExit(
+            f"clawcomm: the C++ compiler ({os.environ.get('CXX', 'c++')}) linked its own static "
+            "copy of libstdc++ into clawcomm._C, which crashes next to the libstdc++ that torch "
+            "loads. Build with the system compiler that torch matches, e.g.: "
+            "CC=gcc CXX=g++ pip install --no-build-isolation -e ."
+        )
 
 
 setup(ext_modules=extensions, cmdclass={"build_ext": build_ext})

@@ -22,6 +22,7 @@ import datetime
 import multiprocessing as mp
 import os
 import pickle
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -82,6 +83,16 @@ def _child(fn, rank, world_size, args, backend, env, store_path, pg_timeout, ini
         conn.close()
 
 
+def _start_method() -> str:
+    """fork (fast, and ``fn`` may be any function), unless this process has
+    initialised CUDA, which a forked child cannot use: then spawn, where
+    ``fn`` must be importable (a module-level function)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "spawn"
+    return "fork"
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -101,7 +112,7 @@ def run_ranks(
     ``allow_failures=True`` a failed rank's entry is a ``RankFailure`` holding
     its traceback (or the exit code if it died) instead of raising.
     """
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context(_start_method())
     env = {k: str(v) for k, v in (env or {}).items()}
     with tempfile.TemporaryDirectory(prefix="clawcomm-test-") as tmp:
         store_path = os.path.join(tmp, "store")

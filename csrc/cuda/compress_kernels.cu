@@ -134,13 +134,19 @@ __global__ void pickKernel(int shift, SelectState* st) {
   for (int i = 0; i < kDigits; ++i) st->histogram[i] = 0;
 }
 
-// Ordered compaction, pass 1: how many entries of each chunk pass.
+// Ordered compaction, pass 1: how many entries of each chunk pass. The
+// grid covers the bound n; with the count on the device (candidates, far
+// fewer), the blocks past it leave at once.
 template <typename Pred>
 __global__ void chunkCountKernel(size_t n, const uint32_t* nOnDevice, Pred pred,
                                  uint32_t* __restrict__ counts) {
   using Scan = cub::BlockScan<uint32_t, kThreads>;
   __shared__ typename Scan::TempStorage temp;
   const size_t count = nOnDevice ? *nOnDevice : n;
+  if (size_t(blockIdx.x) * kChunk >= count) {  // the same for the whole block
+    if (threadIdx.x == 0) counts[blockIdx.x] = 0;
+    return;
+  }
   const size_t base = size_t(blockIdx.x) * kChunk + size_t(threadIdx.x) * kItems;
   uint32_t mine = 0;
 #pragma unroll
@@ -158,6 +164,7 @@ __global__ void chunkEmitKernel(size_t n, const uint32_t* nOnDevice, Pred pred,
   using Scan = cub::BlockScan<uint32_t, kThreads>;
   __shared__ typename Scan::TempStorage temp;
   const size_t count = nOnDevice ? *nOnDevice : n;
+  if (size_t(blockIdx.x) * kChunk >= count) return;  // the same for the whole block
   const size_t base = size_t(blockIdx.x) * kChunk + size_t(threadIdx.x) * kItems;
   bool pass[kItems];
   uint32_t mine = 0;
