@@ -23,7 +23,7 @@ namespace {
 
 }  // namespace
 
-std::unique_ptr<IpcGroup> IpcGroup::create(Store&, int, int, size_t, int64_t) {
+std::unique_ptr<IpcGroup> IpcGroup::create(Store&, const std::string&, int, int, size_t, int64_t) {
   unavailable();
 }
 

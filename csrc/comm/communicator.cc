@@ -121,6 +121,7 @@ Communicator::Communicator(std::shared_ptr<Store> store, int rank, int size,
   checkAlgorithmSetting(settings_.algo);
   Connections conns = rendezvous(*store, rank, size, settings_, Clock::now() + this->timeout());
   jobToken_ = conns.jobToken;
+  storeNamespace_ = conns.storeNamespace;
   transports_.resize(size_t(size));
   for (int p = 0; p < size; ++p) transports_[p] = p == rank ? "self" : conns.toRank[p]->kind();
   const int localRanks = conns.sameHostRanks;

@@ -64,6 +64,9 @@ class Communicator {
   // Applies to operations that start after the call.
   void setTimeout(std::chrono::milliseconds timeout) { timeoutMs_ = timeout.count(); }
   const Settings& settings() const { return settings_; }
+  // The prefix of this group's store keys (a new one per group generation):
+  // what else sets up over the same store (the CUDA IPC group) keys under it.
+  const std::string& storeNamespace() const { return storeNamespace_; }
   // "shm", "tcp" or "self": how this rank reaches `peer`.
   std::string transportOf(int peer) const;
   // How many collectives this rank has issued: the same on every rank that
@@ -146,6 +149,7 @@ class Communicator {
   std::unique_ptr<Messenger> messenger_;
   std::vector<std::string> transports_;
   std::string jobToken_;
+  std::string storeNamespace_;
   Recorder recorder_;
 
   std::mutex mutex_;

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -31,14 +32,52 @@ std::string hostIdentity() {
   return std::string(host) + "/" + boot;
 }
 
-}  // namespace
+// A store value that says its rank's setup failed, and why: posted in place
+// of every key that rank had yet to set, so that whoever waits for one of
+// them learns at once what went wrong (and where), instead of timing out on
+// the wrong rank.
+const std::string kFailed = "!failed: ";
 
-Connections rendezvous(Store& store, int rank, int size, const Settings& settings,
-                       Clock::time_point deadline) {
+// Store waits run this much past the group's deadline: a rank whose own wait
+// on a dead peer (a socket, say) ran out at the deadline has that long to
+// post its failure for the ranks that wait on it.
+constexpr std::chrono::milliseconds kGrace(500);
+
+struct Published {
+  std::vector<std::string> keys;  // what this rank set so far (without the prefix)
+};
+
+Connections connectAll(Store& store, const std::string& ns, int rank, int size,
+                       const Settings& settings, Clock::time_point deadline, Published& done) {
   Connections out;
+  out.storeNamespace = ns;
   auto& conns = out.toRank;
   conns.resize(static_cast<size_t>(size));
-  if (size == 1) return out;
+  auto publish = [&](const std::string& key, const std::vector<uint8_t>& value) {
+    store.set(ns + key, value);
+    done.keys.push_back(key);
+  };
+  const auto started = Clock::now();
+  // Waits for `key`, which rank `p` sets; the error names the rank that
+  // never came, or says why it failed.
+  auto waitFor = [&](const std::string& key, int p, const char* what) {
+    std::vector<uint8_t> value;
+    try {
+      value = store.get(ns + key, deadline + kGrace);
+    } catch (const TimeoutError& e) {
+      throw TimeoutError(CLAWCOMM_CONCAT(
+          "clawcomm: rank ", rank, " gave up setting up the group after ",
+          std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - started).count(),
+          " ms: rank ", p, " never ", what, " (it died, hangs, or did not create the group; ",
+          e.what(), ")"));
+    }
+    const std::string text = stringOf(value);
+    if (text.compare(0, kFailed.size(), kFailed) == 0) {
+      throw Error(CLAWCOMM_CONCAT("clawcomm: rank ", rank, " cannot set up the group: rank ", p,
+                                  " failed: ", text.substr(kFailed.size())));
+    }
+    return value;
+  };
 
   // 1. The job token: random, from rank 0. Every TCP connection presents it
   //    and it names the shm segments, so two jobs never cross.
@@ -47,20 +86,20 @@ Connections rendezvous(Store& store, int rank, int size, const Settings& setting
     const uint64_t token = (uint64_t(rd()) << 32) ^ rd() ^ uint64_t(getpid());
     char hex[17];
     std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(token));
-    store.set("clawcomm/token", bytesOf(hex));
+    publish("token", bytesOf(hex));
   }
-  const std::string tokenHex = stringOf(store.get("clawcomm/token"));
+  const std::string tokenHex = stringOf(waitFor("token", 0, "published the job token"));
   out.jobToken = tokenHex;
   const uint64_t token = std::stoull(tokenHex, nullptr, 16);
 
   // 2. Where everybody runs, and which transport setting they use.
   const std::string host = settings.hostId.empty() ? hostIdentity() : settings.hostId;
   const std::string mySetting = settings.transport + "|" + std::to_string(settings.shmRingBytes);
-  store.set("clawcomm/host/" + std::to_string(rank), bytesOf(host + "|" + mySetting));
+  publish("host/" + std::to_string(rank), bytesOf(host + "|" + mySetting));
   std::vector<RankInfo> ranks(static_cast<size_t>(size));
   for (int p = 0; p < size; ++p) {
     const std::string theirs =
-        stringOf(store.get("clawcomm/host/" + std::to_string(p)));  // "host|transport|ring bytes"
+        stringOf(waitFor("host/" + std::to_string(p), p, "joined"));  // "host|transport|ring bytes"
     const size_t bar = theirs.find('|');
     if (theirs.substr(bar + 1) != mySetting) {
       throw InvalidArgument(CLAWCOMM_CONCAT(
@@ -102,18 +141,20 @@ Connections rendezvous(Store& store, int rank, int size, const Settings& setting
   //    (an empty one for a transport it does not use).
   const EndpointSetup setup{tokenHex, token, rank, size, &settings};
   std::vector<std::unique_ptr<Endpoint>> endpoints(registry.size());
+  // If anything below throws, the endpoints' destructors clean up (shm
+  // names, this rank's and any peer's, and listening sockets).
   for (size_t i = 0; i < registry.size(); ++i) {
     if (used[i]) endpoints[i] = registry[i].makeEndpoint(setup);
-    store.set(CLAWCOMM_CONCAT("clawcomm/addr/", registry[i].name, "/", rank),
-              bytesOf(endpoints[i] ? endpoints[i]->address() : ""));
+    publish(CLAWCOMM_CONCAT("addr/", registry[i].name, "/", rank),
+            bytesOf(endpoints[i] ? endpoints[i]->address() : ""));
   }
 
   // 5. Connect every pair, each through its transport's endpoint.
   for (int p = 0; p < size; ++p) {
     if (p == rank) continue;
     const size_t i = size_t(chosen[p] - registry.data());
-    const std::string addr =
-        stringOf(store.get(CLAWCOMM_CONCAT("clawcomm/addr/", registry[i].name, "/", p)));
+    const std::string addr = stringOf(
+        waitFor(CLAWCOMM_CONCAT("addr/", registry[i].name, "/", p), p, "published its address"));
     conns[p] = endpoints[i]->connect(p, addr, deadline);
     if (settings.debug) {
       std::cerr << "clawcomm: rank " << rank << " -> rank " << p << " over " << registry[i].name
@@ -122,15 +163,54 @@ Connections rendezvous(Store& store, int rank, int size, const Settings& setting
   }
 
   // 6. Once everybody has mapped and connected, nothing needs the names any
-  //    more: unlink the segment so a crash cannot leak it.
-  store.set("clawcomm/connected/" + std::to_string(rank), bytesOf("1"));
+  //    more: unlink the segments so a crash cannot leak them.
+  publish("connected/" + std::to_string(rank), bytesOf("1"));
   for (int p = 0; p < size; ++p) {
-    if (p != rank) store.get("clawcomm/connected/" + std::to_string(p));
+    if (p != rank) waitFor("connected/" + std::to_string(p), p, "finished connecting");
   }
   for (auto& e : endpoints) {
     if (e) e->finishSetup();
   }
   return out;
+}
+
+}  // namespace
+
+Connections rendezvous(Store& store, int rank, int size, const Settings& settings,
+                       Clock::time_point deadline) {
+  if (size == 1) {
+    Connections out;
+    out.toRank.resize(1);
+    return out;
+  }
+  // 0. The generation: a store that already served a group of this size
+  //    (a reused FileStore, say) holds that group's keys. Every rank counts
+  //    its arrival, and a group's keys live under the number of groups
+  //    that arrived before it, so nobody reads a predecessor's token.
+  const int64_t arrival = store.add("clawcomm/arrivals", 1);
+  const std::string ns = CLAWCOMM_CONCAT("clawcomm/", (arrival - 1) / size, "/");
+  Published done;
+  try {
+    return connectAll(store, ns, rank, size, settings, deadline, done);
+  } catch (const std::exception& e) {
+    // Post the failure in place of every key this rank had yet to set.
+    std::vector<std::string> keys = {"host/" + std::to_string(rank),
+                                     "connected/" + std::to_string(rank)};
+    if (rank == 0) keys.push_back("token");
+    for (const auto& t : transportRegistry()) {
+      keys.push_back(CLAWCOMM_CONCAT("addr/", t.name, "/", rank));
+    }
+    const std::string why = kFailed + e.what();
+    for (const auto& key : keys) {
+      if (std::find(done.keys.begin(), done.keys.end(), key) != done.keys.end()) continue;
+      try {
+        store.set(ns + key, bytesOf(why));
+      } catch (...) {  // the store is gone too: the others time out instead
+        break;
+      }
+    }
+    throw;
+  }
 }
 
 }  // namespace clawcomm

@@ -2,12 +2,14 @@
 //
 // The torch adapter wraps the c10d::Store that torch.distributed hands to the
 // backend (already prefixed per group); other front ends can wrap anything
-// with set and a blocking get.
+// with set, a get that waits until a deadline, and an atomic add.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
+
+#include "common/clock.h"
 
 namespace clawcomm {
 
@@ -15,8 +17,11 @@ class Store {
  public:
   virtual ~Store() = default;
   virtual void set(const std::string& key, const std::vector<uint8_t>& value) = 0;
-  // Blocks until `key` exists (up to the store's own timeout), then returns it.
-  virtual std::vector<uint8_t> get(const std::string& key) = 0;
+  // Blocks until `key` exists, then returns it; throws TimeoutError (which
+  // names the key) if it does not exist by `deadline`.
+  virtual std::vector<uint8_t> get(const std::string& key, Clock::time_point deadline) = 0;
+  // Adds `delta` to the integer at `key` (0 when absent) and returns the sum.
+  virtual int64_t add(const std::string& key, int64_t delta) = 0;
 };
 
 }  // namespace clawcomm

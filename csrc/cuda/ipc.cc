@@ -36,8 +36,10 @@ bool aligned16(const void* p) {
 
 class Group final : public IpcGroup {
  public:
-  Group(Store& store, int rank, int size, size_t bytes, int64_t timeoutNs)
-      : capacity_((bytes + 255) & ~size_t(255)) {
+  Group(Store& store, const std::string& prefix, int rank, int size, size_t bytes,
+        int64_t timeoutNs)
+      : prefix_(prefix), capacity_((bytes + 255) & ~size_t(255)) {
+    const Clock::time_point deadline = Clock::now() + std::chrono::nanoseconds(timeoutNs);
     CLAWCOMM_ARG_CHECK(size >= 1 && size <= kIpcMaxRanks, "clawcomm: CUDA IPC groups hold up to ",
                        kIpcMaxRanks, " ranks, not ", size);
     peers_ = {};
@@ -59,7 +61,7 @@ class Group final : public IpcGroup {
     std::string problem;
     for (int p = 0; p < size; ++p) {
       if (p == rank) continue;
-      const std::vector<uint8_t> h = store.get(key("handle", p));
+      const std::vector<uint8_t> h = store.get(key("handle", p), deadline);
       CLAWCOMM_CHECK_EQ(h.size(), sizeof(cudaIpcMemHandle_t));
       cudaIpcMemHandle_t theirs;
       std::memcpy(&theirs, h.data(), sizeof(theirs));
@@ -83,7 +85,7 @@ class Group final : public IpcGroup {
     CLAWCOMM_CUDA_CHECK(cudaDeviceSynchronize());
     store.set(key("wrote", rank), text("1"));
     for (int p = 0; p < size; ++p) {
-      if (p != rank) store.get(key("wrote", p));
+      if (p != rank) store.get(key("wrote", p), deadline);
     }
 
     // 3. Read our mailbox: every peer's value must have arrived.
@@ -97,8 +99,8 @@ class Group final : public IpcGroup {
     }
     store.set(key("verdict", rank), text(problem.empty() ? "ok" : problem));
     for (int p = 0; p < size; ++p) {
-      const std::vector<uint8_t> v =
-          p == rank ? text(problem.empty() ? "ok" : problem) : store.get(key("verdict", p));
+      const std::vector<uint8_t> v = p == rank ? text(problem.empty() ? "ok" : problem)
+                                               : store.get(key("verdict", p), deadline);
       const std::string s(v.begin(), v.end());
       if (s != "ok") why_ += s;
     }
@@ -185,8 +187,8 @@ class Group final : public IpcGroup {
   }
 
  private:
-  static std::string key(const char* what, int rank) {
-    return CLAWCOMM_CONCAT("clawcomm/ipc/", what, "/", rank);
+  std::string key(const char* what, int rank) const {
+    return CLAWCOMM_CONCAT(prefix_, what, "/", rank);
   }
   static size_t roundUp(size_t b) { return (b + 15) & ~size_t(15); }
 
@@ -209,6 +211,7 @@ class Group final : public IpcGroup {
     }
   }
 
+  std::string prefix_;
   size_t capacity_;
   int device_ = 0;
   char* base_ = nullptr;
@@ -219,9 +222,9 @@ class Group final : public IpcGroup {
 
 }  // namespace
 
-std::unique_ptr<IpcGroup> IpcGroup::create(Store& store, int rank, int size, size_t bytes,
-                                           int64_t timeoutNs) {
-  return std::make_unique<Group>(store, rank, size, bytes, timeoutNs);
+std::unique_ptr<IpcGroup> IpcGroup::create(Store& store, const std::string& prefix, int rank,
+                                           int size, size_t bytes, int64_t timeoutNs) {
+  return std::make_unique<Group>(store, prefix, rank, size, bytes, timeoutNs);
 }
 
 bool built() {

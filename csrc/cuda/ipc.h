@@ -38,9 +38,11 @@ class IpcGroup {
  public:
   // Collective over the group: every rank calls it with the same `bytes`
   // (the largest message one kernel moves; larger ones go in pieces) on its
-  // current device. Throws InvalidArgument for more than kIpcMaxRanks ranks.
-  static std::unique_ptr<IpcGroup> create(Store& store, int rank, int size, size_t bytes,
-                                          int64_t timeoutNs);
+  // current device, and the same store `prefix` (unique to the group and
+  // device). Store waits give up after `timeoutNs`, as the kernels' spins
+  // do. Throws InvalidArgument for more than kIpcMaxRanks ranks.
+  static std::unique_ptr<IpcGroup> create(Store& store, const std::string& prefix, int rank,
+                                          int size, size_t bytes, int64_t timeoutNs);
   virtual ~IpcGroup() = default;
 
   // Whether every pair passed the probe; whyNot() says what failed where.

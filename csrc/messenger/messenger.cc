@@ -187,6 +187,12 @@ TransferPtr Messenger::recvPointToPoint(int peer, uint64_t tag, void* dst, size_
   return t;
 }
 
+void Messenger::growStash(Transfer& t, size_t need) {
+  if (t.stash.size() >= need) return;
+  t.stash.resize(std::min(t.bytes, std::max(need, 2 * t.stash.size())));
+  t.sink.dst = t.stash.data();
+}
+
 void Messenger::deliver(Transfer& stash, Transfer& recv) {
   recv.sink.take(0, stash.stash.data(), stash.bytes);
   recv.done = stash.bytes;
@@ -296,6 +302,7 @@ bool Messenger::progressRecv(int peer, PeerState& ps) {
         const size_t unit = t.sink.granule();
         n -= n % unit;
         if (n == 0) return moved;  // the rest of an element is still in flight
+        if (t.unexpected) growStash(t, ps.frameDone + n);
         t.sink.take(ps.frameDone, r.data, n);
         t.done += n;
       } else {
@@ -337,6 +344,10 @@ TransferPtr Messenger::match(int peer, PeerState& ps, const FrameHeader& h) {
     return t;
   }
   if (h.kind == FrameKind::kAbort) {
+    if (h.payloadBytes != kAbortReasonBytes) {
+      throw PeerError(CLAWCOMM_CONCAT("rank ", peer, " sent a malformed abort frame (",
+                                      h.payloadBytes, " bytes, not ", kAbortReasonBytes, ")"));
+    }
     auto reason = std::make_shared<Transfer>();
     reason->abortReason = true;
     reason->peer = peer;
@@ -345,7 +356,10 @@ TransferPtr Messenger::match(int peer, PeerState& ps, const FrameHeader& h) {
     reason->sink = ReceiveSink::copy(reason->stash.data());
     return reason;
   }
-  CLAWCOMM_CHECK(h.kind == FrameKind::kPointToPoint, "frame kind ", int(h.kind));
+  if (h.kind != FrameKind::kPointToPoint) {
+    throw PeerError(CLAWCOMM_CONCAT("rank ", peer, " sent a frame of unknown kind ", int(h.kind),
+                                    " (a corrupt stream, or not a clawcomm peer)"));
+  }
   auto take = [&](std::list<TransferPtr>& posted) -> TransferPtr {
     for (auto it = posted.begin(); it != posted.end(); ++it) {
       if ((*it)->tag != h.seq) continue;
@@ -369,8 +383,9 @@ TransferPtr Messenger::match(int peer, PeerState& ps, const FrameHeader& h) {
   stash->tag = h.seq;
   stash->bytes = h.payloadBytes;
   stash->unexpected = true;
-  stash->stash.resize(h.payloadBytes);
-  stash->sink = ReceiveSink::copy(stash->stash.data());
+  // Stored as it arrives (growStash), never sized from the header alone:
+  // a header can claim any length.
+  stash->sink = ReceiveSink::copy(nullptr);
   ps.unexpected.push_back(stash);
   return stash;
 }
@@ -378,8 +393,13 @@ TransferPtr Messenger::match(int peer, PeerState& ps, const FrameHeader& h) {
 void Messenger::finishReceive(int peer, PeerState& ps, const TransferPtr& t) {
   t->complete = true;
   if (t->abortReason) {
-    const std::string reason(t->stash.begin(), t->stash.end());
-    throw PeerError(CLAWCOMM_CONCAT("rank ", peer, " aborted: ", reason.c_str()));
+    // The peer's text, up to its first NUL, in printable ASCII only: it
+    // ends up in an exception message that Python decodes as UTF-8.
+    std::string reason(t->stash.begin(), std::find(t->stash.begin(), t->stash.end(), 0));
+    for (char& ch : reason) {
+      if (ch < 0x20 || ch > 0x7e) ch = '?';
+    }
+    throw PeerError(CLAWCOMM_CONCAT("rank ", peer, " aborted: ", reason));
   }
   if (t->unexpected && t->claimedBy) {
     // An unexpected frame that a receive claimed while it was arriving.

@@ -147,6 +147,9 @@ class Messenger {
   bool progressSend(PeerState& ps);
   bool progressRecv(int peer, PeerState& ps);
   TransferPtr match(int peer, PeerState& ps, const FrameHeader& h);
+  // Grows an unexpected frame's stash to hold `need` payload bytes (up to
+  // what its header claims), doubling, so memory follows what arrives.
+  static void growStash(Transfer& t, size_t need);
   void finishReceive(int peer, PeerState& ps, const TransferPtr& t);
   static void deliver(Transfer& stash, Transfer& recv);
   void checkPeers(const std::vector<TransferPtr>& waitingOn);

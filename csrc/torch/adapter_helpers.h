@@ -13,6 +13,7 @@
 #include <functional>
 #include <memory>
 #include <numeric>
+#include <thread>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
@@ -31,7 +32,24 @@ class StoreAdapter : public Store {
   void set(const std::string& key, const std::vector<uint8_t>& value) override {
     store_->set(key, value);
   }
-  std::vector<uint8_t> get(const std::string& key) override { return store_->get(key); }
+  // Polls check() rather than calling wait(): FileStore's wait overshoots
+  // its timeout by about a second (torch 2.13), far past a group's deadline.
+  std::vector<uint8_t> get(const std::string& key, Clock::time_point deadline) override {
+    const auto start = Clock::now();
+    auto nap = std::chrono::microseconds(500);
+    while (!store_->check({key})) {
+      if (Clock::now() >= deadline) {
+        throw TimeoutError(CLAWCOMM_CONCAT(
+            "store key ", key, " did not appear within ",
+            std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count(),
+            " ms"));
+      }
+      std::this_thread::sleep_for(nap);
+      nap = std::min(nap * 2, std::chrono::microseconds(20000));
+    }
+    return store_->get(key);
+  }
+  int64_t add(const std::string& key, int64_t delta) override { return store_->add(key, delta); }
 
  private:
   c10::intrusive_ptr<c10d::Store> store_;

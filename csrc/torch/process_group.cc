@@ -535,9 +535,10 @@ class ClawcommBackend : public c10d::Backend {
       c10::DeviceGuard onDevice(t.device());
       std::unique_ptr<cuda::IpcGroup> group;
       try {
-        group =
-            cuda::IpcGroup::create(*store_, getRank(), getSize(), comm_->settings().cudaIpcBytes,
-                                   int64_t(comm_->timeout().count()) * 1000000);
+        group = cuda::IpcGroup::create(
+            *store_, CLAWCOMM_CONCAT(comm_->storeNamespace(), "ipc/", int(t.device().index()), "/"),
+            getRank(), getSize(), comm_->settings().cudaIpcBytes,
+            int64_t(comm_->timeout().count()) * 1000000);
       } catch (...) {
         rethrowForTorch(std::current_exception());
       }

@@ -18,10 +18,11 @@
 #include <memory>
 #include <string>
 
+#include "common/clock.h"
+
 namespace clawcomm {
 
 struct Doorbell;
-using Clock = std::chrono::steady_clock;
 
 struct Readable {
   const uint8_t* data = nullptr;
@@ -81,6 +82,7 @@ class Endpoint {
 
   // Called once every peer has connected: drop what is no longer needed to
   // accept peers (the segment name, the listening socket).
+  // Also run when the endpoint is destroyed, after a failed setup.
   virtual void finishSetup() = 0;
 };
 

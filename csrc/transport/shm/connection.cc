@@ -196,10 +196,15 @@ std::shared_ptr<ShmMapping> mapSegment(int fd, size_t bytes, const std::string& 
   return std::make_shared<ShmMapping>(base, bytes);
 }
 
+std::string segmentName(const std::string& jobToken, int rank) {
+  return "/clawcomm-" + jobToken + "-" + std::to_string(rank);
+}
+
 }  // namespace
 
 ShmEndpoint::ShmEndpoint(const std::string& jobToken, int rank, int size, size_t ringBytes)
-    : name_("/clawcomm-" + jobToken + "-" + std::to_string(rank)),
+    : jobToken_(jobToken),
+      name_(segmentName(jobToken, rank)),
       rank_(rank),
       size_(size),
       ringBytes_(ringBytes) {
@@ -275,10 +280,9 @@ std::unique_ptr<Connection> ShmEndpoint::connect(int peer, const std::string& pe
 }
 
 void ShmEndpoint::finishSetup() {
-  if (!unlinked_) {
-    shm_unlink(name_.c_str());
-    unlinked_ = true;
-  }
+  if (unlinked_) return;
+  unlinked_ = true;
+  for (int p = 0; p < size_; ++p) shm_unlink(segmentName(jobToken_, p).c_str());  // ENOENT: fine
 }
 
 }  // namespace clawcomm

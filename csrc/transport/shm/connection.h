@@ -25,9 +25,13 @@ class ShmEndpoint : public Endpoint {
   std::string address() const override { return name_; }
   std::unique_ptr<Connection> connect(int peer, const std::string& peerAddress,
                                       Clock::time_point deadline) override;
+  // Unlinks every rank's segment name of this job, not only this rank's: a
+  // peer killed during setup, or just after it, cannot unlink its own. Also
+  // run when the endpoint is destroyed by a failed setup.
   void finishSetup() override;
 
  private:
+  std::string jobToken_;
   std::string name_;
   int rank_;
   int size_;

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <thread>
 #include <vector>
@@ -21,12 +22,20 @@ namespace {
 
 constexpr uint32_t kHelloMagic = 0x636c7463;  // "cltc"
 constexpr size_t kStagingBytes = size_t(1) << 20;
+// Setup: an accepted socket must deliver its whole hello within kHelloTime
+// (a peer sends it right after connecting, and retries if dropped); at most
+// kMaxPending sockets wait for theirs; the first kRefusalsLogged refusals
+// are logged one by one, the rest counted.
+constexpr std::chrono::milliseconds kHelloTime(2000);
+constexpr size_t kMaxPending = 256;
+constexpr size_t kRefusalsLogged = 5;
 
 struct Hello {
   uint32_t magic;
   int32_t rank;
   uint64_t token;
 };
+static_assert(sizeof(Hello) == 16, "TcpEndpoint::Pending holds 16 hello bytes");
 
 std::string sysError(const char* what) {
   return CLAWCOMM_CONCAT(what, ": ", std::strerror(errno));
@@ -168,15 +177,21 @@ std::string TcpEndpoint::defaultHostAddress() {
 
 TcpEndpoint::TcpEndpoint(uint64_t jobToken, int rank, int size, const std::string& hostAddr)
     : token_(jobToken), rank_(rank), size_(size) {
-  listenFd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (listenFd_ < 0) throw Error(sysError("clawcomm tcp: socket"));
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_ANY);
   addr.sin_port = 0;
+  if (inet_pton(AF_INET, hostAddr.c_str(), &addr.sin_addr) != 1) {
+    throw InvalidArgument(CLAWCOMM_CONCAT("clawcomm tcp: ", hostAddr,
+                                          " is not an IPv4 address (CLAWCOMM_SOCKET_ADDR)"));
+  }
+  listenFd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (listenFd_ < 0) throw Error(sysError("clawcomm tcp: socket"));
   if (bind(listenFd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      listen(listenFd_, size + 8) != 0) {
-    throw Error(sysError("clawcomm tcp: bind/listen"));
+      listen(listenFd_, size + 64) != 0) {
+    const std::string why = sysError("bind/listen");
+    ::close(listenFd_);
+    throw Error(CLAWCOMM_CONCAT("clawcomm tcp: rank ", rank, " cannot listen on ", hostAddr, ": ",
+                                why, " (is it this host's address? see CLAWCOMM_SOCKET_ADDR)"));
   }
   socklen_t len = sizeof(addr);
   getsockname(listenFd_, reinterpret_cast<sockaddr*>(&addr), &len);
@@ -189,79 +204,171 @@ TcpEndpoint::~TcpEndpoint() {
 }
 
 void TcpEndpoint::finishSetup() {
-  if (listenFd_ >= 0) {
-    ::close(listenFd_);
-    listenFd_ = -1;
+  if (listenFd_ < 0) return;  // done already
+  ::close(listenFd_);
+  listenFd_ = -1;
+  for (const Pending& p : pending_) ::close(p.fd);
+  pending_.clear();
+  if (refused_ > kRefusalsLogged) {
+    std::fprintf(stderr, "clawcomm tcp: rank %d refused %zu connections during setup\n", rank_,
+                 refused_);
   }
 }
 
+void TcpEndpoint::refuse(int fd, const std::string& from, const std::string& why) {
+  ::close(fd);
+  if (++refused_ <= kRefusalsLogged) {
+    std::fprintf(stderr, "clawcomm tcp: rank %d refused a connection from %s: %s%s\n", rank_,
+                 from.c_str(), why.c_str(),
+                 refused_ == kRefusalsLogged ? " (further refusals are only counted)" : "");
+  }
+}
+
+void TcpEndpoint::acceptNew(Clock::time_point now) {
+  for (int i = 0; i < 64; ++i) {  // a bounded batch, so hellos are read in between
+    sockaddr_in from{};
+    socklen_t len = sizeof(from);
+    const int fd =
+        accept4(listenFd_, reinterpret_cast<sockaddr*>(&from), &len, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (fd < 0) return;  // EAGAIN: nobody else waiting (or a transient error)
+    char ip[INET_ADDRSTRLEN] = "?";
+    inet_ntop(AF_INET, &from.sin_addr, ip, sizeof(ip));
+    std::string who = CLAWCOMM_CONCAT(ip, ":", ntohs(from.sin_port));
+    if (pending_.size() >= kMaxPending) {  // a flood: the oldest goes
+      refuse(pending_.front().fd, pending_.front().from, "too many connections without a hello");
+      pending_.erase(pending_.begin());
+    }
+    pending_.push_back(Pending{fd, std::move(who), now + kHelloTime});
+  }
+}
+
+bool TcpEndpoint::readHello(Pending& p) {
+  while (p.got < sizeof(Hello)) {
+    const ssize_t r = ::recv(p.fd, p.hello + p.got, sizeof(Hello) - p.got, MSG_DONTWAIT);
+    if (r > 0) {
+      p.got += size_t(r);
+      continue;
+    }
+    if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return false;
+    refuse(p.fd, p.from, "closed before its hello");
+    return true;
+  }
+  Hello hello;
+  std::memcpy(&hello, p.hello, sizeof(hello));
+  std::string why;
+  if (hello.magic != kHelloMagic) {
+    why = "not a clawcomm hello";
+  } else if (hello.token != token_) {
+    why = "wrong job token";
+  } else if (hello.rank <= rank_ || hello.rank >= size_) {
+    why = CLAWCOMM_CONCAT("rank ", hello.rank, " does not connect to rank ", rank_);
+  } else if (acceptedEarly_.count(hello.rank)) {
+    why = CLAWCOMM_CONCAT("rank ", hello.rank, " is already connected");
+  }
+  const uint8_t ack = 'K';
+  if (why.empty() && ::send(p.fd, &ack, 1, MSG_NOSIGNAL | MSG_DONTWAIT) != 1) {
+    why = "could not be acknowledged";
+  }
+  if (!why.empty()) {
+    refuse(p.fd, p.from, why);
+    return true;
+  }
+  acceptedEarly_[hello.rank] = p.fd;
+  return true;
+}
+
+// Accepted sockets and their hellos are handled together in one poll loop,
+// so a client that connects and then sends nothing (or too little, or
+// garbage) never holds up a peer's hello: it is dropped after kHelloTime.
 int TcpEndpoint::acceptFrom(int peer, Clock::time_point deadline) {
+  std::vector<pollfd> fds;
   while (true) {
     auto early = acceptedEarly_.find(peer);
     if (early != acceptedEarly_.end()) {
-      int fd = early->second;
+      const int fd = early->second;
       acceptedEarly_.erase(early);
       return fd;
     }
-    pollfd pfd{listenFd_, POLLIN, 0};
-    if (poll(&pfd, 1, remainingMs(deadline)) <= 0) {
-      if (Clock::now() >= deadline) {
-        throw TimeoutError(CLAWCOMM_CONCAT("clawcomm tcp: rank ", rank_,
-                                           " timed out waiting for rank ", peer, " to connect"));
+    Clock::time_point now = Clock::now();
+    if (now >= deadline) {
+      throw TimeoutError(CLAWCOMM_CONCAT("clawcomm tcp: rank ", rank_,
+                                         " timed out waiting for rank ", peer, " to connect"));
+    }
+    Clock::time_point wake = deadline;
+    fds.assign(1, pollfd{listenFd_, POLLIN, 0});
+    for (const Pending& p : pending_) {
+      fds.push_back(pollfd{p.fd, POLLIN, 0});
+      wake = std::min(wake, p.helloBy);
+    }
+    poll(fds.data(), fds.size(), remainingMs(wake));
+    now = Clock::now();
+    // Settle the pending sockets (hello complete, refused or expired).
+    std::vector<Pending> waiting;
+    for (size_t i = 0; i < pending_.size(); ++i) {
+      Pending& p = pending_[i];
+      const bool ready = fds[i + 1].revents != 0;
+      if (ready && readHello(p)) continue;
+      if (now >= p.helloBy) {
+        refuse(p.fd, p.from, CLAWCOMM_CONCAT("no hello within ", kHelloTime.count(), " ms"));
+        continue;
       }
-      continue;
+      waiting.push_back(p);
     }
-    int fd = accept4(listenFd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (fd < 0) continue;
-    Hello hello{};
-    if (!ioExact(fd, &hello, sizeof(hello), true, Clock::now() + std::chrono::seconds(10)) ||
-        hello.magic != kHelloMagic || hello.token != token_ || hello.rank <= rank_ ||
-        hello.rank >= size_ || acceptedEarly_.count(hello.rank)) {
-      // Not one of ours (wrong token, stray client, or a duplicate): drop it.
-      ::close(fd);
-      continue;
-    }
-    const uint8_t ack = 'K';
-    if (!ioExact(fd, const_cast<uint8_t*>(&ack), 1, false, deadline)) {
-      ::close(fd);
-      continue;
-    }
-    acceptedEarly_[hello.rank] = fd;
+    pending_ = std::move(waiting);
+    if (fds[0].revents & POLLIN) acceptNew(now);
   }
 }
 
 std::unique_ptr<Connection> TcpEndpoint::connect(int peer, const std::string& peerAddress,
                                                  Clock::time_point deadline) {
-  if (peer < rank_) {
-    const size_t colon = peerAddress.rfind(':');
-    CLAWCOMM_CHECK(colon != std::string::npos, "bad tcp address ", peerAddress);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_port = htons(uint16_t(std::stoi(peerAddress.substr(colon + 1))));
-    if (inet_pton(AF_INET, peerAddress.substr(0, colon).c_str(), &addr.sin_addr) != 1) {
-      throw Error(
-          CLAWCOMM_CONCAT("clawcomm tcp: rank ", peer, " published a bad address ", peerAddress));
-    }
-    while (true) {
-      int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-      if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
-        Hello hello{kHelloMagic, rank_, token_};
-        uint8_t ack = 0;
-        if (ioExact(fd, &hello, sizeof(hello), false, deadline) &&
-            ioExact(fd, &ack, 1, true, deadline) && ack == 'K') {
-          return std::make_unique<TcpConnection>(fd, peer);
-        }
-      }
-      const int err = errno;
-      ::close(fd);
-      if (Clock::now() >= deadline) {
-        throw TimeoutError(CLAWCOMM_CONCAT("clawcomm tcp: rank ", rank_, " cannot connect to rank ",
-                                           peer, " at ", peerAddress, ": ", std::strerror(err)));
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
+  if (peer > rank_) return std::make_unique<TcpConnection>(acceptFrom(peer, deadline), peer);
+  const size_t colon = peerAddress.rfind(':');
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  if (colon == std::string::npos ||
+      inet_pton(AF_INET, peerAddress.substr(0, colon).c_str(), &addr.sin_addr) != 1) {
+    throw Error(
+        CLAWCOMM_CONCAT("clawcomm tcp: rank ", peer, " published a bad address ", peerAddress));
   }
-  return std::make_unique<TcpConnection>(acceptFrom(peer, deadline), peer);
+  addr.sin_port = htons(uint16_t(std::atoi(peerAddress.c_str() + colon + 1)));
+  std::string lastProblem = "no attempt finished";
+  while (true) {
+    // Non-blocking connect, the hello and the ack, all under the deadline;
+    // any failure is retried (the peer may not listen yet, or may have
+    // dropped us behind a flood of strays) until the deadline passes.
+    const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd < 0) throw Error(sysError("clawcomm tcp: socket"));
+    bool connected = ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+    if (!connected && errno == EINPROGRESS) {
+      pollfd pfd{fd, POLLOUT, 0};
+      if (poll(&pfd, 1, remainingMs(deadline)) > 0) {
+        int err = 0;
+        socklen_t len = sizeof(err);
+        getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+        connected = err == 0;
+        if (!connected) lastProblem = std::strerror(err);
+      } else {
+        lastProblem = "the connection did not complete";
+      }
+    } else if (!connected) {
+      lastProblem = std::strerror(errno);
+    }
+    if (connected) {
+      Hello hello{kHelloMagic, rank_, token_};
+      uint8_t ack = 0;
+      if (ioExact(fd, &hello, sizeof(hello), false, deadline) &&
+          ioExact(fd, &ack, 1, true, deadline) && ack == 'K') {
+        return std::make_unique<TcpConnection>(fd, peer);
+      }
+      lastProblem = "rank " + std::to_string(peer) + " did not acknowledge the hello";
+    }
+    ::close(fd);
+    if (Clock::now() >= deadline) {
+      throw TimeoutError(CLAWCOMM_CONCAT("clawcomm tcp: rank ", rank_, " cannot connect to rank ",
+                                         peer, " at ", peerAddress, ": ", lastProblem));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
 }
 
 }  // namespace clawcomm

@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "transport/transport.h"
 
@@ -18,8 +19,8 @@ namespace clawcomm {
 
 class TcpEndpoint : public Endpoint {
  public:
-  // `hostAddr` is the IPv4 address published to peers; the socket listens on
-  // every interface.
+  // `hostAddr` is the IPv4 address published to peers, and the only one the
+  // socket listens on.
   TcpEndpoint(uint64_t jobToken, int rank, int size, const std::string& hostAddr);
   ~TcpEndpoint() override;
 
@@ -33,7 +34,21 @@ class TcpEndpoint : public Endpoint {
   static std::string defaultHostAddress();
 
  private:
+  // An accepted socket whose hello has not all arrived yet.
+  struct Pending {
+    int fd;
+    std::string from;           // "address:port", for the log
+    Clock::time_point helloBy;  // dropped if the hello is not complete by then
+    uint8_t hello[16];
+    size_t got = 0;
+  };
+
   int acceptFrom(int peer, Clock::time_point deadline);
+  void acceptNew(Clock::time_point now);
+  // Reads what pending[i]'s socket has; true when it is settled (accepted
+  // into acceptedEarly_, or refused).
+  bool readHello(Pending& p);
+  void refuse(int fd, const std::string& from, const std::string& why);
 
   uint64_t token_;
   int rank_;
@@ -41,6 +56,8 @@ class TcpEndpoint : public Endpoint {
   int listenFd_ = -1;
   std::string address_;
   std::map<int, int> acceptedEarly_;  // peer rank -> socket accepted before it was asked for
+  std::vector<Pending> pending_;
+  size_t refused_ = 0;  // connections refused during setup (logged)
 };
 
 }  // namespace clawcomm

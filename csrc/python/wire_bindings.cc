@@ -1,0 +1,72 @@
+// A test hook for the wire format: the messenger's frame parser fed bytes
+// as a peer would send them, with no peer behind them (tests/test_wire.py
+// and bench/fuzz_frames.py throw malformed and hostile streams at it).
+#include <pybind11/pybind11.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/errors.h"
+#include "messenger/messenger.h"
+#include "python/engine_bindings.h"
+
+namespace clawcomm {
+namespace {
+
+// Rank 1's side of the stream, as received by rank 0: `data`, then its end.
+class BytesConnection final : public Connection {
+ public:
+  explicit BytesConnection(std::string data) : data_(std::move(data)) {}
+  size_t write(const void*, size_t n) override { return n; }
+  Readable peek() override {
+    return Readable{reinterpret_cast<const uint8_t*>(data_.data()) + pos_, data_.size() - pos_};
+  }
+  void consume(size_t n) override { pos_ += n; }
+  void checkPeer(bool waitingOnIt) override {
+    if (waitingOnIt && pos_ == data_.size()) throw PeerError("rank 1's stream ended");
+  }
+  void abort(const std::string&) override {}
+  void close() override {}
+  const char* kind() const override { return "bytes"; }
+
+ private:
+  std::string data_;
+  size_t pos_ = 0;
+};
+
+// Parses `data` as rank 1's frames to rank 0, then, if recvBytes >= 0,
+// receives one point-to-point message of that size with tag 0 from rank 1.
+// Returns the error the messenger raised, or "" if it raised none.
+std::string feedFrames(std::string data, int64_t recvBytes) {
+  std::vector<std::unique_ptr<Connection>> conns(2);
+  conns[1] = std::make_unique<BytesConnection>(std::move(data));
+  try {
+    Messenger m(0, 2, std::move(conns), 0, 0);
+    while (m.progress()) {
+    }
+    if (recvBytes >= 0) {
+      std::vector<uint8_t> buffer(static_cast<size_t>(recvBytes));
+      auto t = m.recvPointToPoint(1, 0, buffer.data(), buffer.size());
+      while (m.progress()) {
+      }
+      if (!t->complete) m.waitAll(std::vector<TransferPtr>{t}, Clock::now());  // raises: incomplete
+    }
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+void bindWireTesting(pybind11::module_& m) {
+  m.def("_feed_frames", &feedFrames, pybind11::arg("data"), pybind11::arg("recv_bytes") = -1,
+        pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "Test hook: parses `data` as the frames rank 1 sends rank 0, then receives a "
+        "point-to-point message of recv_bytes (tag 0) if recv_bytes >= 0. Returns the error "
+        "raised, or ''.");
+}
+
+}  // namespace clawcomm

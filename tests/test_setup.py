@@ -1,0 +1,230 @@
+"""Setting up a group is bounded and survives what it meets on the way: a
+rank killed during init_process_group, stray clients at a rank's listening
+socket, a store that served an earlier group, an address that is not this
+host's. Every survivor gets an error naming the missing rank within the
+group's timeout (+1 s), and /dev/shm keeps no segment of a failed setup."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import socket
+import struct
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from clawcomm.testing import RankFailure, run_ranks
+
+TRANSPORTS = [{"CLAWCOMM_TRANSPORT": "shm"}, {"CLAWCOMM_TRANSPORT": "tcp"}]
+TIMEOUT = 3.0  # the group's timeout in these tests (s)
+
+
+def _segments():
+    return {f for f in os.listdir("/dev/shm") if f.startswith("clawcomm-")}
+
+
+def _init(rank, ws, store_path):
+    import clawcomm  # noqa: F401
+
+    dist.init_process_group(
+        "clawcomm",
+        store=dist.FileStore(store_path, ws),
+        rank=rank,
+        world_size=ws,
+        timeout=datetime.timedelta(seconds=TIMEOUT),
+    )
+
+
+# --- a rank killed during setup ---------------------------------------------
+
+
+def _killed_during_setup(rank, ws, store_path, kill_after):
+    victim = ws - 1
+    if rank == victim:
+        if kill_after is None:  # never calls init_process_group
+            os.kill(os.getpid(), signal.SIGKILL)
+        threading.Timer(kill_after, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    start = time.monotonic()
+    try:
+        _init(rank, ws, store_path)
+        for _ in range(100):  # setup finished before the kill: the next ops must fail
+            dist.all_reduce(torch.ones(1000))
+            time.sleep(0.01)
+        return "no error", time.monotonic() - start
+    except Exception as e:  # noqa: BLE001
+        return str(e), time.monotonic() - start
+
+
+@pytest.mark.parametrize("env", TRANSPORTS, ids=["shm", "tcp"])
+@pytest.mark.parametrize(
+    "kill_after", [None, 0.0, 0.004, 0.02], ids=["never", "0ms", "4ms", "20ms"]
+)
+def test_a_rank_killed_during_setup_fails_every_survivor_in_time(env, kill_after, tmp_path):
+    before = _segments()
+    results = run_ranks(
+        _killed_during_setup, 3, str(tmp_path / "store"), kill_after,
+        env=env, init=False, timeout=60, allow_failures=True,
+    )  # fmt: skip
+    assert isinstance(results[2], RankFailure)
+    for rank in (0, 1):
+        error, elapsed = results[rank]
+        assert "rank 2" in error, error
+        assert elapsed < TIMEOUT + 1.0, (elapsed, error)
+    assert _segments() <= before, "a failed setup left shared memory behind"
+
+
+# --- stray clients at the listening socket ----------------------------------
+
+
+def _listening_ports():
+    """This process's TCP ports in LISTEN state (from /proc, no psutil)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = set()
+    with open("/proc/self/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                ports.add(int(fields[1].split(":")[1], 16))
+    return ports
+
+
+def _strays(ports_seen, clients, stop):
+    """Connects hostile clients to every new listening port of this process:
+    one idle, one sending garbage, one a hello with a wrong token, one a
+    hello cut short."""
+    hello = struct.pack("<IiQ", 0x636C7463, 1, 0xBAD)
+    while not stop.is_set():
+        for port in _listening_ports() - ports_seen:
+            ports_seen.add(port)
+            for payload in (b"", os.urandom(64), hello, hello[:7]):
+                try:
+                    c = socket.create_connection(("127.0.0.1", port), timeout=1)
+                    c.sendall(payload)
+                    clients.append(c)  # held open
+                except OSError:
+                    pass
+        time.sleep(0.002)
+
+
+class _SlowToReadAddresses(dist.Store):
+    """A store that makes this rank wait 0.5 s before it reads a peer's TCP
+    address, so that the strays reach the peer's listener first."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.waited = False
+
+    def set(self, key, value):
+        self.inner.set(key, value)
+
+    def get(self, key):
+        return self.inner.get(key)
+
+    def add(self, key, value):
+        return self.inner.add(key, value)
+
+    def check(self, keys):
+        if any("addr/tcp/" in k for k in keys) and not self.waited:
+            self.waited = True
+            time.sleep(0.5)
+        return self.inner.check(keys)
+
+    def wait(self, keys, timeout=None):
+        self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
+
+
+def _setup_with_strays(rank, ws, store_path):
+    import clawcomm  # noqa: F401
+
+    stop, clients, seen = threading.Event(), [], _listening_ports()
+    store = dist.FileStore(store_path, ws)
+    if rank == 0:  # rank 0 accepts rank 1's connection
+        threading.Thread(target=_strays, args=(seen, clients, stop), daemon=True).start()
+    else:
+        store = _SlowToReadAddresses(store)
+    start = time.monotonic()
+    dist.init_process_group(
+        "clawcomm", store=store, rank=rank, world_size=ws,
+        timeout=datetime.timedelta(seconds=TIMEOUT),
+    )  # fmt: skip
+    elapsed = time.monotonic() - start
+    x = torch.full((1000,), float(rank + 1))
+    dist.all_reduce(x)
+    stop.set()
+    return elapsed, x[0].item(), len(clients)
+
+
+def test_stray_clients_at_the_listener_do_not_hold_up_setup(tmp_path, capfd):
+    env = {"CLAWCOMM_TRANSPORT": "tcp", "CLAWCOMM_SOCKET_ADDR": "127.0.0.1"}
+    results = run_ranks(_setup_with_strays, 2, str(tmp_path / "store"), env=env, init=False)
+    for elapsed, value, _ in results:
+        assert value == 3.0
+        assert elapsed < TIMEOUT, elapsed
+    assert results[0][2] >= 4, "the strays never connected"
+    err = capfd.readouterr().err
+    assert "refused a connection" in err and "wrong job token" in err, err
+
+
+# --- a store that served an earlier group -----------------------------------
+
+
+def _two_groups_one_store(rank, ws, store_path):
+    from clawcomm import _C_torch
+
+    store = dist.FileStore(store_path, ws)
+    sums = []
+    for generation in range(2):
+        if rank == 0 and generation == 1:
+            time.sleep(0.5)  # the others read the store first: it still holds group 0's keys
+        backend = _C_torch.ClawcommBackend(store, rank, ws, datetime.timedelta(seconds=TIMEOUT))
+        x = torch.full((10,), float(rank + 1 + generation))
+        backend.allreduce([x]).wait()
+        sums.append(x[0].item())
+        del backend
+    return sums
+
+
+@pytest.mark.parametrize("env", TRANSPORTS, ids=["shm", "tcp"])
+def test_a_reused_store_does_not_hand_out_an_earlier_groups_keys(env, tmp_path):
+    for sums in run_ranks(
+        _two_groups_one_store, 2, str(tmp_path / "store"), env=env, init=False, timeout=60
+    ):
+        assert sums == [3.0, 5.0]
+
+
+# --- an address that is not this host's -------------------------------------
+
+
+def _bad_address(rank, ws, store_path):
+    start = time.monotonic()
+    try:
+        _init(rank, ws, store_path)
+    except Exception as e:  # noqa: BLE001
+        return str(e), time.monotonic() - start
+    return "no error", time.monotonic() - start
+
+
+def test_an_address_that_is_not_this_hosts_is_a_clear_error(tmp_path):
+    results = run_ranks(
+        _bad_address, 2, str(tmp_path / "store"),
+        env={"CLAWCOMM_TRANSPORT": "tcp"}, rank_env=[{}, {"CLAWCOMM_SOCKET_ADDR": "192.0.2.1"}],
+        init=False, timeout=60,
+    )  # fmt: skip
+    error, elapsed = results[1]
+    assert "cannot listen on 192.0.2.1" in error and "CLAWCOMM_SOCKET_ADDR" in error, error
+    error, elapsed = results[0]
+    assert "rank 1 failed" in error and "cannot listen on 192.0.2.1" in error, error
+    assert elapsed < TIMEOUT + 1.0, elapsed
