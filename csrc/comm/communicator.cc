@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <numeric>
@@ -137,7 +138,29 @@ Communicator::Communicator(std::shared_ptr<Store> store, int rank, int size,
   registry().insert(this);
 }
 
+std::shared_ptr<Communicator> Communicator::create(std::shared_ptr<Store> store, int rank, int size,
+                                                   std::chrono::milliseconds timeout,
+                                                   Settings settings) {
+  return std::shared_ptr<Communicator>(
+      new Communicator(std::move(store), rank, size, timeout, std::move(settings)),
+      [](Communicator* c) {
+        if (c->onProgressThread()) {
+          // The last reference went away inside a completion callback: let
+          // another thread shut down once the callback has returned.
+          std::thread([c] { delete c; }).detach();
+        } else {
+          delete c;
+        }
+      });
+}
+
 Communicator::~Communicator() {
+  if (onProgressThread()) {
+    std::fprintf(stderr,
+                 "clawcomm: a communicator was destroyed on its own progress thread; hold it "
+                 "through Communicator::create()\n");
+    std::abort();
+  }
   shutdown();
   std::lock_guard<std::mutex> lock(registryMutex);
   registry().erase(this);

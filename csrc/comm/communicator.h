@@ -45,7 +45,14 @@ class Communicator {
   // Connects to every rank of the group through `store` (blocking).
   Communicator(std::shared_ptr<Store> store, int rank, int size, std::chrono::milliseconds timeout,
                Settings settings = Settings::fromEnv());
-  // Calls shutdown().
+  // The same, shared: whoever drops the last reference, even a completion
+  // callback on the communicator's own progress thread (which cannot join
+  // itself), the communicator is shut down safely. Front ends hold it so.
+  static std::shared_ptr<Communicator> create(std::shared_ptr<Store> store, int rank, int size,
+                                              std::chrono::milliseconds timeout,
+                                              Settings settings = Settings::fromEnv());
+  // Calls shutdown(); on the progress thread it would have to join itself,
+  // so there it reports the misuse and ends the process (use create()).
   ~Communicator();
 
   // Finishes queued operations, says goodbye to the peers, and joins the

@@ -37,18 +37,9 @@ class ClawcommBackend : public c10d::Backend {
       : Backend(rank, size) {
     try {
       store_ = std::make_shared<StoreAdapter>(store);
-      comm_ = std::make_shared<Communicator>(store_, rank, size, timeout);
+      comm_ = Communicator::create(store_, rank, size, timeout);
     } catch (...) {
       rethrowForTorch(std::current_exception());
-    }
-  }
-
-  ~ClawcommBackend() override {
-    if (comm_ && comm_->onProgressThread()) {
-      // The last reference went away inside a completion callback, on the
-      // communicator's own progress thread, which cannot join itself: let
-      // another thread finish the shutdown once the callback has returned.
-      std::thread([comm = std::move(comm_)]() mutable { comm.reset(); }).detach();
     }
   }
 
