@@ -19,9 +19,11 @@ Families:
             the group and exit cleanly.
   soak      random collectives on 2 ranks, results checked; RSS and open file
             descriptors sampled.
-  storm     hostile clients (empty, random bytes, a wrong token, absurd
-            lengths) against the listener while a group sets up, and against
-            the job's ports while it runs; results checked, stalls timed.
+  storm     hostile clients (empty, random bytes, a wrong token, a cut-short
+            hello, absurd frame lengths) against rank 0's listener while the
+            group sets up (rank 1 connects only after 1 s of it), then against
+            the job's ports while it runs (the listener is closed by then:
+            the kernel refuses them); results checked, stalls timed.
 """
 
 from __future__ import annotations
@@ -76,14 +78,49 @@ def _segments() -> set[str]:
     return {f for f in os.listdir("/dev/shm") if f.startswith("clawcomm-")}
 
 
-def _init(rank: int, ws: int, store_path: str) -> None:
+def slow_to_read_addresses(store, seconds: float):
+    """Wraps a c10d store so that this rank waits `seconds` before it first
+    reads a peer's TCP address: the peer's listener stays open (and exposed)
+    that long during setup."""
+    import torch.distributed as dist
+
+    class Slow(dist.Store):
+        def __init__(self):
+            super().__init__()
+            self.waited = False
+
+        def set(self, key, value):
+            store.set(key, value)
+
+        def get(self, key):
+            return store.get(key)
+
+        def add(self, key, value):
+            return store.add(key, value)
+
+        def check(self, keys):
+            if any("addr/tcp/" in k for k in keys) and not self.waited:
+                self.waited = True
+                time.sleep(seconds)
+            return store.check(keys)
+
+        def wait(self, keys, timeout=None):
+            store.wait(keys) if timeout is None else store.wait(keys, timeout)
+
+    return Slow()
+
+
+def _init(rank: int, ws: int, store_path: str, expose_s: float = 0.0) -> None:
     import torch.distributed as dist
 
     import clawcomm  # noqa: F401
 
+    store = dist.FileStore(store_path, ws)
+    if expose_s and rank > 0:
+        store = slow_to_read_addresses(store, expose_s)
     dist.init_process_group(
         "clawcomm",
-        store=dist.FileStore(store_path, ws),
+        store=store,
         rank=rank,
         world_size=ws,
         timeout=datetime.timedelta(seconds=TIMEOUT),
@@ -459,17 +496,20 @@ def _storm_trial(rank, ws, store_path, connections):
         threading.Thread(
             target=_storm, args=(ports, stop, counter, rank * 10 + i), daemon=True
         ).start()
-    _init(rank, ws, store_path)  # set up under the storm
+    _init(rank, ws, store_path, expose_s=1.0)  # rank 0's listener is stormed for 1 s
     during_setup = counter[0]
-    x = torch.ones(4096)
+    x = torch.ones(4097)  # the last element: "my storm has sent its share"
     wrong, worst, last, calls = 0, 0.0, time.monotonic(), 0
-    while counter[0] - during_setup < connections or calls < 100:  # run under the storm
+    while True:  # run under the storm, until every rank's storm is done
         x.fill_(float(rank + 1))
+        x[-1] = float(counter[0] - during_setup >= connections and calls >= 100)
         dist.all_reduce(x)
         calls += 1
         wrong += x[0].item() != ws * (ws + 1) / 2
         now = time.monotonic()
         worst, last = max(worst, now - last), now
+        if x[-1].item() == ws:
+            break
     stop.set()
     return wrong, worst, counter[0], during_setup, calls
 

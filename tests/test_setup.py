@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from clawcomm.chaos import slow_to_read_addresses
 from clawcomm.testing import RankFailure, run_ranks
 
 TRANSPORTS = [{"CLAWCOMM_TRANSPORT": "shm"}, {"CLAWCOMM_TRANSPORT": "tcp"}]
@@ -118,34 +119,6 @@ def _strays(ports_seen, clients, stop):
         time.sleep(0.002)
 
 
-class _SlowToReadAddresses(dist.Store):
-    """A store that makes this rank wait 0.5 s before it reads a peer's TCP
-    address, so that the strays reach the peer's listener first."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-        self.waited = False
-
-    def set(self, key, value):
-        self.inner.set(key, value)
-
-    def get(self, key):
-        return self.inner.get(key)
-
-    def add(self, key, value):
-        return self.inner.add(key, value)
-
-    def check(self, keys):
-        if any("addr/tcp/" in k for k in keys) and not self.waited:
-            self.waited = True
-            time.sleep(0.5)
-        return self.inner.check(keys)
-
-    def wait(self, keys, timeout=None):
-        self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
-
-
 def _setup_with_strays(rank, ws, store_path):
     import clawcomm  # noqa: F401
 
@@ -154,7 +127,7 @@ def _setup_with_strays(rank, ws, store_path):
     if rank == 0:  # rank 0 accepts rank 1's connection
         threading.Thread(target=_strays, args=(seen, clients, stop), daemon=True).start()
     else:
-        store = _SlowToReadAddresses(store)
+        store = slow_to_read_addresses(store, 0.5)
     start = time.monotonic()
     dist.init_process_group(
         "clawcomm", store=store, rank=rank, world_size=ws,

@@ -110,7 +110,8 @@ inline ReduceOp toReduceOp(const char* op, const c10d::ReduceOp& r) {
 inline void checkTensor(const char* op, const at::Tensor& t) {
   TORCH_CHECK_VALUE(t.defined(), "clawcomm::", op, ": got an undefined tensor");
   TORCH_CHECK_VALUE(t.layout() == at::kStrided, "clawcomm::", op, ": got a ", t.layout(),
-                    " tensor; clawcomm handles dense (strided) tensors only");
+                    " tensor; clawcomm handles dense (strided) tensors, and sparse COO ones in "
+                    "all_reduce");
   TORCH_CHECK_VALUE(t.device().is_cpu() || t.device().is_cuda(), "clawcomm::", op,
                     ": got a tensor on ", t.device(),
                     "; the clawcomm backend handles cpu and cuda tensors");

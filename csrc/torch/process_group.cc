@@ -75,6 +75,9 @@ class ClawcommBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> allreduce(TensorList& tensors,
                                            const c10d::AllreduceOptions& opts) override {
     const char* op = "allreduce";
+    if (tensors.size() == 1 && tensors[0].defined() && tensors[0].is_sparse()) {
+      return allreduceSparse(tensors[0], opts);
+    }
     const DataType dt = checkTensors(op, tensors);
     const at::Tensor& t = single(op, tensors);
     const ReduceOp redop = toReduceOp(op, opts.reduceOp);
@@ -97,6 +100,81 @@ class ClawcommBackend : public c10d::Backend {
     return launch(OpType::ALLREDUCE, {t}, {updates(buf)}, copyBack(buf, t), [&](auto cb) {
       return comm_->allReduce(buf.data_ptr(), size_t(buf.numel()), dt, redop, cb);
     });
+  }
+
+  // A sparse COO tensor, summed as gloo does: every rank's (index, value)
+  // pairs are gathered, in rank order, and coalesced (duplicates added), so
+  // every rank gets the same tensor. Two small all-gathers run first, on this
+  // thread (each rank's pair count and shape, then the indices); the values'
+  // all-gather is the Work, and the sum replaces `t` when it completes.
+  c10::intrusive_ptr<c10d::Work> allreduceSparse(at::Tensor& t,
+                                                 const c10d::AllreduceOptions& opts) {
+    const char* op = "allreduce";
+    TORCH_CHECK_VALUE(t.device().is_cpu(), "clawcomm::allreduce: sparse tensors are summed on the ",
+                      "cpu only, got one on ", t.device());
+    const ReduceOp redop = toReduceOp(op, opts.reduceOp);
+    TORCH_CHECK_VALUE(redop == ReduceOp::kSum, "clawcomm::allreduce: sparse tensors are summed ",
+                      "only (ReduceOp.SUM), got ", reduceOpName(redop));
+    const DataType dt = toDataType(op, t.scalar_type());
+    const at::Tensor in = t.coalesce();
+    const int64_t n = getSize(), sparseDim = in.sparse_dim(), nnz = in._nnz();
+    int64_t perValue = 1;
+    for (int64_t d = sparseDim; d < in.dim(); ++d) perValue *= in.size(d);
+
+    // 1. Pair counts, and the shape, which must be the same everywhere.
+    at::Tensor meta = at::empty({2 + in.dim()}, at::kLong);
+    meta[0] = nnz;
+    meta[1] = sparseDim;
+    for (int64_t d = 0; d < in.dim(); ++d) meta[2 + d] = in.size(d);
+    at::Tensor metas = at::empty({n, meta.numel()}, at::kLong);
+    blockOn(comm_->allGather(meta.data_ptr(), metas.data_ptr(),
+                             std::vector<size_t>(size_t(n), size_t(meta.numel())), DataType::kInt64,
+                             nullptr));
+    std::vector<size_t> indexCounts, valueCounts;
+    int64_t total = 0;
+    const auto shapeOf = [&](int64_t r) {  // [sparse dims, sizes...] of rank r
+      return c10::IntArrayRef(metas.data_ptr<int64_t>() + r * meta.numel() + 1, 1 + in.dim());
+    };
+    for (int64_t r = 0; r < n; ++r) {
+      TORCH_CHECK_VALUE(shapeOf(r) == shapeOf(getRank()), "clawcomm::allreduce: rank ", r,
+                        " passed a sparse tensor of [sparse dims, sizes...] ", shapeOf(r),
+                        ", rank ", getRank(), " ", shapeOf(getRank()));
+      const int64_t theirs = metas[r][0].item<int64_t>();
+      indexCounts.push_back(size_t(theirs * sparseDim));
+      valueCounts.push_back(size_t(theirs * perValue));
+      total += theirs;
+    }
+
+    // 2. Indices, as [pairs, sparse dims] rows.
+    at::Tensor indices = in.indices().t().contiguous();
+    at::Tensor allIndices = at::empty({total, sparseDim}, at::kLong);
+    blockOn(comm_->allGather(indices.data_ptr(), allIndices.data_ptr(), indexCounts,
+                             DataType::kInt64, nullptr));
+
+    // 3. Values, then the sum.
+    std::vector<int64_t> valueShape = {total};
+    for (int64_t d = sparseDim; d < in.dim(); ++d) valueShape.push_back(in.size(d));
+    at::Tensor values = in.values().contiguous();
+    at::Tensor allValues = at::empty(valueShape, values.options());
+    at::Tensor out = t;
+    return launch(
+        OpType::ALLREDUCE, {t}, {reads(values), writes(allValues)},
+        [out, allIndices, allValues]() mutable {
+          // Indices from peers are checked against the sizes before use: an
+          // index out of range would otherwise be a write out of bounds.
+          at::_validate_sparse_coo_tensor_args(allIndices.t(), allValues, out.sizes());
+          out.copy_(at::sparse_coo_tensor(allIndices.t(), allValues, out.sizes()).coalesce());
+        },
+        [&](auto cb) {
+          return comm_->allGather(values.data_ptr(), allValues.data_ptr(), valueCounts, dt, cb);
+        });
+  }
+
+  // Waits for an engine operation issued on this thread (setup steps of
+  // composite ops); its errors become torch's.
+  static void blockOn(const RequestPtr& request) {
+    request->waitFor(std::chrono::milliseconds(-1));
+    if (auto error = request->exception()) rethrowForTorch(error);
   }
 
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
