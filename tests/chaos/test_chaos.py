@@ -16,7 +16,7 @@ from clawcomm import chaos
         ("mismatch", 12),
         ("settings", 1),
         ("timeout", 2),
-        ("soak", 3000),
+        ("soak", 4000),
         ("storm", 400),
     ],
 )
