@@ -146,3 +146,52 @@ def test_an_asynchronous_save_resumes_exactly_too(tmp_path, dp, pp):
     assert open(tmp_path / "latest").read().strip() == "step-00000004"
     second = run_ranks(_run, dp * pp, cfg, 6, True, timeout=300)[0][0]
     assert first + second == whole
+
+
+FULL_DISK_SCRIPT = """
+import os, sys
+from clawcomm.train import checkpoint
+from clawcomm.train.cli import build
+from clawcomm.train.config import TrainConfig
+from clawcomm.train.trainer import Trainer
+if sys.argv[1] == "write":  # the room check passes, then the disk is full
+    checkpoint._check_room = lambda *a: None
+cfg = TrainConfig(model="gpt", steps=1, quiet=True)
+model, loss, opt, _, _, _ = build(cfg)
+tr = Trainer(model, loss, opt, cfg)
+try:
+    tr.save_checkpoint("/tmp/clawcomm-tiny/ckpt")
+    print("SAVED")
+except OSError as e:
+    print("ERROR:", e)
+print("LEFT:", sorted(os.listdir("/tmp/clawcomm-tiny/ckpt")))
+"""
+
+
+@pytest.mark.parametrize("stage", ["check", "write"])
+def test_a_full_disk_is_a_clear_error_that_leaves_no_partial_checkpoint(stage):
+    """torch's zip writer used to fail with "unexpected pos 704 vs 598" and
+    leave a step-N.tmp folder behind."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    if not shutil.which("unshare"):
+        pytest.skip("needs unshare to mount a small file system")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = (
+        "mkdir -p /tmp/clawcomm-tiny && mount -t tmpfs -o size=256k tmpfs /tmp/clawcomm-tiny && "
+        f"{sys.executable} -c '{FULL_DISK_SCRIPT}' {stage}"
+    )
+    proc = subprocess.run(
+        ["unshare", "-m", "sh", "-c", cmd], capture_output=True, text=True, timeout=120,
+        env=dict(os.environ, PYTHONPATH=root),
+    )  # fmt: skip
+    if "mount" in proc.stderr and "ERROR" not in proc.stdout:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()[:200]}")
+    if stage == "check":
+        assert "needs about" in proc.stdout and "0.3 MB free" in proc.stdout, proc.stdout
+    else:
+        assert "writing checkpoint step-00000000 into /tmp/clawcomm-tiny/ckpt failed" in proc.stdout
+    assert "LEFT: []" in proc.stdout, proc.stdout + proc.stderr

@@ -73,6 +73,44 @@ def _broadcast_object(obj):
     return box[0]
 
 
+def _state_bytes(obj) -> int:
+    """The tensor bytes in a (nested) state dict: what a save writes, give or
+    take DCP's metadata."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_state_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_state_bytes(v) for v in obj)
+    return 0
+
+
+def _free_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def _check_room(sd, root: str, name: str) -> None:
+    """Refuses a save that cannot fit, on every rank alike (before DCP's
+    collectives, which would otherwise be left half-entered)."""
+    need = _state_bytes(sd)
+    if dist.is_initialized():
+        total = torch.tensor([need], dtype=torch.int64)
+        dist.all_reduce(total)  # every rank writes into the same folder
+        need = int(total.item())
+    free = _broadcast_object(_free_bytes(root) if _rank() == 0 else None)
+    want = int(need * 1.05) + (1 << 20)  # DCP's metadata and file headers
+    if free < want:
+        raise OSError(
+            f"clawcomm.train: checkpoint {name} needs about {_mb(want)} in {root}, which has "
+            f"{_mb(free)} free; free some space, or save elsewhere (--checkpoint-dir)"
+        )
+
+
 def latest(root: str) -> str | None:
     """The checkpoint ``<root>/latest`` names, or None when there is none yet."""
     try:
@@ -229,6 +267,12 @@ def save(trainer, root: str, keep: int = 2, asynchronous: bool = False, group=No
         os.makedirs(tmp, exist_ok=True)
     _barrier()
     sd = state_dict(trainer)
+    try:
+        _check_room(sd, root, name)
+    except OSError:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     writer = dcp.FileSystemWriter(tmp, sync_files=True)
 
     def commit() -> None:
@@ -238,7 +282,20 @@ def save(trainer, root: str, keep: int = 2, asynchronous: bool = False, group=No
     if asynchronous:
         future = dcp.async_save(sd, storage_writer=writer, process_group=group)
         return PendingSave(future, commit)
-    dcp.save(sd, storage_writer=writer)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.save(sd, storage_writer=writer)
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        # The disk filled up meanwhile (another writer), or the write failed
+        # otherwise: say where and how much room is left, in place of torch's
+        # zip writer's "unexpected pos" message; `latest` is untouched.
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise OSError(
+            f"clawcomm.train: writing checkpoint {name} into {root} failed ({_mb(_free_bytes(root))}"
+            f" free there now): {str(e).strip().splitlines()[-1][:200]}"
+        ) from e
     commit()
     _barrier()
     return final
