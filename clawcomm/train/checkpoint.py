@@ -80,7 +80,7 @@ def _state_bytes(obj) -> int:
         return obj.numel() * obj.element_size()
     if isinstance(obj, dict):
         return sum(_state_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
+    if isinstance(obj, list | tuple):
         return sum(_state_bytes(v) for v in obj)
     return 0
 
@@ -292,9 +292,10 @@ def save(trainer, root: str, keep: int = 2, asynchronous: bool = False, group=No
         # zip writer's "unexpected pos" message; `latest` is untouched.
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+        left = _mb(_free_bytes(root))
         raise OSError(
-            f"clawcomm.train: writing checkpoint {name} into {root} failed ({_mb(_free_bytes(root))}"
-            f" free there now): {str(e).strip().splitlines()[-1][:200]}"
+            f"clawcomm.train: writing checkpoint {name} into {root} failed ({left} free there "
+            f"now): {str(e).strip().splitlines()[-1][:200]}"
         ) from e
     commit()
     _barrier()
