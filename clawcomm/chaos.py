@@ -446,7 +446,8 @@ def soak(ops: int, seed: int = 0) -> Score:
 # --- hostile clients --------------------------------------------------------
 
 
-def _listening_ports() -> set[int]:
+def listening_ports() -> set[int]:
+    """This process's TCP ports in LISTEN state (from /proc, no psutil)."""
     inodes = set()
     for fd in os.listdir("/proc/self/fd"):
         try:
@@ -490,7 +491,7 @@ def _storm_trial(rank, ws, store_path, connections):
 
     def watch():  # every listening port this rank opens, as soon as it exists
         while not stop.is_set():
-            ports.update(_listening_ports())
+            ports.update(listening_ports())
             time.sleep(0.001)
 
     threading.Thread(target=watch, daemon=True).start()

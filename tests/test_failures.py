@@ -408,3 +408,39 @@ def test_a_dev_shm_too_small_is_an_error_that_says_what_is_needed():
 def test_a_bad_simd_setting_is_refused_at_setup():
     with pytest.raises(RankFailure, match=r"CLAWCOMM_SIMD=bogus is not one of auto, avx512"):
         run_ranks(_nothing, 2, env={"CLAWCOMM_SIMD": "bogus"}, timeout=60, pg_timeout=10)
+
+
+# --- an idle rank sleeps, also with mixed transports -------------------------
+
+
+def _context_switches() -> int:
+    total = 0
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/status") as f:
+            for line in f:
+                if line.startswith("voluntary_ctxt_switches"):
+                    total += int(line.split()[1])
+    return total
+
+
+def _idle_wait(rank, ws):
+    x = torch.ones(8)
+    dist.all_reduce(x)  # connected, warm
+    if rank == ws - 1:  # the rank on the other host keeps the others waiting
+        time.sleep(1.5)
+        dist.all_reduce(x)
+        return None
+    before, start = _context_switches(), time.monotonic()
+    dist.all_reduce(x)  # waits ~1.5 s, on shm (rank 0-1) and TCP (to rank 2)
+    return (_context_switches() - before) / (time.monotonic() - start)
+
+
+def test_an_idle_rank_with_mixed_transports_blocks_instead_of_napping():
+    """Ranks 0 and 1 share a host (shm), rank 2 is on another (TCP). A rank
+    waiting on both used to nap in 0.5 ms steps: 2,000 wake-ups a second.
+    It now sleeps on its doorbell, which a watcher thread rings when a TCP
+    socket becomes ready: about 100 wake-ups a second (the health check)."""
+    hosts = [{"CLAWCOMM_HOST_ID": h} for h in ("a", "a", "b")]
+    rates = run_ranks(_idle_wait, 3, rank_env=hosts, timeout=60)
+    for rate in rates[:2]:
+        assert rate < 600, f"{rate:.0f} context switches per second while idle"

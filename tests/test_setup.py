@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from clawcomm.chaos import slow_to_read_addresses
+from clawcomm.chaos import listening_ports, slow_to_read_addresses
 from clawcomm.testing import RankFailure, run_ranks
 
 TRANSPORTS = [{"CLAWCOMM_TRANSPORT": "shm"}, {"CLAWCOMM_TRANSPORT": "tcp"}]
@@ -82,32 +82,13 @@ def test_a_rank_killed_during_setup_fails_every_survivor_in_time(env, kill_after
 # --- stray clients at the listening socket ----------------------------------
 
 
-def _listening_ports():
-    """This process's TCP ports in LISTEN state (from /proc, no psutil)."""
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    ports = set()
-    with open("/proc/self/net/tcp") as f:
-        for line in f.readlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
-                ports.add(int(fields[1].split(":")[1], 16))
-    return ports
-
-
 def _strays(ports_seen, clients, stop):
     """Connects hostile clients to every new listening port of this process:
     one idle, one sending garbage, one a hello with a wrong token, one a
     hello cut short."""
     hello = struct.pack("<IiQ", 0x636C7463, 1, 0xBAD)
     while not stop.is_set():
-        for port in _listening_ports() - ports_seen:
+        for port in listening_ports() - ports_seen:
             ports_seen.add(port)
             for payload in (b"", os.urandom(64), hello, hello[:7]):
                 try:
@@ -122,7 +103,7 @@ def _strays(ports_seen, clients, stop):
 def _setup_with_strays(rank, ws, store_path):
     import clawcomm  # noqa: F401
 
-    stop, clients, seen = threading.Event(), [], _listening_ports()
+    stop, clients, seen = threading.Event(), [], listening_ports()
     store = dist.FileStore(store_path, ws)
     if rank == 0:  # rank 0 accepts rank 1's connection
         threading.Thread(target=_strays, args=(seen, clients, stop), daemon=True).start()

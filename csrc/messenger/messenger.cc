@@ -2,6 +2,7 @@
 
 #include <poll.h>
 #include <sched.h>
+#include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <time.h>
 #include <unistd.h>
@@ -62,22 +63,78 @@ Messenger::Messenger(int rank, int size, std::vector<std::unique_ptr<Connection>
     CLAWCOMM_CHECK((p == rank) == (peers_[p].conn == nullptr), "connection to rank ", p);
   }
   // How to sleep: on the shared doorbell when every peer is on shared memory,
-  // in poll() when every peer is on TCP, in short naps otherwise.
-  bool allDoorbell = size > 1, allFds = size > 1;
+  // in poll() when every peer is on TCP. Mixed (shm inside the host, TCP
+  // across hosts): on the doorbell too, which a watcher thread rings when a
+  // TCP socket becomes readable or writable.
+  bool sameDoorbell = true, someDoorbell = false, allFds = size > 1;
+  std::vector<int> tcpFds;
   for (int p = 0; p < size; ++p) {
     if (p == rank) continue;
     Doorbell* d = peers_[p].conn->doorbell();
-    allDoorbell &= d != nullptr && (doorbell_ == nullptr || d == doorbell_);
-    if (d) doorbell_ = d;
+    if (d) {
+      sameDoorbell &= doorbell_ == nullptr || d == doorbell_;
+      doorbell_ = d;
+      someDoorbell = true;
+    } else if (peers_[p].conn->pollFd() >= 0) {
+      tcpFds.push_back(peers_[p].conn->pollFd());
+    } else {
+      sameDoorbell = false;  // neither: only naps can wait for it
+    }
     allFds &= peers_[p].conn->pollFd() >= 0;
   }
-  if (!allDoorbell) doorbell_ = nullptr;
-  pollFds_ = allFds;
+  if (!someDoorbell || !sameDoorbell) doorbell_ = nullptr;
+  pollFds_ = allFds && !doorbell_;
   if (pollFds_) wakeFd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (doorbell_ && !tcpFds.empty()) startTcpWatcher(tcpFds);
 }
 
 Messenger::~Messenger() {
+  if (tcpWatcher_.joinable()) {
+    const uint64_t one = 1;
+    [[maybe_unused]] ssize_t n = ::write(stopFd_, &one, sizeof(one));
+    tcpWatcher_.join();
+    ::close(stopFd_);
+  }
   if (wakeFd_ >= 0) ::close(wakeFd_);
+}
+
+void Messenger::startTcpWatcher(const std::vector<int>& fds) {
+  const int ep = epoll_create1(EPOLL_CLOEXEC);
+  stopFd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  CLAWCOMM_CHECK(ep >= 0 && stopFd_ >= 0, "epoll/eventfd for the TCP watcher");
+  // Edge-triggered: one event per change (bytes arrived, room to send, the
+  // peer hung up), never a busy loop over data the progress thread has not
+  // read yet. The progress thread re-reads every socket after arming the
+  // doorbell, so a ring it missed while awake costs nothing.
+  for (int fd : fds) {
+    epoll_event ev{};
+    ev.events = EPOLLIN | EPOLLOUT | EPOLLRDHUP | EPOLLET;
+    ev.data.fd = fd;
+    CLAWCOMM_CHECK(epoll_ctl(ep, EPOLL_CTL_ADD, fd, &ev) == 0, "epoll_ctl on a TCP socket");
+  }
+  epoll_event stop{};
+  stop.events = EPOLLIN;
+  stop.data.fd = stopFd_;
+  CLAWCOMM_CHECK(epoll_ctl(ep, EPOLL_CTL_ADD, stopFd_, &stop) == 0, "epoll_ctl on the stop fd");
+  Doorbell* bell = doorbell_;
+  const int stopFd = stopFd_;
+  tcpWatcher_ = std::thread([ep, bell, stopFd] {
+    epoll_event events[16];
+    while (true) {
+      const int n = epoll_wait(ep, events, 16, -1);
+      bool stopping = false, ring = false;
+      for (int i = 0; i < n; ++i) {
+        if (events[i].data.fd == stopFd) {
+          stopping = true;
+        } else {
+          ring = true;
+        }
+      }
+      if (ring) ringDoorbell(*bell);
+      if (stopping) break;
+    }
+    ::close(ep);
+  });
 }
 
 void Messenger::wake() {
@@ -522,8 +579,9 @@ void Messenger::pause(Clock::time_point idleSince, Clock::time_point deadline,
       wakeRequested_.store(false, std::memory_order_relaxed);
     }
   } else if (idle < std::chrono::milliseconds(2)) {
-    // Mixed transports: nothing single to block on. Yield first (another
-    // rank may share this core), then nap in growing steps.
+    // Connections with neither a doorbell nor a file descriptor: nothing to
+    // block on. Yield first (another rank may share this core), then nap in
+    // growing steps.
     sched_yield();
   } else {
     const long ns = idle < std::chrono::milliseconds(50) ? 50'000 : 500'000;

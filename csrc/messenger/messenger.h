@@ -25,6 +25,7 @@
 #include <list>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/op.h"
@@ -147,6 +148,7 @@ class Messenger {
   bool progressSend(PeerState& ps);
   bool progressRecv(int peer, PeerState& ps);
   TransferPtr match(int peer, PeerState& ps, const FrameHeader& h);
+  void startTcpWatcher(const std::vector<int>& fds);
   // Grows an unexpected frame's stash to hold `need` payload bytes (up to
   // what its header claims), doubling, so memory follows what arrives.
   static void growStash(Transfer& t, size_t need);
@@ -162,9 +164,14 @@ class Messenger {
   std::vector<PeerState> peers_;
   std::list<TransferPtr> anySource_;
   Clock::time_point nextHealthCheck_{};
-  Doorbell* doorbell_ = nullptr;  // shared by every connection, if all are shm
+  Doorbell* doorbell_ = nullptr;  // this rank's shm doorbell: every peer on shm, or mixed
   bool pollFds_ = false;          // every connection has a file descriptor
   int wakeFd_ = -1;               // an eventfd in the poll() set (pollFds_ only)
+  // Mixed transports (shm and TCP): a thread that turns readiness of the
+  // TCP sockets into rings of the doorbell, so pause() blocks on the
+  // doorbell alone. Stopped through stopFd_.
+  std::thread tcpWatcher_;
+  int stopFd_ = -1;
   std::atomic<bool> wakeRequested_{false};
   Traffic traffic_;
 };
