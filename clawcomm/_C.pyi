@@ -356,6 +356,11 @@ def _feed_frames(data: bytes, recv_bytes: int = -1) -> str:
     Test hook: parses `data` as the frames rank 1 sends rank 0, then receives a point-to-point message of recv_bytes (tag 0) if recv_bytes >= 0. Returns the error raised, or ''.
     """
 
+def _drop_last_reference_in_callback() -> str:
+    """
+    Test hook: a one-rank communicator's last reference dropped inside its completion callback; returns the thread the callback ran on.
+    """
+
 def _engine_from_handle(handle: typing_extensions.CapsuleType) -> Engine:
     """
     The Engine behind a handle from ClawcommBackend._engine_handle().

@@ -444,3 +444,23 @@ def test_an_idle_rank_with_mixed_transports_blocks_instead_of_napping():
     rates = run_ranks(_idle_wait, 3, rank_env=hosts, timeout=60)
     for rate in rates[:2]:
         assert rate < 600, f"{rate:.0f} context switches per second while idle"
+
+
+# --- the last reference dropped on the progress thread ----------------------
+
+
+def test_the_last_reference_dropped_in_a_completion_callback_is_safe():
+    """A thread cannot join itself: the communicator's destruction there
+    used to end the process (std::terminate from ~Communicator)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import time\n"
+        "from clawcomm import _C\n"
+        "print(_C._drop_last_reference_in_callback(), flush=True)\n"
+        "time.sleep(0.5)\n"  # the shutdown, handed to another thread, completes
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip() == "progress thread", p.stdout

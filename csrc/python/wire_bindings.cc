@@ -1,13 +1,17 @@
-// A test hook for the wire format: the messenger's frame parser fed bytes
-// as a peer would send them, with no peer behind them (tests/test_wire.py
-// and bench/fuzz_frames.py throw malformed and hostile streams at it).
+// Test hooks: the messenger's frame parser fed bytes as a peer would send
+// them, with no peer behind them (tests/test_wire.py and bench/fuzz_frames.py
+// throw malformed and hostile streams at it), and a communicator whose last
+// reference is dropped inside a completion callback (tests/test_failures.py).
 #include <pybind11/pybind11.h>
 
+#include <chrono>
 #include <cstring>
+#include <future>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "comm/communicator.h"
 #include "common/errors.h"
 #include "messenger/messenger.h"
 #include "python/engine_bindings.h"
@@ -59,9 +63,43 @@ std::string feedFrames(std::string data, int64_t recvBytes) {
   return "";
 }
 
+// A group of one needs no store.
+class NoStore final : public Store {
+ public:
+  void set(const std::string&, const std::vector<uint8_t>&) override { unused(); }
+  std::vector<uint8_t> get(const std::string&, Clock::time_point) override { unused(); }
+  int64_t add(const std::string&, int64_t) override { unused(); }
+
+ private:
+  [[noreturn]] static void unused() { throw Error("NoStore: a group of one has no store"); }
+};
+
+// Creates a communicator of one rank, runs an all-reduce whose completion
+// callback drops the last reference to it (on the progress thread, which
+// cannot join itself), and says on which thread the callback ran.
+std::string dropLastReferenceInCallback() {
+  auto holder = std::make_shared<std::shared_ptr<Communicator>>(
+      Communicator::create(std::make_shared<NoStore>(), 0, 1, std::chrono::seconds(10)));
+  std::promise<std::string> where;
+  // Above CLAWCOMM_INLINE_BYTES, so that the progress thread runs it (a
+  // small op runs inline, on the caller's thread).
+  std::vector<float> x(size_t(1) << 22, 1.0f);
+  (*holder)->allReduce(x.data(), x.size(), DataType::kFloat32, ReduceOp::kSum,
+                       [holder, &where](std::exception_ptr) {
+                         const bool onIt = (*holder)->onProgressThread();
+                         holder->reset();  // the last reference
+                         where.set_value(onIt ? "progress thread" : "another thread");
+                       });
+  return where.get_future().get();
+}
+
 }  // namespace
 
 void bindWireTesting(pybind11::module_& m) {
+  m.def("_drop_last_reference_in_callback", &dropLastReferenceInCallback,
+        pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "Test hook: a one-rank communicator's last reference dropped inside its completion "
+        "callback; returns the thread the callback ran on.");
   m.def("_feed_frames", &feedFrames, pybind11::arg("data"), pybind11::arg("recv_bytes") = -1,
         pybind11::call_guard<pybind11::gil_scoped_release>(),
         "Test hook: parses `data` as the frames rank 1 sends rank 0, then receives a "
