@@ -74,7 +74,8 @@ class Score:
         )
 
 
-def _segments() -> set[str]:
+def segments() -> set[str]:
+    """The clawcomm shared-memory segments in /dev/shm."""
     return {f for f in os.listdir("/dev/shm") if f.startswith("clawcomm-")}
 
 
@@ -174,14 +175,14 @@ def kill(trials: int, seed: int = 0) -> Score:
         ws = rng.choice([2, 3, 4])
         env = {"CLAWCOMM_TRANSPORT": rng.choice(["shm", "tcp"])}
         victim, delay = rng.randrange(ws), rng.uniform(0.0, 0.15)
-        before = _segments()
+        before = segments()
         results, hung = _run(_kill_trial, ws, victim, time.time() + 0.3, delay, env=env)
         survivors = [r for p, r in enumerate(results) if p != victim]
         good = all(
             isinstance(r, tuple) and r[0] != "no error" and r[1] <= TIMEOUT + SLACK
             for r in survivors
         )
-        leak = bool(_segments() - before)
+        leak = bool(segments() - before)
         score.add(good, hang=hung, leak=leak, note=f"{env} ws={ws} {survivors}")
     return score
 
@@ -363,10 +364,10 @@ def timeout(trials: int, seed: int = 0) -> Score:
         "print(repr(results[0]), hung)\n"
     )
     for _ in range(trials):
-        before = _segments()
+        before = segments()
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
         ok = p.returncode == 0 and "timed out" in p.stdout and "False" in p.stdout
-        score.add(ok, leak=bool(_segments() - before), note=p.stdout + p.stderr[-300:])
+        score.add(ok, leak=bool(segments() - before), note=p.stdout + p.stderr[-300:])
     return score
 
 
@@ -420,7 +421,7 @@ def _soak_trial(rank, ws, store_path, ops, seed):
 
 def soak(ops: int, seed: int = 0) -> Score:
     score = Score("soak")
-    before = _segments()
+    before = segments()
     results, hung = _run(_soak_trial, 2, ops, seed, limit=3600)
     ok_all = True
     growth = fds = 0.0
@@ -437,7 +438,7 @@ def soak(ops: int, seed: int = 0) -> Score:
     score.trials = ops
     score.ok = ops if ok_all and growth < 1.0 and fds == 0 and score.wrong == 0 else 0
     score.hangs += hung
-    score.leaks += bool(_segments() - before)
+    score.leaks += bool(segments() - before)
     score.extra["RSS growth after warm-up %"] = round(growth, 3)
     score.extra["fd change"] = int(fds)
     return score
@@ -465,9 +466,16 @@ def listening_ports() -> set[int]:
     return ports
 
 
+def tcp_hello(rank: int, token: int) -> bytes:
+    """A TCP setup hello as a peer sends it (csrc/transport/tcp/connection.cc)."""
+    return struct.pack("<IiQ", 0x636C7463, rank, token)
+
+
 def _hostile_payloads(rng: random.Random) -> bytes:
-    hello = struct.pack("<IiQ", 0x636C7463, 1, rng.getrandbits(64))  # a wrong token
-    frame = struct.pack("<IBBBBQQQiIB23x", 0x434C4D46, 2, 0, 0, 0, 0, 0, 1 << 40, 0, 0, 0)
+    from clawcomm.testing import make_frame
+
+    hello = tcp_hello(1, rng.getrandbits(64))  # a wrong token
+    frame = make_frame(2, b"", claimed=1 << 40)  # a point-to-point frame claiming 1 TiB
     return rng.choice([b"", rng.randbytes(rng.randint(1, 200)), hello, hello[:7], hello + frame])
 
 
@@ -519,7 +527,7 @@ def _storm_trial(rank, ws, store_path, connections):
 
 def storm(connections: int, seed: int = 0) -> Score:
     score = Score("storm")
-    before = _segments()
+    before = segments()
     env = {"CLAWCOMM_TRANSPORT": "tcp", "CLAWCOMM_SOCKET_ADDR": "127.0.0.1"}
     results, hung = _run(_storm_trial, 2, connections // 2, env=env, limit=1800)
     total, worst, at_setup, calls = 0, 0.0, 0, 0
@@ -538,7 +546,7 @@ def storm(connections: int, seed: int = 0) -> Score:
     score.trials = total
     score.ok = total if ok and score.wrong == 0 and worst < 0.1 else 0
     score.hangs += hung
-    score.leaks += bool(_segments() - before)
+    score.leaks += bool(segments() - before)
     score.extra["of them during setup"] = at_setup
     score.extra["all-reduces"] = calls
     score.extra["longest gap between results ms"] = round(worst * 1000, 1)

@@ -6,47 +6,46 @@ import argparse
 import sys
 
 
+def _add(sub, name: str, help: str, module) -> None:
+    """A subcommand whose parser and description are `module`'s."""
+    p = sub.add_parser(
+        name,
+        help=help,
+        description=module.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    module.add_arguments(p)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="clawcomm", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    from clawcomm import flight
     from clawcomm.bench import cli as bench_cli
-
-    bench = sub.add_parser(
-        "bench",
-        help="nccl-tests-style bandwidth tables, against gloo and MPI",
-        description=bench_cli.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    bench_cli.add_arguments(bench)
     from clawcomm.experiments import compression as compression_experiment
-
-    experiment = sub.add_parser("experiment", help="training experiments on local ranks")
-    kinds = experiment.add_subparsers(dest="experiment", required=True)
-    comp = kinds.add_parser(
-        "compression",
-        help="train a small model once per gradient compressor",
-        description=compression_experiment.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    compression_experiment.add_arguments(comp)
     from clawcomm.train import cli as train_cli
 
-    train = sub.add_parser(
+    parser = argparse.ArgumentParser(prog="clawcomm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add(sub, "bench", "nccl-tests-style bandwidth tables, against gloo and MPI", bench_cli)
+    experiment = sub.add_parser("experiment", help="training experiments on local ranks")
+    kinds = experiment.add_subparsers(dest="experiment", required=True)
+    _add(
+        kinds,
+        "compression",
+        "train a small model once per gradient compressor",
+        compression_experiment,
+    )
+    _add(
+        sub,
         "train",
-        help="data- and pipeline-parallel training on local ranks (or under torchrun)",
-        description=train_cli.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "data- and pipeline-parallel training on local ranks (or under torchrun)",
+        train_cli,
     )
-    train_cli.add_arguments(train)
-    from clawcomm import flight
-
-    flight_parser = sub.add_parser(
+    _add(
+        sub,
         "flight",
-        help="read the flight records of a failed job: which ranks are missing from which op",
-        description=flight.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "read the flight records of a failed job: which ranks are missing from which op",
+        flight,
     )
-    flight.add_arguments(flight_parser)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     if args.command == "bench":

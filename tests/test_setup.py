@@ -10,7 +10,6 @@ import datetime
 import os
 import signal
 import socket
-import struct
 import threading
 import time
 
@@ -18,15 +17,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from clawcomm.chaos import listening_ports, slow_to_read_addresses
+from clawcomm.chaos import listening_ports, segments, slow_to_read_addresses, tcp_hello
 from clawcomm.testing import RankFailure, run_ranks
 
 TRANSPORTS = [{"CLAWCOMM_TRANSPORT": "shm"}, {"CLAWCOMM_TRANSPORT": "tcp"}]
 TIMEOUT = 3.0  # the group's timeout in these tests (s)
-
-
-def _segments():
-    return {f for f in os.listdir("/dev/shm") if f.startswith("clawcomm-")}
 
 
 def _init(rank, ws, store_path):
@@ -66,7 +61,7 @@ def _killed_during_setup(rank, ws, store_path, kill_after):
     "kill_after", [None, 0.0, 0.004, 0.02], ids=["never", "0ms", "4ms", "20ms"]
 )
 def test_a_rank_killed_during_setup_fails_every_survivor_in_time(env, kill_after, tmp_path):
-    before = _segments()
+    before = segments()
     results = run_ranks(
         _killed_during_setup, 3, str(tmp_path / "store"), kill_after,
         env=env, init=False, timeout=60, allow_failures=True,
@@ -76,7 +71,7 @@ def test_a_rank_killed_during_setup_fails_every_survivor_in_time(env, kill_after
         error, elapsed = results[rank]
         assert "rank 2" in error, error
         assert elapsed < TIMEOUT + 1.0, (elapsed, error)
-    assert _segments() <= before, "a failed setup left shared memory behind"
+    assert segments() <= before, "a failed setup left shared memory behind"
 
 
 # --- stray clients at the listening socket ----------------------------------
@@ -86,7 +81,7 @@ def _strays(ports_seen, clients, stop):
     """Connects hostile clients to every new listening port of this process:
     one idle, one sending garbage, one a hello with a wrong token, one a
     hello cut short."""
-    hello = struct.pack("<IiQ", 0x636C7463, 1, 0xBAD)
+    hello = tcp_hello(1, 0xBAD)
     while not stop.is_set():
         for port in listening_ports() - ports_seen:
             ports_seen.add(port)

@@ -43,19 +43,18 @@ const std::string kFailed = "!failed: ";
 // post its failure for the ranks that wait on it.
 constexpr std::chrono::milliseconds kGrace(500);
 
-struct Published {
-  std::vector<std::string> keys;  // what this rank set so far (without the prefix)
-};
-
+// Connects this rank; `published` collects the keys it set (without the
+// prefix), for the failure notice.
 Connections connectAll(Store& store, const std::string& ns, int rank, int size,
-                       const Settings& settings, Clock::time_point deadline, Published& done) {
+                       const Settings& settings, Clock::time_point deadline,
+                       std::vector<std::string>& published) {
   Connections out;
   out.storeNamespace = ns;
   auto& conns = out.toRank;
   conns.resize(static_cast<size_t>(size));
   auto publish = [&](const std::string& key, const std::vector<uint8_t>& value) {
     store.set(ns + key, value);
-    done.keys.push_back(key);
+    published.push_back(key);
   };
   const auto started = Clock::now();
   // Waits for `key`, which rank `p` sets; the error names the rank that
@@ -189,9 +188,9 @@ Connections rendezvous(Store& store, int rank, int size, const Settings& setting
   //    that arrived before it, so nobody reads a predecessor's token.
   const int64_t arrival = store.add("clawcomm/arrivals", 1);
   const std::string ns = CLAWCOMM_CONCAT("clawcomm/", (arrival - 1) / size, "/");
-  Published done;
+  std::vector<std::string> published;
   try {
-    return connectAll(store, ns, rank, size, settings, deadline, done);
+    return connectAll(store, ns, rank, size, settings, deadline, published);
   } catch (const std::exception& e) {
     // Post the failure in place of every key this rank had yet to set.
     std::vector<std::string> keys = {"host/" + std::to_string(rank),
@@ -202,7 +201,7 @@ Connections rendezvous(Store& store, int rank, int size, const Settings& setting
     }
     const std::string why = kFailed + e.what();
     for (const auto& key : keys) {
-      if (std::find(done.keys.begin(), done.keys.end(), key) != done.keys.end()) continue;
+      if (std::find(published.begin(), published.end(), key) != published.end()) continue;
       try {
         store.set(ns + key, bytesOf(why));
       } catch (...) {  // the store is gone too: the others time out instead

@@ -17,8 +17,9 @@ void bindEngine(pybind11::module_& m);
 void bindCompress(pybind11::module_& m);
 // The `cuda` submodule (cuda/python_bindings.cc; CUDA builds only).
 void bindCuda(pybind11::module_& m);
-// The wire-format test hook `_feed_frames` (python/wire_bindings.cc).
-void bindWireTesting(pybind11::module_& m);
+// The test hooks `_feed_frames` and `_drop_last_reference_in_callback`
+// (python/test_hooks.cc).
+void bindTestHooks(pybind11::module_& m);
 
 // A SIMD level from its name ("portable", "avx2", "avx512"); None means the
 // active one.

@@ -18,7 +18,7 @@ PYBIND11_MODULE(_C, m) {
   namespace py = pybind11;
   m.doc() = "clawcomm's compiled core: the C++ engine, its kernels and codecs (no torch).";
   clawcomm::bindEngine(m);
-  clawcomm::bindWireTesting(m);
+  clawcomm::bindTestHooks(m);
 #if defined(CLAWCOMM_WITH_CUDA)
   clawcomm::bindCuda(m);
   m.attr("cuda_built") = true;

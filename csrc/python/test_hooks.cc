@@ -95,7 +95,7 @@ std::string dropLastReferenceInCallback() {
 
 }  // namespace
 
-void bindWireTesting(pybind11::module_& m) {
+void bindTestHooks(pybind11::module_& m) {
   m.def("_drop_last_reference_in_callback", &dropLastReferenceInCallback,
         pybind11::call_guard<pybind11::gil_scoped_release>(),
         "Test hook: a one-rank communicator's last reference dropped inside its completion "
