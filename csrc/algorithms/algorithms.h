@@ -9,6 +9,8 @@
 #include <vector>
 
 #include "algorithms/channel.h"
+#include "algorithms/topology.h"
+#include "common/cost_model.h"
 
 namespace clawcomm {
 
@@ -16,6 +18,19 @@ namespace clawcomm {
 // divides.
 void ringAllReduce(Channel& ch, void* buf, size_t count);
 void treeAllReduce(Channel& ch, void* buf, size_t count);
+// Shared memory inside each host, the network across them
+// (hierarchical_all_reduce.cc); the ring where the channel's topology is
+// not two or more hosts with the same number (two or more) of ranks each.
+void hierarchicalAllReduce(Channel& ch, void* buf, size_t count);
+// The hierarchical all-reduce cuts buffers into pieces of about this size
+// (at most kHierarchicalMaxPieces) to overlap its phases.
+constexpr size_t kHierarchicalPieceBytes = size_t(4) << 20;
+constexpr size_t kHierarchicalMaxPieces = 16;
+size_t hierarchicalPieces(size_t bytes);
+// The hierarchical all-reduce's algorithm across hosts for a shard of
+// `shardBytes`: `hosts` ranks, one per host, whose links each carry
+// `streams` such all-reduces at once.
+Algorithm crossHostAlgorithm(size_t shardBytes, int hosts, int streams, const CostModel& model);
 // All-reduce (sum) of float32 `buf` with 16-bit values on the wire: the
 // channel's dtype (kFloat16 or kBFloat16) is the wire format. Every rank's
 // input is first multiplied by `prescale` and the result by `postscale`
@@ -54,17 +69,21 @@ struct AllReduceAlgorithm {
   Algorithm id;
   const char* name;  // what CLAWCOMM_ALGO and all_reduce_algorithm() say
   void (*run)(Channel& ch, void* buf, size_t count);
-  // The cost model's prediction, in seconds, for `bytes` over `size` ranks.
-  double (*cost)(double bytes, int size);
 };
 
 // Every all-reduce algorithm CLAWCOMM_ALGO can name.
 const std::vector<AllReduceAlgorithm>& allReduceAlgorithms();
 
-// The all-reduce of `bytes` over `size` ranks: CLAWCOMM_ALGO's, or with
-// auto the one the cost model predicts fastest (CLAWCOMM_TREE_MAX_BYTES
-// overrides the model with a fixed crossover).
-const AllReduceAlgorithm& chooseAllReduce(size_t bytes, int size, const Settings& settings);
+// The cost model's prediction, in seconds, for an all-reduce of `bytes` per
+// rank over `topo` (docs/algorithms.md derives each formula; the
+// hierarchical one is infinite where it does not apply).
+double allReduceCost(Algorithm algo, double bytes, const Topology& topo, const CostModel& model);
+
+// The all-reduce of `bytes` over `topo`: CLAWCOMM_ALGO's, or with auto the
+// one the cost model predicts fastest (CLAWCOMM_TREE_MAX_BYTES overrides the
+// model with a fixed crossover between tree and ring).
+const AllReduceAlgorithm& chooseAllReduce(size_t bytes, const Topology& topo,
+                                          const Settings& settings);
 
 // Checks a CLAWCOMM_ALGO value: "auto" or a name in the table.
 void checkAlgorithmSetting(const std::string& value);

@@ -1,38 +1,73 @@
 #include "algorithms/channel.h"
 
+#include <algorithm>
+
+#include "common/errors.h"
+
 namespace clawcomm {
 
 Channel::Channel(Messenger& messenger, const OpSignature& sig, Clock::time_point deadline,
-                 const Settings& settings)
+                 const Settings& settings, const Topology& topology)
     : messenger_(messenger),
       sig_(sig),
       deadline_(deadline),
       settings_(settings),
-      sendSteps_(size_t(messenger.size()), 0),
-      recvSteps_(size_t(messenger.size()), 0) {}
+      topology_(topology),
+      steps_(std::make_shared<Steps>()),
+      rank_(messenger.rank()) {
+  steps_->send.assign(size_t(messenger.size()), 0);
+  steps_->recv.assign(size_t(messenger.size()), 0);
+  for (int r = 0; r < messenger.size(); ++r) members_.push_back(r);
+}
+
+Channel::Channel(Channel& parent, const std::vector<int>& members)
+    : messenger_(parent.messenger_),
+      sig_(parent.sig_),
+      deadline_(parent.deadline_),
+      settings_(parent.settings_),
+      topology_(parent.topology_),
+      steps_(parent.steps_),
+      rank_(-1) {
+  for (int m : members) {
+    if (m == parent.rank()) rank_ = int(members_.size());
+    members_.push_back(parent.globalRank(m));
+  }
+  CLAWCOMM_CHECK(rank_ >= 0, "rank ", parent.rank(), " is not a member of its own subgroup");
+}
 
 void Channel::send(int peer, const void* buf, size_t bytes) {
-  pending_.push_back(messenger_.sendCollective(peer, sig_, sendSteps_[peer]++, buf, bytes));
+  const int g = members_[size_t(peer)];
+  pending_.push_back(messenger_.sendCollective(g, sig_, steps_->send[size_t(g)]++, buf, bytes));
 }
 
 void Channel::recv(int peer, void* buf, size_t bytes) {
-  pending_.push_back(
-      messenger_.recvCollective(peer, sig_, recvSteps_[peer]++, ReceiveSink::copy(buf), bytes));
+  const int g = members_[size_t(peer)];
+  pending_.push_back(messenger_.recvCollective(g, sig_, steps_->recv[size_t(g)]++,
+                                               ReceiveSink::copy(buf), bytes));
 }
 
 void Channel::recvReduce(int peer, void* buf, size_t bytes) {
-  pending_.push_back(messenger_.recvCollective(
-      peer, sig_, recvSteps_[peer]++, ReceiveSink::reduce(buf, sig_.dtype, sig_.redop), bytes));
+  recvInto(peer, ReceiveSink::reduce(buf, sig_.dtype, sig_.redop), bytes);
 }
 
 void Channel::recvInto(int peer, const ReceiveSink& sink, size_t bytes) {
-  pending_.push_back(messenger_.recvCollective(peer, sig_, recvSteps_[peer]++, sink, bytes));
+  const int g = members_[size_t(peer)];
+  pending_.push_back(messenger_.recvCollective(g, sig_, steps_->recv[size_t(g)]++, sink, bytes));
 }
 
 void Channel::wait() {
   if (pending_.empty()) return;
   messenger_.waitAll(pending_, deadline_);
   pending_.clear();
+}
+
+bool Channel::test() {
+  if (pending_.empty()) return true;
+  messenger_.progress();
+  const bool done = std::all_of(pending_.begin(), pending_.end(),
+                                [](const TransferPtr& t) { return t->complete; });
+  if (done) pending_.clear();
+  return done;
 }
 
 }  // namespace clawcomm

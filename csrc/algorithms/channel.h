@@ -1,14 +1,22 @@
-// What an algorithm sees of the world: its rank, the group size, and tagged
-// sends and receives for one operation. Algorithms never name a transport.
+// What an algorithm sees of the world: its rank, the group size, where the
+// ranks run (the topology), and tagged sends and receives for one
+// operation. Algorithms never name a transport.
 //
 // Each send/receive between a pair of ranks gets the next step number for
 // that pair and direction, so the k-th send of rank a to rank b is matched
 // with the k-th receive of b from a, and both carry the op's signature.
+//
+// A channel can be narrowed to a subgroup (the ranks of one host, or one
+// rank of every host): the view numbers its members 0 .. size-1, keeps its
+// own list of posted transfers (so one phase can wait while another's stay
+// in flight), and shares the step counters with the whole group's channel.
 #pragma once
 
 #include <cstddef>
+#include <memory>
 #include <vector>
 
+#include "algorithms/topology.h"
 #include "common/op.h"
 #include "common/settings.h"
 #include "messenger/messenger.h"
@@ -18,10 +26,19 @@ namespace clawcomm {
 class Channel {
  public:
   Channel(Messenger& messenger, const OpSignature& sig, Clock::time_point deadline,
-          const Settings& settings);
+          const Settings& settings, const Topology& topology);
+  // The view of `parent` over `members` (ranks of the parent's numbering,
+  // this rank among them): member i is rank i of the view.
+  Channel(Channel& parent, const std::vector<int>& members);
+  Channel(const Channel&) = delete;
+  Channel& operator=(const Channel&) = delete;
 
-  int rank() const { return messenger_.rank(); }
-  int size() const { return messenger_.size(); }
+  int rank() const { return rank_; }
+  int size() const { return int(members_.size()); }
+  // Where the whole group's ranks run (global rank numbers).
+  const Topology& topology() const { return topology_; }
+  // The whole group's number of this view's rank `r`.
+  int globalRank(int r) const { return members_[size_t(r)]; }
   const OpSignature& signature() const { return sig_; }
   const Settings& settings() const { return settings_; }
   size_t elementBytes() const { return elementSize(sig_.dtype); }
@@ -37,20 +54,28 @@ class Channel {
   // (messenger/sink.h), e.g. decoded from 16 bits and added to a float32
   // buffer.
   void recvInto(int peer, const ReceiveSink& sink, size_t bytes);
-  // Waits for everything posted so far.
+  // Waits for everything posted so far through this view.
   void wait();
+  // Moves what can move now; true if everything posted through this view
+  // has completed (then it is forgotten, as after wait()).
+  bool test();
   // Moves whatever bytes can move now without blocking (posted sends into
   // the transport, arrived bytes into posted receives). An algorithm calls
   // it before computing on one segment while another is in flight.
   void progress() { messenger_.progress(); }
 
  private:
+  struct Steps {
+    std::vector<uint32_t> send, recv;  // per global peer
+  };
   Messenger& messenger_;
   OpSignature sig_;
   Clock::time_point deadline_;
   const Settings& settings_;
-  std::vector<uint32_t> sendSteps_;
-  std::vector<uint32_t> recvSteps_;
+  const Topology& topology_;
+  std::shared_ptr<Steps> steps_;
+  std::vector<int> members_;  // global rank of each member
+  int rank_;
   std::vector<TransferPtr> pending_;
 };
 

@@ -11,49 +11,78 @@ std::vector<size_t> evenCounts(size_t count, int n) {
   return counts;
 }
 
+std::vector<RingStep> reduceScatterSteps(int r, int n) {
+  std::vector<RingStep> steps;
+  for (int s = 0; s < n - 1; ++s) {
+    steps.push_back({ringIndex(r - s - 1, n), ringIndex(r - s - 2, n), /*reduce=*/true});
+  }
+  return steps;
+}
+
+std::vector<RingStep> allGatherSteps(int r, int n) {
+  std::vector<RingStep> steps;
+  for (int s = 0; s < n - 1; ++s) {
+    steps.push_back({ringIndex(r - s, n), ringIndex(r - s - 1, n), /*reduce=*/false});
+  }
+  return steps;
+}
+
+RingPipeline::RingPipeline(Channel& ch, void* buf, std::vector<size_t> counts,
+                           std::vector<RingStep> steps)
+    : ch_(ch),
+      base_(static_cast<uint8_t*>(buf)),
+      counts_(std::move(counts)),
+      steps_(std::move(steps)),
+      offsets_(counts_.size() + 1, 0) {
+  size_t largest = 0;
+  for (size_t c = 0; c < counts_.size(); ++c) {
+    offsets_[c + 1] = offsets_[c] + counts_[c];
+    largest = std::max(largest, counts_[c]);
+  }
+  const size_t segElems = std::max<size_t>(1, ch.settings().segmentBytes / ch.elementBytes());
+  segments_ = std::max<size_t>(1, (largest + segElems - 1) / segElems);
+  // One rank, or nothing to do: no waves.
+  waves_ = (ch.size() == 1 || steps_.empty()) ? 0 : segments_ + steps_.size() - 1;
+}
+
+// Segment j of chunk c: elements [c.begin + j*per, c.begin + min((j+1)*per, count)).
+void RingPipeline::segment(int c, size_t j, size_t* begin, size_t* len) const {
+  const size_t es = ch_.elementBytes();
+  const size_t per = (counts_[c] + segments_ - 1) / segments_;
+  const size_t lo = std::min(counts_[c], j * per);
+  const size_t hi = std::min(counts_[c], lo + per);
+  *begin = (offsets_[c] + lo) * es;
+  *len = (hi - lo) * es;
+}
+
+bool RingPipeline::postWave() {
+  if (wave_ >= waves_) return false;
+  const int n = ch_.size();
+  const int next = ringIndex(ch_.rank() + 1, n);
+  const int prev = ringIndex(ch_.rank() - 1, n);
+  // Every rank walks the same (wave, segment) order, so the k-th frame to
+  // the next rank is the k-th frame the next rank expects.
+  for (size_t j = 0; j < segments_; ++j) {
+    if (wave_ < j || wave_ - j >= steps_.size()) continue;
+    const RingStep& s = steps_[wave_ - j];
+    size_t off, len;
+    segment(s.sendChunk, j, &off, &len);
+    ch_.send(next, base_ + off, len);
+    segment(s.recvChunk, j, &off, &len);
+    if (s.reduce) {
+      ch_.recvReduce(prev, base_ + off, len);
+    } else {
+      ch_.recv(prev, base_ + off, len);
+    }
+  }
+  ++wave_;
+  return true;
+}
+
 void ringPipeline(Channel& ch, void* buf, const std::vector<size_t>& counts,
                   const std::vector<RingStep>& steps) {
-  const int n = ch.size();
-  if (n == 1 || steps.empty()) return;
-  const size_t es = ch.elementBytes();
-  uint8_t* base = static_cast<uint8_t*>(buf);
-  std::vector<size_t> offsets(counts.size() + 1, 0);
-  size_t largest = 0;
-  for (size_t c = 0; c < counts.size(); ++c) {
-    offsets[c + 1] = offsets[c] + counts[c];
-    largest = std::max(largest, counts[c]);
-  }
-  const size_t segElems = std::max<size_t>(1, ch.settings().segmentBytes / es);
-  const size_t segments = std::max<size_t>(1, (largest + segElems - 1) / segElems);
-  // Segment j of chunk c: elements [c.begin + j*per, c.begin + min((j+1)*per, count)).
-  auto segment = [&](int c, size_t j, size_t* begin, size_t* len) {
-    const size_t per = (counts[c] + segments - 1) / segments;
-    const size_t lo = std::min(counts[c], j * per);
-    const size_t hi = std::min(counts[c], lo + per);
-    *begin = (offsets[c] + lo) * es;
-    *len = (hi - lo) * es;
-  };
-  const int next = ringIndex(ch.rank() + 1, n);
-  const int prev = ringIndex(ch.rank() - 1, n);
-  const size_t numSteps = steps.size();
-  for (size_t wave = 0; wave + 1 < segments + numSteps; ++wave) {
-    // Every rank walks the same (wave, segment) order, so the k-th frame to
-    // the next rank is the k-th frame the next rank expects.
-    for (size_t j = 0; j < segments; ++j) {
-      if (wave < j || wave - j >= numSteps) continue;
-      const RingStep& s = steps[wave - j];
-      size_t off, len;
-      segment(s.sendChunk, j, &off, &len);
-      ch.send(next, base + off, len);
-      segment(s.recvChunk, j, &off, &len);
-      if (s.reduce) {
-        ch.recvReduce(prev, base + off, len);
-      } else {
-        ch.recv(prev, base + off, len);
-      }
-    }
-    ch.wait();
-  }
+  RingPipeline ring(ch, buf, counts, steps);
+  while (ring.postWave()) ch.wait();
 }
 
 }  // namespace clawcomm

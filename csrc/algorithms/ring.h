@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <vector>
 
 #include "algorithms/channel.h"
@@ -25,6 +26,34 @@ struct RingStep {
 // chunk of the step before it.
 void ringPipeline(Channel& ch, void* buf, const std::vector<size_t>& counts,
                   const std::vector<RingStep>& steps);
+
+// The same pipeline one wave at a time, for an algorithm that runs rings on
+// two subgroups at once (hierarchical all-reduce): postWave() posts the next
+// wave's sends and receives on the channel, and the caller waits for them
+// (Channel::wait or test) before it posts the next.
+class RingPipeline {
+ public:
+  RingPipeline(Channel& ch, void* buf, std::vector<size_t> counts, std::vector<RingStep> steps);
+  // False, posting nothing, once every wave has been posted.
+  bool postWave();
+
+ private:
+  void segment(int chunk, size_t j, size_t* begin, size_t* len) const;
+
+  Channel& ch_;
+  uint8_t* base_;
+  std::vector<size_t> counts_;
+  std::vector<RingStep> steps_;
+  std::vector<size_t> offsets_;
+  size_t segments_ = 1;
+  size_t wave_ = 0;
+  size_t waves_ = 0;
+};
+
+// The steps of a ring reduce-scatter (`reduce`) or all-gather, for `rank`
+// of `n`: afterwards rank r holds chunk r reduced, or every chunk.
+std::vector<RingStep> reduceScatterSteps(int rank, int n);
+std::vector<RingStep> allGatherSteps(int rank, int n);
 
 // n chunk sizes that differ by at most one element.
 std::vector<size_t> evenCounts(size_t count, int n);

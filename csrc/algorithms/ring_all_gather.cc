@@ -9,13 +9,7 @@
 namespace clawcomm {
 
 void ringAllGather(Channel& ch, void* buf, const std::vector<size_t>& counts) {
-  const int n = ch.size();
-  const int r = ch.rank();
-  std::vector<RingStep> steps;
-  for (int s = 0; s < n - 1; ++s) {
-    steps.push_back({ringIndex(r - s, n), ringIndex(r - s - 1, n), /*reduce=*/false});
-  }
-  ringPipeline(ch, buf, counts, steps);
+  ringPipeline(ch, buf, counts, allGatherSteps(ch.rank(), ch.size()));
 }
 
 }  // namespace clawcomm

@@ -16,16 +16,9 @@
 namespace clawcomm {
 
 void ringAllReduce(Channel& ch, void* buf, size_t count) {
-  const int n = ch.size();
-  const int r = ch.rank();
-  std::vector<RingStep> steps;
-  for (int s = 0; s < n - 1; ++s) {
-    steps.push_back({ringIndex(r - s - 1, n), ringIndex(r - s - 2, n), /*reduce=*/true});
-  }
-  for (int s = 0; s < n - 1; ++s) {
-    steps.push_back({ringIndex(r - s, n), ringIndex(r - s - 1, n), /*reduce=*/false});
-  }
-  ringPipeline(ch, buf, evenCounts(count, n), steps);
+  std::vector<RingStep> steps = reduceScatterSteps(ch.rank(), ch.size());
+  for (const RingStep& s : allGatherSteps(ch.rank(), ch.size())) steps.push_back(s);
+  ringPipeline(ch, buf, evenCounts(count, ch.size()), steps);
 }
 
 }  // namespace clawcomm

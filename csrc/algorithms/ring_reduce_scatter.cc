@@ -10,13 +10,7 @@
 namespace clawcomm {
 
 void ringReduceScatter(Channel& ch, void* buf, const std::vector<size_t>& counts) {
-  const int n = ch.size();
-  const int r = ch.rank();
-  std::vector<RingStep> steps;
-  for (int s = 0; s < n - 1; ++s) {
-    steps.push_back({ringIndex(r - s - 1, n), ringIndex(r - s - 2, n), /*reduce=*/true});
-  }
-  ringPipeline(ch, buf, counts, steps);
+  ringPipeline(ch, buf, counts, reduceScatterSteps(ch.rank(), ch.size()));
 }
 
 }  // namespace clawcomm

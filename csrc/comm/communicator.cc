@@ -123,6 +123,7 @@ Communicator::Communicator(std::shared_ptr<Store> store, int rank, int size,
   Connections conns = rendezvous(*store, rank, size, settings_, Clock::now() + this->timeout());
   jobToken_ = conns.jobToken;
   storeNamespace_ = conns.storeNamespace;
+  topology_ = Topology(conns.hostOf);
   transports_.resize(size_t(size));
   for (int p = 0; p < size; ++p) transports_[p] = p == rank ? "self" : conns.toRank[p]->kind();
   const int localRanks = conns.sameHostRanks;
@@ -208,7 +209,7 @@ void Communicator::countExternal(OpType type, uint64_t sent, uint64_t received) 
 }
 
 std::string Communicator::allReduceAlgorithm(size_t bytes) const {
-  return chooseAllReduce(bytes, size_, settings_).name;
+  return chooseAllReduce(bytes, topology_, settings_).name;
 }
 
 void Communicator::checkRoot(OpType op, int root) const {
@@ -229,7 +230,7 @@ void Communicator::checkCounts(OpType op, const std::vector<size_t>& counts,
 RequestPtr Communicator::allReduce(void* buf, size_t count, DataType dtype, ReduceOp op,
                                    Callback cb) {
   checkReduceOp(OpType::kAllReduce, dtype, op);
-  const AllReduceAlgorithm& algo = chooseAllReduce(count * elementSize(dtype), size_, settings_);
+  const AllReduceAlgorithm& algo = chooseAllReduce(count * elementSize(dtype), topology_, settings_);
   OpSignature sig{OpType::kAllReduce, dtype, op, -1, count};
   sig.algo = algo.id;
   const int n = size_;
@@ -522,7 +523,7 @@ void Communicator::runCollective(Op& op) {
   const Clock::time_point start = Clock::now();
   recorder_.started(op.record, start);
   try {
-    Channel ch(*messenger_, op.sig, start + this->timeout(), settings_);
+    Channel ch(*messenger_, op.sig, start + this->timeout(), settings_, topology_);
     op.run(ch);
   } catch (const TimeoutError&) {
     // "clawcomm::all_reduce: timeout after 5 s: rank 0 timed out waiting

@@ -25,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "algorithms/topology.h"
 #include "comm/recorder.h"
 #include "comm/request.h"
 #include "common/dtype.h"
@@ -96,7 +97,9 @@ class Communicator {
   // Where this communicator writes it if it fails.
   std::string flightRecordPath() const;
 
-  // "ring" or "tree": what all_reduce of `bytes` would use.
+  // Which host each rank runs on (hosts numbered by first rank).
+  const Topology& topology() const { return topology_; }
+  // "ring", "tree" or "hierarchical": what all_reduce of `bytes` would use.
   std::string allReduceAlgorithm(size_t bytes) const;
 
   // Buffers must stay valid until the request completes.
@@ -155,6 +158,7 @@ class Communicator {
   Settings settings_;
   std::unique_ptr<Messenger> messenger_;
   std::vector<std::string> transports_;
+  Topology topology_;
   std::string jobToken_;
   std::string storeNamespace_;
   Recorder recorder_;

@@ -110,6 +110,13 @@ Connections connectAll(Store& store, const std::string& ns, int rank, int size,
     ranks[p].host = theirs.substr(0, bar);
     if (p != rank) out.sameHostRanks += ranks[p].host == host;
   }
+  std::vector<std::string> hostNames;
+  out.hostOf.assign(size_t(size), 0);
+  for (int p = 0; p < size; ++p) {
+    auto it = std::find(hostNames.begin(), hostNames.end(), ranks[p].host);
+    out.hostOf[size_t(p)] = int(it - hostNames.begin());
+    if (it == hostNames.end()) hostNames.push_back(ranks[p].host);
+  }
 
   // 3. Each pair's transport: the forced one, which must be able to connect
   //    it, or the first in the registry that can.

@@ -27,6 +27,7 @@ const char* algorithmName(Algorithm a) {
     case Algorithm::kRing: return "ring";
     case Algorithm::kTree: return "tree";
     case Algorithm::kRing16BitWire: return "ring with a 16-bit wire";
+    case Algorithm::kHierarchical: return "hierarchical";
   }
   return "unknown-algorithm";
 }

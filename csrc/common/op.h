@@ -33,6 +33,7 @@ enum class Algorithm : uint8_t {
   kRing = 1,           // ring all-reduce (reduce-scatter + all-gather)
   kTree = 2,           // recursive doubling
   kRing16BitWire = 3,  // ring all-reduce of float32 with a 16-bit wire
+  kHierarchical = 4,   // shared memory inside hosts, the network across
 };
 
 const char* algorithmName(Algorithm a);

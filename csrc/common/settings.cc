@@ -56,6 +56,10 @@ Settings Settings::fromEnv() {
   simdChoiceFromEnv();  // CLAWCOMM_SIMD is read once per process; refuse a bad one at setup
   if (const char* v = env("CLAWCOMM_TRANSPORT")) s.transport = v;
   if (const char* v = env("CLAWCOMM_ALGO")) s.algo = v;
+  if (const char* v = env("CLAWCOMM_COST_MODEL")) {
+    s.costModelPath = v;
+    s.costModel = CostModel::load(v);
+  }
   // Ring sizes are rounded to 64 bytes so that frames stay aligned.
   s.shmRingBytes =
       envNumber("CLAWCOMM_SHM_RING_BYTES", s.shmRingBytes, 4096, 16 * kGiB) & ~size_t(63);
@@ -68,6 +72,7 @@ Settings Settings::fromEnv() {
     s.progressNice = int(envNumber("CLAWCOMM_PROGRESS_NICE", 0, 0, 19));  // a nice value
   }
   if (const char* v = env("CLAWCOMM_SOCKET_ADDR")) s.socketAddr = v;
+  if (const char* v = env("CLAWCOMM_SOCKET_IFNAME")) s.socketIfname = v;
   if (const char* v = env("CLAWCOMM_HOST_ID")) s.hostId = v;
   if (const char* v = env("CLAWCOMM_DEBUG")) s.debug = std::string(v) != "0";
   s.cudaIpc = envChoice("CLAWCOMM_CUDA_IPC", {"auto", "0"}) == 0;

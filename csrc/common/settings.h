@@ -7,6 +7,8 @@
 #include <cstddef>
 #include <string>
 
+#include "common/cost_model.h"
+
 namespace clawcomm {
 
 enum class SimdChoice { kAuto, kAvx512, kAvx2, kPortable };
@@ -22,10 +24,17 @@ struct Settings {
   // Checked against the registry when a communicator is created.
   std::string transport = "auto";
   // CLAWCOMM_ALGO=auto or an all-reduce algorithm's name
-  // (algorithms/selection.cc: ring, tree). auto picks by the cost model in
-  // docs/algorithms.md. Checked against the table when a communicator is
-  // created.
+  // (algorithms/selection.cc: ring, tree, hierarchical). auto picks by the
+  // cost model in docs/algorithms.md. hierarchical applies to groups on two
+  // or more hosts with the same number (two or more) of ranks on each;
+  // elsewhere it runs the ring. Checked against the table when a
+  // communicator is created.
   std::string algo = "auto";
+  // CLAWCOMM_COST_MODEL: a model file (`clawcomm bench --calibrate` writes
+  // one) whose latencies and bandwidths auto chooses by; unset means the
+  // defaults in common/cost_model.h.
+  std::string costModelPath;
+  CostModel costModel;
   // CLAWCOMM_SHM_RING_BYTES: bytes of each one-way shared-memory ring.
   size_t shmRingBytes = size_t(4) << 20;
   // CLAWCOMM_SEGMENT_BYTES: ring algorithms pipeline each chunk in segments of
@@ -59,8 +68,13 @@ struct Settings {
   // are unaffected.
   int progressNice = 10;
   // CLAWCOMM_SOCKET_ADDR: the IPv4 address this rank publishes for TCP peers.
-  // Empty means: resolve the host name, falling back to 127.0.0.1.
+  // Empty means: CLAWCOMM_SOCKET_IFNAME's address, or else resolve the host
+  // name, falling back to 127.0.0.1.
   std::string socketAddr;
+  // CLAWCOMM_SOCKET_IFNAME: the network interface (eth0, ib0, ...) whose
+  // IPv4 address TCP peers connect to, as NCCL_SOCKET_IFNAME. Checked at
+  // setup: an interface with no IPv4 address is an error.
+  std::string socketIfname;
   // CLAWCOMM_HOST_ID: the identity that decides which ranks share memory.
   // Empty means host name plus boot id. Set it to tell apart containers on
   // one machine that do not share /dev/shm (or to simulate hosts in tests).

@@ -2,6 +2,7 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <ifaddrs.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -152,7 +153,27 @@ class TcpConnection : public Connection {
 
 }  // namespace
 
-std::string TcpEndpoint::defaultHostAddress() {
+std::string TcpEndpoint::defaultHostAddress(const std::string& ifname) {
+  if (!ifname.empty()) {
+    ifaddrs* list = nullptr;
+    std::string found, seen;
+    if (getifaddrs(&list) == 0) {
+      for (ifaddrs* a = list; a; a = a->ifa_next) {
+        if (a->ifa_addr == nullptr || a->ifa_addr->sa_family != AF_INET) continue;
+        seen += std::string(seen.empty() ? "" : ", ") + a->ifa_name;
+        if (ifname != a->ifa_name || !found.empty()) continue;
+        char buf[INET_ADDRSTRLEN];
+        inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(a->ifa_addr)->sin_addr, buf,
+                  sizeof(buf));
+        found = buf;
+      }
+      freeifaddrs(list);
+    }
+    CLAWCOMM_ARG_CHECK(!found.empty(), "clawcomm: CLAWCOMM_SOCKET_IFNAME=", ifname,
+                       " has no IPv4 address here (interfaces with one: ",
+                       seen.empty() ? "none" : seen, ")");
+    return found;
+  }
   char host[256] = {0};
   if (gethostname(host, sizeof(host) - 1) == 0) {
     addrinfo hints{};

@@ -29,9 +29,11 @@ class TcpEndpoint : public Endpoint {
                                       Clock::time_point deadline) override;
   void finishSetup() override;
 
-  // The address to publish when CLAWCOMM_SOCKET_ADDR is unset: the host
-  // name's first non-loopback IPv4 address, else 127.0.0.1.
-  static std::string defaultHostAddress();
+  // The address to publish when CLAWCOMM_SOCKET_ADDR is unset: the
+  // interface's IPv4 address if `ifname` is set (CLAWCOMM_SOCKET_IFNAME; one
+  // without an address is an InvalidArgument), else the host name's first
+  // non-loopback IPv4 address, else 127.0.0.1.
+  static std::string defaultHostAddress(const std::string& ifname = "");
 
  private:
   // An accepted socket whose hello has not all arrived yet.

@@ -1,0 +1,37 @@
+// Where the ranks of a group run: what the hierarchical algorithms and
+// CLAWCOMM_ALGO=auto need to know beyond a rank and a size.
+#pragma once
+
+#include <cstddef>
+#include <vector>
+
+namespace clawcomm {
+
+// Which host each rank runs on: hosts are numbered in the order their first
+// rank appears.
+class Topology {
+ public:
+  Topology() = default;
+  explicit Topology(std::vector<int> hostOf);
+  // One host with `size` ranks.
+  static Topology singleHost(int size) { return Topology(std::vector<int>(size_t(size), 0)); }
+
+  int size() const { return int(hostOf_.size()); }
+  int hosts() const { return hosts_; }
+  int hostOf(int rank) const { return hostOf_[size_t(rank)]; }
+  // Every host runs the same number of ranks, at least two, and there are
+  // at least two hosts: the layout the hierarchical algorithms need.
+  bool hierarchical() const { return hosts_ >= 2 && ranksPerHost_ >= 2; }
+  int ranksPerHost() const { return ranksPerHost_; }  // 0 if hosts differ
+  // The ranks on `rank`'s host, ascending; `rank` is the i-th of them.
+  std::vector<int> localGroup(int rank) const;
+  // The i-th rank of every host, by host number, for `rank`'s i.
+  std::vector<int> crossGroup(int rank) const;
+
+ private:
+  std::vector<int> hostOf_;
+  int hosts_ = 0;
+  int ranksPerHost_ = 0;
+};
+
+}  // namespace clawcomm
