@@ -34,6 +34,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -78,6 +79,7 @@ def _kill_and_delete(ns: str) -> None:
         except (ProcessLookupError, ValueError):
             pass
     _ip("netns", "del", ns, check=False)
+    shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
 
 
 def _remove_stale() -> None:
@@ -158,6 +160,15 @@ class Cluster:
             _ip("-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
             _ip("-n", ns, "link", "set", "lo", "up")
+            # `ip netns exec` mounts these over /etc/resolv.conf and
+            # /etc/hosts: no name server (lookups fail at once instead of
+            # timing out on one the namespace cannot reach), and the shared
+            # host name resolves to this host's own address.
+            os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
+            with open(f"/etc/netns/{ns}/resolv.conf", "w") as f:
+                f.write("# no name server inside a test host\n")
+            with open(f"/etc/netns/{ns}/hosts", "w") as f:
+                f.write(f"127.0.0.1 localhost\n{self.addr(i)} {socket.gethostname()}\n")
             _ip("-n", self.switch, "link", "set", f"p{i}", "master", "br0")
             _ip("-n", self.switch, "link", "set", f"p{i}", "up")
             if self.rate:
@@ -204,6 +215,7 @@ class Cluster:
         env.update(
             CLAWCOMM_HOST_ID=f"netns-h{host}",
             CLAWCOMM_SOCKET_IFNAME="eth0",
+            GLOO_SOCKET_IFNAME="eth0",  # gloo (the bench's control group) too
             # torch's own TCPStore clients connect to host 0's address.
             NO_PROXY="*",
         )
@@ -240,6 +252,9 @@ class Cluster:
                 f"--nnodes={self.hosts}", f"--nproc-per-node={nproc_per_node}",
                 "--rdzv-backend=c10d", f"--rdzv-endpoint={self.addr(0)}:{RDZV_PORT}",
                 f"--rdzv-id={run_id}", f"--local-addr={self.addr(h)}", "--max-restarts=0",
+                # Host 0 serves the rendezvous store (torchrun's own guess
+                # compares host names, which every namespace shares).
+                f"--rdzv-conf=is_host={int(h == 0)}",
                 "--monitor-interval=0.2", *script_and_args,
             ]  # fmt: skip
             procs.append(

@@ -30,7 +30,7 @@ from clawcomm.bench.collectives import COLLECTIVES, DTYPE_ALIASES, REDOPS
 from clawcomm.testing import under_torchrun
 
 COMPARE_CHOICES = ("gloo", "mpi", "raw", "nccl")
-ALGO_CHOICES = ("ring", "tree", "auto")
+ALGO_CHOICES = ("ring", "tree", "hierarchical", "auto")
 
 
 def parse_size(text: str) -> int:
@@ -97,7 +97,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--algo",
         type=_csv(ALGO_CHOICES, "algorithm"),
         default=["auto"],
-        help="all-reduce algorithms to compare: ring,tree,auto (default auto)",
+        help="all-reduce algorithms to compare: ring,tree,hierarchical,auto (default auto)",
     )
     p.add_argument(
         "--compare",
