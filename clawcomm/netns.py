@@ -240,7 +240,8 @@ class Cluster:
         """Runs `script_and_args` on every host under torchrun (c10d
         rendezvous on host 0), nproc_per_node ranks per host, and waits for
         every host. `during(cluster)`, if given, is called once all hosts
-        have started (to cut a link or kill a host mid-run). Ranks are
+        have started (to cut a link or kill a host mid-run); if it returns
+        True, every host is killed when it returns. Ranks are
         numbered by host: host h runs ranks h*nproc .. (h+1)*nproc-1 when
         the rendezvous admits the hosts in order, which torchrun does not
         promise; a job reads GROUP_RANK or CLAWCOMM_HOST_ID to know."""
@@ -261,8 +262,9 @@ class Cluster:
                 self.popen(h, argv, env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            text=True, start_new_session=True)  # fmt: skip
             )
-        if during is not None:
-            during(self)
+        if during is not None and during(self):
+            for h in range(self.hosts):
+                self.kill(h)
         deadline = time.monotonic() + timeout
         runs = []
         for h, p in enumerate(procs):

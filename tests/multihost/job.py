@@ -1,0 +1,74 @@
+"""One rank of the multi-host tests (tests/multihost/test_multihost.py),
+started by torchrun inside a namespace host (clawcomm.netns):
+
+    python3 job.py conformance|training|fault OUT_DIR
+
+Writes OUT_DIR/rank<R>.json: the failures it found (conformance, training
+against single-process training) or, for fault, the error every all-reduce
+ended with once the test cut a link or killed a host, and when.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, TESTS)
+
+
+def _write(out_dir: str, rank: int, payload: dict) -> None:
+    tmp = os.path.join(out_dir, f"rank{rank}.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(payload, f)
+    os.replace(tmp, os.path.join(out_dir, f"rank{rank}.json"))
+
+
+def main() -> None:
+    what, out_dir = sys.argv[1], sys.argv[2]
+    import torch
+    import torch.distributed as dist
+
+    import clawcomm  # noqa: F401
+
+    timeout = float(os.environ.get("JOB_TIMEOUT_S", "30"))
+    dist.init_process_group("clawcomm", timeout=datetime.timedelta(seconds=timeout))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    result = {"rank": rank, "host": os.environ.get("CLAWCOMM_HOST_ID"), "failures": []}
+    backend = clawcomm.backend_of()
+    result["transports"] = [backend.transport_of(p) for p in range(world)]
+    result["algorithm_64MiB"] = backend.all_reduce_algorithm(64 << 20)
+    if what == "conformance":
+        from test_collectives import SWEEPS, run_sweeps, sweep_large
+
+        result["failures"] = run_sweeps(rank, world, [*SWEEPS, sweep_large])
+    elif what == "training":
+        from test_data_parallel import _assert_close, _train
+
+        try:
+            _assert_close([_train(rank, world, {"overlap": True})])
+        except AssertionError as e:
+            result["failures"].append(str(e)[:2000])
+    elif what == "fault":
+        # All-reduce until something breaks; the test cuts a link or kills
+        # a host once every rank has written its ready file.
+        t = torch.ones(4 << 20)
+        dist.all_reduce(t)
+        open(os.path.join(out_dir, f"ready{rank}"), "w").close()
+        try:
+            while True:
+                dist.all_reduce(t)
+        except Exception as e:  # noqa: BLE001 - the error is the result
+            result["error"] = str(e)[:1000]
+            result["error_at"] = time.time()
+        _write(out_dir, rank, result)
+        os._exit(0)  # no goodbye to peers that are gone
+    _write(out_dir, rank, result)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

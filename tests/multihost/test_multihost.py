@@ -1,0 +1,95 @@
+"""Two hosts of two ranks each, as network namespaces with 1 Gbit/s links
+(clawcomm.netns), each host under its own torchrun: every collective against
+local references, DataParallel and DDP against single-process training, and
+a link that dies or a host that is killed mid-run giving errors on every
+surviving rank within the timeout + 2 s.
+
+Skipped where namespaces cannot be made (no root, no iproute2).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import time
+
+import pytest
+
+from clawcomm.netns import Cluster, unavailable
+
+JOB = os.path.join(os.path.dirname(__file__), "job.py")
+WHY = unavailable()
+pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no namespace hosts: {WHY}")
+RATE = "1gbit"
+TIMEOUT_S = 5.0
+
+
+def _results(out_dir: str) -> dict[int, dict]:
+    results = {}
+    for path in glob.glob(os.path.join(out_dir, "rank*.json")):
+        with open(path) as f:
+            r = json.load(f)
+        results[r["rank"]] = r
+    return results
+
+
+def _run(what: str, tmp_path, hosts=2, per_host=2, during=None, timeout=240):
+    with Cluster(hosts, rate=RATE) as cluster:
+        runs = cluster.torchrun(
+            [JOB, what, str(tmp_path)],
+            per_host,
+            env={"JOB_TIMEOUT_S": str(TIMEOUT_S)},
+            timeout=timeout,
+            during=during,
+        )
+    return runs, _results(str(tmp_path))
+
+
+@pytest.mark.parametrize("what", ["conformance", "training"])
+def test_two_hosts_of_two_ranks(what, tmp_path):
+    runs, results = _run(what, tmp_path)
+    assert sorted(results) == [0, 1, 2, 3], "\n".join(r.output[-3000:] for r in runs)
+    for rank, r in results.items():
+        # Shared memory inside a host, TCP across; the hierarchical
+        # all-reduce for large buffers.
+        assert r["transports"].count("shm") == 1 and r["transports"].count("tcp") == 2, r
+        assert r["algorithm_64MiB"] == "hierarchical"
+        assert not r["failures"], f"rank {rank}: " + "\n".join(r["failures"][:20])
+    assert all(run.returncode == 0 for run in runs)
+
+
+def _fault(action: str, tmp_path) -> tuple[float, dict[int, dict]]:
+    """Starts the fault job, waits until every rank is all-reducing, then
+    cuts host 1's link or kills host 1; returns when that happened and what
+    every rank reported."""
+    when = {}
+
+    def during(cluster):
+        deadline = time.monotonic() + 120
+        while len(glob.glob(os.path.join(tmp_path, "ready*"))) < 4:
+            assert time.monotonic() < deadline, "the ranks never started"
+            time.sleep(0.1)
+        time.sleep(0.5)
+        when["t"] = time.time()
+        cluster.cut(1) if action == "cut" else cluster.kill(1)
+        expected = 4 if action == "cut" else 2
+        deadline = time.monotonic() + TIMEOUT_S + 30
+        while len(_results(str(tmp_path))) < expected and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return True  # stop whatever still runs
+
+    _, results = _run("fault", tmp_path, during=during)
+    return when["t"], results
+
+
+@pytest.mark.parametrize("action", ["cut", "kill"])
+def test_dead_link_or_host_errors_on_every_rank(action, tmp_path):
+    t0, results = _fault(action, tmp_path)
+    survivors = [0, 1, 2, 3] if action == "cut" else [0, 1]
+    assert sorted(results) == survivors, results
+    for rank in survivors:
+        r = results[rank]
+        assert "error" in r, r
+        took = r["error_at"] - t0
+        assert took <= TIMEOUT_S + 2, f"rank {rank} took {took:.1f} s: {r['error']}"
