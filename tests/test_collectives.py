@@ -374,6 +374,43 @@ def test_mixed_transports_two_hosts_of_two_ranks():
     assert not failures, "\n".join(failures[:40])
 
 
+def _hosts(*layout):
+    """rank_env for ranks on fake hosts: _hosts(2, 2) is two hosts of two."""
+    return [{"CLAWCOMM_HOST_ID": f"host-{h}"} for h, k in enumerate(layout) for _ in range(k)]
+
+
+@pytest.mark.parametrize("layout", [(2, 2), (3, 3), (2, 2, 2)])
+def test_hierarchical_all_reduce(layout):
+    """Shared memory inside each (fake) host, TCP across, every reduce op
+    and dtype, sizes from 0 to several MB (pipelined in pieces)."""
+    ranks = _hosts(*layout)
+    env = {"CLAWCOMM_ALGO": "hierarchical"}
+    results = run_ranks(_transports, len(ranks), rank_env=ranks, env=env)
+    assert {r[1] for r in results} == {"hierarchical"}
+    sweeps = [sweep_reductions, sweep_large] if layout == (2, 2) else [sweep_large]
+    results = run_ranks(run_sweeps, len(ranks), sweeps, rank_env=ranks, env=env, timeout=300)
+    failures = [f"rank {r}: {f}" for r, fs in enumerate(results) for f in fs]
+    assert not failures, "\n".join(failures[:40])
+
+
+def test_hierarchical_falls_back_to_the_ring_on_uneven_hosts():
+    ranks = _hosts(2, 1)
+    results = run_ranks(_transports, 3, rank_env=ranks, env={"CLAWCOMM_ALGO": "hierarchical"})
+    assert {r[1] for r in results} == {"ring"}
+    results = run_ranks(run_sweeps, 3, [sweep_large], rank_env=ranks, timeout=300)
+    assert not any(results)
+
+
+def test_auto_picks_hierarchical_for_large_buffers_across_hosts():
+    def algos(rank, ws):
+        from clawcomm import backend_of
+
+        return [backend_of().all_reduce_algorithm(b) for b in (8, 64 << 20)]
+
+    assert run_ranks(algos, 4, rank_env=_hosts(2, 2))[0] == ["tree", "hierarchical"]
+    assert run_ranks(algos, 4)[0] == ["tree", "ring"]  # one host
+
+
 def _transports(rank, ws):
     from clawcomm import backend_of
 
