@@ -356,6 +356,20 @@ def _feed_frames(data: bytes, recv_bytes: int = -1) -> str:
     Test hook: parses `data` as the frames rank 1 sends rank 0, then receives a point-to-point message of recv_bytes (tag 0) if recv_bytes >= 0. Returns the error raised, or ''.
     """
 
+def _all_reduce_cost(
+    algo: str, nbytes: typing.SupportsFloat, host_of: list[int], model: dict
+) -> float:
+    """
+    The engine's predicted seconds for an all-reduce of nbytes on ranks placed on host_of[r] (model: a dict of shm_alpha, shm_beta, net_alpha, net_beta, gamma).
+    """
+
+def _choose_all_reduce(
+    nbytes: typing.SupportsFloat, host_of: list[int], model: dict
+) -> str:
+    """
+    What CLAWCOMM_ALGO=auto picks for an all-reduce of nbytes on that layout.
+    """
+
 def _drop_last_reference_in_callback() -> str:
     """
     Test hook: a one-rank communicator's last reference dropped inside its completion callback; returns the thread the callback ran on.

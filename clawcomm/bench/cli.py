@@ -121,6 +121,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="clawcomm transport (sets CLAWCOMM_TRANSPORT)",
     )
     p.add_argument("--json", metavar="FILE", help="write every measurement as JSON")
+    p.add_argument(
+        "--calibrate",
+        metavar="FILE",
+        help="instead of the tables: measure the cost model's latencies and bandwidths "
+        "(shared memory, network, reduction) and write a model file for "
+        "CLAWCOMM_COST_MODEL and clawcomm simulate",
+    )
     p.add_argument("--plot", metavar="FILE", help="draw busbw against size (PNG)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -227,6 +234,11 @@ def run(args, argv: list[str] | None = None) -> int:
     recorded in the JSON so a result file says how to reproduce it."""
     from clawcomm.bench.report import format_tables, plot, write_json
     from clawcomm.bench.torch_worker import clawcomm_name, rank_main, reference_algo
+
+    if args.calibrate:
+        from clawcomm.bench import calibrate
+
+        return calibrate.run(args.calibrate, under_torchrun())
 
     try:
         sizes = sizes_from(args)

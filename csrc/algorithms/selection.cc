@@ -5,7 +5,7 @@
 // shm_alpha + bytes * shm_beta; one between hosts costs
 // net_alpha + bytes * net_beta * (streams through the busiest host link in
 // that step). A step costs its slowest message. With n ranks, N bytes:
-//   ring: 2 (n-1) steps of N/n bytes, + (n-1)/n N gamma
+//   ring: n-1 reducing and n-1 copying steps of N/n bytes (see ringSteps)
 //   tree: log2 n exchanges of N bytes (+ a fold and unfold when n is not a
 //         power of two), + N gamma each
 //   hierarchical (m hosts x k ranks, P pieces): per piece, shm = a ring
@@ -43,11 +43,39 @@ double stepCost(const Topology& t, const CostModel& m, double bytes, Partner par
   return cost;
 }
 
+// `reducing` then `copying` steps of the ring 0 -> 1 -> ... -> n-1 -> 0 with
+// `chunk` bytes each. With only shared-memory edges, or only network ones,
+// every step is a message and (when reducing) a reduction. With both, the
+// link is the bottleneck: the ranks behind a shared-memory edge reduce
+// while the link carries the next chunk, so a step costs the slower of the
+// link's message and a local message plus its reduction, with one
+// reduction left at the end.
+double ringSteps(const Topology& t, const CostModel& m, double chunk, int reducing, int copying) {
+  const int n = t.size();
+  bool local = false;
+  std::vector<int> leaving(size_t(t.hosts()), 0);
+  for (int r = 0; r < n; ++r) {
+    const int next = (r + 1) % n;
+    if (t.hostOf(next) == t.hostOf(r)) {
+      local = true;
+    } else {
+      ++leaving[size_t(t.hostOf(r))];
+    }
+  }
+  const int streams = *std::max_element(leaving.begin(), leaving.end());
+  const double shm = m.shmAlpha + chunk * m.shmBeta;
+  const double reduce = chunk * m.gamma;
+  if (streams == 0) return reducing * (shm + reduce) + copying * shm;
+  const double net = m.netAlpha + streams * chunk * m.netBeta;
+  if (!local) return reducing * (net + reduce) + copying * net;
+  return reducing * std::max(net, shm + reduce) + copying * std::max(net, shm) +
+         (reducing > 0 ? reduce : 0.0);
+}
+
 double ringCost(double N, const Topology& t, const CostModel& m) {
   const int n = t.size();
   if (n <= 1) return 0;
-  const double step = stepCost(t, m, N / n, [n](int r) { return (r + 1) % n; });
-  return 2 * (n - 1) * step + double(n - 1) / n * N * m.gamma;
+  return ringSteps(t, m, N / n, n - 1, n - 1);
 }
 
 double treeCost(double N, const Topology& t, const CostModel& m) {

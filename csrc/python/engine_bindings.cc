@@ -6,6 +6,7 @@
 #include <memory>
 #include <string>
 
+#include "algorithms/algorithms.h"
 #include "comm/communicator.h"
 #include "common/errors.h"
 #include "reduce/reduce_kernels.h"
@@ -225,6 +226,41 @@ void bindKernels(py::module_& m) {
       "ring's last reduce-scatter step.");
 }
 
+// The engine's cost model, for clawcomm.model's tests: the closed forms in
+// Python must agree with the ones auto chooses by.
+CostModel costModelOf(const py::dict& d) {
+  CostModel m;
+  m.shmAlpha = d["shm_alpha"].cast<double>();
+  m.shmBeta = d["shm_beta"].cast<double>();
+  m.netAlpha = d["net_alpha"].cast<double>();
+  m.netBeta = d["net_beta"].cast<double>();
+  m.gamma = d["gamma"].cast<double>();
+  return m;
+}
+
+void bindCostModel(py::module_& m) {
+  m.def(
+      "_all_reduce_cost",
+      [](const std::string& algo, double nbytes, std::vector<int> hostOf, const py::dict& model) {
+        for (const AllReduceAlgorithm& a : allReduceAlgorithms()) {
+          if (algo == a.name) return allReduceCost(a.id, nbytes, Topology(hostOf), costModelOf(model));
+        }
+        throw InvalidArgument("clawcomm: no all-reduce algorithm " + algo);
+      },
+      py::arg("algo"), py::arg("nbytes"), py::arg("host_of"), py::arg("model"),
+      "The engine's predicted seconds for an all-reduce of nbytes on ranks placed on host_of[r] "
+      "(model: a dict of shm_alpha, shm_beta, net_alpha, net_beta, gamma).");
+  m.def(
+      "_choose_all_reduce",
+      [](double nbytes, std::vector<int> hostOf, const py::dict& model) {
+        Settings s;
+        s.costModel = costModelOf(model);
+        return std::string(chooseAllReduce(size_t(nbytes), Topology(hostOf), s).name);
+      },
+      py::arg("nbytes"), py::arg("host_of"), py::arg("model"),
+      "What CLAWCOMM_ALGO=auto picks for an all-reduce of nbytes on that layout.");
+}
+
 }  // namespace
 
 SimdLevel parseLevel(const py::object& level) {
@@ -405,6 +441,7 @@ void bindEngine(py::module_& m) {
           py::arg("tag") = 0, "Sends to `dst` while receiving from `src`.");
   bindKernels(m);
   bindCompress(m);
+  bindCostModel(m);
 }
 
 }  // namespace clawcomm

@@ -1,0 +1,150 @@
+"""``clawcomm bench --calibrate FILE``: measures the cost model's building
+blocks and writes a model file (clawcomm.model.CostModel) for
+``CLAWCOMM_COST_MODEL`` and ``clawcomm simulate``.
+
+    clawcomm bench --calibrate model.json     # one host: the "network" is TCP on loopback
+    torchrun --nnodes 2 --nproc-per-node 2 ... -m clawcomm.cli bench --calibrate model.json
+
+* shm_alpha, shm_beta: ping-pong between two ranks of one host (shared
+  memory); the one-way time of each size, fitted as alpha + bytes * beta
+  by least squares over 8 B .. 4 MiB.
+* net_alpha, net_beta: the same between ranks on two hosts (TCP).
+* gamma: the float32 sum kernel over 64 MiB, per byte.
+
+Building blocks, not whole collectives, as ASTRA-sim and SimAI calibrate:
+the collectives are then predicted from these, and bench/model_validation.py
+compares the predictions with measured times.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+SIZES = [8, 1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20]
+
+
+def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least squares of t = alpha + bytes * beta, both kept >= 0 (weighted
+    by 1/t so small messages count as much as large ones)."""
+    x = np.array([p[0] for p in points], dtype=float)
+    t = np.array([p[1] for p in points], dtype=float)
+    w = 1 / t
+    a = np.stack([np.ones_like(x), x], axis=1) * w[:, None]
+    alpha, beta = np.linalg.lstsq(a, t * w, rcond=None)[0]
+    return max(float(alpha), 1e-7), max(float(beta), 1e-13)
+
+
+def _ping_pong(engine, me: int, peer: int, first: bool, budget_s: float = 0.4):
+    """One-way seconds per size between `me` and `peer` (best of repeats)."""
+    out = []
+    for size in SIZES:
+        buf = np.zeros(size, dtype=np.uint8)
+        # Both sides agree on the repeat count: from the size alone.
+        reps = max(3, min(200, int(budget_s / max(1e-5, size * 1e-9 * 4))))
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            if first:
+                engine.send(buf, peer)
+                engine.recv(buf, peer)
+            else:
+                engine.recv(buf, peer)
+                engine.send(buf, peer)
+            best = min(best, (time.perf_counter() - t0) / 2)
+        out.append((size, best))
+    return out
+
+
+def _gamma() -> float:
+    from clawcomm import _C
+
+    n = 16 << 20  # float32: 64 MiB
+    dst, src = np.ones(n, dtype=np.float32), np.ones(n, dtype=np.float32)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        _C.kernels.reduce(dst, src, "sum")
+        best = min(best, time.perf_counter() - t0)
+    return best / (4 * n)
+
+
+def calibrate_rank(rank: int, world: int, transports: list[str]) -> dict | None:
+    """Runs on every rank of a group; returns the model's numbers on rank 0.
+    Rank 0 ping-pongs with its first shared-memory peer, then with its first
+    TCP peer; the others wait at barriers."""
+    import torch.distributed as dist
+
+    import clawcomm
+
+    engine = clawcomm.engine_of()
+    peers = {kind: next((p for p, t in enumerate(transports) if t == kind), None)
+             for kind in ("shm", "tcp")}  # fmt: skip
+    # Every rank learns rank 0's peers (the others' transports differ).
+    plan = [peers["shm"] if peers["shm"] is not None else -1,
+            peers["tcp"] if peers["tcp"] is not None else -1]  # fmt: skip
+    dist.broadcast_object_list(plan, src=0)
+    results: dict[str, list] = {}
+    for kind, peer in zip(("shm", "tcp"), plan, strict=True):
+        dist.barrier()
+        if peer < 0:
+            continue
+        if rank == 0:
+            results[kind] = _ping_pong(engine, 0, peer, first=True)
+        elif rank == peer:
+            _ping_pong(engine, peer, 0, first=False)
+    dist.barrier()
+    if rank != 0:
+        return None
+    out: dict = {"gamma": _gamma(), "points": results}
+    for kind, prefix in (("shm", "shm"), ("tcp", "net")):
+        if kind in results:
+            out[f"{prefix}_alpha"], out[f"{prefix}_beta"] = _fit(results[kind])
+    return out
+
+
+def _local_rank(rank: int, world: int) -> dict | None:
+    from clawcomm import backend_of
+
+    transports = [backend_of().transport_of(p) for p in range(world)]
+    return calibrate_rank(rank, world, transports)
+
+
+def run(path: str, torchrun: bool) -> int:
+    """`clawcomm bench --calibrate`: on local ranks (two on one host, one
+    on a pretend second host over TCP), or on torchrun's ranks."""
+    from clawcomm.model import CostModel
+
+    if torchrun:
+        import torch.distributed as dist
+
+        import clawcomm  # noqa: F401
+
+        dist.init_process_group("clawcomm")
+        try:
+            numbers = _local_rank(dist.get_rank(), dist.get_world_size())
+        finally:
+            dist.destroy_process_group()
+        if numbers is None:
+            return 0
+        where = f"{os.environ.get('WORLD_SIZE')} ranks under torchrun"
+    else:
+        from clawcomm.testing import run_ranks
+
+        hosts = [{"CLAWCOMM_HOST_ID": h} for h in ("calibrate-a", "calibrate-a", "calibrate-b")]
+        numbers = run_ranks(_local_rank, 3, rank_env=hosts, timeout=300)[0]
+        where = "one host (network: TCP on loopback)"
+    defaults = CostModel()
+    model = CostModel(**{k: numbers.get(k, getattr(defaults, k))
+                         for k in ("shm_alpha", "shm_beta", "net_alpha", "net_beta", "gamma")})  # fmt: skip
+    missing = [k for k in ("shm", "tcp") if k not in numbers["points"]]
+    model.save(path, measured_on=where, not_measured=missing, points=numbers["points"])
+    print(f"clawcomm bench --calibrate: wrote {path} ({where})")
+    print(f"  shared memory: alpha {model.shm_alpha * 1e6:.1f} us, {1 / model.shm_beta / 1e9:.2f} GB/s")
+    print(f"  network:       alpha {model.net_alpha * 1e6:.1f} us, {1 / model.net_beta / 1e9:.3f} GB/s")
+    print(f"  reduction:     {1 / model.gamma / 1e9:.2f} GB/s")
+    if missing:
+        print(f"  not measured (no such peer), defaults kept: {', '.join(missing)}")
+    return 0

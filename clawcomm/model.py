@@ -1,0 +1,288 @@
+"""The cost model: what a collective takes on a layout of hosts x ranks.
+
+The engine's ``CLAWCOMM_ALGO=auto`` chooses by the same closed forms
+(``csrc/algorithms/selection.cc``; tests compare the two), and
+``clawcomm simulate`` prints them at any scale. ``clawcomm.simulator`` runs
+the same algorithms message by message as a check.
+
+A message between ranks of one host costs ``shm_alpha + bytes * shm_beta``.
+One between hosts costs ``net_alpha + bytes * net_beta`` per stream, and the
+streams that leave one host in the same step share its link, so ``s`` of
+them take ``net_alpha + s * bytes * net_beta``. A step costs its slowest
+message; reducing costs ``gamma`` per byte. docs/algorithms.md derives each
+formula.
+
+    from clawcomm.model import CostModel, Layout, predict
+    model = CostModel.load("model.json")            # clawcomm bench --calibrate
+    predict("all_reduce", "hierarchical", 1 << 30, Layout(128, 8), model)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+
+__all__ = [
+    "ALGORITHMS",
+    "CostModel",
+    "Layout",
+    "busbw_factor",
+    "choose",
+    "hierarchical_pieces",
+    "predict",
+]
+
+# Mirrors csrc/algorithms/algorithms.h.
+PIECE_BYTES = 4 << 20
+MAX_PIECES = 16
+
+# Which algorithms each collective has (the engine's names).
+ALGORITHMS = {
+    "all_reduce": ("ring", "tree", "hierarchical"),
+    "reduce_scatter": ("ring",),
+    "all_gather": ("ring",),
+    "broadcast": ("binomial",),
+}
+
+
+@dataclass
+class CostModel:
+    """Seconds per message (alpha), per byte (beta) and per byte reduced
+    (gamma); the defaults are the engine's (csrc/common/cost_model.h)."""
+
+    shm_alpha: float = 8e-6
+    shm_beta: float = 1 / 5e9
+    net_alpha: float = 50e-6
+    net_beta: float = 1 / 1.25e9
+    gamma: float = 1 / 4e9
+
+    @classmethod
+    def load(cls, path: str) -> CostModel:
+        with open(path) as f:
+            data = json.load(f)
+        missing = [f.name for f in fields(cls) if f.name not in data]
+        if missing:
+            raise ValueError(f"cost model {path}: missing {', '.join(missing)}")
+        return cls(**{f.name: float(data[f.name]) for f in fields(cls)})
+
+    def save(self, path: str, **extra) -> None:
+        with open(path, "w") as f:
+            json.dump({**asdict(self), **extra}, f, indent=2)
+            f.write("\n")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """`hosts` hosts of `ranks_per_host` ranks, numbered host by host (as
+    torchrun numbers them)."""
+
+    hosts: int
+    ranks_per_host: int
+
+    @property
+    def size(self) -> int:
+        return self.hosts * self.ranks_per_host
+
+    def host_of(self, rank: int) -> int:
+        return rank // self.ranks_per_host
+
+    @property
+    def hierarchical(self) -> bool:
+        return self.hosts >= 2 and self.ranks_per_host >= 2
+
+
+def busbw_factor(collective: str, n: int) -> float:
+    """nccl-tests' factor from algorithm bandwidth to bus bandwidth."""
+    if n <= 1:
+        return 1.0
+    return {"all_reduce": 2 * (n - 1) / n, "broadcast": 1.0}.get(collective, (n - 1) / n)
+
+
+def hierarchical_pieces(nbytes: float) -> int:
+    return int(min(MAX_PIECES, max(1, nbytes // PIECE_BYTES)))
+
+
+def _streams(layout: Layout, partner) -> tuple[bool, int]:
+    """Whether some message of the step stays inside a host, and the most
+    streams leaving one host, when rank r sends to partner(r) (None: r
+    sends nothing)."""
+    local, leaving = False, {}
+    for r in range(layout.size):
+        p = partner(r)
+        if p is None or p == r:
+            continue
+        if layout.host_of(p) == layout.host_of(r):
+            local = True
+        else:
+            h = layout.host_of(r)
+            leaving[h] = leaving.get(h, 0) + 1
+    return local, max(leaving.values(), default=0)
+
+
+def _step(layout: Layout, m: CostModel, nbytes: float, partner) -> float:
+    local, streams = _streams(layout, partner)
+    cost = m.shm_alpha + nbytes * m.shm_beta if local else 0.0
+    if streams:
+        cost = max(cost, m.net_alpha + streams * nbytes * m.net_beta)
+    return cost
+
+
+def _ring_steps(layout: Layout, m: CostModel, chunk: float, reducing: int, copying: int) -> float:
+    """`reducing` then `copying` steps of the ring 0 -> 1 -> ... -> n-1 -> 0
+    over ranks numbered host by host: one stream leaves each host (two
+    hosts or more), the other edges stay inside hosts. On one host every
+    step is a copy and a reduction. Across hosts the link is the
+    bottleneck: the ranks behind a shared-memory edge reduce while the
+    link carries the next chunk, so a step costs the slower of the link's
+    message and a local message plus its reduction, and one reduction is
+    left at the end."""
+    k, hosts = layout.ranks_per_host, layout.hosts
+    shm = m.shm_alpha + chunk * m.shm_beta if k > 1 else 0.0
+    reduce = chunk * m.gamma
+    if hosts == 1:
+        return reducing * (shm + reduce) + copying * shm
+    net = m.net_alpha + chunk * m.net_beta
+    if k == 1:  # every edge crosses a link
+        return reducing * (net + reduce) + copying * net
+    cost = reducing * max(net, shm + reduce) + copying * max(net, shm)
+    return cost + (reduce if reducing else 0.0)
+
+
+def ring_all_reduce(N: float, layout: Layout, m: CostModel) -> float:
+    n = layout.size
+    if n <= 1:
+        return 0.0
+    return _ring_steps(layout, m, N / n, n - 1, n - 1)
+
+
+def ring_reduce_scatter(N: float, layout: Layout, m: CostModel) -> float:
+    n = layout.size
+    if n <= 1:
+        return 0.0
+    return _ring_steps(layout, m, N / n, n - 1, 0)
+
+
+def ring_all_gather(N: float, layout: Layout, m: CostModel) -> float:
+    n = layout.size
+    if n <= 1:
+        return 0.0
+    return _ring_steps(layout, m, N / n, 0, n - 1)
+
+
+def tree_all_reduce(N: float, layout: Layout, m: CostModel) -> float:
+    n = layout.size
+    p = 1
+    while p * 2 <= n:
+        p *= 2
+    extra = n - p
+    cost = 0.0
+    if extra > 0:
+        fold = _step(layout, m, N, lambda r: (r ^ 1) if r < 2 * extra else None)
+        cost += 2 * fold + N * m.gamma
+    survivor = [r for r in range(n) if r >= 2 * extra or r % 2 == 1]
+    index = {r: i for i, r in enumerate(survivor)}
+    mask = 1
+    while mask < p:
+        cost += _step(
+            layout,
+            m,
+            N,
+            lambda r, mask=mask: survivor[index[r] ^ mask] if r in index else None,
+        )
+        cost += N * m.gamma
+        mask *= 2
+    return cost
+
+
+def _cross_host(shard: float, hosts: int, streams: int, m: CostModel, pieces: int) -> float:
+    """The hierarchical all-reduce's network phase: ring (or, unpipelined,
+    the cheaper of ring and tree) over one rank per host, `streams` of them
+    sharing each link."""
+    shared = CostModel(m.shm_alpha, m.shm_beta, m.net_alpha, m.net_beta * streams, m.gamma)
+    across = Layout(hosts, 1)
+    ring = ring_all_reduce(shard, across, shared)
+    if pieces > 1:
+        return ring
+    return min(ring, tree_all_reduce(shard, across, shared))
+
+
+def hierarchical_all_reduce(N: float, layout: Layout, m: CostModel) -> float:
+    if not layout.hierarchical:
+        return math.inf
+    k, hosts = layout.ranks_per_host, layout.hosts
+    pieces = hierarchical_pieces(N)
+    piece = N / pieces
+    shm = 2 * (k - 1) * (m.shm_alpha + piece / k * m.shm_beta) + (k - 1) / k * piece * m.gamma
+    net = _cross_host(piece / k, hosts, k, m, pieces)
+    if pieces == 1:
+        return shm + net
+    return pieces * max(shm, net) + min(shm, net)
+
+
+def binomial_broadcast(N: float, layout: Layout, m: CostModel) -> float:
+    """Each rank receives from its parent (its number with the lowest set
+    bit cleared, root 0), then sends to all its children at once (the
+    cross-host ones sharing the link) and acknowledges to its parent with
+    an empty message; the time is when the last acknowledgement lands."""
+    n = layout.size
+    if n <= 1:
+        return 0.0
+    got = [0.0] * n  # when each rank has the data
+    finish = 0.0
+    for v in range(1, n):
+        parent = v & (v - 1)
+        if layout.host_of(parent) == layout.host_of(v):
+            got[v] = got[parent] + m.shm_alpha + N * m.shm_beta
+            ack = m.shm_alpha
+        else:
+            # The parent sends to its children largest subtree first, all
+            # at once: the cross-host ones queue on its link in that order.
+            low = (parent & -parent) if parent else 1 << n.bit_length()
+            mask, queued = 1 << n.bit_length(), 0
+            while mask >= v - parent:
+                child = parent + mask
+                if mask < low and child < n and layout.host_of(child) != layout.host_of(parent):
+                    queued += 1
+                mask >>= 1
+            got[v] = got[parent] + m.net_alpha + queued * N * m.net_beta
+            ack = m.net_alpha
+        finish = max(finish, got[v] + ack)
+    return finish
+
+
+_FORMULAS = {
+    ("all_reduce", "ring"): ring_all_reduce,
+    ("all_reduce", "tree"): tree_all_reduce,
+    ("all_reduce", "hierarchical"): hierarchical_all_reduce,
+    ("reduce_scatter", "ring"): ring_reduce_scatter,
+    ("all_gather", "ring"): ring_all_gather,
+    ("broadcast", "binomial"): binomial_broadcast,
+}
+
+
+def predict(collective: str, algo: str, nbytes: float, layout: Layout, model: CostModel) -> float:
+    """Seconds for `collective` of `nbytes` per rank (an all-reduce's whole
+    buffer; all-gather's output, reduce-scatter's input, as nccl-tests
+    counts them)."""
+    if algo == "auto":
+        algo = choose(collective, nbytes, layout, model)
+    try:
+        formula = _FORMULAS[(collective, algo)]
+    except KeyError:
+        raise ValueError(f"no {algo!r} algorithm for {collective}") from None
+    return formula(float(nbytes), layout, model)
+
+
+def choose(collective: str, nbytes: float, layout: Layout, model: CostModel) -> str:
+    """What CLAWCOMM_ALGO=auto picks: the cheapest, ties to the later row
+    (as the engine)."""
+    algos = ALGORITHMS[collective]
+    if collective == "all_reduce" and layout.size <= 1:
+        return "tree"
+    best, best_cost = algos[0], math.inf
+    for a in algos:
+        c = _FORMULAS[(collective, a)](float(nbytes), layout, model)
+        if c <= best_cost:
+            best, best_cost = a, c
+    return best
