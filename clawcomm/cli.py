@@ -18,7 +18,7 @@ def _add(sub, name: str, help: str, module) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from clawcomm import flight
+    from clawcomm import flight, simulate
     from clawcomm.bench import cli as bench_cli
     from clawcomm.experiments import compression as compression_experiment
     from clawcomm.train import cli as train_cli
@@ -46,6 +46,12 @@ def main(argv: list[str] | None = None) -> int:
         "read the flight records of a failed job: which ranks are missing from which op",
         flight,
     )
+    _add(
+        sub,
+        "simulate",
+        "predict collectives and a training step's communication at any scale from a model",
+        simulate,
+    )
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     if args.command == "bench":
@@ -56,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         return train_cli.run(args)
     if args.command == "flight":
         return flight.run(args)
+    if args.command == "simulate":
+        return simulate.run(args)
     return 2
 
 

@@ -6,8 +6,8 @@ blocks and writes a model file (clawcomm.model.CostModel) for
     torchrun --nnodes 2 --nproc-per-node 2 ... -m clawcomm.cli bench --calibrate model.json
 
 * shm_alpha, shm_beta: ping-pong between two ranks of one host (shared
-  memory); the one-way time of each size, fitted as alpha + bytes * beta
-  by least squares over 8 B .. 4 MiB.
+  memory), 8 B .. 4 MiB: alpha is the one-way time of 8 bytes, beta the
+  slope of the one-way time between 1 and 4 MiB.
 * net_alpha, net_beta: the same between ranks on two hosts (TCP).
 * gamma: the float32 sum kernel over 64 MiB, per byte.
 
@@ -27,14 +27,13 @@ SIZES = [8, 1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20]
 
 
 def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """Least squares of t = alpha + bytes * beta, both kept >= 0 (weighted
-    by 1/t so small messages count as much as large ones)."""
-    x = np.array([p[0] for p in points], dtype=float)
-    t = np.array([p[1] for p in points], dtype=float)
-    w = 1 / t
-    a = np.stack([np.ones_like(x), x], axis=1) * w[:, None]
-    alpha, beta = np.linalg.lstsq(a, t * w, rcond=None)[0]
-    return max(float(alpha), 1e-7), max(float(beta), 1e-13)
+    """alpha: the one-way time of the smallest message; beta: the slope
+    between the two largest. (A least-squares fit over all sizes would let
+    the small ones, which a shaped link's token bucket lets through at
+    full speed, pull beta far below the link's rate.)"""
+    (s0, t0), (s1, t1), (s2, t2) = points[0], points[-2], points[-1]
+    beta = max((t2 - t1) / (s2 - s1), 1e-13)
+    return max(t0 - s0 * beta, 1e-7), beta
 
 
 def _ping_pong(engine, me: int, peer: int, first: bool, budget_s: float = 0.4):

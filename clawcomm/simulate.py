@@ -1,0 +1,196 @@
+"""``clawcomm simulate``: what clawcomm's collectives would take on a cluster
+you do not have, from a model file (``clawcomm bench --calibrate``).
+
+    clawcomm simulate --model model.json --hosts 128 --ranks-per-host 8 --size 1G
+    clawcomm simulate --hosts 2 --ranks-per-host 4 --size 64M --check    # + the event simulator
+    clawcomm simulate --hosts 64 --ranks-per-host 8 --params 1.3G --compression fp16 --overlap 0.5
+
+Prints the nccl-tests table it predicts (time, algbw, busbw; for the
+all-reduce every algorithm and the one ``CLAWCOMM_ALGO=auto`` picks), the
+communication time of one data-parallel training step, and with --plot a
+picture of predicted busbw against size for 8 to 4096 ranks.
+
+These are projections of a calibrated alpha-beta-gamma model
+(clawcomm.model; docs/algorithms.md): they know link bandwidths and
+latencies, the algorithms' steps and how streams share a host's link, not
+congestion inside a switch fabric, stragglers or the operating system.
+bench/model_validation.py compares them with measured times.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict
+
+from clawcomm.bench.cli import parse_size
+from clawcomm.model import ALGORITHMS, CostModel, Layout, busbw_factor, choose, predict
+
+COLLECTIVES = list(ALGORITHMS)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", metavar="FILE", help="a model file (default: the engine's defaults)")
+    p.add_argument("--hosts", type=int, default=2)
+    p.add_argument("--ranks-per-host", type=int, default=8)
+    p.add_argument("--size", type=parse_size, default=1 << 30, help="largest size (1G)")
+    p.add_argument("-b", "--minbytes", type=parse_size, default=64 << 10, help="smallest (64K)")
+    p.add_argument("-f", "--stepfactor", type=int, default=4, help="size multiplier (4)")
+    p.add_argument("--op", default="all_reduce", help="comma list of " + ", ".join(COLLECTIVES))
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="also run the event simulator (clawcomm.simulator) where it is cheap (<= 64 ranks)",
+    )
+    p.add_argument("--params", type=parse_size, default=0, help="a training step: parameters")
+    p.add_argument(
+        "--compression",
+        default="none",
+        help="the step's gradients: none (fp32), fp16, bf16, or topk:RATIO (pairs all-gathered)",
+    )
+    p.add_argument(
+        "--overlap",
+        type=float,
+        default=0.0,
+        help="the share of communication hidden behind backward (0..1)",
+    )
+    p.add_argument("--plot", metavar="FILE", help="busbw against size for 8..4096 ranks (PNG)")
+    p.add_argument("--json", metavar="FILE", help="write the predictions as JSON")
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:g}{unit}"
+    return f"{n:g}"
+
+
+def table(collectives, sizes, layout: Layout, model: CostModel, check: bool) -> tuple[str, list]:
+    from clawcomm.simulator import simulate
+
+    n = layout.size
+    lines, records = [], []
+    head = f"#{'size':>11} {'collective':>15} {'algorithm':>13} {'time (us)':>12} {'algbw':>8} {'busbw':>8}"
+    if check:
+        head += f" {'simulated':>12} {'diff':>6}"
+    lines.append(head + "   (GB/s; * = what auto picks)")
+    for coll in collectives:
+        for size in sizes:
+            picked = choose(coll, size, layout, model)
+            for algo in ALGORITHMS[coll]:
+                t = predict(coll, algo, size, layout, model)
+                if t == float("inf"):
+                    continue
+                algbw = size / t / 1e9 if t > 0 else 0.0
+                busbw = algbw * busbw_factor(coll, n)
+                mark = "*" if algo == picked else " "
+                line = (f" {size:>11} {coll:>15} {algo + mark:>13} {t * 1e6:>12.1f} "
+                        f"{algbw:>8.3f} {busbw:>8.3f}")  # fmt: skip
+                rec = {"collective": coll, "algo": algo, "size": size, "time_s": t,
+                       "busbw": busbw, "auto": algo == picked}  # fmt: skip
+                if check and n <= 64:
+                    s = simulate(coll, algo, size, layout, model)
+                    line += f" {s * 1e6:>12.1f} {(s / t - 1) * 100 if t else 0:>5.1f}%"
+                    rec["simulated_s"] = s
+                lines.append(line)
+                records.append(rec)
+    return "\n".join(lines), records
+
+
+def training_step(params: int, compression: str, overlap: float, layout: Layout,
+                  model: CostModel) -> tuple[str, float]:  # fmt: skip
+    """The gradient exchange of one data-parallel step, and what is left
+    exposed after `overlap` of it hides behind backward."""
+    n = layout.size
+    if compression == "none":
+        what, t = "all-reduce of fp32 gradients", predict("all_reduce", "auto", 4 * params, layout, model)
+    elif compression in ("fp16", "bf16"):
+        what = f"all-reduce with a 16-bit wire ({compression})"
+        t = predict("all_reduce", "auto", 2 * params, layout, model)
+    elif compression.startswith("topk:"):
+        ratio = float(compression.split(":", 1)[1])
+        if not 0 < ratio <= 1:
+            raise ValueError(f"--compression {compression}: the ratio must be in (0, 1]")
+        pairs = 8 * ratio * params  # int32 index + float32 value per kept element
+        what = f"all-gather of top-k pairs (ratio {ratio:g})"
+        t = predict("all_gather", "ring", pairs * n, layout, model)
+    else:
+        raise ValueError(f"--compression {compression!r}: none, fp16, bf16 or topk:RATIO")
+    return what, t
+
+
+def plot(path: str, model: CostModel, ranks_per_host: int, max_size: int) -> None:
+    from clawcomm._optional import require
+
+    require("matplotlib", "clawcomm simulate --plot").use("Agg")
+    import matplotlib.pyplot as plt
+    sizes = [1 << p for p in range(16, max(17, max_size.bit_length()))]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    n = 8
+    while n <= 4096:
+        k = min(ranks_per_host, n)
+        layout = Layout(n // k, k)
+        bw = [size / predict("all_reduce", "auto", size, layout, model) / 1e9
+              * busbw_factor("all_reduce", n) for size in sizes]  # fmt: skip
+        ax.plot(sizes, bw, marker=".", label=f"{n} ranks ({n // k} x {k})")
+        n *= 2
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("all-reduce size (bytes)")
+    ax.set_ylabel("predicted busbw (GB/s)")
+    ax.set_title("clawcomm all-reduce (auto), projected by the cost model")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def run(args) -> int:
+    try:
+        model = CostModel.load(args.model) if args.model else CostModel()
+        if args.hosts < 1 or args.ranks_per_host < 1:
+            raise ValueError("--hosts and --ranks-per-host must be at least 1")
+        if not 0 <= args.overlap <= 1:
+            raise ValueError(f"--overlap {args.overlap} is not in [0, 1]")
+        collectives = [c.strip() for c in args.op.split(",") if c.strip()]
+        for c in collectives:
+            if c not in ALGORITHMS:
+                raise ValueError(f"--op {c!r} is not one of {', '.join(COLLECTIVES)}")
+        if args.stepfactor < 2 or args.minbytes > args.size:
+            raise ValueError("need -f >= 2 and -b <= --size")
+        layout = Layout(args.hosts, args.ranks_per_host)
+        sizes, s = [], args.minbytes
+        while s <= args.size:
+            sizes.append(s)
+            s *= args.stepfactor
+        text, records = table(collectives, sizes, layout, model, args.check)
+        step = None
+        if args.params:
+            step = training_step(args.params, args.compression, args.overlap, layout, model)
+    except (OSError, ValueError) as e:
+        print(f"clawcomm simulate: error: {e}", file=sys.stderr)
+        return 2
+    source = args.model or "the engine's default model"
+    print(f"# clawcomm simulate: {args.hosts} hosts x {args.ranks_per_host} ranks = "
+          f"{layout.size} ranks, model {source}")  # fmt: skip
+    print(f"# links: shm {1 / model.shm_beta / 1e9:.2f} GB/s + {model.shm_alpha * 1e6:.1f} us, "
+          f"network {1 / model.net_beta / 1e9:.3f} GB/s + {model.net_alpha * 1e6:.1f} us, "
+          f"reduction {1 / model.gamma / 1e9:.2f} GB/s")  # fmt: skip
+    print(text)
+    largest = sizes[-1]
+    print(f"# auto picks {choose('all_reduce', largest, layout, model)} for a "
+          f"{_size(largest)}B all-reduce")  # fmt: skip
+    payload = {"layout": [args.hosts, args.ranks_per_host], "model": asdict(model),
+               "records": records}  # fmt: skip
+    if step:
+        what, t = step
+        exposed = t * (1 - args.overlap)
+        print(f"# training step, {_size(args.params)} parameters: {what}: {t * 1e3:.1f} ms, "
+              f"{exposed * 1e3:.1f} ms exposed with {args.overlap:.0%} overlapped")  # fmt: skip
+        payload["training_step"] = {"what": what, "comm_s": t, "exposed_s": exposed}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(payload, f, indent=1)
+    if args.plot:
+        plot(args.plot, model, args.ranks_per_host, args.size)
+        print(f"# plot: {args.plot}")
+    return 0
