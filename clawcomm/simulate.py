@@ -135,6 +135,7 @@ def plot(path: str, model: CostModel, ranks_per_host: int, max_size: int) -> Non
         ax.plot(sizes, bw, marker=".", label=f"{n} ranks ({n // k} x {k})")
         n *= 2
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
     ax.set_xlabel("all-reduce size (bytes)")
     ax.set_ylabel("predicted busbw (GB/s)")
     ax.set_title("clawcomm all-reduce (auto), projected by the cost model")
