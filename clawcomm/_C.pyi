@@ -285,6 +285,10 @@ class Engine:
         output: typing_extensions.Buffer,
         dtype: typing.Any = None,
     ) -> None: ...
+    def abort(self, reason: str = "abort() was called") -> None:
+        """
+        From any thread: fails the operation in flight and every later one with 'rank R aborted: reason', wakes every waiter and tells the peers; the process goes on.
+        """
     def barrier(self) -> None: ...
     def broadcast(
         self,

@@ -464,3 +464,59 @@ def test_the_last_reference_dropped_in_a_completion_callback_is_safe():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.strip() == "progress thread", p.stdout
+
+
+# --- abort() from another thread -------------------------------------------
+
+
+def _aborted_by_a_watchdog(rank, ws, how):
+    import threading
+
+    import clawcomm
+
+    t = torch.ones(1000)
+    dist.all_reduce(t)  # connected
+    start = time.monotonic()
+    if rank == 0:
+        engine = clawcomm.engine_of()
+
+        def watchdog():
+            time.sleep(0.5)
+            if how == "engine":
+                engine.abort("the watchdog gave up")
+            else:  # torch's own path: ProcessGroup -> Backend::abort()
+                dist.distributed_c10d._abort_process_group()
+
+        threading.Thread(target=watchdog, daemon=True).start()
+        waiting = torch.empty(4)
+        op = lambda: dist.recv(waiting, src=1)  # noqa: E731 - rank 1 never sends
+    else:
+        op = lambda: dist.all_reduce(t)  # noqa: E731 - rank 0 never joins it
+    errors = []
+    for _ in range(2):  # the wait in flight and a later op both fail
+        try:
+            op()
+            errors.append(None)
+        except (RuntimeError, ValueError) as e:  # torch's abort also drops the group
+            errors.append(str(e))
+    return time.monotonic() - start, errors
+
+
+@pytest.mark.parametrize("how", ["engine", "torch"])
+@pytest.mark.parametrize("env", TRANSPORTS, ids=["shm", "tcp"])
+def test_abort_from_another_thread_fails_every_rank_at_once(env, how):
+    """A 60 s group timeout, and a watchdog thread on rank 0 aborts after
+    0.5 s: rank 0's blocked receive and rank 1's all-reduce both fail
+    within 3 s, naming the abort, and so does every later op."""
+    if how == "torch" and not hasattr(dist.distributed_c10d, "_abort_process_group"):
+        pytest.skip("this torch has no _abort_process_group")
+    results = run_ranks(_aborted_by_a_watchdog, 2, how, env=env, pg_timeout=60, timeout=120)
+    for rank, (took, errors) in enumerate(results):
+        assert took < 3, (rank, took, errors)
+        assert all(errors), (rank, errors)
+        # torch's _abort_process_group() also unregisters the group, so on
+        # rank 0 the later op finds no group at all.
+        named = errors if how == "engine" or rank == 1 else errors[:1]
+        assert all("rank 0 aborted" in e for e in named), (rank, errors)
+    if how == "engine":
+        assert "the watchdog gave up" in results[0][1][0]

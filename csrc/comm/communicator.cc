@@ -433,7 +433,7 @@ RequestPtr Communicator::enqueueCollective(const OpSignature& sig, size_t bytes,
   {
     std::lock_guard<std::mutex> lock(mutex_);
     inlineBusy_ = false;
-    queued = !queue_.empty() || stopping_;
+    queued = !queue_.empty() || stopping_ || abortRequested_;
   }
   // Wake the progress thread only if work arrived meanwhile: a wake-up
   // costs a system call here and a core's worth of scheduling on the peer.
@@ -466,6 +466,19 @@ RequestPtr Communicator::enqueuePointToPoint(bool isSend, void* buf, size_t byte
   // now would wait for the next health check (10 ms) before it is written.
   messenger_->wake();
   return request;
+}
+
+void Communicator::abort(const std::string& reason) {
+  std::string why;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (abortRequested_) return;
+    abortRequested_ = true;
+    abortReason_ = CLAWCOMM_CONCAT("rank ", rank_, " aborted: ", reason);
+    why = abortReason_;
+  }
+  messenger_->cancel(why);  // wakes a wait in progress, on any thread
+  cv_.notify_all();         // wakes an idle progress thread
 }
 
 void Communicator::fail(std::exception_ptr error) {
@@ -555,11 +568,22 @@ void Communicator::progressLoop() {
   Clock::time_point stopDeadline = Clock::time_point::max();
   while (true) {
     std::unique_ptr<Op> op;
+    std::string abortNow;
     {
       std::unique_lock<std::mutex> lock(mutex_);
       if (queue_.empty() && pointToPoint_.empty()) {
         threadBusy_ = false;
-        cv_.wait(lock, [&] { return !inlineBusy_ && (stopping_ || !queue_.empty()); });
+        cv_.wait(lock, [&] {
+          return !inlineBusy_ &&
+                 (stopping_ || !queue_.empty() || (abortRequested_ && !abortHandled_));
+        });
+      }
+      // Here this thread drives the messenger (no inline op can run: it
+      // waited for none, or it has point-to-point work, which keeps
+      // threadBusy_ set).
+      if (abortRequested_ && !abortHandled_) {
+        abortHandled_ = true;
+        abortNow = abortReason_;
       }
       if (!queue_.empty()) {
         op = std::move(queue_.front());
@@ -575,6 +599,7 @@ void Communicator::progressLoop() {
       }
     }
 
+    if (!abortNow.empty()) fail(std::make_exception_ptr(PeerError(abortNow)));
     if (op) {
       idleSince = Clock::now();
       if (!op->pointToPoint) {

@@ -62,6 +62,14 @@ class Communicator {
   void shutdown();
   bool onProgressThread() const { return std::this_thread::get_id() == thread_.get_id(); }
 
+  // Aborts from any thread (a watchdog, a signal handler's helper, an
+  // elastic agent): the op in flight and every pending and later one fail
+  // through their requests with "rank R aborted: <reason>", waiters wake at
+  // once instead of at their timeout, and the peers are told, so their
+  // waits fail too. Idempotent; the process keeps running, and shutdown()
+  // afterwards returns promptly.
+  void abort(const std::string& reason);
+
   // Shuts down every communicator still alive in this process: called at
   // interpreter exit, before Python finalization stops threads that touch it.
   static void shutdownAll();
@@ -173,6 +181,11 @@ class Communicator {
   // small collective inline. Never both.
   bool threadBusy_ = false;
   bool inlineBusy_ = false;
+  // abort(): requested by any thread, handled by the one driving the
+  // messenger (guarded by mutex_).
+  bool abortRequested_ = false;
+  bool abortHandled_ = false;
+  std::string abortReason_;
 
   // Owned by the progress thread.
   std::vector<std::unique_ptr<Op>> pointToPoint_;

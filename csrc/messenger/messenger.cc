@@ -137,6 +137,16 @@ void Messenger::startTcpWatcher(const std::vector<int>& fds) {
   });
 }
 
+void Messenger::cancel(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lock(cancelMutex_);
+    if (cancelled_.load()) return;
+    cancelReason_ = reason;
+  }
+  cancelled_.store(true, std::memory_order_seq_cst);
+  wake();
+}
+
 void Messenger::wake() {
   // Dekker with pause(): flag, full fence, then look for a sleeper (inside
   // ringDoorbell); the sleeper arms, fences, then reads the flag. One of the
@@ -468,6 +478,10 @@ void Messenger::finishReceive(int peer, PeerState& ps, const TransferPtr& t) {
 void Messenger::waitAll(const std::vector<TransferPtr>& transfers, Clock::time_point deadline) {
   Clock::time_point idleSince = Clock::now();
   while (true) {
+    if (cancelled_.load(std::memory_order_relaxed)) {
+      std::lock_guard<std::mutex> lock(cancelMutex_);
+      throw PeerError(cancelReason_);
+    }
     const bool moved = progress();
     bool all = true;
     for (const auto& t : transfers) all &= t->complete;

@@ -21,9 +21,11 @@
 // One thread (the communicator's progress thread) owns a Messenger.
 #pragma once
 
+#include <atomic>
 #include <deque>
 #include <list>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -119,6 +121,10 @@ class Messenger {
   // see now rather than at its next health check. Any thread may call it.
   void wake();
 
+  // Another thread's abort: from its next pass, every wait of this
+  // messenger throws PeerError(reason), and a sleeping one wakes now. Any
+  // thread may call it; the owning thread then fails and tells the peers.
+  void cancel(const std::string& reason);
   // Bytes sent and received so far, per operation type.
   Traffic& traffic() { return traffic_; }
 
@@ -173,6 +179,9 @@ class Messenger {
   std::thread tcpWatcher_;
   int stopFd_ = -1;
   std::atomic<bool> wakeRequested_{false};
+  std::atomic<bool> cancelled_{false};
+  std::mutex cancelMutex_;
+  std::string cancelReason_;  // guarded by cancelMutex_
   Traffic traffic_;
 };
 

@@ -295,6 +295,15 @@ void bindEngine(py::module_& m) {
       .def_property_readonly("size", &Communicator::size)
       .def("transport_of", &Communicator::transportOf, py::arg("peer"))
       .def(
+          "abort",
+          [](Communicator& c, const std::string& reason) {
+            py::gil_scoped_release release;
+            c.abort(reason);
+          },
+          py::arg("reason") = "abort() was called",
+          "From any thread: fails the operation in flight and every later one with "
+          "'rank R aborted: reason', wakes every waiter and tells the peers; the process goes on.")
+      .def(
           "flight_record", [](const Communicator& c) { return c.flightRecord(); },
           "The last operations of this communicator, oldest first, as JSON (the flight "
           "recorder; CLAWCOMM_RECORDER_ENTRIES sizes it).")

@@ -46,6 +46,9 @@ class ClawcommBackend : public c10d::Backend {
   const std::string getBackendName() const override { return "clawcomm"; }
   bool supportsCoalescing() const override { return true; }
   void setTimeout(std::chrono::milliseconds timeout) override { comm_->setTimeout(timeout); }
+  // torch's _abort_process_group() and elastic agents: from any thread,
+  // fails what is pending (through the Works' futures) and tells the peers.
+  void abort() override { comm_->abort("abort() was called on its process group"); }
   // Collectives are numbered from 0 in issue order on every rank, so the
   // group's sequence number needs no agreement step.
   void setSequenceNumberForGroup() override {}

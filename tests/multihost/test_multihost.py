@@ -2,7 +2,8 @@
 (clawcomm.netns), each host under its own torchrun: every collective against
 local references, DataParallel and DDP against single-process training, and
 a link that dies or a host that is killed mid-run giving errors on every
-surviving rank within the timeout + 2 s.
+surviving rank within the timeout + 2 s, and a job that loses a host,
+rebuilds its group without it (clawcomm.elastic) and goes on.
 
 Skipped where namespaces cannot be made (no root, no iproute2).
 """
@@ -93,3 +94,28 @@ def test_dead_link_or_host_errors_on_every_rank(action, tmp_path):
         assert "error" in r, r
         took = r["error_at"] - t0
         assert took <= TIMEOUT_S + 2, f"rank {rank} took {took:.1f} s: {r['error']}"
+
+
+def test_a_job_loses_a_host_rebuilds_and_goes_on(tmp_path):
+    """Three hosts of one rank; host 2 is killed mid-training (it is not
+    host 0, which serves torchrun's store). The two survivors get errors,
+    rebuild a group of two under a fresh store prefix and run five more
+    all-reduces whose sums count only themselves."""
+
+    def during(cluster):
+        deadline = time.monotonic() + 120
+        while len(glob.glob(os.path.join(tmp_path, "ready*"))) < 3:
+            assert time.monotonic() < deadline, "the ranks never started"
+            time.sleep(0.1)
+        cluster.kill(2)
+        deadline = time.monotonic() + TIMEOUT_S + 60
+        while len(_results(str(tmp_path))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return True
+
+    _, results = _run("elastic", tmp_path, hosts=3, per_host=1, during=during)
+    assert len(results) == 2, results
+    for rank, r in results.items():
+        assert r["new_world"] == 2 and r["after"] == 5 and r["before"] >= 3, r
+        assert not r["failures"], r["failures"]
+        assert len(r["members"]) == 2 and rank in r["members"], r
