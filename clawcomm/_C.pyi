@@ -367,9 +367,7 @@ def _all_reduce_cost(
     The engine's predicted seconds for an all-reduce of nbytes on ranks placed on host_of[r] (model: a dict of shm_alpha, shm_beta, net_alpha, net_beta, gamma).
     """
 
-def _choose_all_reduce(
-    nbytes: typing.SupportsFloat, host_of: list[int], model: dict
-) -> str:
+def _choose_all_reduce(nbytes: typing.SupportsFloat, host_of: list[int], model: dict) -> str:
     """
     What CLAWCOMM_ALGO=auto picks for an all-reduce of nbytes on that layout.
     """

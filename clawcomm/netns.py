@@ -259,8 +259,15 @@ class Cluster:
                 "--monitor-interval=0.2", *script_and_args,
             ]  # fmt: skip
             procs.append(
-                self.popen(h, argv, env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True, start_new_session=True)  # fmt: skip
+                self.popen(
+                    h,
+                    argv,
+                    env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    start_new_session=True,
+                )  # fmt: skip
             )
         if during is not None and during(self):
             for h in range(self.hosts):

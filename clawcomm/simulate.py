@@ -70,7 +70,8 @@ def table(collectives, sizes, layout: Layout, model: CostModel, check: bool) -> 
 
     n = layout.size
     lines, records = [], []
-    head = f"#{'size':>11} {'collective':>15} {'algorithm':>13} {'time (us)':>12} {'algbw':>8} {'busbw':>8}"
+    head = (f"#{'size':>11} {'collective':>15} {'algorithm':>13} {'time (us)':>12} "
+            f"{'algbw':>8} {'busbw':>8}")  # fmt: skip
     if check:
         head += f" {'simulated':>12} {'diff':>6}"
     lines.append(head + "   (GB/s; * = what auto picks)")
@@ -103,7 +104,10 @@ def training_step(params: int, compression: str, overlap: float, layout: Layout,
     exposed after `overlap` of it hides behind backward."""
     n = layout.size
     if compression == "none":
-        what, t = "all-reduce of fp32 gradients", predict("all_reduce", "auto", 4 * params, layout, model)
+        what, t = (
+            "all-reduce of fp32 gradients",
+            predict("all_reduce", "auto", 4 * params, layout, model),
+        )
     elif compression in ("fp16", "bf16"):
         what = f"all-reduce with a 16-bit wire ({compression})"
         t = predict("all_reduce", "auto", 2 * params, layout, model)
@@ -124,6 +128,7 @@ def plot(path: str, model: CostModel, ranks_per_host: int, max_size: int) -> Non
 
     require("matplotlib", "clawcomm simulate --plot").use("Agg")
     import matplotlib.pyplot as plt
+
     sizes = [1 << p for p in range(16, max(17, max_size.bit_length()))]
     fig, ax = plt.subplots(figsize=(7, 4.2))
     n = 8

@@ -136,13 +136,16 @@ def run(path: str, torchrun: bool) -> int:
         numbers = run_ranks(_local_rank, 3, rank_env=hosts, timeout=300)[0]
         where = "one host (network: TCP on loopback)"
     defaults = CostModel()
-    model = CostModel(**{k: numbers.get(k, getattr(defaults, k))
-                         for k in ("shm_alpha", "shm_beta", "net_alpha", "net_beta", "gamma")})  # fmt: skip
+    keys = ("shm_alpha", "shm_beta", "net_alpha", "net_beta", "gamma")
+    model = CostModel(**{k: numbers.get(k, getattr(defaults, k)) for k in keys})
     missing = [k for k in ("shm", "tcp") if k not in numbers["points"]]
     model.save(path, measured_on=where, not_measured=missing, points=numbers["points"])
     print(f"clawcomm bench --calibrate: wrote {path} ({where})")
-    print(f"  shared memory: alpha {model.shm_alpha * 1e6:.1f} us, {1 / model.shm_beta / 1e9:.2f} GB/s")
-    print(f"  network:       alpha {model.net_alpha * 1e6:.1f} us, {1 / model.net_beta / 1e9:.3f} GB/s")
+    for what, alpha, beta in (
+        ("shared memory", model.shm_alpha, model.shm_beta),
+        ("network:     ", model.net_alpha, model.net_beta),
+    ):
+        print(f"  {what}: alpha {alpha * 1e6:.1f} us, {1 / beta / 1e9:.3f} GB/s")
     print(f"  reduction:     {1 / model.gamma / 1e9:.2f} GB/s")
     if missing:
         print(f"  not measured (no such peer), defaults kept: {', '.join(missing)}")

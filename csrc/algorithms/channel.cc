@@ -42,8 +42,8 @@ void Channel::send(int peer, const void* buf, size_t bytes) {
 
 void Channel::recv(int peer, void* buf, size_t bytes) {
   const int g = members_[size_t(peer)];
-  pending_.push_back(messenger_.recvCollective(g, sig_, steps_->recv[size_t(g)]++,
-                                               ReceiveSink::copy(buf), bytes));
+  pending_.push_back(
+      messenger_.recvCollective(g, sig_, steps_->recv[size_t(g)]++, ReceiveSink::copy(buf), bytes));
 }
 
 void Channel::recvReduce(int peer, void* buf, size_t bytes) {

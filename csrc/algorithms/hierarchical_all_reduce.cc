@@ -78,9 +78,9 @@ void hierarchicalAllReduce(Channel& ch, void* buf, size_t count) {
     *n = shards[size_t(i)];
   };
   auto localRing = [&](size_t p, bool reduce) {
-    return std::make_unique<RingPipeline>(
-        local, base + pieceStart[p] * es, evenCounts(pieceCounts[p], k),
-        reduce ? reduceScatterSteps(i, k) : allGatherSteps(i, k));
+    return std::make_unique<RingPipeline>(local, base + pieceStart[p] * es,
+                                          evenCounts(pieceCounts[p], k),
+                                          reduce ? reduceScatterSteps(i, k) : allGatherSteps(i, k));
   };
 
   // One piece: the three phases in turn, with the cross-host algorithm the

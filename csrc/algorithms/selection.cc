@@ -86,8 +86,7 @@ double treeCost(double N, const Topology& t, const CostModel& m) {
   double cost = 0;
   // Fold and unfold: even ranks below 2e pair with the odd rank above.
   if (extra > 0) {
-    const double fold =
-        stepCost(t, m, N, [extra](int r) { return r < 2 * extra ? (r ^ 1) : -1; });
+    const double fold = stepCost(t, m, N, [extra](int r) { return r < 2 * extra ? (r ^ 1) : -1; });
     cost += 2 * fold + N * m.gamma;
   }
   // The survivors: the odd ranks below 2e and every rank from 2e on.
@@ -122,9 +121,10 @@ double hierarchicalCost(double N, const Topology& t, const CostModel& m) {
   const Topology across(hostOf);
   CostModel shared = m;
   shared.netBeta *= k;
-  const double net = P == 1 && crossHostAlgorithm(size_t(piece / k), hosts, k, m) == Algorithm::kTree
-                         ? treeCost(piece / k, across, shared)
-                         : ringCost(piece / k, across, shared);
+  const double net =
+      P == 1 && crossHostAlgorithm(size_t(piece / k), hosts, k, m) == Algorithm::kTree
+          ? treeCost(piece / k, across, shared)
+          : ringCost(piece / k, across, shared);
   if (P == 1) return shm + net;
   return P * std::max(shm, net) + std::min(shm, net);
 }

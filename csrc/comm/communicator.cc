@@ -230,7 +230,8 @@ void Communicator::checkCounts(OpType op, const std::vector<size_t>& counts,
 RequestPtr Communicator::allReduce(void* buf, size_t count, DataType dtype, ReduceOp op,
                                    Callback cb) {
   checkReduceOp(OpType::kAllReduce, dtype, op);
-  const AllReduceAlgorithm& algo = chooseAllReduce(count * elementSize(dtype), topology_, settings_);
+  const AllReduceAlgorithm& algo =
+      chooseAllReduce(count * elementSize(dtype), topology_, settings_);
   OpSignature sig{OpType::kAllReduce, dtype, op, -1, count};
   sig.algo = algo.id;
   const int n = size_;

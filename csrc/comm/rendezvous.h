@@ -17,8 +17,8 @@ struct Connections {
   std::vector<std::unique_ptr<Connection>> toRank;  // one per rank, null for this rank
   int sameHostRanks = 1;                            // ranks on this rank's host, itself included
   std::vector<int> hostOf = {0};  // each rank's host, numbered by first appearance
-  std::string jobToken;                             // the group's random token (hex)
-  std::string storeNamespace;  // this group's store keys' prefix ("clawcomm/<generation>/")
+  std::string jobToken;           // the group's random token (hex)
+  std::string storeNamespace;     // this group's store keys' prefix ("clawcomm/<generation>/")
 };
 
 // Connects this rank to every other through the transport registry

@@ -243,7 +243,8 @@ void bindCostModel(py::module_& m) {
       "_all_reduce_cost",
       [](const std::string& algo, double nbytes, std::vector<int> hostOf, const py::dict& model) {
         for (const AllReduceAlgorithm& a : allReduceAlgorithms()) {
-          if (algo == a.name) return allReduceCost(a.id, nbytes, Topology(hostOf), costModelOf(model));
+          if (algo == a.name)
+            return allReduceCost(a.id, nbytes, Topology(hostOf), costModelOf(model));
         }
         throw InvalidArgument("clawcomm: no all-reduce algorithm " + algo);
       },

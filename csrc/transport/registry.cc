@@ -21,8 +21,9 @@ std::unique_ptr<Endpoint> makeShm(const EndpointSetup& s) {
 
 std::unique_ptr<Endpoint> makeTcp(const EndpointSetup& s) {
   const std::string& addr = s.settings->socketAddr;
-  return std::make_unique<TcpEndpoint>(s.jobToken, s.rank, s.size,
-                                       addr.empty() ? TcpEndpoint::defaultHostAddress(s.settings->socketIfname) : addr);
+  return std::make_unique<TcpEndpoint>(
+      s.jobToken, s.rank, s.size,
+      addr.empty() ? TcpEndpoint::defaultHostAddress(s.settings->socketIfname) : addr);
 }
 
 std::string names() {

@@ -169,9 +169,9 @@ std::string TcpEndpoint::defaultHostAddress(const std::string& ifname) {
       }
       freeifaddrs(list);
     }
-    CLAWCOMM_ARG_CHECK(!found.empty(), "clawcomm: CLAWCOMM_SOCKET_IFNAME=", ifname,
-                       " has no IPv4 address here (interfaces with one: ",
-                       seen.empty() ? "none" : seen, ")");
+    CLAWCOMM_ARG_CHECK(
+        !found.empty(), "clawcomm: CLAWCOMM_SOCKET_IFNAME=", ifname,
+        " has no IPv4 address here (interfaces with one: ", seen.empty() ? "none" : seen, ")");
     return found;
   }
   char host[256] = {0};
