@@ -468,7 +468,7 @@ def listening_ports() -> set[int]:
 
 def tcp_hello(rank: int, token: int) -> bytes:
     """A TCP setup hello as a peer sends it (csrc/transport/tcp/connection.cc)."""
-    return struct.pack("<IiQ", 0x636C7463, rank, token)
+    return struct.pack("<IiQII", 0x636C7463, rank, token, 0, 1)  # socket 0 of 1
 
 
 def _hostile_payloads(rng: random.Random) -> bytes:

@@ -20,6 +20,8 @@ CONFIGS = {
     "shm-tree": {"CLAWCOMM_TRANSPORT": "shm", "CLAWCOMM_ALGO": "tree"},
     "tcp-ring": {"CLAWCOMM_TRANSPORT": "tcp", "CLAWCOMM_ALGO": "ring"},
     "tcp-tree": {"CLAWCOMM_TRANSPORT": "tcp", "CLAWCOMM_ALGO": "tree"},
+    # Each pair's stream striped over three sockets in 256 KiB units.
+    "tcp-striped": {"CLAWCOMM_TRANSPORT": "tcp", "CLAWCOMM_SOCKETS_PER_PEER": "3"},
     # Every collective handed to the progress thread (none inline), and the
     # portable kernels instead of the CPU's best SIMD ones.
     "shm-threaded-portable": {
@@ -354,7 +356,7 @@ def test_every_op_matches_local_reference(world_size, config):
     assert not failures, "\n".join(failures[:40])
 
 
-@pytest.mark.parametrize("config", ["shm-ring", "tcp-ring", "shm-tree"])
+@pytest.mark.parametrize("config", ["shm-ring", "tcp-ring", "shm-tree", "tcp-striped"])
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_large_messages(world_size, config):
     results = run_ranks(run_sweeps, world_size, [sweep_large], env=CONFIGS[config], timeout=300)

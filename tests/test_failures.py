@@ -520,3 +520,24 @@ def test_abort_from_another_thread_fails_every_rank_at_once(env, how):
         assert all("rank 0 aborted" in e for e in named), (rank, errors)
     if how == "engine":
         assert "the watchdog gave up" in results[0][1][0]
+
+
+def _nothing(rank, ws):
+    return None
+
+
+def test_sockets_per_peer_must_match():
+    """CLAWCOMM_SOCKETS_PER_PEER differs between ranks: setup fails on both,
+    naming the setting, instead of pairing sockets wrongly."""
+    envs = [{"CLAWCOMM_SOCKETS_PER_PEER": "2"}, {"CLAWCOMM_SOCKETS_PER_PEER": "1"}]
+    results = run_ranks(
+        _nothing,
+        2,
+        env={"CLAWCOMM_TRANSPORT": "tcp"},
+        rank_env=envs,
+        allow_failures=True,
+        pg_timeout=10,
+        timeout=60,
+    )
+    for result in results:
+        assert "CLAWCOMM_SOCKETS_PER_PEER must match" in _error_text(result)

@@ -93,18 +93,20 @@ Connections connectAll(Store& store, const std::string& ns, int rank, int size,
 
   // 2. Where everybody runs, and which transport setting they use.
   const std::string host = settings.hostId.empty() ? hostIdentity() : settings.hostId;
-  const std::string mySetting = settings.transport + "|" + std::to_string(settings.shmRingBytes);
+  const std::string mySetting = CLAWCOMM_CONCAT(settings.transport, "|", settings.shmRingBytes, "|",
+                                                settings.socketsPerPeer);
   publish("host/" + std::to_string(rank), bytesOf(host + "|" + mySetting));
   std::vector<RankInfo> ranks(static_cast<size_t>(size));
   for (int p = 0; p < size; ++p) {
     const std::string theirs =
-        stringOf(waitFor("host/" + std::to_string(p), p, "joined"));  // "host|transport|ring bytes"
+        stringOf(waitFor("host/" + std::to_string(p), p, "joined"));  // "host|transport|ring|sockets"
     const size_t bar = theirs.find('|');
     if (theirs.substr(bar + 1) != mySetting) {
       throw InvalidArgument(CLAWCOMM_CONCAT(
-          "clawcomm: rank ", p, " runs with transport|ring bytes ", theirs.substr(bar + 1),
-          ", rank ", rank, " with ", mySetting,
-          "; CLAWCOMM_TRANSPORT and CLAWCOMM_SHM_RING_BYTES must match on every rank"));
+          "clawcomm: rank ", p, " runs with transport|ring bytes|sockets per peer ",
+          theirs.substr(bar + 1), ", rank ", rank, " with ", mySetting,
+          "; CLAWCOMM_TRANSPORT, CLAWCOMM_SHM_RING_BYTES and CLAWCOMM_SOCKETS_PER_PEER must match "
+          "on every rank"));
     }
     ranks[p].rank = p;
     ranks[p].host = theirs.substr(0, bar);

@@ -73,6 +73,7 @@ Settings Settings::fromEnv() {
   }
   if (const char* v = env("CLAWCOMM_SOCKET_ADDR")) s.socketAddr = v;
   if (const char* v = env("CLAWCOMM_SOCKET_IFNAME")) s.socketIfname = v;
+  s.socketsPerPeer = int(envNumber("CLAWCOMM_SOCKETS_PER_PEER", size_t(s.socketsPerPeer), 1, 64));
   if (const char* v = env("CLAWCOMM_HOST_ID")) s.hostId = v;
   if (const char* v = env("CLAWCOMM_DEBUG")) s.debug = std::string(v) != "0";
   s.cudaIpc = envChoice("CLAWCOMM_CUDA_IPC", {"auto", "0"}) == 0;

@@ -75,6 +75,11 @@ struct Settings {
   // IPv4 address TCP peers connect to, as NCCL_SOCKET_IFNAME. Checked at
   // setup: an interface with no IPv4 address is an error.
   std::string socketIfname;
+  // CLAWCOMM_SOCKETS_PER_PEER (1..64): TCP sockets per pair of ranks, each
+  // pair's stream striped over them in 256 KiB units. More than one helps
+  // where one TCP stream cannot fill the link (long fat links, per-flow
+  // limits, several paths); every rank must use the same number.
+  int socketsPerPeer = 1;
   // CLAWCOMM_HOST_ID: the identity that decides which ranks share memory.
   // Empty means host name plus boot id. Set it to tell apart containers on
   // one machine that do not share /dev/shm (or to simulate hosts in tests).

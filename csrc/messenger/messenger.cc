@@ -76,7 +76,7 @@ Messenger::Messenger(int rank, int size, std::vector<std::unique_ptr<Connection>
       doorbell_ = d;
       someDoorbell = true;
     } else if (peers_[p].conn->pollFd() >= 0) {
-      tcpFds.push_back(peers_[p].conn->pollFd());
+      for (int fd : peers_[p].conn->allFds()) tcpFds.push_back(fd);
     } else {
       sameDoorbell = false;  // neither: only naps can wait for it
     }
@@ -582,8 +582,14 @@ void Messenger::pause(Clock::time_point idleSince, Clock::time_point deadline,
     std::vector<pollfd> fds;
     for (int p = 0; p < size_; ++p) {
       if (p == rank_) continue;
-      const short events = POLLIN | (peers_[p].sendQueue.empty() ? 0 : POLLOUT);
-      fds.push_back(pollfd{peers_[p].conn->pollFd(), events, 0});
+      const Connection& c = *peers_[p].conn;
+      const bool writing = !peers_[p].sendQueue.empty();
+      if (writing && c.writePollFd() != c.pollFd()) {  // a striped stream
+        fds.push_back(pollfd{c.pollFd(), POLLIN, 0});
+        fds.push_back(pollfd{c.writePollFd(), POLLOUT, 0});
+      } else {
+        fds.push_back(pollfd{c.pollFd(), short(POLLIN | (writing ? POLLOUT : 0)), 0});
+      }
     }
     if (wakeFd_ >= 0) fds.push_back(pollfd{wakeFd_, POLLIN, 0});
     poll(fds.data(), fds.size(), int(std::max<long long>(1, budget.count() / 1000)));

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "common/clock.h"
 
@@ -54,8 +55,15 @@ class Connection {
   // Clean shutdown: tells the peer no more bytes follow.
   virtual void close() = 0;
 
-  // A file descriptor to poll for readability, or -1 (shared memory).
+  // A file descriptor to poll for readability, or -1 (shared memory); it
+  // may change as bytes move (a striped stream reads its sockets in turn).
   virtual int pollFd() const { return -1; }
+  // The one to poll for writability while writes are blocked.
+  virtual int writePollFd() const { return pollFd(); }
+  // Every descriptor the connection uses (for an edge-triggered watcher).
+  virtual std::vector<int> allFds() const {
+    return pollFd() >= 0 ? std::vector<int>{pollFd()} : std::vector<int>{};
+  }
 
   // The doorbell the peer rings whenever it writes to this rank or frees
   // space for it (transport/doorbell.h), or null. Shared-memory connections

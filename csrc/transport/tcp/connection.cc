@@ -10,6 +10,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -23,6 +24,8 @@ namespace {
 
 constexpr uint32_t kHelloMagic = 0x636c7463;  // "cltc"
 constexpr size_t kStagingBytes = size_t(1) << 20;
+// The unit a striped stream puts on one socket before moving to the next.
+constexpr size_t kStripeBytes = size_t(256) << 10;
 // Setup: an accepted socket must deliver its whole hello within kHelloTime
 // (a peer sends it right after connecting, and retries if dropped); at most
 // kMaxPending sockets wait for theirs; the first kRefusalsLogged refusals
@@ -35,8 +38,10 @@ struct Hello {
   uint32_t magic;
   int32_t rank;
   uint64_t token;
+  uint32_t stripe;   // which of the pair's sockets this is
+  uint32_t stripes;  // how many the connecting rank opens (must match)
 };
-static_assert(sizeof(Hello) == 16, "TcpEndpoint::Pending holds 16 hello bytes");
+static_assert(sizeof(Hello) == TcpEndpoint::kHelloBytes, "TcpEndpoint::Pending holds a hello");
 
 std::string sysError(const char* what) {
   return CLAWCOMM_CONCAT(what, ": ", std::strerror(errno));
@@ -76,20 +81,43 @@ void tuneSocket(int fd) {
   fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
 }
 
+// One peer's byte stream over `stripes` sockets: the stream is cut into
+// units of kStripeBytes, and unit u travels on socket u % stripes. Both
+// sides walk the sockets in the same order, so the reader reassembles the
+// stream by reading each unit from its socket in turn (while it waits on
+// one socket, the others' bytes wait in their kernel buffers and keep
+// flowing). With one socket this is a plain TCP stream.
 class TcpConnection : public Connection {
  public:
-  TcpConnection(int fd, int peer) : fd_(fd), peer_(peer), staging_(kStagingBytes) {
-    tuneSocket(fd_);
+  TcpConnection(std::vector<int> fds, int peer)
+      : fds_(std::move(fds)), peer_(peer), staging_(kStagingBytes) {
+    for (int fd : fds_) tuneSocket(fd);
   }
-  ~TcpConnection() override { ::close(fd_); }
+  ~TcpConnection() override {
+    for (int fd : fds_) ::close(fd);
+  }
 
   size_t write(const void* data, size_t n) override {
-    if (n == 0) return 0;
-    ssize_t r = ::send(fd_, data, n, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (r >= 0) return size_t(r);
-    if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return 0;
-    throw PeerError(CLAWCOMM_CONCAT("rank ", peer_, " is unreachable over TCP (",
-                                    std::strerror(errno), "); it died or aborted"));
+    const uint8_t* p = static_cast<const uint8_t*>(data);
+    size_t done = 0;
+    while (done < n) {
+      const size_t want = std::min(n - done, kStripeBytes - writeUnit_);
+      const ssize_t r = ::send(fds_[writeStripe_], p + done, want, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (r < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
+        throw PeerError(CLAWCOMM_CONCAT("rank ", peer_, " is unreachable over TCP (",
+                                        std::strerror(errno), "); it died or aborted"));
+      }
+      done += size_t(r);
+      writeUnit_ += size_t(r);
+      if (writeUnit_ == kStripeBytes) {
+        writeUnit_ = 0;
+        writeStripe_ = (writeStripe_ + 1) % fds_.size();
+      } else if (size_t(r) < want) {
+        break;  // this socket is full
+      }
+    }
+    return done;
   }
 
   Readable peek() override {
@@ -103,16 +131,25 @@ class TcpConnection : public Connection {
       wpos_ = dst + (wpos_ - rpos_);
       rpos_ = dst;
     }
-    if (!eof_ && wpos_ < staging_.size()) {
-      ssize_t r = ::recv(fd_, staging_.data() + wpos_, staging_.size() - wpos_, MSG_DONTWAIT);
+    while (!eof_ && wpos_ < staging_.size()) {
+      const size_t want = std::min(staging_.size() - wpos_, kStripeBytes - readUnit_);
+      const ssize_t r = ::recv(fds_[readStripe_], staging_.data() + wpos_, want, MSG_DONTWAIT);
       if (r > 0) {
         wpos_ += size_t(r);
+        readUnit_ += size_t(r);
+        if (readUnit_ == kStripeBytes) {
+          readUnit_ = 0;
+          readStripe_ = (readStripe_ + 1) % fds_.size();
+          continue;  // the next unit may be waiting on the next socket
+        }
+        if (size_t(r) == want) continue;
       } else if (r == 0) {
         eof_ = true;
       } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
         eof_ = true;
         eofError_ = std::strerror(errno);
       }
+      break;
     }
     return Readable{staging_.data() + rpos_, wpos_ - rpos_};
   }
@@ -124,9 +161,15 @@ class TcpConnection : public Connection {
     // stream, which only matters when this rank waits on the peer.
     if (!waitingOnIt) return;
     if (!eof_) {
-      pollfd pfd{fd_, POLLRDHUP, 0};
-      if (poll(&pfd, 1, 0) > 0 && (pfd.revents & (POLLRDHUP | POLLHUP | POLLERR))) {
-        peek();  // drain what is left; sets eof_ once the stream is empty
+      for (int fd : fds_) {
+        pollfd pfd{fd, POLLRDHUP, 0};
+        if (poll(&pfd, 1, 0) > 0 && (pfd.revents & (POLLRDHUP | POLLHUP | POLLERR))) {
+          if (fd == fds_[readStripe_]) {
+            peek();  // drain what is left; sets eof_ once the stream is empty
+          } else {
+            eof_ = true;  // another socket of the stream is gone: so is the peer
+          }
+        }
       }
     }
     if (eof_ && rpos_ == wpos_) {
@@ -136,17 +179,27 @@ class TcpConnection : public Connection {
     }
   }
 
-  void abort(const std::string&) override { shutdown(fd_, SHUT_RDWR); }
-  void close() override { shutdown(fd_, SHUT_WR); }
-  int pollFd() const override { return fd_; }
+  void abort(const std::string&) override {
+    for (int fd : fds_) shutdown(fd, SHUT_RDWR);
+  }
+  void close() override {
+    for (int fd : fds_) shutdown(fd, SHUT_WR);
+  }
+  // The socket the next bytes arrive on, and the one the next bytes leave
+  // on: what a sleeping reader or a blocked writer waits for.
+  int pollFd() const override { return fds_[readStripe_]; }
+  int writePollFd() const override { return fds_[writeStripe_]; }
+  std::vector<int> allFds() const override { return fds_; }
   const char* kind() const override { return "tcp"; }
 
  private:
-  int fd_;
+  std::vector<int> fds_;
   int peer_;
   std::vector<uint8_t> staging_;
   size_t rpos_ = 0;
   size_t wpos_ = 0;
+  size_t writeStripe_ = 0, writeUnit_ = 0;  // where the next byte written goes
+  size_t readStripe_ = 0, readUnit_ = 0;    // where the next byte read comes from
   bool eof_ = false;
   std::string eofError_;
 };
@@ -196,8 +249,9 @@ std::string TcpEndpoint::defaultHostAddress(const std::string& ifname) {
   return "127.0.0.1";
 }
 
-TcpEndpoint::TcpEndpoint(uint64_t jobToken, int rank, int size, const std::string& hostAddr)
-    : token_(jobToken), rank_(rank), size_(size) {
+TcpEndpoint::TcpEndpoint(uint64_t jobToken, int rank, int size, const std::string& hostAddr,
+                         int stripes)
+    : token_(jobToken), rank_(rank), size_(size), stripes_(stripes) {
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_port = 0;
@@ -208,7 +262,7 @@ TcpEndpoint::TcpEndpoint(uint64_t jobToken, int rank, int size, const std::strin
   listenFd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (listenFd_ < 0) throw Error(sysError("clawcomm tcp: socket"));
   if (bind(listenFd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      listen(listenFd_, size + 64) != 0) {
+      listen(listenFd_, size * stripes + 64) != 0) {
     const std::string why = sysError("bind/listen");
     ::close(listenFd_);
     throw Error(CLAWCOMM_CONCAT("clawcomm tcp: rank ", rank, " cannot listen on ", hostAddr, ": ",
@@ -221,7 +275,11 @@ TcpEndpoint::TcpEndpoint(uint64_t jobToken, int rank, int size, const std::strin
 
 TcpEndpoint::~TcpEndpoint() {
   finishSetup();
-  for (auto& kv : acceptedEarly_) ::close(kv.second);
+  for (auto& kv : acceptedEarly_) {
+    for (int fd : kv.second) {
+      if (fd >= 0) ::close(fd);
+    }
+  }
 }
 
 void TcpEndpoint::finishSetup() {
@@ -283,8 +341,12 @@ bool TcpEndpoint::readHello(Pending& p) {
     why = "wrong job token";
   } else if (hello.rank <= rank_ || hello.rank >= size_) {
     why = CLAWCOMM_CONCAT("rank ", hello.rank, " does not connect to rank ", rank_);
-  } else if (acceptedEarly_.count(hello.rank)) {
-    why = CLAWCOMM_CONCAT("rank ", hello.rank, " is already connected");
+  } else if (int(hello.stripes) != stripes_ || int(hello.stripe) >= stripes_) {
+    why = CLAWCOMM_CONCAT("rank ", hello.rank, " opens ", hello.stripes, " sockets per peer, rank ",
+                          rank_, " ", stripes_, " (CLAWCOMM_SOCKETS_PER_PEER must match)");
+  } else if (acceptedEarly_.count(hello.rank) &&
+             acceptedEarly_[hello.rank][hello.stripe] >= 0) {
+    why = CLAWCOMM_CONCAT("rank ", hello.rank, " socket ", hello.stripe, " is already connected");
   }
   const uint8_t ack = 'K';
   if (why.empty() && ::send(p.fd, &ack, 1, MSG_NOSIGNAL | MSG_DONTWAIT) != 1) {
@@ -294,21 +356,24 @@ bool TcpEndpoint::readHello(Pending& p) {
     refuse(p.fd, p.from, why);
     return true;
   }
-  acceptedEarly_[hello.rank] = p.fd;
+  std::vector<int>& fds = acceptedEarly_[hello.rank];
+  if (fds.empty()) fds.assign(size_t(stripes_), -1);
+  fds[hello.stripe] = p.fd;
   return true;
 }
 
 // Accepted sockets and their hellos are handled together in one poll loop,
 // so a client that connects and then sends nothing (or too little, or
 // garbage) never holds up a peer's hello: it is dropped after kHelloTime.
-int TcpEndpoint::acceptFrom(int peer, Clock::time_point deadline) {
+std::vector<int> TcpEndpoint::acceptFrom(int peer, Clock::time_point deadline) {
   std::vector<pollfd> fds;
   while (true) {
     auto early = acceptedEarly_.find(peer);
-    if (early != acceptedEarly_.end()) {
-      const int fd = early->second;
+    if (early != acceptedEarly_.end() &&
+        std::count(early->second.begin(), early->second.end(), -1) == 0) {
+      std::vector<int> all = std::move(early->second);
       acceptedEarly_.erase(early);
-      return fd;
+      return all;
     }
     Clock::time_point now = Clock::now();
     if (now >= deadline) {
@@ -343,6 +408,20 @@ int TcpEndpoint::acceptFrom(int peer, Clock::time_point deadline) {
 std::unique_ptr<Connection> TcpEndpoint::connect(int peer, const std::string& peerAddress,
                                                  Clock::time_point deadline) {
   if (peer > rank_) return std::make_unique<TcpConnection>(acceptFrom(peer, deadline), peer);
+  std::vector<int> fds;
+  try {
+    for (int stripe = 0; stripe < stripes_; ++stripe) {
+      fds.push_back(connectOne(peerAddress, peer, stripe, deadline));
+    }
+  } catch (...) {
+    for (int fd : fds) ::close(fd);
+    throw;
+  }
+  return std::make_unique<TcpConnection>(std::move(fds), peer);
+}
+
+int TcpEndpoint::connectOne(const std::string& peerAddress, int peer, int stripe,
+                            Clock::time_point deadline) {
   const size_t colon = peerAddress.rfind(':');
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
@@ -375,11 +454,11 @@ std::unique_ptr<Connection> TcpEndpoint::connect(int peer, const std::string& pe
       lastProblem = std::strerror(errno);
     }
     if (connected) {
-      Hello hello{kHelloMagic, rank_, token_};
+      Hello hello{kHelloMagic, rank_, token_, uint32_t(stripe), uint32_t(stripes_)};
       uint8_t ack = 0;
       if (ioExact(fd, &hello, sizeof(hello), false, deadline) &&
           ioExact(fd, &ack, 1, true, deadline) && ack == 'K') {
-        return std::make_unique<TcpConnection>(fd, peer);
+        return fd;
       }
       lastProblem = "rank " + std::to_string(peer) + " did not acknowledge the hello";
     }

@@ -3,8 +3,10 @@
 //
 // Every rank listens on an ephemeral port. For each pair the higher rank
 // connects and the lower one accepts; the connecting side opens with a hello
-// carrying its rank and the job's random token, and the acceptor drops any
-// connection that presents a different token.
+// carrying its rank, the job's random token and which of the pair's
+// sockets it is, and the acceptor drops any connection that presents a
+// different token. A pair uses CLAWCOMM_SOCKETS_PER_PEER sockets, and its
+// byte stream is striped over them in 256 KiB units (TcpConnection).
 #pragma once
 
 #include <cstdint>
@@ -21,7 +23,10 @@ class TcpEndpoint : public Endpoint {
  public:
   // `hostAddr` is the IPv4 address published to peers, and the only one the
   // socket listens on.
-  TcpEndpoint(uint64_t jobToken, int rank, int size, const std::string& hostAddr);
+  // `stripes` sockets per peer.
+  TcpEndpoint(uint64_t jobToken, int rank, int size, const std::string& hostAddr,
+              int stripes = 1);
+  static constexpr size_t kHelloBytes = 24;
   ~TcpEndpoint() override;
 
   std::string address() const override { return address_; }
@@ -41,11 +46,13 @@ class TcpEndpoint : public Endpoint {
     int fd;
     std::string from;           // "address:port", for the log
     Clock::time_point helloBy;  // dropped if the hello is not complete by then
-    uint8_t hello[16];
+    uint8_t hello[kHelloBytes];
     size_t got = 0;
   };
 
-  int acceptFrom(int peer, Clock::time_point deadline);
+  // The peer's sockets, by stripe.
+  std::vector<int> acceptFrom(int peer, Clock::time_point deadline);
+  int connectOne(const std::string& peerAddress, int peer, int stripe, Clock::time_point deadline);
   void acceptNew(Clock::time_point now);
   // Reads what pending[i]'s socket has; true when it is settled (accepted
   // into acceptedEarly_, or refused).
@@ -55,9 +62,12 @@ class TcpEndpoint : public Endpoint {
   uint64_t token_;
   int rank_;
   int size_;
+  int stripes_;
   int listenFd_ = -1;
   std::string address_;
-  std::map<int, int> acceptedEarly_;  // peer rank -> socket accepted before it was asked for
+  // Peer rank -> its sockets (by stripe; -1 until accepted), accepted before
+  // they were asked for.
+  std::map<int, std::vector<int>> acceptedEarly_;
   std::vector<Pending> pending_;
   size_t refused_ = 0;  // connections refused during setup (logged)
 };
