@@ -413,6 +413,24 @@ def test_auto_picks_hierarchical_for_large_buffers_across_hosts():
     assert run_ranks(algos, 4)[0] == ["tree", "ring"]  # one host
 
 
+def test_sparse_shared_memory_peers():
+    """CLAWCOMM_SHM_PEERS=sparse on one host of 6 ranks: rings only for the
+    pairs the reducing collectives use (ring and recursive-doubling
+    partners), TCP over loopback for the rest, and every collective still
+    right (all-to-all, broadcasts from every root, point-to-point)."""
+    env = {"CLAWCOMM_SHM_PEERS": "sparse"}
+    transports = run_ranks(_transports, 6, env=env)
+    for rank, (kinds, _) in enumerate(transports):
+        shm = {p for p, k in enumerate(kinds) if k == "shm"}
+        assert {(rank + 1) % 6, (rank - 1) % 6} <= shm, (rank, kinds)
+        assert "tcp" in kinds, (rank, kinds)  # some pair left out
+    assert transports[0][0] == ["self", "shm", "tcp", "tcp", "tcp", "shm"]
+    sweeps = [sweep_reductions, sweep_movement, sweep_point_to_point, sweep_large]
+    results = run_ranks(run_sweeps, 6, sweeps, env=env, timeout=300)
+    failures = [f"rank {r}: {f}" for r, fs in enumerate(results) for f in fs]
+    assert not failures, "\n".join(failures[:40])
+
+
 def _transports(rank, ws):
     from clawcomm import backend_of
 

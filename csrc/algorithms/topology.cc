@@ -1,6 +1,7 @@
 #include "algorithms/topology.h"
 
 #include <algorithm>
+#include <cstdlib>
 
 namespace clawcomm {
 
@@ -35,6 +36,30 @@ std::vector<int> Topology::crossGroup(int rank) const {
     if (i < int(ranks.size())) out.push_back(ranks[size_t(i)]);
   }
   return out;
+}
+
+bool Topology::frequentPair(int a, int b) const {
+  const int n = size();
+  if (a == b) return false;
+  // The ring over the whole group (the fold pairs 2i, 2i+1 are among these).
+  if (std::abs(a - b) == 1 || (std::min(a, b) == 0 && std::max(a, b) == n - 1)) return true;
+  // Recursive doubling among the survivors of the fold.
+  int p = 1;
+  while (p * 2 <= n) p *= 2;
+  const int extra = n - p;
+  auto survivor = [extra](int r) { return r < 2 * extra ? (r % 2 == 1 ? r / 2 : -1) : r - extra; };
+  const int sa = survivor(a), sb = survivor(b);
+  if (sa >= 0 && sb >= 0) {
+    const int x = sa ^ sb;
+    if ((x & (x - 1)) == 0) return true;
+  }
+  // The ring inside a host.
+  if (hostOf(a) != hostOf(b)) return false;
+  const std::vector<int> local = localGroup(a);
+  const int k = int(local.size());
+  const int ia = int(std::find(local.begin(), local.end(), a) - local.begin());
+  const int ib = int(std::find(local.begin(), local.end(), b) - local.begin());
+  return (ia + 1) % k == ib || (ib + 1) % k == ia;
 }
 
 }  // namespace clawcomm

@@ -27,6 +27,13 @@ class Topology {
   std::vector<int> localGroup(int rank) const;
   // The i-th rank of every host, by host number, for `rank`'s i.
   std::vector<int> crossGroup(int rank) const;
+  // Whether the schedules of the reducing collectives make ranks a and b
+  // talk: neighbours in the ring, partners of recursive doubling (with the
+  // fold when the size is not a power of two), and neighbours in each
+  // host's ring (the hierarchical all-reduce). Other pairs talk only in
+  // all-to-all, broadcast, reduce, gather and scatter from most roots,
+  // barriers and point-to-point. Symmetric.
+  bool frequentPair(int a, int b) const;
 
  private:
   std::vector<int> hostOf_;

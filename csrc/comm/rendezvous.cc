@@ -9,11 +9,16 @@
 #include <random>
 #include <sstream>
 
+#include "algorithms/topology.h"
 #include "common/errors.h"
 #include "transport/registry.h"
 
 namespace clawcomm {
 namespace {
+
+// CLAWCOMM_SHM_PEERS=auto gives every pair of a host a ring up to this many
+// ranks on it, and only the pairs the collectives use beyond.
+constexpr int kDenseShmRanks = 16;
 
 std::vector<uint8_t> bytesOf(const std::string& s) {
   return std::vector<uint8_t>(s.begin(), s.end());
@@ -93,13 +98,13 @@ Connections connectAll(Store& store, const std::string& ns, int rank, int size,
 
   // 2. Where everybody runs, and which transport setting they use.
   const std::string host = settings.hostId.empty() ? hostIdentity() : settings.hostId;
-  const std::string mySetting = CLAWCOMM_CONCAT(settings.transport, "|", settings.shmRingBytes, "|",
-                                                settings.socketsPerPeer);
+  const std::string mySetting =
+      CLAWCOMM_CONCAT(settings.transport, "|", settings.shmRingBytes, "|", settings.socketsPerPeer);
   publish("host/" + std::to_string(rank), bytesOf(host + "|" + mySetting));
   std::vector<RankInfo> ranks(static_cast<size_t>(size));
   for (int p = 0; p < size; ++p) {
-    const std::string theirs =
-        stringOf(waitFor("host/" + std::to_string(p), p, "joined"));  // "host|transport|ring|sockets"
+    const std::string theirs = stringOf(
+        waitFor("host/" + std::to_string(p), p, "joined"));  // "host|transport|ring|sockets"
     const size_t bar = theirs.find('|');
     if (theirs.substr(bar + 1) != mySetting) {
       throw InvalidArgument(CLAWCOMM_CONCAT(
@@ -121,38 +126,67 @@ Connections connectAll(Store& store, const std::string& ns, int rank, int size,
   }
 
   // 3. Each pair's transport: the forced one, which must be able to connect
-  //    it, or the first in the registry that can.
+  //    it, or the first in the registry that can. With sparse shared-memory
+  //    peers (CLAWCOMM_SHM_PEERS), a pair of one host that the reducing
+  //    collectives do not use goes on to TCP over loopback. Every rank
+  //    evaluates the same rule, so both ends of a pair agree.
+  const Topology topology(out.hostOf);
+  std::vector<int> hostRanks(size_t(topology.hosts()), 0);
+  for (int p = 0; p < size; ++p) ++hostRanks[size_t(topology.hostOf(p))];
+  const auto sparse = [&](int a) {
+    return settings.shmPeers == Settings::ShmPeers::kSparse ||
+           (settings.shmPeers == Settings::ShmPeers::kAuto &&
+            hostRanks[size_t(topology.hostOf(a))] > kDenseShmRanks);
+  };
   const auto& registry = transportRegistry();
+  const auto choose = [&](int a, int b) -> size_t {
+    for (size_t i = 0; i < registry.size(); ++i) {
+      const TransportEntry& t = registry[i];
+      if (settings.transport != "auto" && settings.transport != t.name) continue;
+      if (!t.canConnect(ranks[a], ranks[b])) {
+        if (settings.transport == t.name) {
+          throw InvalidArgument(CLAWCOMM_CONCAT(
+              "clawcomm: CLAWCOMM_TRANSPORT=", t.name, " cannot connect rank ", a, " (host ",
+              ranks[a].host, ") with rank ", b, " (host ", ranks[b].host, ")"));
+        }
+        continue;
+      }
+      if (settings.transport == "auto" && std::string(t.name) == "shm" && sparse(a) &&
+          !topology.frequentPair(a, b)) {
+        continue;
+      }
+      return i;
+    }
+    CLAWCOMM_CHECK(false, "no transport connects rank ", a, " with rank ", b);
+    return 0;
+  };
   std::vector<const TransportEntry*> chosen(static_cast<size_t>(size), nullptr);
   std::vector<bool> used(registry.size(), false);
   for (int p = 0; p < size; ++p) {
     if (p == rank) continue;
-    for (size_t i = 0; i < registry.size(); ++i) {
-      const TransportEntry& t = registry[i];
-      if (settings.transport != "auto" && settings.transport != t.name) continue;
-      if (!t.canConnect(ranks[rank], ranks[p])) {
-        if (settings.transport == t.name) {
-          throw InvalidArgument(CLAWCOMM_CONCAT(
-              "clawcomm: CLAWCOMM_TRANSPORT=", t.name, " cannot connect rank ", rank, " (host ",
-              ranks[rank].host, ") with rank ", p, " (host ", ranks[p].host, ")"));
-        }
-        continue;
-      }
-      chosen[p] = &t;
-      used[i] = true;
-      break;
-    }
-    CLAWCOMM_CHECK(chosen[p] != nullptr, "no transport connects rank ", rank, " with rank ", p);
+    const size_t i = choose(rank, p);
+    chosen[p] = &registry[i];
+    used[i] = true;
   }
 
   // 4. Create the endpoints this rank needs and publish their addresses
   //    (an empty one for a transport it does not use).
-  const EndpointSetup setup{tokenHex, token, rank, size, &settings};
   std::vector<std::unique_ptr<Endpoint>> endpoints(registry.size());
   // If anything below throws, the endpoints' destructors clean up (shm
   // names, this rank's and any peer's, and listening sockets).
   for (size_t i = 0; i < registry.size(); ++i) {
-    if (used[i]) endpoints[i] = registry[i].makeEndpoint(setup);
+    if (used[i]) {
+      EndpointSetup setup{tokenHex, token, rank, size, &settings, {}};
+      // Whom each rank of this host reaches through transport i.
+      setup.peersOf.resize(size_t(size));
+      for (int q = 0; q < size; ++q) {
+        if (topology.hostOf(q) != topology.hostOf(rank)) continue;
+        for (int r = 0; r < size; ++r) {
+          if (r != q && choose(q, r) == i) setup.peersOf[size_t(q)].push_back(r);
+        }
+      }
+      endpoints[i] = registry[i].makeEndpoint(setup);
+    }
     publish(CLAWCOMM_CONCAT("addr/", registry[i].name, "/", rank),
             bytesOf(endpoints[i] ? endpoints[i]->address() : ""));
   }

@@ -37,6 +37,14 @@ struct Settings {
   CostModel costModel;
   // CLAWCOMM_SHM_RING_BYTES: bytes of each one-way shared-memory ring.
   size_t shmRingBytes = size_t(4) << 20;
+  // CLAWCOMM_SHM_PEERS=auto|all|sparse: which pairs of ranks on one host get
+  // shared-memory rings (with CLAWCOMM_TRANSPORT=auto). all: every pair, so
+  // a host of k ranks holds k (k-1) rings. sparse: only the pairs the
+  // reducing collectives' schedules use (Topology::frequentPair: about
+  // 2 + log2 n per rank); the other pairs of a host talk TCP over loopback.
+  // auto: sparse when a host runs more than 16 ranks of the group.
+  enum class ShmPeers { kAuto, kAll, kSparse };
+  ShmPeers shmPeers = ShmPeers::kAuto;
   // CLAWCOMM_SEGMENT_BYTES: ring algorithms pipeline each chunk in segments of
   // at most this many bytes.
   size_t segmentBytes = size_t(1) << 20;

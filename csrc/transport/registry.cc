@@ -16,7 +16,8 @@ bool anyPair(const RankInfo&, const RankInfo&) {
 }
 
 std::unique_ptr<Endpoint> makeShm(const EndpointSetup& s) {
-  return std::make_unique<ShmEndpoint>(s.jobTokenHex, s.rank, s.size, s.settings->shmRingBytes);
+  return std::make_unique<ShmEndpoint>(s.jobTokenHex, s.rank, s.size, s.settings->shmRingBytes,
+                                       s.peersOf);
 }
 
 std::unique_ptr<Endpoint> makeTcp(const EndpointSetup& s) {

@@ -30,6 +30,10 @@ struct EndpointSetup {
   int rank = -1;
   int size = 0;
   const Settings* settings = nullptr;
+  // For every rank of this rank's host (empty for the others): the ranks it
+  // reaches through this transport, ascending. A shared-memory segment
+  // holds one ring per such peer, in this order.
+  std::vector<std::vector<int>> peersOf;
 };
 
 struct TransportEntry {

@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
@@ -47,6 +48,7 @@ struct SegmentHeader {
   int32_t pid;
   int32_t rank;
   int32_t size;
+  int32_t rings;  // one per shared-memory peer of this rank
   uint64_t ringBytes;
   // Rung by every peer that writes into this segment's rings or frees space
   // in the rings this rank writes to (see transport/doorbell.h).
@@ -54,8 +56,17 @@ struct SegmentHeader {
 };
 static_assert(sizeof(SegmentHeader) <= kHeaderBytes, "segment header fits its slot");
 
-size_t segmentBytes(int size, size_t ringBytes) {
-  return kHeaderBytes + size_t(size) * (sizeof(RingControl) + ringBytes);
+size_t segmentBytes(size_t rings, size_t ringBytes) {
+  return kHeaderBytes + rings * (sizeof(RingControl) + ringBytes);
+}
+
+// Where rank `writer`'s ring lies in the segment of a rank whose
+// shared-memory peers are `peers` (ascending).
+int slotOf(const std::vector<int>& peers, int writer) {
+  const auto it = std::lower_bound(peers.begin(), peers.end(), writer);
+  CLAWCOMM_CHECK(it != peers.end() && *it == writer, "rank ", writer,
+                 " has no ring in a segment whose peers do not include it");
+  return int(it - peers.begin());
 }
 
 // True when `pid` has exited (gone, or a zombie not yet reaped).
@@ -82,11 +93,11 @@ class ShmMapping {
   ShmMapping(void* base, size_t bytes) : base_(static_cast<uint8_t*>(base)), bytes_(bytes) {}
   ~ShmMapping() { munmap(base_, bytes_); }
   SegmentHeader* header() const { return reinterpret_cast<SegmentHeader*>(base_); }
-  RingControl* ring(int peer) const {
+  RingControl* ring(int slot) const {
     return reinterpret_cast<RingControl*>(base_ + kHeaderBytes +
-                                          size_t(peer) * (sizeof(RingControl) + ringBytes()));
+                                          size_t(slot) * (sizeof(RingControl) + ringBytes()));
   }
-  uint8_t* ringData(int peer) const { return reinterpret_cast<uint8_t*>(ring(peer) + 1); }
+  uint8_t* ringData(int slot) const { return reinterpret_cast<uint8_t*>(ring(slot) + 1); }
   size_t ringBytes() const { return header()->ringBytes; }
 
  private:
@@ -98,17 +109,19 @@ namespace {
 
 class ShmConnection : public Connection {
  public:
+  // `inSlot`: the peer's ring in this rank's segment; `outSlot`: this
+  // rank's ring in the peer's.
   ShmConnection(int rank, int peer, std::shared_ptr<ShmMapping> own,
-                std::shared_ptr<ShmMapping> remote)
+                std::shared_ptr<ShmMapping> remote, int inSlot, int outSlot)
       : rank_(rank),
         peer_(peer),
         peerPid_(remote->header()->pid),
         own_(std::move(own)),
         remote_(std::move(remote)),
-        in_(own_->ring(peer)),
-        inData_(own_->ringData(peer)),
-        out_(remote_->ring(rank)),
-        outData_(remote_->ringData(rank)),
+        in_(own_->ring(inSlot)),
+        inData_(own_->ringData(inSlot)),
+        out_(remote_->ring(outSlot)),
+        outData_(remote_->ringData(outSlot)),
         cap_(own_->ringBytes()) {}
 
   // Producer side: copy into the peer's ring, wrapping at its end.
@@ -202,18 +215,21 @@ std::string segmentName(const std::string& jobToken, int rank) {
 
 }  // namespace
 
-ShmEndpoint::ShmEndpoint(const std::string& jobToken, int rank, int size, size_t ringBytes)
+ShmEndpoint::ShmEndpoint(const std::string& jobToken, int rank, int size, size_t ringBytes,
+                         std::vector<std::vector<int>> peersOf)
     : jobToken_(jobToken),
       name_(segmentName(jobToken, rank)),
       rank_(rank),
       size_(size),
-      ringBytes_(ringBytes) {
+      ringBytes_(ringBytes),
+      peersOf_(std::move(peersOf)) {
+  const size_t rings = peersOf_.at(size_t(rank)).size();
   CLAWCOMM_CHECK(ringBytes % 64 == 0, "ring bytes ", ringBytes);
   const int fd = shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   if (fd < 0) {
     throw Error(CLAWCOMM_CONCAT("clawcomm shm: cannot create ", name_, ": ", std::strerror(errno)));
   }
-  const size_t bytes = segmentBytes(size, ringBytes);
+  const size_t bytes = segmentBytes(rings, ringBytes);
   if (ftruncate(fd, off_t(bytes)) != 0) {
     const int err = errno;
     ::close(fd);
@@ -230,7 +246,7 @@ ShmEndpoint::ShmEndpoint(const std::string& jobToken, int rank, int size, size_t
     ::close(fd);
     shm_unlink(name_.c_str());
     throw Error(CLAWCOMM_CONCAT(
-        "clawcomm shm: /dev/shm has no room for rank ", rank, "'s ", bytes, " bytes (", size,
+        "clawcomm shm: /dev/shm has no room for rank ", rank, "'s ", bytes, " bytes (", rings,
         " rings of CLAWCOMM_SHM_RING_BYTES=", ringBytes, "): ", std::strerror(reserved),
         "; every local rank needs as much: give /dev/shm more room (Docker: --shm-size) or "
         "lower CLAWCOMM_SHM_RING_BYTES"));
@@ -247,6 +263,7 @@ ShmEndpoint::ShmEndpoint(const std::string& jobToken, int rank, int size, size_t
   h->pid = int32_t(getpid());
   h->rank = rank;
   h->size = size;
+  h->rings = int32_t(rings);
   h->ringBytes = ringBytes;
   std::atomic_thread_fence(std::memory_order_release);
   h->magic = kSegmentMagic;
@@ -266,17 +283,20 @@ std::unique_ptr<Connection> ShmEndpoint::connect(int peer, const std::string& pe
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
-  auto remote = mapSegment(fd, segmentBytes(size_, ringBytes_), peerAddress);
+  const std::vector<int>& theirs = peersOf_.at(size_t(peer));
+  auto remote = mapSegment(fd, segmentBytes(theirs.size(), ringBytes_), peerAddress);
   ::close(fd);
   const SegmentHeader* h = remote->header();
   if (h->magic != kSegmentMagic || h->size != size_ || h->rank != peer ||
-      h->ringBytes != ringBytes_) {
+      h->ringBytes != ringBytes_ || size_t(h->rings) != theirs.size()) {
     throw Error(CLAWCOMM_CONCAT("clawcomm shm: segment ", peerAddress, " holds rank ", h->rank,
                                 " of ", h->size, " with ", h->ringBytes, "-byte rings; rank ",
                                 rank_, " expected rank ", peer, " of ", size_, " with ", ringBytes_,
                                 "-byte rings (is CLAWCOMM_SHM_RING_BYTES the same everywhere?)"));
   }
-  return std::make_unique<ShmConnection>(rank_, peer, own_, std::move(remote));
+  return std::make_unique<ShmConnection>(rank_, peer, own_, std::move(remote),
+                                         slotOf(peersOf_[size_t(rank_)], peer),
+                                         slotOf(theirs, rank_));
 }
 
 void ShmEndpoint::finishSetup() {

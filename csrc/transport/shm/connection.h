@@ -1,14 +1,19 @@
 // Shared-memory transport between ranks on one host.
 //
-// Each rank creates one segment holding, for every peer, a single-producer
-// single-consumer byte ring that the peer writes and this rank reads. A
-// connection therefore reads from its own segment and writes into the peer's.
+// Each rank creates one segment holding, for every peer it reaches over
+// shared memory, a single-producer single-consumer byte ring that the peer
+// writes and this rank reads. A connection therefore reads from its own
+// segment and writes into the peer's. Rings are laid out in the order of
+// the rank's shared-memory peers (ascending), which every rank of the host
+// knows for every other (EndpointSetup::peersOf), so a writer finds its
+// ring in the reader's segment without asking.
 // The segment is unlinked as soon as every peer has mapped it
 // (finishSetup), so a SIGKILL of every rank leaves nothing in /dev/shm.
 #pragma once
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "transport/transport.h"
 
@@ -18,8 +23,10 @@ class ShmMapping;
 
 class ShmEndpoint : public Endpoint {
  public:
-  // Creates "/clawcomm-<jobToken>-<rank>" sized for `size` inbound rings.
-  ShmEndpoint(const std::string& jobToken, int rank, int size, size_t ringBytes);
+  // Creates "/clawcomm-<jobToken>-<rank>" with one inbound ring for each of
+  // peersOf[rank]; peersOf[q] lists rank q's shared-memory peers.
+  ShmEndpoint(const std::string& jobToken, int rank, int size, size_t ringBytes,
+              std::vector<std::vector<int>> peersOf);
   ~ShmEndpoint() override;
 
   std::string address() const override { return name_; }
@@ -36,6 +43,7 @@ class ShmEndpoint : public Endpoint {
   int rank_;
   int size_;
   size_t ringBytes_;
+  std::vector<std::vector<int>> peersOf_;
   std::shared_ptr<ShmMapping> own_;
   bool unlinked_ = false;
 };

@@ -344,8 +344,7 @@ bool TcpEndpoint::readHello(Pending& p) {
   } else if (int(hello.stripes) != stripes_ || int(hello.stripe) >= stripes_) {
     why = CLAWCOMM_CONCAT("rank ", hello.rank, " opens ", hello.stripes, " sockets per peer, rank ",
                           rank_, " ", stripes_, " (CLAWCOMM_SOCKETS_PER_PEER must match)");
-  } else if (acceptedEarly_.count(hello.rank) &&
-             acceptedEarly_[hello.rank][hello.stripe] >= 0) {
+  } else if (acceptedEarly_.count(hello.rank) && acceptedEarly_[hello.rank][hello.stripe] >= 0) {
     why = CLAWCOMM_CONCAT("rank ", hello.rank, " socket ", hello.stripe, " is already connected");
   }
   const uint8_t ack = 'K';

@@ -24,8 +24,7 @@ class TcpEndpoint : public Endpoint {
   // `hostAddr` is the IPv4 address published to peers, and the only one the
   // socket listens on.
   // `stripes` sockets per peer.
-  TcpEndpoint(uint64_t jobToken, int rank, int size, const std::string& hostAddr,
-              int stripes = 1);
+  TcpEndpoint(uint64_t jobToken, int rank, int size, const std::string& hostAddr, int stripes = 1);
   static constexpr size_t kHelloBytes = 24;
   ~TcpEndpoint() override;
 
