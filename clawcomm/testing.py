@@ -244,18 +244,21 @@ def make_frame(
     magic: int = FRAME_MAGIC,
     claimed: int | None = None,
     fields: tuple[int, int, int, int, int, int, int] = (0, 0, 0, 0, 0, 0, 0),
+    epoch: int = 0,
 ) -> bytes:
     """One frame as a clawcomm peer puts it on the wire: the 64-byte header
     (csrc/messenger/messenger.h, FrameHeader) and the payload padded to 8
     bytes. ``claimed`` overrides the payload length the header states;
-    ``fields`` are (opType, dtype, redop, count, root, step, algo)."""
+    ``fields`` are (opType, dtype, redop, count, root, step, algo); ``epoch``
+    is the group's (0 in the ``_feed_frames`` hook)."""
     import struct
 
     op, dtype, redop, count, root, step, algo = fields
     length = len(payload) if claimed is None else claimed
     header = struct.pack(
-        "<IBBBBQQQiIB23x", magic, kind, op, dtype, redop, tag, count, length, root, step, algo
-    )
+        "<IBBBBQQQiIB3xI16x",
+        magic, kind, op, dtype, redop, tag, count, length, root, step, algo, epoch,
+    )  # fmt: skip
     return header + payload + b"\0" * (-len(payload) % 8)
 
 

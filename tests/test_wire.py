@@ -26,6 +26,10 @@ def test_a_short_stream_is_an_error_not_a_hang():
 
 def test_bad_magic_unknown_kind_and_a_malformed_abort_are_named():
     assert "frame magic" in _C._feed_frames(make_frame(POINT_TO_POINT, b"", magic=0xDEADBEEF))
+    # A frame of another group (a rebuilt group's predecessor) is refused.
+    assert "a frame of another group (epoch 7, this group's is 0)" in _C._feed_frames(
+        make_frame(POINT_TO_POINT, b"12345678", epoch=7), recv_bytes=8
+    )
     assert "unknown kind 9" in _C._feed_frames(make_frame(9, b""))
     assert "malformed abort frame" in _C._feed_frames(make_frame(ABORT, b"x" * 8))
     reason = b"rank 1 gave up".ljust(448, b"\0")

@@ -134,6 +134,9 @@ Communicator::Communicator(std::shared_ptr<Store> store, int rank, int size,
   if (settings_.yieldMicros < 0) settings_.yieldMicros = oversubscribed ? 1000 : 0;
   messenger_ = std::make_unique<Messenger>(rank, size, std::move(conns.toRank),
                                            settings_.spinMicros, settings_.yieldMicros);
+  // The group's epoch: its random token's low bits, new for every group (a
+  // rebuilt one included).
+  messenger_->setEpoch(uint32_t(std::stoull(jobToken_.empty() ? "0" : jobToken_, nullptr, 16)));
   thread_ = std::thread([this] { progressLoop(); });
   std::lock_guard<std::mutex> lock(registryMutex);
   registry().insert(this);

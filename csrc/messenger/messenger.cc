@@ -174,6 +174,7 @@ TransferPtr Messenger::queueSend(int peer, const FrameHeader& header, const void
   t->bytes = bytes;
   t->header = header;
   t->header.magic = kFrameMagic;
+  t->header.epoch = epoch_;
   t->header.payloadBytes = bytes;
   peers_[peer].sendQueue.push_back(t);
   return t;
@@ -342,6 +343,10 @@ bool Messenger::progressRecv(int peer, PeerState& ps) {
       if (h.magic != kFrameMagic) {
         throw PeerError(
             CLAWCOMM_CONCAT("corrupt stream from rank ", peer, " (frame magic ", h.magic, ")"));
+      }
+      if (h.epoch != epoch_) {
+        throw PeerError(CLAWCOMM_CONCAT("rank ", peer, " sent a frame of another group (epoch ",
+                                        h.epoch, ", this group's is ", epoch_, ")"));
       }
       ps.target.reset();
       ps.frameDone = 0;
@@ -616,6 +621,7 @@ void Messenger::abort(const std::string& reason) noexcept {
   std::vector<uint8_t> frame(kHeaderBytes + kAbortReasonBytes, 0);
   FrameHeader h{};
   h.magic = kFrameMagic;
+  h.epoch = epoch_;
   h.kind = FrameKind::kAbort;
   h.payloadBytes = kAbortReasonBytes;
   std::memcpy(frame.data(), &h, kHeaderBytes);
@@ -647,6 +653,7 @@ void Messenger::close(Clock::time_point deadline) noexcept {
       auto t = std::make_shared<Transfer>();
       t->peer = p;
       t->header.magic = kFrameMagic;
+      t->header.epoch = epoch_;
       t->header.kind = FrameKind::kClose;
       peers_[p].sendQueue.push_back(t);
     }

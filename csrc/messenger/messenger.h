@@ -56,7 +56,9 @@ struct FrameHeader {
   int32_t root;
   uint32_t step;  // collective: index of this message between the pair
   uint8_t algo;   // collective: OpSignature::algo
-  uint8_t reserved[23];
+  uint8_t reserved[3];
+  uint32_t epoch;  // the group's epoch (Messenger::setEpoch): frames of another group are refused
+  uint8_t reserved2[16];
 };
 static_assert(sizeof(FrameHeader) == 64, "frame header is 64 bytes");
 
@@ -90,6 +92,10 @@ class Messenger {
 
   int rank() const { return rank_; }
   int size() const { return size_; }
+  // Stamped into every frame sent and checked on every frame received: a
+  // frame whose epoch differs came from another group (a rebuilt one's
+  // predecessor) and is an error, never data. Set before any traffic.
+  void setEpoch(uint32_t epoch) { epoch_ = epoch; }
   const char* transportOf(int peer) const;
 
   TransferPtr sendCollective(int peer, const OpSignature& sig, uint32_t step, const void* src,
@@ -165,6 +171,7 @@ class Messenger {
 
   int rank_;
   int size_;
+  uint32_t epoch_ = 0;
   int spinMicros_;
   int yieldMicros_;
   std::vector<PeerState> peers_;
