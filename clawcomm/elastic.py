@@ -18,8 +18,9 @@ others, and the survivor with the lowest old rank publishes who is in. The
 new group (ranks renumbered in old-rank order) connects over a
 ``PrefixStore`` of that epoch, so its keys never meet the old group's; its
 connections present a new job token, and every frame carries the group's
-epoch, so a frame of the old group is refused, never taken as data. A survivor left out (it announced itself too late) gets an error
-that says so. tests/multihost (kill a host, rebuild, go on) runs it.
+epoch, so a frame of the old group is refused, never taken as data. A
+survivor left out (it announced itself too late) gets an error that says
+so. tests/multihost (kill a host, rebuild, go on) runs it.
 """
 
 from __future__ import annotations
