@@ -60,6 +60,20 @@ def test_two_hosts_of_two_ranks(what, tmp_path):
     assert all(run.returncode == 0 for run in runs)
 
 
+def _wait_for(count, n: int, seconds: float, what: str = "") -> None:
+    """Polls until count() >= n; asserts with `what` if given, else just stops."""
+    deadline = time.monotonic() + seconds
+    while count() < n:
+        if time.monotonic() >= deadline:
+            assert not what, what
+            return
+        time.sleep(0.1)
+
+
+def _ready(tmp_path) -> int:
+    return len(glob.glob(os.path.join(tmp_path, "ready*")))
+
+
 def _fault(action: str, tmp_path) -> tuple[float, dict[int, dict]]:
     """Starts the fault job, waits until every rank is all-reducing, then
     cuts host 1's link or kills host 1; returns when that happened and what
@@ -67,17 +81,12 @@ def _fault(action: str, tmp_path) -> tuple[float, dict[int, dict]]:
     when = {}
 
     def during(cluster):
-        deadline = time.monotonic() + 120
-        while len(glob.glob(os.path.join(tmp_path, "ready*"))) < 4:
-            assert time.monotonic() < deadline, "the ranks never started"
-            time.sleep(0.1)
+        _wait_for(lambda: _ready(tmp_path), 4, 120, "the ranks never started")
         time.sleep(0.5)
         when["t"] = time.time()
         cluster.cut(1) if action == "cut" else cluster.kill(1)
         expected = 4 if action == "cut" else 2
-        deadline = time.monotonic() + TIMEOUT_S + 30
-        while len(_results(str(tmp_path))) < expected and time.monotonic() < deadline:
-            time.sleep(0.1)
+        _wait_for(lambda: len(_results(str(tmp_path))), expected, TIMEOUT_S + 30)
         return True  # stop whatever still runs
 
     _, results = _run("fault", tmp_path, during=during)
@@ -103,14 +112,9 @@ def test_a_job_loses_a_host_rebuilds_and_goes_on(tmp_path):
     all-reduces whose sums count only themselves."""
 
     def during(cluster):
-        deadline = time.monotonic() + 120
-        while len(glob.glob(os.path.join(tmp_path, "ready*"))) < 3:
-            assert time.monotonic() < deadline, "the ranks never started"
-            time.sleep(0.1)
+        _wait_for(lambda: _ready(tmp_path), 3, 120, "the ranks never started")
         cluster.kill(2)
-        deadline = time.monotonic() + TIMEOUT_S + 60
-        while len(_results(str(tmp_path))) < 2 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        _wait_for(lambda: len(_results(str(tmp_path))), 2, TIMEOUT_S + 60)
         return True
 
     _, results = _run("elastic", tmp_path, hosts=3, per_host=1, during=during)
