@@ -72,6 +72,8 @@ def compare(out: str) -> tuple[str, float, float]:
                 continue
             coll = r["collective"]
             algo = r["variant"].split("/")[-1] if coll == "all_reduce" else None
+            # These files were measured before reduce-scatter and all-gather
+            # had a hierarchical algorithm: theirs ran the flat ring.
             algo = algo or {"broadcast": "binomial"}.get(coll, "ring")
             measured = r["time_us"] / 1e6
             predicted = predict(coll, algo, r["size"], layout, model)

@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-e", "--maxbytes", default="64M")
     p.add_argument("-f", "--stepfactor", default="4")
     p.add_argument("--algo", default="ring,hierarchical,auto")
+    p.add_argument("-o", "--op", default="all_reduce", help="collectives (clawcomm bench -o)")
     p.add_argument("--compare", default="gloo", help="'' for none")
     p.add_argument("--repeats", default="2")
     p.add_argument("--timeout", type=float, default=900)
@@ -51,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     out = os.path.abspath(out)
     bench = ["-m", "clawcomm.cli", "bench", "-b", args.minbytes, "-e", args.maxbytes,
              "-f", args.stepfactor, "-w", "1", "--repeats", args.repeats, "--algo", args.algo,
+             "-o", args.op,
              "--json", out, "--quiet"]  # fmt: skip
     if args.compare:
         bench += ["--compare", args.compare]

@@ -40,8 +40,8 @@ MAX_PIECES = 16
 # Which algorithms each collective has (the engine's names).
 ALGORITHMS = {
     "all_reduce": ("ring", "tree", "hierarchical"),
-    "reduce_scatter": ("ring",),
-    "all_gather": ("ring",),
+    "reduce_scatter": ("ring", "hierarchical"),
+    "all_gather": ("ring", "hierarchical"),
     "broadcast": ("binomial",),
 }
 
@@ -220,6 +220,32 @@ def hierarchical_all_reduce(N: float, layout: Layout, m: CostModel) -> float:
     return pieces * max(shm, net) + min(shm, net)
 
 
+def _shared(m: CostModel, streams: int) -> CostModel:
+    return CostModel(m.shm_alpha, m.shm_beta, m.net_alpha, m.net_beta * streams, m.gamma)
+
+
+def hierarchical_reduce_scatter(N: float, layout: Layout, m: CostModel) -> float:
+    """A ring reduce-scatter inside each host over N, then one across hosts
+    over the N/k this rank owns, k streams sharing each link (not
+    pipelined: hierarchical_gather_scatter.cc)."""
+    if not layout.hierarchical:
+        return math.inf
+    k, hosts = layout.ranks_per_host, layout.hosts
+    return ring_reduce_scatter(N, Layout(1, k), m) + ring_reduce_scatter(
+        N / k, Layout(hosts, 1), _shared(m, k)
+    )
+
+
+def hierarchical_all_gather(N: float, layout: Layout, m: CostModel) -> float:
+    """Across hosts first (N/k per local index), then inside each host."""
+    if not layout.hierarchical:
+        return math.inf
+    k, hosts = layout.ranks_per_host, layout.hosts
+    return ring_all_gather(N / k, Layout(hosts, 1), _shared(m, k)) + ring_all_gather(
+        N, Layout(1, k), m
+    )
+
+
 def binomial_broadcast(N: float, layout: Layout, m: CostModel) -> float:
     """Each rank receives from its parent (its number with the lowest set
     bit cleared, root 0), then sends to all its children at once (the
@@ -257,6 +283,8 @@ _FORMULAS = {
     ("all_reduce", "hierarchical"): hierarchical_all_reduce,
     ("reduce_scatter", "ring"): ring_reduce_scatter,
     ("all_gather", "ring"): ring_all_gather,
+    ("reduce_scatter", "hierarchical"): hierarchical_reduce_scatter,
+    ("all_gather", "hierarchical"): hierarchical_all_gather,
     ("broadcast", "binomial"): binomial_broadcast,
 }
 
@@ -275,9 +303,12 @@ def predict(collective: str, algo: str, nbytes: float, layout: Layout, model: Co
 
 
 def choose(collective: str, nbytes: float, layout: Layout, model: CostModel) -> str:
-    """What CLAWCOMM_ALGO=auto picks: the cheapest, ties to the later row
-    (as the engine)."""
+    """What CLAWCOMM_ALGO=auto picks: for the all-reduce the cheapest, ties
+    to the later row (as the engine); reduce-scatter and all-gather go
+    hierarchical wherever the layout allows it."""
     algos = ALGORITHMS[collective]
+    if collective in ("reduce_scatter", "all_gather"):
+        return "hierarchical" if layout.hierarchical else "ring"
     if collective == "all_reduce" and layout.size <= 1:
         return "tree"
     best, best_cost = algos[0], math.inf

@@ -234,6 +234,23 @@ def _build(collective: str, algo: str, N: float, layout: Layout, model: CostMode
         _ring(prog, list(range(n)), N / n, n - 1, 0, everyone)
     elif (collective, algo) == ("all_gather", "ring"):
         _ring(prog, list(range(n)), N / n, 0, n - 1, everyone)
+    elif algo == "hierarchical" and collective in ("reduce_scatter", "all_gather"):
+        if not layout.hierarchical:
+            raise ValueError(f"the hierarchical {collective} needs 2+ hosts of 2+ ranks: {layout}")
+        k, hosts = layout.ranks_per_host, layout.hosts
+        local = [[h * k + i for i in range(k)] for h in range(hosts)]
+        cross = [[h * k + i for h in range(hosts)] for i in range(k)]
+        last = everyone
+        if collective == "reduce_scatter":  # inside hosts, then across
+            for g in local:
+                last = _ring(prog, g, N / k, k - 1, 0, last)
+            for g in cross:
+                last = _ring(prog, g, N / (k * hosts), hosts - 1, 0, last)
+        else:  # across hosts, then inside
+            for g in cross:
+                last = _ring(prog, g, N / (k * hosts), 0, hosts - 1, last)
+            for g in local:
+                last = _ring(prog, g, N / k, 0, k - 1, last)
     elif (collective, algo) == ("broadcast", "binomial"):
         _broadcast(prog, n, N)
     else:

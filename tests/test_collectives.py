@@ -384,12 +384,14 @@ def _hosts(*layout):
 @pytest.mark.parametrize("layout", [(2, 2), (3, 3), (2, 2, 2)])
 def test_hierarchical_all_reduce(layout):
     """Shared memory inside each (fake) host, TCP across, every reduce op
-    and dtype, sizes from 0 to several MB (pipelined in pieces)."""
+    and dtype, sizes from 0 to several MB (pipelined in pieces); the
+    reduce-scatter and all-gather of the sweeps run hierarchical too."""
     ranks = _hosts(*layout)
     env = {"CLAWCOMM_ALGO": "hierarchical"}
     results = run_ranks(_transports, len(ranks), rank_env=ranks, env=env)
     assert {r[1] for r in results} == {"hierarchical"}
-    sweeps = [sweep_reductions, sweep_large] if layout == (2, 2) else [sweep_large]
+    # Reduce-scatter and all-gather go hierarchical too (rs/ and ag/ cases).
+    sweeps = [sweep_reductions, sweep_movement, sweep_large]
     results = run_ranks(run_sweeps, len(ranks), sweeps, rank_env=ranks, env=env, timeout=300)
     failures = [f"rank {r}: {f}" for r, fs in enumerate(results) for f in fs]
     assert not failures, "\n".join(failures[:40])

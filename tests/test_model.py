@@ -40,11 +40,12 @@ def test_python_and_engine_closed_forms_agree(layout, model):
                                     Layout(3, 3), Layout(1, 4)], ids=str)  # fmt: skip
 def test_simulator_agrees_with_the_closed_form(layout):
     """With 1 Gbit/s links: within 5% for every collective and algorithm,
-    but the tree and hierarchical all-reduces of 64 KiB over three or more
-    hosts, where the latency of one stream is a good part of a step: the
+    but the tree and the hierarchical algorithms (all-reduce, reduce-scatter,
+    all-gather) at 64 KiB over three or more hosts, where the latency of one
+    stream is a good part of a step: the
     simulator overlaps the latencies of the streams that share a link, the
     closed form adds one per step (up to 28% apart, docs/algorithms.md).
-    Over all cases, the geometric-mean difference stays under 3%."""
+    Over all cases, the geometric-mean difference stays under 4%."""
     model = MODELS[1]
     logs = []
     for collective, algos in ALGORITHMS.items():
@@ -58,7 +59,7 @@ def test_simulator_agrees_with_the_closed_form(layout):
                 if algo in ("tree", "hierarchical") and layout.hosts > 2 and nbytes < 1 << 20:
                     continue
                 assert simulated == pytest.approx(closed, rel=0.05), (collective, algo, nbytes)
-    assert math.exp(sum(logs) / len(logs)) - 1 < 0.03, math.exp(sum(logs) / len(logs)) - 1
+    assert math.exp(sum(logs) / len(logs)) - 1 < 0.04, math.exp(sum(logs) / len(logs)) - 1
 
 
 def test_hierarchical_beats_the_ring_by_the_byte_count_across_a_slow_link():

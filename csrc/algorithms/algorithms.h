@@ -46,6 +46,15 @@ void ringReduceScatter(Channel& ch, void* buf, const std::vector<size_t>& counts
 // afterwards every chunk holds its owner's input.
 void ringAllGather(Channel& ch, void* buf, const std::vector<size_t>& counts);
 
+// The same over hosts (hierarchical_gather_scatter.cc): inside each host
+// over shared memory, across hosts among the ranks of one local index.
+// Need topology().hierarchical() and the whole group's channel.
+void hierarchicalReduceScatter(Channel& ch, void* buf, const std::vector<size_t>& counts);
+void hierarchicalAllGather(Channel& ch, void* buf, const std::vector<size_t>& counts);
+// Whether reduce-scatter and all-gather take the hierarchical algorithms:
+// on a hierarchical layout, unless CLAWCOMM_ALGO names a flat one.
+bool useHierarchical(const Topology& topo, const Settings& settings);
+
 void binomialBroadcast(Channel& ch, void* buf, size_t bytes, int root);
 
 // Reduces into `buf` on `root`. `buf` is used as the accumulator on every

@@ -271,6 +271,8 @@ RequestPtr Communicator::reduceScatter(const void* in, void* out, std::vector<si
   checkCounts(OpType::kReduceScatter, counts, "counts");
   const size_t total = std::accumulate(counts.begin(), counts.end(), size_t(0));
   OpSignature sig{OpType::kReduceScatter, dtype, op, -1, total};
+  const bool hierarchical = useHierarchical(topology_, settings_);
+  if (hierarchical) sig.algo = Algorithm::kHierarchical;
   const int r = rank_, n = size_;
   return enqueueCollective(
       sig, total * elementSize(dtype),
@@ -279,7 +281,11 @@ RequestPtr Communicator::reduceScatter(const void* in, void* out, std::vector<si
         // The ring reduces in place, so it works on a copy of the input.
         std::vector<uint8_t> work(total * es);
         if (total) std::memcpy(work.data(), in, total * es);
-        ringReduceScatter(ch, work.data(), counts);
+        if (hierarchical) {
+          hierarchicalReduceScatter(ch, work.data(), counts);
+        } else {
+          ringReduceScatter(ch, work.data(), counts);
+        }
         const size_t offset = std::accumulate(counts.begin(), counts.begin() + r, size_t(0));
         if (counts[r]) std::memcpy(out, work.data() + offset * es, counts[r] * es);
         if (op == ReduceOp::kAvg) divideInPlace(dtype, out, counts[r], n);
@@ -293,6 +299,8 @@ RequestPtr Communicator::allGather(const void* in, void* out, std::vector<size_t
   checkCounts(OpType::kAllGather, counts, "counts");
   const size_t total = std::accumulate(counts.begin(), counts.end(), size_t(0));
   OpSignature sig{OpType::kAllGather, dtype, ReduceOp::kSum, -1, total};
+  const bool hierarchical = useHierarchical(topology_, settings_);
+  if (hierarchical) sig.algo = Algorithm::kHierarchical;
   const int r = rank_;
   return enqueueCollective(
       sig, total * elementSize(dtype),
@@ -301,7 +309,11 @@ RequestPtr Communicator::allGather(const void* in, void* out, std::vector<size_t
         const size_t offset = std::accumulate(counts.begin(), counts.begin() + r, size_t(0));
         uint8_t* mine = static_cast<uint8_t*>(out) + offset * es;
         if (counts[r] && mine != in) std::memmove(mine, in, counts[r] * es);
-        ringAllGather(ch, out, counts);
+        if (hierarchical) {
+          hierarchicalAllGather(ch, out, counts);
+        } else {
+          ringAllGather(ch, out, counts);
+        }
       },
       std::move(cb));
 }
