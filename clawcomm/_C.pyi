@@ -372,9 +372,9 @@ def _choose_all_reduce(nbytes: typing.SupportsFloat, host_of: list[int], model: 
     What CLAWCOMM_ALGO=auto picks for an all-reduce of nbytes on that layout.
     """
 
-def _drop_last_reference_in_callback() -> str:
+def _drop_last_reference_in_callback(small: bool = False) -> str:
     """
-    Test hook: a one-rank communicator's last reference dropped inside its completion callback; returns the thread the callback ran on.
+    Test hook: a one-rank communicator's last reference dropped inside its completion callback (small: an op run inline on the caller's thread); returns the thread the callback ran on.
     """
 
 def _engine_from_handle(handle: typing_extensions.CapsuleType) -> Engine:

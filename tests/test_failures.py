@@ -449,21 +449,24 @@ def test_an_idle_rank_with_mixed_transports_blocks_instead_of_napping():
 # --- the last reference dropped on the progress thread ----------------------
 
 
-def test_the_last_reference_dropped_in_a_completion_callback_is_safe():
-    """A thread cannot join itself: the communicator's destruction there
-    used to end the process (std::terminate from ~Communicator)."""
+@pytest.mark.parametrize("small", [False, True], ids=["progress-thread", "inline"])
+def test_the_last_reference_dropped_in_a_completion_callback_is_safe(small):
+    """A thread cannot join itself: the communicator's destruction on its
+    progress thread used to end the process (std::terminate from
+    ~Communicator), and inside the callback of a small op run inline on the
+    caller's thread it used to wait forever for that op to finish."""
     import subprocess
     import sys
 
     code = (
         "import time\n"
         "from clawcomm import _C\n"
-        "print(_C._drop_last_reference_in_callback(), flush=True)\n"
+        f"print(_C._drop_last_reference_in_callback(small={small}), flush=True)\n"
         "time.sleep(0.5)\n"  # the shutdown, handed to another thread, completes
     )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert p.stdout.strip() == "progress thread", p.stdout
+    assert p.stdout.strip() == ("caller, inline" if small else "progress thread"), p.stdout
 
 
 # --- abort() from another thread -------------------------------------------

@@ -148,8 +148,10 @@ std::shared_ptr<Communicator> Communicator::create(std::shared_ptr<Store> store,
   return std::shared_ptr<Communicator>(
       new Communicator(std::move(store), rank, size, timeout, std::move(settings)),
       [](Communicator* c) {
-        if (c->onProgressThread()) {
-          // The last reference went away inside a completion callback: let
+        if (c->onProgressThread() || c->runningInlineHere()) {
+          // The last reference went away inside a completion callback, on
+          // the progress thread (which cannot join itself) or on a caller
+          // running a small op inline (whose op is not finished): let
           // another thread shut down once the callback has returned.
           std::thread([c] { delete c; }).detach();
         } else {
@@ -435,6 +437,7 @@ RequestPtr Communicator::enqueueCollective(const OpSignature& sig, size_t bytes,
     runHere = bytes <= settings_.inlineMaxBytes && queue_.empty() && !threadBusy_ && !inlineBusy_;
     if (runHere) {
       inlineBusy_ = true;
+      inlineThread_ = std::this_thread::get_id();
     } else {
       queue_.push_back(std::move(op));
     }
@@ -445,15 +448,18 @@ RequestPtr Communicator::enqueueCollective(const OpSignature& sig, size_t bytes,
     return request;
   }
   runCollective(*op);
-  bool queued;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     inlineBusy_ = false;
-    queued = !queue_.empty() || stopping_ || abortRequested_;
+    inlineThread_ = std::thread::id();
+    // Wake the progress thread only if work arrived meanwhile: a wake-up
+    // costs a system call here and a core's worth of scheduling on the
+    // peer. Under the lock: if the op's callback dropped the last
+    // reference, another thread is destroying this communicator as soon
+    // as the progress thread sees inlineBusy_ cleared, and nothing of it
+    // may be touched after the unlock.
+    if (!queue_.empty() || stopping_ || abortRequested_) cv_.notify_one();
   }
-  // Wake the progress thread only if work arrived meanwhile: a wake-up
-  // costs a system call here and a core's worth of scheduling on the peer.
-  if (queued) cv_.notify_one();
   return request;
 }
 

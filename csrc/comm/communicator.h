@@ -61,6 +61,9 @@ class Communicator {
   // (see onProgressThread()).
   void shutdown();
   bool onProgressThread() const { return std::this_thread::get_id() == thread_.get_id(); }
+  // Whether the calling thread is running a small collective inline (its
+  // completion callback included).
+  bool runningInlineHere() const { return inlineThread_.load() == std::this_thread::get_id(); }
 
   // Aborts from any thread (a watchdog, a signal handler's helper, an
   // elastic agent): the op in flight and every pending and later one fail
@@ -181,6 +184,7 @@ class Communicator {
   // small collective inline. Never both.
   bool threadBusy_ = false;
   bool inlineBusy_ = false;
+  std::atomic<std::thread::id> inlineThread_{};  // who runs the inline op (set with inlineBusy_)
   // abort(): requested by any thread, handled by the one driving the
   // messenger (guarded by mutex_).
   bool abortRequested_ = false;

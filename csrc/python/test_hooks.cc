@@ -75,21 +75,24 @@ class NoStore final : public Store {
 };
 
 // Creates a communicator of one rank, runs an all-reduce whose completion
-// callback drops the last reference to it (on the progress thread, which
-// cannot join itself), and says on which thread the callback ran.
-std::string dropLastReferenceInCallback() {
+// callback drops the last reference to it, and says on which thread the
+// callback ran: the progress thread (which cannot join itself) for a large
+// op, the caller's own for a small one run inline (whose op is not
+// finished when the callback runs).
+std::string dropLastReferenceInCallback(bool small) {
   auto holder = std::make_shared<std::shared_ptr<Communicator>>(
       Communicator::create(std::make_shared<NoStore>(), 0, 1, std::chrono::seconds(10)));
   std::promise<std::string> where;
-  // Above CLAWCOMM_INLINE_BYTES, so that the progress thread runs it (a
-  // small op runs inline, on the caller's thread).
-  std::vector<float> x(size_t(1) << 22, 1.0f);
-  (*holder)->allReduce(x.data(), x.size(), DataType::kFloat32, ReduceOp::kSum,
-                       [holder, &where](std::exception_ptr) {
-                         const bool onIt = (*holder)->onProgressThread();
-                         holder->reset();  // the last reference
-                         where.set_value(onIt ? "progress thread" : "another thread");
-                       });
+  // Above CLAWCOMM_INLINE_BYTES the progress thread runs it; a small op
+  // runs inline, on this thread.
+  std::vector<float> x(small ? size_t(4) : size_t(1) << 22, 1.0f);
+  (*holder)->allReduce(
+      x.data(), x.size(), DataType::kFloat32, ReduceOp::kSum, [holder, &where](std::exception_ptr) {
+        const bool progress = (*holder)->onProgressThread();
+        const bool here = (*holder)->runningInlineHere();
+        holder->reset();  // the last reference
+        where.set_value(progress ? "progress thread" : here ? "caller, inline" : "another thread");
+      });
   return where.get_future().get();
 }
 
@@ -97,9 +100,10 @@ std::string dropLastReferenceInCallback() {
 
 void bindTestHooks(pybind11::module_& m) {
   m.def("_drop_last_reference_in_callback", &dropLastReferenceInCallback,
-        pybind11::call_guard<pybind11::gil_scoped_release>(),
+        pybind11::arg("small") = false, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "Test hook: a one-rank communicator's last reference dropped inside its completion "
-        "callback; returns the thread the callback ran on.");
+        "callback (small: an op run inline on the caller's thread); returns the thread the "
+        "callback ran on.");
   m.def("_feed_frames", &feedFrames, pybind11::arg("data"), pybind11::arg("recv_bytes") = -1,
         pybind11::call_guard<pybind11::gil_scoped_release>(),
         "Test hook: parses `data` as the frames rank 1 sends rank 0, then receives a "
