@@ -6,33 +6,27 @@
 namespace clawcomm {
 
 Topology::Topology(std::vector<int> hostOf) : hostOf_(std::move(hostOf)) {
-  std::vector<int> count;
-  for (int h : hostOf_) {
-    if (h >= int(count.size())) count.resize(size_t(h) + 1, 0);
-    ++count[size_t(h)];
+  for (int r = 0; r < size(); ++r) {
+    const size_t h = size_t(hostOf_[size_t(r)]);
+    if (h >= ranksOf_.size()) ranksOf_.resize(h + 1);
+    ranksOf_[h].push_back(r);
   }
-  hosts_ = int(count.size());
-  ranksPerHost_ = count.empty() ? 0 : count[0];
-  for (int c : count) {
-    if (c != ranksPerHost_) ranksPerHost_ = 0;
+  hosts_ = int(ranksOf_.size());
+  ranksPerHost_ = ranksOf_.empty() ? 0 : int(ranksOf_[0].size());
+  for (const auto& ranks : ranksOf_) {
+    if (int(ranks.size()) != ranksPerHost_) ranksPerHost_ = 0;
   }
 }
 
-std::vector<int> Topology::localGroup(int rank) const {
-  std::vector<int> out;
-  for (int r = 0; r < size(); ++r) {
-    if (hostOf_[size_t(r)] == hostOf(rank)) out.push_back(r);
-  }
-  return out;
+int Topology::localIndex(int rank) const {
+  const std::vector<int>& local = ranksOf_[size_t(hostOf(rank))];
+  return int(std::lower_bound(local.begin(), local.end(), rank) - local.begin());
 }
 
 std::vector<int> Topology::crossGroup(int rank) const {
-  const std::vector<int> local = localGroup(rank);
-  const int i = int(std::find(local.begin(), local.end(), rank) - local.begin());
-  std::vector<std::vector<int>> byHost(static_cast<size_t>(hosts_));
-  for (int r = 0; r < size(); ++r) byHost[size_t(hostOf_[size_t(r)])].push_back(r);
+  const int i = localIndex(rank);
   std::vector<int> out;
-  for (const auto& ranks : byHost) {
+  for (const auto& ranks : ranksOf_) {
     if (i < int(ranks.size())) out.push_back(ranks[size_t(i)]);
   }
   return out;
@@ -55,10 +49,8 @@ bool Topology::frequentPair(int a, int b) const {
   }
   // The ring inside a host.
   if (hostOf(a) != hostOf(b)) return false;
-  const std::vector<int> local = localGroup(a);
-  const int k = int(local.size());
-  const int ia = int(std::find(local.begin(), local.end(), a) - local.begin());
-  const int ib = int(std::find(local.begin(), local.end(), b) - local.begin());
+  const int k = int(ranksOf_[size_t(hostOf(a))].size());
+  const int ia = localIndex(a), ib = localIndex(b);
   return (ia + 1) % k == ib || (ib + 1) % k == ia;
 }
 

@@ -24,7 +24,8 @@ class Topology {
   bool hierarchical() const { return hosts_ >= 2 && ranksPerHost_ >= 2; }
   int ranksPerHost() const { return ranksPerHost_; }  // 0 if hosts differ
   // The ranks on `rank`'s host, ascending; `rank` is the i-th of them.
-  std::vector<int> localGroup(int rank) const;
+  const std::vector<int>& localGroup(int rank) const { return ranksOf_[size_t(hostOf(rank))]; }
+  int localIndex(int rank) const;
   // The i-th rank of every host, by host number, for `rank`'s i.
   std::vector<int> crossGroup(int rank) const;
   // Whether the schedules of the reducing collectives make ranks a and b
@@ -37,6 +38,7 @@ class Topology {
 
  private:
   std::vector<int> hostOf_;
+  std::vector<std::vector<int>> ranksOf_;  // per host, ascending
   int hosts_ = 0;
   int ranksPerHost_ = 0;
 };

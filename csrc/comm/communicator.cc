@@ -213,8 +213,18 @@ void Communicator::countExternal(OpType type, uint64_t sent, uint64_t received) 
   Traffic::add(t.payloadReceived, received);
 }
 
+const AllReduceAlgorithm& Communicator::allReduceChoice(size_t bytes) const {
+  std::lock_guard<std::mutex> lock(choiceMutex_);
+  auto it = choices_.find(bytes);
+  if (it != choices_.end()) return *it->second;
+  if (choices_.size() >= 4096) choices_.clear();  // sizes that keep changing: stay bounded
+  const AllReduceAlgorithm& algo = chooseAllReduce(bytes, topology_, settings_);
+  choices_.emplace(bytes, &algo);
+  return algo;
+}
+
 std::string Communicator::allReduceAlgorithm(size_t bytes) const {
-  return chooseAllReduce(bytes, topology_, settings_).name;
+  return allReduceChoice(bytes).name;
 }
 
 void Communicator::checkRoot(OpType op, int root) const {
@@ -235,8 +245,7 @@ void Communicator::checkCounts(OpType op, const std::vector<size_t>& counts,
 RequestPtr Communicator::allReduce(void* buf, size_t count, DataType dtype, ReduceOp op,
                                    Callback cb) {
   checkReduceOp(OpType::kAllReduce, dtype, op);
-  const AllReduceAlgorithm& algo =
-      chooseAllReduce(count * elementSize(dtype), topology_, settings_);
+  const AllReduceAlgorithm& algo = allReduceChoice(count * elementSize(dtype));
   OpSignature sig{OpType::kAllReduce, dtype, op, -1, count};
   sig.algo = algo.id;
   const int n = size_;
