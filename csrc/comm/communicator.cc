@@ -81,23 +81,6 @@ std::string errorText(std::exception_ptr e) {
   }
 }
 
-std::string opPrefix(OpType t) {
-  return CLAWCOMM_CONCAT("clawcomm::", opTypeName(t), ": ");
-}
-
-void checkDataType(OpType op, DataType dtype) {
-  CLAWCOMM_ARG_CHECK(dtype < DataType::kNumTypes, opPrefix(op), "unsupported dtype code ",
-                     int(dtype));
-}
-
-void checkReduceOp(OpType op, DataType dtype, ReduceOp redop) {
-  checkDataType(op, dtype);
-  CLAWCOMM_ARG_CHECK(reduceOpSupported(dtype, redop), opPrefix(op), "reduce op ",
-                     reduceOpName(redop), " is not defined on ", dataTypeName(dtype),
-                     redop == ReduceOp::kAvg ? " (avg needs a floating point dtype)"
-                                             : " (bitwise ops need an integer or bool dtype)");
-}
-
 }  // namespace
 
 namespace {
@@ -111,7 +94,8 @@ std::set<Communicator*>& registry() {
 
 Communicator::Communicator(std::shared_ptr<Store> store, int rank, int size,
                            std::chrono::milliseconds timeout, Settings settings)
-    : rank_(rank),
+    : store_(store),
+      rank_(rank),
       size_(size),
       timeoutMs_(timeout.count()),
       settings_(std::move(settings)),
@@ -206,221 +190,10 @@ const Traffic& Communicator::traffic() const {
 
 void Communicator::countExternal(OpType type, uint64_t sent, uint64_t received) {
   OpTraffic& t = messenger_->traffic().of(type);
-  Traffic::add(t.calls, 1);
   Traffic::add(t.bytesSent, sent);
   Traffic::add(t.payloadSent, sent);
   Traffic::add(t.bytesReceived, received);
   Traffic::add(t.payloadReceived, received);
-}
-
-const AllReduceAlgorithm& Communicator::allReduceChoice(size_t bytes) const {
-  std::lock_guard<std::mutex> lock(choiceMutex_);
-  auto it = choices_.find(bytes);
-  if (it != choices_.end()) return *it->second;
-  if (choices_.size() >= 4096) choices_.clear();  // sizes that keep changing: stay bounded
-  const AllReduceAlgorithm& algo = chooseAllReduce(bytes, topology_, settings_);
-  choices_.emplace(bytes, &algo);
-  return algo;
-}
-
-std::string Communicator::allReduceAlgorithm(size_t bytes) const {
-  return allReduceChoice(bytes).name;
-}
-
-void Communicator::checkRoot(OpType op, int root) const {
-  CLAWCOMM_ARG_CHECK(root >= 0 && root < size_, opPrefix(op), "root ", root,
-                     " is out of range for a group of ", size_, " ranks");
-}
-
-void Communicator::checkCounts(OpType op, const std::vector<size_t>& counts,
-                               const char* what) const {
-  CLAWCOMM_ARG_CHECK(counts.size() == size_t(size_), opPrefix(op), what, " has ", counts.size(),
-                     " entries for a group of ", size_, " ranks");
-}
-
-// ---------------------------------------------------------------------------
-// Public operations: check arguments here, on the caller's thread, then hand
-// one closure to the progress thread.
-
-RequestPtr Communicator::allReduce(void* buf, size_t count, DataType dtype, ReduceOp op,
-                                   Callback cb) {
-  checkReduceOp(OpType::kAllReduce, dtype, op);
-  const AllReduceAlgorithm& algo = allReduceChoice(count * elementSize(dtype));
-  OpSignature sig{OpType::kAllReduce, dtype, op, -1, count};
-  sig.algo = algo.id;
-  const int n = size_;
-  return enqueueCollective(
-      sig, count * elementSize(dtype),
-      [=](Channel& ch) {
-        algo.run(ch, buf, count);
-        if (op == ReduceOp::kAvg) divideInPlace(dtype, buf, count, n);
-      },
-      std::move(cb));
-}
-
-RequestPtr Communicator::allReduce16BitWire(float* buf, size_t count, DataType wire, float prescale,
-                                            float postscale, Callback cb) {
-  CLAWCOMM_ARG_CHECK(wire == DataType::kFloat16 || wire == DataType::kBFloat16,
-                     "clawcomm::all_reduce: the wire format must be float16 or bfloat16, not ",
-                     dataTypeName(wire));
-  CLAWCOMM_ARG_CHECK(std::isfinite(prescale) && prescale != 0.0f, "clawcomm::all_reduce: prescale ",
-                     prescale, " is not a finite non-zero factor");
-  CLAWCOMM_ARG_CHECK(std::isfinite(postscale) && postscale != 0.0f,
-                     "clawcomm::all_reduce: postscale ", postscale,
-                     " is not a finite non-zero factor");
-  OpSignature sig{OpType::kAllReduce, wire, ReduceOp::kSum, -1, count};
-  sig.algo = Algorithm::kRing16BitWire;
-  return enqueueCollective(
-      sig, count * 2,
-      [=](Channel& ch) { ringAllReduce16BitWire(ch, buf, count, prescale, postscale); },
-      std::move(cb));
-}
-
-RequestPtr Communicator::reduceScatter(const void* in, void* out, std::vector<size_t> counts,
-                                       DataType dtype, ReduceOp op, Callback cb) {
-  checkReduceOp(OpType::kReduceScatter, dtype, op);
-  checkCounts(OpType::kReduceScatter, counts, "counts");
-  const size_t total = std::accumulate(counts.begin(), counts.end(), size_t(0));
-  OpSignature sig{OpType::kReduceScatter, dtype, op, -1, total};
-  const bool hierarchical = useHierarchical(topology_, settings_);
-  if (hierarchical) sig.algo = Algorithm::kHierarchical;
-  const int r = rank_, n = size_;
-  return enqueueCollective(
-      sig, total * elementSize(dtype),
-      [=](Channel& ch) {
-        const size_t es = elementSize(dtype);
-        // The ring reduces in place, so it works on a copy of the input.
-        std::vector<uint8_t> work(total * es);
-        if (total) std::memcpy(work.data(), in, total * es);
-        if (hierarchical) {
-          hierarchicalReduceScatter(ch, work.data(), counts);
-        } else {
-          ringReduceScatter(ch, work.data(), counts);
-        }
-        const size_t offset = std::accumulate(counts.begin(), counts.begin() + r, size_t(0));
-        if (counts[r]) std::memcpy(out, work.data() + offset * es, counts[r] * es);
-        if (op == ReduceOp::kAvg) divideInPlace(dtype, out, counts[r], n);
-      },
-      std::move(cb));
-}
-
-RequestPtr Communicator::allGather(const void* in, void* out, std::vector<size_t> counts,
-                                   DataType dtype, Callback cb) {
-  checkDataType(OpType::kAllGather, dtype);
-  checkCounts(OpType::kAllGather, counts, "counts");
-  const size_t total = std::accumulate(counts.begin(), counts.end(), size_t(0));
-  OpSignature sig{OpType::kAllGather, dtype, ReduceOp::kSum, -1, total};
-  const bool hierarchical = useHierarchical(topology_, settings_);
-  if (hierarchical) sig.algo = Algorithm::kHierarchical;
-  const int r = rank_;
-  return enqueueCollective(
-      sig, total * elementSize(dtype),
-      [=](Channel& ch) {
-        const size_t es = elementSize(dtype);
-        const size_t offset = std::accumulate(counts.begin(), counts.begin() + r, size_t(0));
-        uint8_t* mine = static_cast<uint8_t*>(out) + offset * es;
-        if (counts[r] && mine != in) std::memmove(mine, in, counts[r] * es);
-        if (hierarchical) {
-          hierarchicalAllGather(ch, out, counts);
-        } else {
-          ringAllGather(ch, out, counts);
-        }
-      },
-      std::move(cb));
-}
-
-RequestPtr Communicator::broadcast(void* buf, size_t count, DataType dtype, int root, Callback cb) {
-  checkDataType(OpType::kBroadcast, dtype);
-  checkRoot(OpType::kBroadcast, root);
-  OpSignature sig{OpType::kBroadcast, dtype, ReduceOp::kSum, root, count};
-  const size_t bytes = count * elementSize(dtype);
-  return enqueueCollective(
-      sig, bytes, [=](Channel& ch) { binomialBroadcast(ch, buf, bytes, root); }, std::move(cb));
-}
-
-RequestPtr Communicator::reduce(void* buf, size_t count, DataType dtype, ReduceOp op, int root,
-                                Callback cb) {
-  checkReduceOp(OpType::kReduce, dtype, op);
-  checkRoot(OpType::kReduce, root);
-  OpSignature sig{OpType::kReduce, dtype, op, root, count};
-  const int r = rank_, n = size_;
-  return enqueueCollective(
-      sig, count * elementSize(dtype),
-      [=](Channel& ch) {
-        const size_t bytes = count * elementSize(dtype);
-        if (r == root) {
-          binomialReduce(ch, buf, count, root);
-          if (op == ReduceOp::kAvg) divideInPlace(dtype, buf, count, n);
-        } else {
-          // Non-roots accumulate their subtree in scratch, leaving `buf` as it was.
-          std::vector<uint8_t> scratch(bytes);
-          if (bytes) std::memcpy(scratch.data(), buf, bytes);
-          binomialReduce(ch, scratch.data(), count, root);
-        }
-      },
-      std::move(cb));
-}
-
-RequestPtr Communicator::gather(const void* in, void* out, size_t count, DataType dtype, int root,
-                                Callback cb) {
-  checkDataType(OpType::kGather, dtype);
-  checkRoot(OpType::kGather, root);
-  OpSignature sig{OpType::kGather, dtype, ReduceOp::kSum, root, count};
-  const size_t bytes = count * elementSize(dtype);
-  return enqueueCollective(
-      sig, bytes * size_t(size_), [=](Channel& ch) { linearGather(ch, in, out, bytes, root); },
-      std::move(cb));
-}
-
-RequestPtr Communicator::scatter(const void* in, void* out, size_t count, DataType dtype, int root,
-                                 Callback cb) {
-  checkDataType(OpType::kScatter, dtype);
-  checkRoot(OpType::kScatter, root);
-  OpSignature sig{OpType::kScatter, dtype, ReduceOp::kSum, root, count};
-  const size_t bytes = count * elementSize(dtype);
-  return enqueueCollective(
-      sig, bytes * size_t(size_), [=](Channel& ch) { linearScatter(ch, in, out, bytes, root); },
-      std::move(cb));
-}
-
-RequestPtr Communicator::allToAll(const void* in, std::vector<size_t> sendCounts, void* out,
-                                  std::vector<size_t> recvCounts, DataType dtype, Callback cb) {
-  checkDataType(OpType::kAllToAll, dtype);
-  checkCounts(OpType::kAllToAll, sendCounts, "send counts");
-  checkCounts(OpType::kAllToAll, recvCounts, "receive counts");
-  CLAWCOMM_ARG_CHECK(sendCounts[rank_] == recvCounts[rank_], opPrefix(OpType::kAllToAll), "rank ",
-                     rank_, " sends ", sendCounts[rank_], " elements to itself but expects ",
-                     recvCounts[rank_]);
-  // Per-pair sizes differ by design, so the count is not part of the
-  // signature; each frame's byte count is still checked on arrival.
-  OpSignature sig{OpType::kAllToAll, dtype, ReduceOp::kSum, -1, 0};
-  const size_t es = elementSize(dtype);
-  for (auto& c : sendCounts) c *= es;
-  for (auto& c : recvCounts) c *= es;
-  return enqueueCollective(
-      sig, std::accumulate(sendCounts.begin(), sendCounts.end(), size_t(0)),
-      [=](Channel& ch) { pairwiseAllToAll(ch, in, sendCounts, out, recvCounts); }, std::move(cb));
-}
-
-RequestPtr Communicator::barrier(Callback cb) {
-  OpSignature sig{OpType::kBarrier, DataType::kUInt8, ReduceOp::kSum, -1, 0};
-  return enqueueCollective(sig, 0, [](Channel& ch) { disseminationBarrier(ch); }, std::move(cb));
-}
-
-RequestPtr Communicator::send(const void* buf, size_t bytes, int peer, uint64_t tag, Callback cb) {
-  CLAWCOMM_ARG_CHECK(peer >= 0 && peer < size_, "clawcomm::send: destination rank ", peer,
-                     " is out of range for a group of ", size_, " ranks");
-  CLAWCOMM_ARG_CHECK(peer != rank_, "clawcomm::send: rank ", rank_, " cannot send to itself");
-  return enqueuePointToPoint(true, const_cast<void*>(buf), bytes, peer, tag, std::move(cb));
-}
-
-RequestPtr Communicator::recv(void* buf, size_t bytes, int peer, uint64_t tag, Callback cb) {
-  CLAWCOMM_ARG_CHECK(peer >= -1 && peer < size_, "clawcomm::recv: source rank ", peer,
-                     " is out of range for a group of ", size_, " ranks");
-  CLAWCOMM_ARG_CHECK(peer != rank_, "clawcomm::recv: rank ", rank_, " cannot receive from itself");
-  CLAWCOMM_ARG_CHECK(peer != -1 || size_ > 1,
-                     "clawcomm::recv: no other rank to receive from in a group of 1");
-  return enqueuePointToPoint(false, buf, bytes, peer, tag, std::move(cb));
 }
 
 // ---------------------------------------------------------------------------
@@ -507,21 +280,76 @@ void Communicator::abort(const std::string& reason) {
     abortRequested_ = true;
     abortReason_ = CLAWCOMM_CONCAT("rank ", rank_, " aborted: ", reason);
     why = abortReason_;
+    if (failure_.empty()) failure_ = why;
   }
   messenger_->cancel(why);  // wakes a wait in progress, on any thread
   cv_.notify_all();         // wakes an idle progress thread
+  notifyFailure(why);
 }
 
 void Communicator::fail(std::exception_ptr error) {
   if (!broken_) {
     broken_ = error;
-    messenger_->abort(CLAWCOMM_CONCAT("rank ", rank_, " failed: ", errorText(error)));
+    const std::string why = errorText(error);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (failure_.empty()) failure_ = why;
+    }
+    messenger_->abort(CLAWCOMM_CONCAT("rank ", rank_, " failed: ", why));
+    notifyFailure(why);
   }
   for (auto& op : pointToPoint_) {
     recorder_.finished(op->record, false);
     op->request->complete(error);
   }
   pointToPoint_.clear();
+}
+
+void Communicator::notifyFailure(const std::string& reason) {
+  std::lock_guard<std::mutex> lock(listenersMutex_);
+  if (notified_) return;
+  notified_ = true;
+  for (auto& [id, f] : listeners_) f(reason);
+}
+
+int Communicator::addFailureListener(std::function<void(const std::string&)> f) {
+  std::lock_guard<std::mutex> lock(listenersMutex_);
+  listeners_[nextListener_] = std::move(f);
+  return nextListener_++;
+}
+
+void Communicator::removeFailureListener(int id) {
+  std::lock_guard<std::mutex> lock(listenersMutex_);
+  listeners_.erase(id);
+}
+
+std::string Communicator::failure() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return failure_;
+}
+
+std::string Communicator::setupNamespace(const std::string& what) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return CLAWCOMM_CONCAT(storeNamespace_, what, "/", setups_++, "/");
+}
+
+uint64_t Communicator::beginExternal(OpSignature& sig, uint64_t bytes) {
+  Traffic::add(messenger_->traffic().of(sig.type).calls, 1);
+  std::lock_guard<std::mutex> lock(mutex_);
+  CLAWCOMM_ARG_CHECK(!stopping_, opPrefix(sig.type), "the communicator is shutting down");
+  if (!failure_.empty()) {
+    throw PeerError(
+        CLAWCOMM_CONCAT(opPrefix(sig.type), "the communicator was aborted by an earlier error: ",
+                        failure_));
+  }
+  sig.seq = nextSeq_++;
+  const uint64_t id = recorder_.queued(sig, -1, bytes);
+  recorder_.started(id, Clock::now());
+  return id;
+}
+
+void Communicator::endExternal(uint64_t record, bool ok) {
+  recorder_.finished(record, ok);
 }
 
 std::string Communicator::flightRecord(const std::string& why) const {

@@ -19,6 +19,7 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -99,9 +100,10 @@ class Communicator {
   // Bytes on the wire and calls so far, per operation type (see
   // common/traffic.h). Calls are counted when issued, even if rejected later.
   const Traffic& traffic() const;
-  // Counts an operation whose bytes moved outside the messenger (CUDA IPC
-  // kernels): one call, `sent` bytes that peers read from this rank's
-  // buffers and `received` bytes it read from theirs (payload only).
+  // Counts the bytes of an operation that moved them outside the messenger
+  // (CUDA IPC kernels; beginExternal counted the call): `sent` bytes that
+  // peers read from this rank's buffers and `received` bytes it read from
+  // theirs (payload only).
   void countExternal(OpType type, uint64_t sent, uint64_t received);
 
   // The flight record (comm/recorder.h) as JSON: the last operations, oldest
@@ -109,6 +111,34 @@ class Communicator {
   std::string flightRecord(const std::string& why = "requested") const;
   // Where this communicator writes it if it fails.
   std::string flightRecordPath() const;
+
+  // --- Operations that move their bytes outside the messenger -------------
+  // (device/device_comm.h: device collectives through CUDA IPC.) They belong
+  // to this group all the same: numbered in its collective sequence, in its
+  // flight record, counted in its traffic, refused once it has failed, and
+  // told when it aborts.
+
+  // The group's store, and a fresh key prefix under this group's namespace
+  // for a setup the ranks do together: each call returns the next one, so
+  // ranks that make the same calls agree, and a retry never reads the keys
+  // of an attempt that failed.
+  Store& store() { return *store_; }
+  std::string setupNamespace(const std::string& what);
+  // Gives `sig` the next sequence number and records it in the flight
+  // recorder, started, with this rank's `bytes`; returns the record's id.
+  // Throws PeerError naming why if the communicator has failed or aborted,
+  // InvalidArgument if it is shutting down.
+  uint64_t beginExternal(OpSignature& sig, uint64_t bytes);
+  void endExternal(uint64_t record, bool ok);
+  // Why this communicator can run no more operations (abort(), or its first
+  // failure), or "" while it can.
+  std::string failure();
+  // `f(reason)` runs once when the communicator aborts or fails, on the
+  // thread that noticed; it must be quick and must not call back in.
+  // Returns an id for removeFailureListener (which waits for a call in
+  // progress to return).
+  int addFailureListener(std::function<void(const std::string&)> f);
+  void removeFailureListener(int id);
 
   // Which host each rank runs on (hosts numbered by first rank).
   const Topology& topology() const { return topology_; }
@@ -167,8 +197,10 @@ class Communicator {
   void progressLoop();
   void runCollective(Op& op);
   void fail(std::exception_ptr error);
+  void notifyFailure(const std::string& reason);
   std::string dumpFlightRecord(const std::string& why) noexcept;
 
+  std::shared_ptr<Store> store_;
   int rank_;
   int size_;
   std::atomic<int64_t> timeoutMs_;  // set by users, read by the progress thread
@@ -198,6 +230,13 @@ class Communicator {
   bool abortRequested_ = false;
   bool abortHandled_ = false;
   std::string abortReason_;
+  std::string failure_;       // guarded by mutex_: abortReason_ or the first failure
+  uint64_t setups_ = 0;       // guarded by mutex_: setupNamespace() calls so far
+
+  std::mutex listenersMutex_;  // held while listeners run
+  std::map<int, std::function<void(const std::string&)>> listeners_;
+  int nextListener_ = 0;
+  bool notified_ = false;  // guarded by listenersMutex_
 
   // Owned by the progress thread.
   std::vector<std::unique_ptr<Op>> pointToPoint_;

@@ -37,6 +37,34 @@ std::string hostIdentity() {
   return std::string(host) + "/" + boot;
 }
 
+// "CLAWCOMM_CUDA_IPC: rank p has 0, this rank auto; ..." for each setting of
+// Settings::mustMatch() whose values differ.
+std::string settingsThatDiffer(const std::string& theirs, const std::string& mine) {
+  auto split = [](const std::string& s) {
+    std::vector<std::pair<std::string, std::string>> out;
+    size_t at = 0;
+    while (at <= s.size()) {
+      size_t end = s.find('|', at);
+      if (end == std::string::npos) end = s.size();
+      const std::string item = s.substr(at, end - at);
+      const size_t eq = item.find('=');
+      out.emplace_back(item.substr(0, eq), eq == std::string::npos ? "" : item.substr(eq + 1));
+      at = end + 1;
+    }
+    return out;
+  };
+  const auto a = split(theirs), b = split(mine);
+  if (a.size() != b.size()) return "a different clawcomm version";
+  std::string out;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i] != b[i]) {
+      out += CLAWCOMM_CONCAT(out.empty() ? "" : "; ", b[i].first, "=", a[i].second, " there, ",
+                             b[i].second, " here");
+    }
+  }
+  return out;
+}
+
 // A store value that says its rank's setup failed, and why: posted in place
 // of every key that rank had yet to set, so that whoever waits for one of
 // them learns at once what went wrong (and where), instead of timing out on
@@ -96,25 +124,23 @@ Connections connectAll(Store& store, const std::string& ns, int rank, int size,
   out.jobToken = tokenHex;
   const uint64_t token = std::stoull(tokenHex, nullptr, 16);
 
-  // 2. Where everybody runs, and which transport setting they use.
+  // 2. Where everybody runs, and the settings every rank must share.
   const std::string host = settings.hostId.empty() ? hostIdentity() : settings.hostId;
-  const std::string mySetting =
-      CLAWCOMM_CONCAT(settings.transport, "|", settings.shmRingBytes, "|", settings.socketsPerPeer);
-  publish("host/" + std::to_string(rank), bytesOf(host + "|" + mySetting));
+  const std::string mySettings = settings.mustMatch();
+  publish("host/" + std::to_string(rank), bytesOf(host + "\n" + mySettings));
   std::vector<RankInfo> ranks(static_cast<size_t>(size));
   for (int p = 0; p < size; ++p) {
     const std::string theirs = stringOf(
-        waitFor("host/" + std::to_string(p), p, "joined"));  // "host|transport|ring|sockets"
-    const size_t bar = theirs.find('|');
-    if (theirs.substr(bar + 1) != mySetting) {
-      throw InvalidArgument(CLAWCOMM_CONCAT(
-          "clawcomm: rank ", p, " runs with transport|ring bytes|sockets per peer ",
-          theirs.substr(bar + 1), ", rank ", rank, " with ", mySetting,
-          "; CLAWCOMM_TRANSPORT, CLAWCOMM_SHM_RING_BYTES and CLAWCOMM_SOCKETS_PER_PEER must match "
-          "on every rank"));
+        waitFor("host/" + std::to_string(p), p, "joined"));  // "host\nNAME=value|NAME=value..."
+    const size_t cut = theirs.find('\n');
+    const std::string differ = settingsThatDiffer(theirs.substr(cut + 1), mySettings);
+    if (!differ.empty()) {
+      throw InvalidArgument(CLAWCOMM_CONCAT("clawcomm: rank ", p, " and rank ", rank,
+                                            " run with different settings (", differ,
+                                            "); these must match on every rank"));
     }
     ranks[p].rank = p;
-    ranks[p].host = theirs.substr(0, bar);
+    ranks[p].host = theirs.substr(0, cut);
     if (p != rank) out.sameHostRanks += ranks[p].host == host;
   }
   std::vector<std::string> hostNames;

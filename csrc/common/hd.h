@@ -10,3 +10,12 @@
 #else
 #define CLAWCOMM_HD inline __attribute__((always_inline))
 #endif
+
+// Before a CLAWCOMM_HD template whose executor argument may be device-only
+// (device/protocol.h): nvcc would otherwise warn that the template's host
+// instantiation calls __device__ functions, though only device code uses it.
+#if defined(__CUDACC__)
+#define CLAWCOMM_HD_TEMPLATE _Pragma("nv_exec_check_disable")
+#else
+#define CLAWCOMM_HD_TEMPLATE
+#endif

@@ -28,8 +28,28 @@ const char* algorithmName(Algorithm a) {
     case Algorithm::kTree: return "tree";
     case Algorithm::kRing16BitWire: return "ring with a 16-bit wire";
     case Algorithm::kHierarchical: return "hierarchical";
+    case Algorithm::kIpcOneShot: return "CUDA IPC one-shot";
+    case Algorithm::kIpcTwoShot: return "CUDA IPC two-shot";
+    case Algorithm::kIpc: return "CUDA IPC";
   }
   return "unknown-algorithm";
+}
+
+std::string opPrefix(OpType t) {
+  return CLAWCOMM_CONCAT("clawcomm::", opTypeName(t), ": ");
+}
+
+void checkDataType(OpType op, DataType dtype) {
+  CLAWCOMM_ARG_CHECK(dtype < DataType::kNumTypes, opPrefix(op), "unsupported dtype code ",
+                     int(dtype));
+}
+
+void checkReduceOp(OpType op, DataType dtype, ReduceOp redop) {
+  checkDataType(op, dtype);
+  CLAWCOMM_ARG_CHECK(reduceOpSupported(dtype, redop), opPrefix(op), "reduce op ",
+                     reduceOpName(redop), " is not defined on ", dataTypeName(dtype),
+                     redop == ReduceOp::kAvg ? " (avg needs a floating point dtype)"
+                                             : " (bitwise ops need an integer or bool dtype)");
 }
 
 std::string OpSignature::describe() const {

@@ -34,9 +34,19 @@ enum class Algorithm : uint8_t {
   kTree = 2,           // recursive doubling
   kRing16BitWire = 3,  // ring all-reduce of float32 with a 16-bit wire
   kHierarchical = 4,   // shared memory inside hosts, the network across
+  kIpcOneShot = 5,     // device memory through IPC: every rank reduces every input
+  kIpcTwoShot = 6,     // device memory through IPC: reduce-scatter + all-gather
+  kIpc = 7,            // device memory through IPC, the op's only algorithm there
 };
 
 const char* algorithmName(Algorithm a);
+
+// "clawcomm::all_reduce: ", the start of every error an operation raises.
+std::string opPrefix(OpType t);
+// Argument checks every front end shares (the communicator's operations, the
+// device collectives): InvalidArgument naming the op and the value.
+void checkDataType(OpType op, DataType dtype);
+void checkReduceOp(OpType op, DataType dtype, ReduceOp redop);
 
 // The signature a collective carries in every frame header; the receiver
 // compares it with its own and fails both ranks on any difference.

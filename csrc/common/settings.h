@@ -109,11 +109,18 @@ struct Settings {
   // CLAWCOMM_CUDA_IPC_BYTES: each rank's IPC input and result areas (the
   // largest piece one kernel moves; larger all-reduces go in pieces).
   size_t cudaIpcBytes = size_t(64) << 20;
-  // CLAWCOMM_CUDA_ONESHOT_BYTES: CUDA IPC all-reduces up to this size use
-  // the one-shot kernel (every rank reads every input), larger ones the
-  // two-shot (reduce-scatter + all-gather). Not calibrated yet: a default
-  // from vLLM's and TensorRT-LLM's crossovers.
-  size_t cudaOneShotMaxBytes = size_t(256) << 10;
+  // CLAWCOMM_CUDA_ONESHOT_BYTES=auto|N: CUDA IPC all-reduces up to this size
+  // use the one-shot kernel (every rank reads every input), larger ones the
+  // two-shot (reduce-scatter + all-gather). auto: by the world size, as
+  // vLLM's crossovers: always one-shot on 2 ranks, up to 512 KiB on 3-4,
+  // up to 256 KiB on 5-8.
+  static constexpr size_t kAutoBytes = ~size_t(0);
+  size_t cudaOneShotMaxBytes = kAutoBytes;
+
+  // The settings every rank of a group must share, as "NAME=value|..."
+  // (compared at rendezvous: ranks that differ would route, size or split
+  // their messages differently and wait for each other forever).
+  std::string mustMatch() const;
 
   // Reads the environment; throws InvalidArgument naming a bad value.
   static Settings fromEnv();

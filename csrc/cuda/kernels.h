@@ -18,6 +18,10 @@ namespace cuda {
 
 using Stream = void*;
 
+// Whether this build has the CUDA kernels (false: every call here throws,
+// saying so; cuda_unavailable.cc).
+bool built();
+
 // --- Reductions and conversions (cuda/reduce_kernels.cu) -------------------
 
 // dst[i] = dst[i] op src[i] for every dtype and operator the CPU kernels

@@ -17,6 +17,8 @@ void bindEngine(pybind11::module_& m);
 void bindCompress(pybind11::module_& m);
 // The `cuda` submodule (cuda/python_bindings.cc; CUDA builds only).
 void bindCuda(pybind11::module_& m);
+// `HostDeviceComm` and `HostGraph` (python/device_bindings.cc).
+void bindDevice(pybind11::module_& m);
 // The test hooks `_feed_frames` and `_drop_last_reference_in_callback`
 // (python/test_hooks.cc).
 void bindTestHooks(pybind11::module_& m);

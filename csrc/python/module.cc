@@ -19,6 +19,7 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "clawcomm's compiled core: the C++ engine, its kernels and codecs (no torch).";
   clawcomm::bindEngine(m);
   clawcomm::bindTestHooks(m);
+  clawcomm::bindDevice(m);
 #if defined(CLAWCOMM_WITH_CUDA)
   clawcomm::bindCuda(m);
   m.attr("cuda_built") = true;

@@ -19,8 +19,8 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <utility>
 
-#include "cuda/ipc.h"
 #include "torch/adapter_helpers.h"
+#include "torch/device_path.h"
 #include "torch/work.h"
 
 namespace clawcomm {
@@ -38,6 +38,7 @@ class ClawcommBackend : public c10d::Backend {
     try {
       store_ = std::make_shared<StoreAdapter>(store);
       comm_ = Communicator::create(store_, rank, size, timeout);
+      device_ = std::make_unique<DevicePath>(comm_, rank);
     } catch (...) {
       rethrowForTorch(std::current_exception());
     }
@@ -56,11 +57,7 @@ class ClawcommBackend : public c10d::Backend {
   Communicator& communicator() { return *comm_; }
   // Per CUDA device used so far: "ok" where collectives go through CUDA
   // IPC, else why not (they are staged through host memory).
-  std::map<int, std::string> cudaIpcStatus() const {
-    std::map<int, std::string> out;
-    for (const auto& [index, group] : ipc_) out[index] = group->usable() ? "ok" : group->whyNot();
-    return out;
-  }
+  std::map<int, std::string> cudaIpcStatus() const { return device_->status(); }
   std::shared_ptr<Communicator> sharedCommunicator() { return comm_; }
 
   void startCoalescing() override {
@@ -84,21 +81,7 @@ class ClawcommBackend : public c10d::Backend {
     const DataType dt = checkTensors(op, tensors);
     const at::Tensor& t = single(op, tensors);
     const ReduceOp redop = toReduceOp(op, opts.reduceOp);
-    if (cuda::IpcGroup* ipc = ipcFor(t); ipc && t.is_contiguous()) {
-      const size_t n = size_t(t.numel());
-      const auto algo = size_t(t.nbytes()) <= comm_->settings().cudaOneShotMaxBytes
-                            ? cuda::IpcAllReduce::kOneShot
-                            : cuda::IpcAllReduce::kTwoShot;
-      const uint64_t bytes = t.nbytes(), peers = getSize() - 1;
-      const uint64_t moved = algo == cuda::IpcAllReduce::kOneShot
-                                 ? peers * bytes
-                                 : 2 * peers * bytes / uint64_t(getSize());
-      comm_->countExternal(clawcomm::OpType::kAllReduce, moved, moved);
-      return launchOnDevice(OpType::ALLREDUCE, {t}, {}, [&](cuda::Stream s) {
-        ipc->allReduce(t.data_ptr(), t.data_ptr(), n, dt, redop, algo, s);
-        if (redop == ReduceOp::kAvg) cuda::divideInPlace(dt, t.data_ptr(), n, getSize(), s);
-      });
-    }
+    if (auto work = device_->allReduce(t, dt, redop)) return track(work);
     at::Tensor buf = flat(t);
     return launch(OpType::ALLREDUCE, {t}, {updates(buf)}, copyBack(buf, t), [&](auto cb) {
       return comm_->allReduce(buf.data_ptr(), size_t(buf.numel()), dt, redop, cb);
@@ -213,16 +196,7 @@ class ClawcommBackend : public c10d::Backend {
     const DataType dt = checkTensors(op, tensors);
     const at::Tensor& t = single(op, tensors);
     const int root = rootOf(op, opts.rootRank);
-    if (cuda::IpcGroup* ipc = ipcFor(t);
-        ipc && t.is_contiguous() && size_t(t.nbytes()) <= ipc->capacity()) {
-      const uint64_t bytes = t.nbytes();
-      comm_->countExternal(clawcomm::OpType::kBroadcast,
-                           getRank() == root ? bytes * (getSize() - 1) : 0,
-                           getRank() == root ? 0 : bytes);
-      return launchOnDevice(OpType::BROADCAST, {t}, {}, [&](cuda::Stream s) {
-        ipc->broadcast(t.data_ptr(), size_t(t.nbytes()), root, s);
-      });
-    }
+    if (auto work = device_->broadcast(t, dt, root)) return track(work);
     at::Tensor buf = flat(t);
     return launch(OpType::BROADCAST, {t}, {updates(buf)}, copyBack(buf, t), [&](auto cb) {
       return comm_->broadcast(buf.data_ptr(), size_t(buf.numel()), dt, root, cb);
@@ -256,14 +230,7 @@ class ClawcommBackend : public c10d::Backend {
     const char* op = "all_gather_into_tensor";
     const DataType dt = checkTensors(op, {input, output});
     checkNumel(op, "the output", output.numel(), input.numel() * getSize());
-    if (cuda::IpcGroup* ipc = ipcFor(output);
-        ipc && contiguous(input, output) && size_t(output.nbytes()) <= ipc->capacity()) {
-      const uint64_t moved = uint64_t(input.nbytes()) * (getSize() - 1);
-      comm_->countExternal(clawcomm::OpType::kAllGather, moved, moved);
-      return launchOnDevice(OpType::_ALLGATHER_BASE, {output}, {input}, [&](cuda::Stream s) {
-        ipc->allGather(input.data_ptr(), output.data_ptr(), size_t(input.numel()), dt, s);
-      });
-    }
+    if (auto work = device_->allGather(output, input, dt)) return track(work);
     at::Tensor src = flat(input);
     at::Tensor buf = flat(output);
     std::vector<size_t> counts(static_cast<size_t>(getSize()), static_cast<size_t>(input.numel()));
@@ -361,16 +328,7 @@ class ClawcommBackend : public c10d::Backend {
     const DataType dt = checkTensors(op, {input, output});
     checkNumel(op, "the input", input.numel(), output.numel() * getSize());
     const ReduceOp redop = toReduceOp(op, opts.reduceOp);
-    if (cuda::IpcGroup* ipc = ipcFor(output);
-        ipc && contiguous(input, output) && size_t(input.nbytes()) <= ipc->capacity()) {
-      const size_t n = size_t(output.numel());
-      const uint64_t moved = uint64_t(output.nbytes()) * (getSize() - 1);
-      comm_->countExternal(clawcomm::OpType::kReduceScatter, moved, moved);
-      return launchOnDevice(OpType::_REDUCE_SCATTER_BASE, {output}, {input}, [&](cuda::Stream s) {
-        ipc->reduceScatter(input.data_ptr(), output.data_ptr(), n, dt, redop, s);
-        if (redop == ReduceOp::kAvg) cuda::divideInPlace(dt, output.data_ptr(), n, getSize(), s);
-      });
-    }
+    if (auto work = device_->reduceScatter(output, input, dt, redop)) return track(work);
     at::Tensor src = flat(input);
     at::Tensor buf = flat(output);
     std::vector<size_t> counts(static_cast<size_t>(getSize()), static_cast<size_t>(output.numel()));
@@ -449,15 +407,10 @@ class ClawcommBackend : public c10d::Backend {
     };
     const auto sendCounts = countsOf(input, inputSplits, "the input");
     const auto recvCounts = countsOf(output, outputSplits, "the output");
-    // CUDA IPC takes even splits; uneven ones are staged.
-    if (cuda::IpcGroup* ipc = ipcFor(output); ipc && contiguous(input, output) &&
-                                              inputSplits.empty() && outputSplits.empty() &&
-                                              size_t(input.nbytes()) <= ipc->capacity()) {
-      const size_t per = size_t(input.nbytes()) / size_t(n);
-      comm_->countExternal(clawcomm::OpType::kAllToAll, per * (n - 1), per * (n - 1));
-      return launchOnDevice(OpType::ALLTOALL_BASE, {output}, {input}, [&](cuda::Stream s) {
-        ipc->allToAll(input.data_ptr(), output.data_ptr(), per, s);
-      });
+    // CUDA IPC takes even splits (passed as none on every rank); split
+    // sizes are staged.
+    if (inputSplits.empty() && outputSplits.empty()) {
+      if (auto work = device_->allToAll(output, input, dt)) return track(work);
     }
     at::Tensor src = flat(input);
     at::Tensor buf = flat(output);
@@ -593,80 +546,10 @@ class ClawcommBackend : public c10d::Backend {
     return int(root);
   }
 
-  // The CUDA IPC group for `t`'s device, or null where CUDA tensors are
-  // staged instead. Created at the first collective that could use it: the
-  // same call on every rank, since every rank issues the same collectives in
-  // the same order, so the creation (collective itself) lines up.
-  cuda::IpcGroup* ipcFor(const at::Tensor& t) {
-    if (!t.is_cuda() || !cuda::built() || !comm_->settings().cudaIpc) return nullptr;
-    for (int p = 0; p < getSize(); ++p) {
-      if (comm_->transportOf(p) == "tcp") return nullptr;  // several hosts
-    }
-    auto it = ipc_.find(t.device().index());
-    if (it == ipc_.end()) {
-      c10::DeviceGuard onDevice(t.device());
-      std::unique_ptr<cuda::IpcGroup> group;
-      try {
-        group = cuda::IpcGroup::create(
-            *store_, CLAWCOMM_CONCAT(comm_->storeNamespace(), "ipc/", int(t.device().index()), "/"),
-            getRank(), getSize(), comm_->settings().cudaIpcBytes,
-            int64_t(comm_->timeout().count()) * 1000000);
-      } catch (...) {
-        rethrowForTorch(std::current_exception());
-      }
-      if (!group->usable()) {
-        TORCH_WARN("clawcomm: CUDA IPC is not usable on ", t.device(), " (", group->whyNot(),
-                   "); CUDA tensors are staged through host memory");
-      }
-      it = ipc_.emplace(t.device().index(), std::move(group)).first;
-    }
-    return it->second->usable() ? it->second.get() : nullptr;
-  }
-
-  static bool contiguous(const at::Tensor& a, const at::Tensor& b) {
-    return a.is_contiguous() && b.is_contiguous();
-  }
-
-  // Queues `run` on the communicator's stream of the outputs' device, after
-  // everything queued so far on the caller's current stream.
-  template <typename Run>
-  c10::intrusive_ptr<c10d::Work> launchOnDevice(OpType type, TensorList outputs, TensorList inputs,
-                                                Run run) {
-    const c10::Device device = outputs[0].device();
-    const c10::Stream stream = streamFor(device);
-    c10::impl::VirtualGuardImpl impl(device.type());
-    c10::Event ready(device.type());
-    ready.record(impl.getStream(device));
-    ready.block(stream);
-    auto future = makeFuture({device});
-    auto done = std::make_shared<c10::Event>(device.type());
-    {
-      c10::StreamGuard onStream(stream);
-      try {
-        run(stream.native_handle());
-      } catch (...) {
-        rethrowForTorch(std::current_exception());
-      }
-      for (const auto* list : {&inputs, &outputs}) {
-        for (const auto& t : *list) impl.recordDataPtrOnStream(t.storage().data_ptr(), stream);
-      }
-      done->record(stream);
-      future->markCompleted(c10::IValue(outputs));
-    }
-    auto work = c10::make_intrusive<DeviceWork>(getRank(), type, outputs, future, done);
+  // Coalescing collects the Works issued meanwhile.
+  c10::intrusive_ptr<c10d::Work> track(c10::intrusive_ptr<c10d::Work> work) {
     if (coalescing_) coalesced_.push_back(work);
     return work;
-  }
-
-  // The communicator's stream on `device` (one per device, from torch's pool).
-  c10::Stream streamFor(c10::Device device) {
-    std::lock_guard<std::mutex> lock(streamsMutex_);
-    auto it = streams_.find(device.index());
-    if (it == streams_.end()) {
-      c10::impl::VirtualGuardImpl impl(device.type());
-      it = streams_.emplace(device.index(), impl.getStreamFromGlobalPool(device)).first;
-    }
-    return it->second;
   }
 
   // Queues one engine operation. `outputs` is what the future yields,
@@ -687,7 +570,7 @@ class ClawcommBackend : public c10d::Backend {
     }
     completion->future = makeFuture(devices);
     if (!devices.empty()) {
-      auto staging = std::make_shared<DeviceStaging>(devices[0], streamFor(devices[0]));
+      auto staging = std::make_shared<DeviceStaging>(devices[0], device_->streamFor(devices[0]));
       for (auto& b : buffers) *b.tensor = staging->mirror(*b.tensor, b.access);
       for (const auto& t : outputs) staging->touches(t);
       staging->fetch();
@@ -727,9 +610,7 @@ class ClawcommBackend : public c10d::Backend {
 
   std::shared_ptr<StoreAdapter> store_;
   std::shared_ptr<Communicator> comm_;
-  std::map<c10::DeviceIndex, std::unique_ptr<cuda::IpcGroup>> ipc_;  // per device; caller's thread
-  std::mutex streamsMutex_;
-  std::map<c10::DeviceIndex, c10::Stream> streams_;
+  std::unique_ptr<DevicePath> device_;  // after comm_: destroyed before it
   bool coalescing_ = false;
   std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;
 };

@@ -1,7 +1,7 @@
 // The adapter's Work types and the CUDA staging (included by
 // process_group.cc alone): ClawcommWork completes with the engine, its
 // CUDA-aware future after the copy back to the device; CoalescedWork joins
-// several; DeviceWork is a CUDA IPC op that completes on a stream.
+// several. (A CUDA IPC call's Work is torch/device_path.h's DeviceWork.)
 #pragma once
 
 #include "torch/adapter_helpers.h"
@@ -236,34 +236,6 @@ class CoalescedWork : public c10d::Work {
  private:
   std::vector<c10::intrusive_ptr<c10d::Work>> children_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
-};
-
-// A CUDA IPC op: queued on the communicator's stream, complete when that
-// stream gets there. wait() makes the caller's current stream wait (the host
-// does not); a peer that never arrives makes the kernel trap (cuda/ipc.h).
-class DeviceWork : public c10d::Work {
- public:
-  DeviceWork(int rank, OpType type, TensorList outputs,
-             c10::intrusive_ptr<c10::ivalue::Future> future, std::shared_ptr<c10::Event> done)
-      : Work(rank, type),
-        outputs_(std::move(outputs)),
-        future_(std::move(future)),
-        done_(std::move(done)) {}
-
-  bool isCompleted() override { return done_->query(); }
-  bool isSuccess() const override { return true; }
-  std::vector<at::Tensor> result() override { return outputs_; }
-  void synchronize() override { future_->wait(); }
-  bool wait(std::chrono::milliseconds) override {
-    future_->wait();  // the current stream waits for the future's event
-    return true;
-  }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
-
- private:
-  TensorList outputs_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
-  std::shared_ptr<c10::Event> done_;
 };
 
 }  // namespace adapter

@@ -1,0 +1,222 @@
+// The communicator's public operations: each checks its arguments here, on
+// the caller's thread (so a bad call fails before any byte is sent), and
+// hands one closure to the queue (comm/communicator.cc).
+#include <cmath>
+#include <cstring>
+#include <numeric>
+
+#include "algorithms/algorithms.h"
+#include "algorithms/channel.h"
+#include "comm/communicator.h"
+#include "common/errors.h"
+#include "reduce/reduce_kernels.h"
+
+namespace clawcomm {
+
+const AllReduceAlgorithm& Communicator::allReduceChoice(size_t bytes) const {
+  std::lock_guard<std::mutex> lock(choiceMutex_);
+  auto it = choices_.find(bytes);
+  if (it != choices_.end()) return *it->second;
+  if (choices_.size() >= 4096) choices_.clear();  // sizes that keep changing: stay bounded
+  const AllReduceAlgorithm& algo = chooseAllReduce(bytes, topology_, settings_);
+  choices_.emplace(bytes, &algo);
+  return algo;
+}
+
+std::string Communicator::allReduceAlgorithm(size_t bytes) const {
+  return allReduceChoice(bytes).name;
+}
+
+void Communicator::checkRoot(OpType op, int root) const {
+  CLAWCOMM_ARG_CHECK(root >= 0 && root < size_, opPrefix(op), "root ", root,
+                     " is out of range for a group of ", size_, " ranks");
+}
+
+void Communicator::checkCounts(OpType op, const std::vector<size_t>& counts,
+                               const char* what) const {
+  CLAWCOMM_ARG_CHECK(counts.size() == size_t(size_), opPrefix(op), what, " has ", counts.size(),
+                     " entries for a group of ", size_, " ranks");
+}
+
+RequestPtr Communicator::allReduce(void* buf, size_t count, DataType dtype, ReduceOp op,
+                                   Callback cb) {
+  checkReduceOp(OpType::kAllReduce, dtype, op);
+  const AllReduceAlgorithm& algo = allReduceChoice(count * elementSize(dtype));
+  OpSignature sig{OpType::kAllReduce, dtype, op, -1, count};
+  sig.algo = algo.id;
+  const int n = size_;
+  return enqueueCollective(
+      sig, count * elementSize(dtype),
+      [=](Channel& ch) {
+        algo.run(ch, buf, count);
+        if (op == ReduceOp::kAvg) divideInPlace(dtype, buf, count, n);
+      },
+      std::move(cb));
+}
+
+RequestPtr Communicator::allReduce16BitWire(float* buf, size_t count, DataType wire, float prescale,
+                                            float postscale, Callback cb) {
+  CLAWCOMM_ARG_CHECK(wire == DataType::kFloat16 || wire == DataType::kBFloat16,
+                     "clawcomm::all_reduce: the wire format must be float16 or bfloat16, not ",
+                     dataTypeName(wire));
+  CLAWCOMM_ARG_CHECK(std::isfinite(prescale) && prescale != 0.0f, "clawcomm::all_reduce: prescale ",
+                     prescale, " is not a finite non-zero factor");
+  CLAWCOMM_ARG_CHECK(std::isfinite(postscale) && postscale != 0.0f,
+                     "clawcomm::all_reduce: postscale ", postscale,
+                     " is not a finite non-zero factor");
+  OpSignature sig{OpType::kAllReduce, wire, ReduceOp::kSum, -1, count};
+  sig.algo = Algorithm::kRing16BitWire;
+  return enqueueCollective(
+      sig, count * 2,
+      [=](Channel& ch) { ringAllReduce16BitWire(ch, buf, count, prescale, postscale); },
+      std::move(cb));
+}
+
+RequestPtr Communicator::reduceScatter(const void* in, void* out, std::vector<size_t> counts,
+                                       DataType dtype, ReduceOp op, Callback cb) {
+  checkReduceOp(OpType::kReduceScatter, dtype, op);
+  checkCounts(OpType::kReduceScatter, counts, "counts");
+  const size_t total = std::accumulate(counts.begin(), counts.end(), size_t(0));
+  OpSignature sig{OpType::kReduceScatter, dtype, op, -1, total};
+  const bool hierarchical = useHierarchical(topology_, settings_);
+  if (hierarchical) sig.algo = Algorithm::kHierarchical;
+  const int r = rank_, n = size_;
+  return enqueueCollective(
+      sig, total * elementSize(dtype),
+      [=](Channel& ch) {
+        const size_t es = elementSize(dtype);
+        // The ring reduces in place, so it works on a copy of the input.
+        std::vector<uint8_t> work(total * es);
+        if (total) std::memcpy(work.data(), in, total * es);
+        if (hierarchical) {
+          hierarchicalReduceScatter(ch, work.data(), counts);
+        } else {
+          ringReduceScatter(ch, work.data(), counts);
+        }
+        const size_t offset = std::accumulate(counts.begin(), counts.begin() + r, size_t(0));
+        if (counts[r]) std::memcpy(out, work.data() + offset * es, counts[r] * es);
+        if (op == ReduceOp::kAvg) divideInPlace(dtype, out, counts[r], n);
+      },
+      std::move(cb));
+}
+
+RequestPtr Communicator::allGather(const void* in, void* out, std::vector<size_t> counts,
+                                   DataType dtype, Callback cb) {
+  checkDataType(OpType::kAllGather, dtype);
+  checkCounts(OpType::kAllGather, counts, "counts");
+  const size_t total = std::accumulate(counts.begin(), counts.end(), size_t(0));
+  OpSignature sig{OpType::kAllGather, dtype, ReduceOp::kSum, -1, total};
+  const bool hierarchical = useHierarchical(topology_, settings_);
+  if (hierarchical) sig.algo = Algorithm::kHierarchical;
+  const int r = rank_;
+  return enqueueCollective(
+      sig, total * elementSize(dtype),
+      [=](Channel& ch) {
+        const size_t es = elementSize(dtype);
+        const size_t offset = std::accumulate(counts.begin(), counts.begin() + r, size_t(0));
+        uint8_t* mine = static_cast<uint8_t*>(out) + offset * es;
+        if (counts[r] && mine != in) std::memmove(mine, in, counts[r] * es);
+        if (hierarchical) {
+          hierarchicalAllGather(ch, out, counts);
+        } else {
+          ringAllGather(ch, out, counts);
+        }
+      },
+      std::move(cb));
+}
+
+RequestPtr Communicator::broadcast(void* buf, size_t count, DataType dtype, int root, Callback cb) {
+  checkDataType(OpType::kBroadcast, dtype);
+  checkRoot(OpType::kBroadcast, root);
+  OpSignature sig{OpType::kBroadcast, dtype, ReduceOp::kSum, root, count};
+  const size_t bytes = count * elementSize(dtype);
+  return enqueueCollective(
+      sig, bytes, [=](Channel& ch) { binomialBroadcast(ch, buf, bytes, root); }, std::move(cb));
+}
+
+RequestPtr Communicator::reduce(void* buf, size_t count, DataType dtype, ReduceOp op, int root,
+                                Callback cb) {
+  checkReduceOp(OpType::kReduce, dtype, op);
+  checkRoot(OpType::kReduce, root);
+  OpSignature sig{OpType::kReduce, dtype, op, root, count};
+  const int r = rank_, n = size_;
+  return enqueueCollective(
+      sig, count * elementSize(dtype),
+      [=](Channel& ch) {
+        const size_t bytes = count * elementSize(dtype);
+        if (r == root) {
+          binomialReduce(ch, buf, count, root);
+          if (op == ReduceOp::kAvg) divideInPlace(dtype, buf, count, n);
+        } else {
+          // Non-roots accumulate their subtree in scratch, leaving `buf` as it was.
+          std::vector<uint8_t> scratch(bytes);
+          if (bytes) std::memcpy(scratch.data(), buf, bytes);
+          binomialReduce(ch, scratch.data(), count, root);
+        }
+      },
+      std::move(cb));
+}
+
+RequestPtr Communicator::gather(const void* in, void* out, size_t count, DataType dtype, int root,
+                                Callback cb) {
+  checkDataType(OpType::kGather, dtype);
+  checkRoot(OpType::kGather, root);
+  OpSignature sig{OpType::kGather, dtype, ReduceOp::kSum, root, count};
+  const size_t bytes = count * elementSize(dtype);
+  return enqueueCollective(
+      sig, bytes * size_t(size_), [=](Channel& ch) { linearGather(ch, in, out, bytes, root); },
+      std::move(cb));
+}
+
+RequestPtr Communicator::scatter(const void* in, void* out, size_t count, DataType dtype, int root,
+                                 Callback cb) {
+  checkDataType(OpType::kScatter, dtype);
+  checkRoot(OpType::kScatter, root);
+  OpSignature sig{OpType::kScatter, dtype, ReduceOp::kSum, root, count};
+  const size_t bytes = count * elementSize(dtype);
+  return enqueueCollective(
+      sig, bytes * size_t(size_), [=](Channel& ch) { linearScatter(ch, in, out, bytes, root); },
+      std::move(cb));
+}
+
+RequestPtr Communicator::allToAll(const void* in, std::vector<size_t> sendCounts, void* out,
+                                  std::vector<size_t> recvCounts, DataType dtype, Callback cb) {
+  checkDataType(OpType::kAllToAll, dtype);
+  checkCounts(OpType::kAllToAll, sendCounts, "send counts");
+  checkCounts(OpType::kAllToAll, recvCounts, "receive counts");
+  CLAWCOMM_ARG_CHECK(sendCounts[rank_] == recvCounts[rank_], opPrefix(OpType::kAllToAll), "rank ",
+                     rank_, " sends ", sendCounts[rank_], " elements to itself but expects ",
+                     recvCounts[rank_]);
+  // Per-pair sizes differ by design, so the count is not part of the
+  // signature; each frame's byte count is still checked on arrival.
+  OpSignature sig{OpType::kAllToAll, dtype, ReduceOp::kSum, -1, 0};
+  const size_t es = elementSize(dtype);
+  for (auto& c : sendCounts) c *= es;
+  for (auto& c : recvCounts) c *= es;
+  return enqueueCollective(
+      sig, std::accumulate(sendCounts.begin(), sendCounts.end(), size_t(0)),
+      [=](Channel& ch) { pairwiseAllToAll(ch, in, sendCounts, out, recvCounts); }, std::move(cb));
+}
+
+RequestPtr Communicator::barrier(Callback cb) {
+  OpSignature sig{OpType::kBarrier, DataType::kUInt8, ReduceOp::kSum, -1, 0};
+  return enqueueCollective(sig, 0, [](Channel& ch) { disseminationBarrier(ch); }, std::move(cb));
+}
+
+RequestPtr Communicator::send(const void* buf, size_t bytes, int peer, uint64_t tag, Callback cb) {
+  CLAWCOMM_ARG_CHECK(peer >= 0 && peer < size_, "clawcomm::send: destination rank ", peer,
+                     " is out of range for a group of ", size_, " ranks");
+  CLAWCOMM_ARG_CHECK(peer != rank_, "clawcomm::send: rank ", rank_, " cannot send to itself");
+  return enqueuePointToPoint(true, const_cast<void*>(buf), bytes, peer, tag, std::move(cb));
+}
+
+RequestPtr Communicator::recv(void* buf, size_t bytes, int peer, uint64_t tag, Callback cb) {
+  CLAWCOMM_ARG_CHECK(peer >= -1 && peer < size_, "clawcomm::recv: source rank ", peer,
+                     " is out of range for a group of ", size_, " ranks");
+  CLAWCOMM_ARG_CHECK(peer != rank_, "clawcomm::recv: rank ", rank_, " cannot receive from itself");
+  CLAWCOMM_ARG_CHECK(peer != -1 || size_ > 1,
+                     "clawcomm::recv: no other rank to receive from in a group of 1");
+  return enqueuePointToPoint(false, buf, bytes, peer, tag, std::move(cb));
+}
+
+}  // namespace clawcomm

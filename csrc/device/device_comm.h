@@ -1,0 +1,141 @@
+// The device collectives of one communicator on one device: the object that
+// owns every collective on device memory.
+//
+// It decides, for each call, whether the bytes go through CUDA IPC (and with
+// which algorithm: one-shot, two-shot, or the op's only one) or are staged
+// through host memory by the caller, from what every rank of the group
+// shares: the settings (checked to match at rendezvous), the group's layout,
+// the IPC group's verdict, the op and its byte count. Never from anything a
+// rank sees alone (its tensor's strides, its pointer's alignment), so the
+// ranks always route a call alike.
+//
+// An IPC call belongs to the communicator's contract like any other: it
+// takes the next sequence number, is recorded in the flight record (queued
+// and started at issue, finished when its stream gets past it), counted in
+// comm_stats, refused once the communicator has failed or aborted, and
+// stopped by abort(): the communicator's failure listener sets the IPC
+// group's abort flag, which every spinning block polls, and marks this rank
+// failed in its shared signals, so peers' blocks waiting for it stop too.
+// A launch that gives up (a timeout, an abort) reports through the group's
+// status; the next call or Work query turns it into an error and aborts the
+// communicator, so every rank learns.
+//
+// The IPC group is set up at the first call that could use it (collective:
+// every rank issues the same calls in the same order).
+#pragma once
+
+#include <deque>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "comm/communicator.h"
+#include "device/ipc_group.h"
+#include "device/runtime.h"
+
+namespace clawcomm {
+namespace device {
+
+// One IPC call in flight: what a Work waits on.
+class DeviceTicket {
+ public:
+  // `done`: the pooled event recorded after the call (null for a captured
+  // call, which runs when its graph is replayed).
+  DeviceTicket(std::shared_ptr<DeviceRuntime> runtime, std::shared_ptr<IpcMapping> mapping,
+               std::shared_ptr<void> done, OpType type, std::weak_ptr<Communicator> comm);
+
+  // Whether its stream got past it.
+  bool done();
+  // `s` waits for it; the host does not.
+  void waitOn(Stream s);
+  // The host waits for it.
+  void waitHost();
+  // Once a launch of the group gave up (this call's or another's): that
+  // report as an error naming this call's op, and the communicator aborted,
+  // so every rank learns. Else null.
+  std::exception_ptr error() const;
+
+ private:
+  DeviceRuntime::Event event() const;
+
+  std::shared_ptr<DeviceRuntime> runtime_;
+  std::shared_ptr<IpcMapping> mapping_;
+  std::shared_ptr<void> done_;
+  OpType type_;
+  std::weak_ptr<Communicator> comm_;
+};
+using TicketPtr = std::shared_ptr<DeviceTicket>;
+
+class DeviceComm {
+ public:
+  DeviceComm(std::shared_ptr<Communicator> comm, std::shared_ptr<DeviceRuntime> runtime);
+  // Waits for this device's calls in flight (promptly after an abort: the
+  // blocks stop spinning), then frees the IPC group's memory (what a
+  // captured graph still points at lives until the graph is destroyed).
+  ~DeviceComm();
+  DeviceComm(const DeviceComm&) = delete;
+  DeviceComm& operator=(const DeviceComm&) = delete;
+
+  // Whether a call of `op` moving `bytesPerRank` (all-reduce and broadcast:
+  // the message) goes through IPC; if not, the caller stages it through the
+  // communicator. Sets the IPC group up at the first call that could use it.
+  bool ipc(OpType op, size_t bytesPerRank);
+  // The all-reduce algorithm for `bytes`: one-shot up to a threshold that
+  // depends on the world size (CLAWCOMM_CUDA_ONESHOT_BYTES overrides it),
+  // two-shot beyond.
+  Algorithm allReduceAlgorithm(size_t bytes) const;
+
+  // Where a call waits and where it runs: `run` (the communicator's stream)
+  // waits for `caller` first. While `caller` is being captured into a CUDA
+  // graph the call runs on `caller` itself, on the graph's own flags.
+  struct Streams {
+    Stream caller;
+    Stream run;
+  };
+  // Only after ipc() said yes for the same op and size. Arguments are
+  // checked (an error names the op and the value) before anything moves.
+  TicketPtr allReduce(void* buf, size_t count, DataType type, ReduceOp op, Streams s);
+  TicketPtr allGather(const void* in, void* out, size_t countPerRank, DataType type, Streams s);
+  TicketPtr reduceScatter(const void* in, void* out, size_t countPerRank, DataType type,
+                          ReduceOp op, Streams s);
+  TicketPtr broadcast(void* buf, size_t count, DataType type, int root, Streams s);
+  TicketPtr allToAll(const void* in, void* out, size_t countPerRank, DataType type, Streams s);
+
+  // Stops this rank's spinning blocks and tells peers' blocks (the
+  // communicator's failure listener calls it); later calls are refused.
+  void abort();
+  // "ok", why calls are staged, or the failure that stopped the group;
+  // "not set up" before the first call.
+  std::string status() const;
+  // Each rank's device index as the IPC group's setup exchanged it (empty
+  // before setup).
+  std::vector<int> devices() const;
+  DeviceRuntime& runtime() { return *runtime_; }
+
+ private:
+  struct Flight {
+    std::shared_ptr<void> done;  // the pooled event, shared with the ticket
+    uint64_t record;
+  };
+  // Throws if the communicator has failed or a launch gave up (then aborts
+  // the communicator, so every rank learns).
+  void checkHealthy(OpType op);
+  // Marks finished the calls in flight whose streams got past them.
+  void reap(bool wait);
+  template <typename Issue>
+  TicketPtr issue(OpSignature sig, uint64_t bytes, uint64_t sent, uint64_t received, Streams s,
+                  Issue run);
+
+  std::shared_ptr<Communicator> comm_;
+  std::shared_ptr<DeviceRuntime> runtime_;
+  int listener_ = -1;
+  mutable std::mutex mutex_;           // guards group_, aborted_, why_ (abort comes from any thread)
+  std::shared_ptr<IpcGroup> group_;    // null until the first call that could use IPC
+  bool aborted_ = false;
+  std::string why_;                    // why calls are staged, when they are
+  std::deque<Flight> inFlight_;        // the caller's thread only
+};
+
+}  // namespace device
+}  // namespace clawcomm

@@ -1,0 +1,113 @@
+// An IPC group: every rank of one host maps every other rank's device
+// buffer, and the kernels of device/ipc_algorithms.h move data between them.
+// Runtime-agnostic (device/runtime.h): the same code drives the GPU and the
+// host implementation the CPU tests use.
+//
+// Setup is collective and always agrees: every rank ends with the same
+// usable() verdict, whatever fails where.
+//   1. Each rank allocates its buffer (never caching-allocator or
+//      expandable-segment memory, whose IPC handles fail), zeroes its
+//      signals, writes its hello word and exports a handle; it posts the
+//      handle and its device index, or the reason it could not.
+//   2. Each rank opens every peer's handle.
+//   3. The probe kernel, with the loads and stores the collectives use,
+//      stores into every peer's mailbox and loads every peer's hello word
+//      (canAccessPeer alone can say yes where IPC fails, e.g. in some
+//      sandboxes); after a store-side barrier each rank checks its mailbox.
+//   4. Each rank posts its verdict ("ok" or what failed on it) and reads
+//      everybody's: the group is usable only if every verdict is ok, and a
+//      rank that failed early posts every key it still owed, so nobody waits
+//      for it. An unusable group frees everything at once.
+// Keys live under a prefix the communicator hands out per setup, so a retry
+// never reads a failed attempt's keys.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/clock.h"
+#include "common/store.h"
+#include "device/runtime.h"
+
+namespace clawcomm {
+namespace device {
+
+// The memory a group maps: this rank's buffer, the peers' it opened, and the
+// host-mapped abort flag and status. Shared with every CUDA graph that
+// captured a launch over it, so a replay never reads freed memory.
+struct IpcMapping {
+  IpcMapping(std::shared_ptr<DeviceRuntime> runtime, size_t capacity);
+  ~IpcMapping();
+  IpcMapping(const IpcMapping&) = delete;
+  IpcMapping& operator=(const IpcMapping&) = delete;
+
+  std::shared_ptr<DeviceRuntime> runtime;
+  size_t capacity;
+  void* base = nullptr;  // this rank's buffer
+  std::vector<void*> opened;
+  void* hostWords = nullptr;  // abort flag, then the status
+  IpcPeers peers{};
+
+  void map(int rank, void* buffer);
+  uint32_t* abortFlag() const { return static_cast<uint32_t*>(hostWords); }
+  IpcStatus* status() const;
+};
+
+class IpcGroup {
+ public:
+  IpcGroup(std::shared_ptr<DeviceRuntime> runtime, Store& store, const std::string& prefix,
+           int rank, int size, size_t capacity, Clock::time_point deadline);
+
+  bool usable() const { return why_.empty(); }
+  // Why the group is not usable: every rank's problem, the same text on every rank.
+  const std::string& whyNot() const { return why_; }
+  size_t capacity() const { return capacity_; }
+  // Each rank's device index, as it posted it.
+  const std::vector<int>& devices() const { return devices_; }
+  std::shared_ptr<IpcMapping> mapping() const { return map_; }
+
+  // What a launch reported when it gave up (state kIpcOk: nothing).
+  IpcStatus status() const;
+  // Sets this rank's abort flag (its spinning blocks stop) and its `failed`
+  // word (its peers' blocks stop waiting for it).
+  void abort();
+
+  // The host side of each collective, asynchronous on `s`: pieces of at
+  // most capacity() bytes, and the caller's buffers read and written by the
+  // kernel itself when 16-byte aligned (else copied through this rank's
+  // areas). Every rank passes the same counts. `in` may equal `out`.
+  struct Launch {
+    Stream stream;
+    int channel;  // IpcChannel
+    uint64_t timeoutNs;
+  };
+  void allReduce(const void* in, void* out, size_t count, DataType type, ReduceOp op,
+                 IpcKernel algo, const Launch& how);
+  void allGather(const void* in, void* out, size_t bytesPerRank, const Launch& how);
+  void reduceScatter(const void* in, void* out, size_t countPerRank, DataType type, ReduceOp op,
+                     const Launch& how);
+  void broadcast(void* buf, size_t bytes, int root, const Launch& how);
+  void allToAll(const void* in, void* out, size_t bytesPerRank, const Launch& how);
+
+  // The bytes of the areas a piece of `bytesPerRank` per rank takes.
+  static size_t areaBytes(size_t bytesPerRank, int size) { return roundUp(bytesPerRank) * size; }
+
+ private:
+  static size_t roundUp(size_t b) { return (b + 15) & ~size_t(15); }
+  void setUp(Store& store, const std::string& prefix, Clock::time_point deadline);
+  IpcLaunch launchOf(IpcKernel kernel, const void* in, void* out, size_t packs, const Launch& how,
+                     bool direct) const;
+  void copy(void* dst, const void* src, size_t bytes, Stream s) const;
+
+  std::shared_ptr<DeviceRuntime> runtime_;
+  int rank_;
+  int size_;
+  size_t capacity_;
+  std::shared_ptr<IpcMapping> map_;
+  std::vector<int> devices_;
+  std::string why_;
+};
+
+}  // namespace device
+}  // namespace clawcomm

@@ -1,0 +1,218 @@
+// The device collectives' protocol: the shared memory layout, the per-block
+// epoch flags and the rules for giving up, written once for two executors, a
+// CUDA thread block (cuda/ipc_kernels.cu) and a host thread standing in for
+// one (device/host_runtime.cc). Both compile this header and the algorithms
+// over it (device/ipc_algorithms.h), so the CPU suite runs the flags, epochs,
+// slot reuse, timeouts and abort checks that the GPU runs, as reduce/ops.h
+// shares the per-element math.
+//
+// Memory. Every rank owns one shared buffer (IpcSignals, then an input area
+// and a result area of `capacity` bytes each) that every peer maps; a block
+// reads peers' areas through those mappings and writes only its own rank's
+// areas and its peers' signal slots.
+//
+// Synchronisation. Every kernel splits its 16-byte packs among its blocks
+// the same way on every rank, and block b of a rank only ever waits for
+// block b of its peers, so one block's flags are all the synchronisation it
+// needs (no grid-wide barrier):
+//   barrier(phase): the block stores its epoch into every peer's
+//   slot[phase][block][me] (release, system scope, after a system fence),
+//   then waits until its own slot[phase][block][p] reaches the epoch for
+//   every p (acquire). The epoch is counter[block], incremented by the kernel
+//   itself in device memory, so a CUDA graph that replays the kernel counts
+//   on. Eager launches and graph-captured ones use separate counters and
+//   slots (channels), so a graph replayed on one stream never shares a slot
+//   with an eager call on another.
+// Giving up. A waiting block stops when its wait outlives the group's
+// timeout, when the host sets this rank's abort flag (host-mapped memory),
+// or when the peer it waits for, or another block of its own rank, has
+// failed (the `failed` word in that rank's signals). It then marks its own
+// rank failed, so its peers stop too, reports once (the first failing block
+// claims the host-mapped status), and the kernel returns: no trap, the CUDA
+// context survives, and the host turns the status into an error.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common/dtype.h"
+#include "common/hd.h"
+
+namespace clawcomm {
+namespace device {
+
+constexpr int kIpcMaxRanks = 8;
+// Blocks per launch, each of which may spin. Capped so that the blocks of
+// eight ranks sharing one GPU stay resident together (a block waiting for a
+// peer's block that cannot be scheduled would wait forever) and so that a
+// collective overlapping backward leaves it most SMs (vLLM caps at 36,
+// SymmetricMemory at 24).
+constexpr int kIpcMaxBlocks = 32;
+
+enum IpcPhase { kIpcStart = 0, kIpcMiddle = 1, kIpcEnd = 2, kIpcPhases = 3 };
+enum IpcChannel { kIpcEager = 0, kIpcGraph = 1, kIpcChannels = 2 };
+
+// Why a launch gave up (IpcStatus::state).
+enum IpcFailure : uint32_t {
+  kIpcOk = 0,
+  kIpcTimedOut = 1,    // the peer never came
+  kIpcAborted = 2,     // this rank's host called abort()
+  kIpcPeerFailed = 3,  // the peer (or another block of this rank) gave up first
+};
+
+struct alignas(16) Pack {
+  uint32_t w[4];
+};
+
+// The head of every rank's buffer.
+struct IpcSignals {
+  struct Channel {
+    uint32_t counter[kIpcMaxBlocks];                          // each block's epoch
+    uint32_t slot[kIpcPhases][kIpcMaxBlocks][kIpcMaxRanks];  // written by rank [from]
+  } channel[kIpcChannels];
+  uint32_t hello;                 // set at setup; the probe's loads read it
+  uint32_t probe[kIpcMaxRanks];   // the probe's mailbox: rank p stores into probe[p]
+  uint32_t loaded[kIpcMaxRanks];  // what this rank's probe loaded from rank p's hello
+  uint32_t failed;                // non-zero once a block of this rank gave up
+  uint32_t failClaim;             // the first block to give up reports the status
+};
+
+// What a launch reports when it gives up: in host-mapped memory, read by the
+// host after (or while) the kernel runs. `state` is written last.
+struct IpcStatus {
+  volatile uint32_t state;  // IpcFailure
+  int32_t block;
+  int32_t waitedFor;
+  int32_t phase;
+  uint32_t epoch;
+  uint32_t channel;
+  uint64_t waitedNs;
+};
+
+// Every rank's buffer as this rank maps it, and the launch's settings.
+struct IpcPeers {
+  IpcSignals* signals[kIpcMaxRanks];
+  char* input[kIpcMaxRanks];
+  char* result[kIpcMaxRanks];
+  const volatile uint32_t* abortFlag;  // host-mapped: this rank's host aborted
+  IpcStatus* status;                   // host-mapped
+  int rank;
+  int size;
+  int channel;  // IpcChannel
+  uint64_t timeoutNs;
+};
+
+enum class IpcKernel { kOneShot, kTwoShot, kReduceScatter, kAllGather, kBroadcast, kAllToAll, kProbe };
+
+// One launch. `in`/`out` are the caller's buffers when `direct` (16-byte
+// aligned, whole packs), else null: the host has copied the input into this
+// rank's input area and copies the result out of its result area.
+struct IpcLaunch {
+  IpcKernel kernel = IpcKernel::kProbe;
+  IpcPeers peers{};
+  const Pack* in = nullptr;
+  Pack* out = nullptr;
+  size_t packs = 0;  // all-reduce: the message; others: one rank's piece
+  DataType type = DataType::kUInt8;
+  ReduceOp op = ReduceOp::kSum;
+  int root = 0;
+  int blocks = 1;
+};
+
+CLAWCOMM_HD uint32_t probeValue(int from, int to) {
+  return 0xC1A00000u | uint32_t(from) << 8 | uint32_t(to);
+}
+CLAWCOMM_HD uint32_t helloValue(int rank) {
+  return 0x4E110000u | uint32_t(rank);
+}
+
+// Blocks for `packs` packs of work: the same on every rank (it depends on the
+// size alone), at most `maxBlocks`.
+inline int blocksFor(size_t packs, int maxBlocks) {
+  const size_t want = (packs + 1023) / 1024;
+  return int(want < 1 ? 1 : (want > size_t(maxBlocks) ? size_t(maxBlocks) : want));
+}
+
+// ---------------------------------------------------------------------------
+// The executor X that runs the bodies below provides:
+//   int thread(), threads(), block()        this thread, the block's threads, the block
+//   void sync()                             __syncthreads()
+//   uint32_t* shared()                      two words shared by the block
+//   uint64_t nowNs()                        a clock in nanoseconds
+//   void pause(uint32_t spins)              between polls of a spin-wait
+//   static void storeRelease(uint32_t*, uint32_t), uint32_t loadAcquire(const uint32_t*)
+//                                           system-scope atomics on mapped memory
+//   static void fenceSystem()
+//   static bool claim(uint32_t*)            0 -> 1, true for the one caller that swaps
+//   static Pack load(const Pack*), loadPeer(const Pack*); static void store(Pack*, Pack)
+
+CLAWCOMM_HD_TEMPLATE
+template <class X>
+CLAWCOMM_HD void giveUp(const X& x, const IpcPeers& P, uint32_t why, int peer, int phase,
+                        uint32_t epoch, uint64_t waited) {
+  X::storeRelease(&P.signals[P.rank]->failed, 1);
+  if (X::claim(&P.signals[P.rank]->failClaim)) {
+    P.status->block = x.block();
+    P.status->waitedFor = peer;
+    P.status->phase = phase;
+    P.status->epoch = epoch;
+    P.status->channel = uint32_t(P.channel);
+    P.status->waitedNs = waited;
+    X::fenceSystem();
+    P.status->state = why;
+    X::fenceSystem();
+  }
+}
+
+// This block's epoch for this launch (and the block's "gave up" word cleared).
+CLAWCOMM_HD_TEMPLATE
+template <class X>
+CLAWCOMM_HD uint32_t beginOp(const X& x, const IpcPeers& P) {
+  if (x.thread() == 0) {
+    x.shared()[0] = ++P.signals[P.rank]->channel[P.channel].counter[x.block()];
+    x.shared()[1] = 0;
+  }
+  x.sync();
+  return x.shared()[0];
+}
+
+// See the header. Returns false when this block gave up (the kernel returns).
+CLAWCOMM_HD_TEMPLATE
+template <class X>
+CLAWCOMM_HD bool barrier(const X& x, const IpcPeers& P, int phase, uint32_t epoch) {
+  x.sync();
+  const int b = x.block();
+  for (int p = x.thread(); p < P.size; p += x.threads()) {
+    X::fenceSystem();
+    X::storeRelease(&P.signals[p]->channel[P.channel].slot[phase][b][P.rank], epoch);
+  }
+  for (int p = x.thread(); p < P.size; p += x.threads()) {
+    const uint32_t* heard = &P.signals[P.rank]->channel[P.channel].slot[phase][b][p];
+    const uint64_t start = x.nowNs();
+    for (uint32_t spins = 1; int32_t(X::loadAcquire(heard) - epoch) < 0; ++spins) {
+      if ((spins & 63) == 0) {  // the rarer reasons to stop, every 64 polls
+        uint32_t why = kIpcOk;
+        const uint64_t waited = x.nowNs() - start;
+        if (*P.abortFlag) {
+          why = kIpcAborted;
+        } else if (X::loadAcquire(&P.signals[p]->failed) ||
+                   X::loadAcquire(&P.signals[P.rank]->failed)) {
+          why = kIpcPeerFailed;
+        } else if (waited > P.timeoutNs) {
+          why = kIpcTimedOut;
+        }
+        if (why != kIpcOk) {
+          giveUp(x, P, why, p, phase, epoch, waited);
+          x.shared()[1] = 1;
+          break;
+        }
+      }
+      x.pause(spins);
+    }
+  }
+  x.sync();
+  return x.shared()[1] == 0;
+}
+
+}  // namespace device
+}  // namespace clawcomm

@@ -1,0 +1,219 @@
+// `clawcomm._C.HostDeviceComm`: the device collectives (device/device_comm.h)
+// over the host runtime (device/host_runtime.h), on numpy buffers, so the CPU
+// suite drives the code the CUDA path runs: setup and verdicts, routing,
+// the kernels' protocol, abort, failure reports and graph capture. Calls
+// that DeviceComm routes away from IPC are staged through the engine, as the
+// torch adapter stages CUDA tensors. Each rank may claim any device index.
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <string>
+
+#include "comm/communicator.h"
+#include "common/errors.h"
+#include "device/device_comm.h"
+#include "device/host_runtime.h"
+#include "python/buffers.h"
+#include "python/engine_bindings.h"
+
+namespace py = pybind11;
+
+namespace clawcomm {
+namespace {
+
+using device::DeviceComm;
+using device::HostRuntime;
+
+class HostDeviceComm {
+ public:
+  HostDeviceComm(std::shared_ptr<Communicator> comm, int device, const std::string& fault)
+      : comm_(std::move(comm)),
+        runtime_(std::make_shared<HostRuntime>(device, device::hostFaultNamed(fault))),
+        dev_(std::make_unique<DeviceComm>(comm_, runtime_)) {}
+
+  // "one-shot", "two-shot", "ipc" or "staged": how a call of `op` moving
+  // `bytes` per rank goes (sets the IPC group up at the first call).
+  std::string route(const std::string& op, size_t bytes) {
+    const OpType type = opNamed(op);
+    if (!live().ipc(type, bytes)) return "staged";
+    if (type != OpType::kAllReduce) return "ipc";
+    return live().allReduceAlgorithm(bytes) == Algorithm::kIpcOneShot ? "one-shot" : "two-shot";
+  }
+
+  std::string allReduce(const py::buffer& b, const std::string& opName) {
+    Buffer buf = takeBuffer("all_reduce", "buf", b, true, py::none());
+    const ReduceOp op = parseReduceOp("all_reduce", opName);
+    return call(OpType::kAllReduce, buf.count * elementSize(buf.dtype),
+                [&](DeviceComm::Streams s) {
+                  return live().allReduce(buf.data, buf.count, buf.dtype, op, s);
+                },
+                [&] { return comm_->allReduce(buf.data, buf.count, buf.dtype, op); });
+  }
+  std::string allGather(const py::buffer& i, const py::buffer& o) {
+    Buffer in = takeBuffer("all_gather", "input", i, false, py::none());
+    Buffer out = takeBuffer("all_gather", "output", o, true, py::none());
+    checkSameType("all_gather", in, out);
+    checkCount("all_gather", out.count, in.count * size_t(comm_->size()));
+    return call(OpType::kAllGather, in.count * elementSize(in.dtype),
+                [&](DeviceComm::Streams s) {
+                  return live().allGather(in.data, out.data, in.count, in.dtype, s);
+                },
+                [&] {
+                  return comm_->allGather(in.data, out.data,
+                                          std::vector<size_t>(size_t(comm_->size()), in.count),
+                                          in.dtype);
+                });
+  }
+  std::string reduceScatter(const py::buffer& i, const py::buffer& o, const std::string& opName) {
+    Buffer in = takeBuffer("reduce_scatter", "input", i, false, py::none());
+    Buffer out = takeBuffer("reduce_scatter", "output", o, true, py::none());
+    checkSameType("reduce_scatter", in, out);
+    checkCount("reduce_scatter", in.count, out.count * size_t(comm_->size()));
+    const ReduceOp op = parseReduceOp("reduce_scatter", opName);
+    return call(OpType::kReduceScatter, out.count * elementSize(out.dtype),
+                [&](DeviceComm::Streams s) {
+                  return live().reduceScatter(in.data, out.data, out.count, out.dtype, op, s);
+                },
+                [&] {
+                  return comm_->reduceScatter(
+                      in.data, out.data, std::vector<size_t>(size_t(comm_->size()), out.count),
+                      out.dtype, op);
+                });
+  }
+  std::string broadcast(const py::buffer& b, int root) {
+    Buffer buf = takeBuffer("broadcast", "buf", b, true, py::none());
+    return call(OpType::kBroadcast, buf.count * elementSize(buf.dtype),
+                [&](DeviceComm::Streams s) {
+                  return live().broadcast(buf.data, buf.count, buf.dtype, root, s);
+                },
+                [&] { return comm_->broadcast(buf.data, buf.count, buf.dtype, root); });
+  }
+  std::string allToAll(const py::buffer& i, const py::buffer& o) {
+    Buffer in = takeBuffer("all_to_all", "input", i, false, py::none());
+    Buffer out = takeBuffer("all_to_all", "output", o, true, py::none());
+    checkSameType("all_to_all", in, out);
+    checkCount("all_to_all", out.count, in.count);
+    const size_t n = size_t(comm_->size());
+    CLAWCOMM_ARG_CHECK(in.count % n == 0, "clawcomm::all_to_all: ", in.count,
+                       " elements do not split evenly among ", n, " ranks");
+    const size_t per = in.count / n;
+    return call(OpType::kAllToAll, per * elementSize(in.dtype),
+                [&](DeviceComm::Streams s) {
+                  return live().allToAll(in.data, out.data, per, in.dtype, s);
+                },
+                [&] {
+                  const std::vector<size_t> counts(n, per);
+                  return comm_->allToAll(in.data, counts, out.data, counts, in.dtype);
+                });
+  }
+
+  std::string status() { return dev_ ? dev_->status() : "closed"; }
+  std::vector<int> devices() { return live().devices(); }
+  void abort() { live().abort(); }
+
+  // Until endCapture, IPC calls are recorded into a graph (on their own
+  // flags), not run; staged calls cannot be captured.
+  void beginCapture() {
+    runtime_->beginCapture(captureStream());
+    capturing_ = true;
+  }
+  std::shared_ptr<device::HostGraph> endCapture() {
+    capturing_ = false;
+    return runtime_->endCapture(captureStream());
+  }
+
+  // Waits for the calls in flight and frees the IPC group (a captured graph
+  // keeps what it points at).
+  void close() {
+    py::gil_scoped_release release;
+    dev_.reset();
+  }
+
+ private:
+  DeviceComm& live() {
+    CLAWCOMM_ARG_CHECK(dev_ != nullptr, "clawcomm: this HostDeviceComm is closed");
+    return *dev_;
+  }
+  device::Stream captureStream() { return this; }
+
+  static OpType opNamed(const std::string& name) {
+    for (OpType t : {OpType::kAllReduce, OpType::kAllGather, OpType::kReduceScatter,
+                     OpType::kBroadcast, OpType::kAllToAll}) {
+      if (name == opTypeName(t)) return t;
+    }
+    throw InvalidArgument(CLAWCOMM_CONCAT("clawcomm: '", name,
+                                          "' is not a device collective (all_reduce, "
+                                          "all_gather, reduce_scatter, broadcast, all_to_all)"));
+  }
+  static void checkCount(const char* op, size_t got, size_t want) {
+    CLAWCOMM_ARG_CHECK(got == want, "clawcomm::", op, ": ", got, " elements where ", want,
+                       " were expected");
+  }
+
+  // Runs the call through IPC or the engine, without the GIL; returns the
+  // route it took.
+  template <typename Ipc, typename Staged>
+  std::string call(OpType type, size_t bytesPerRank, Ipc ipc, Staged staged) {
+    std::string route;
+    RequestPtr request;
+    {
+      py::gil_scoped_release release;
+      if (live().ipc(type, bytesPerRank)) {
+        const device::Stream s = capturing_ ? captureStream() : nullptr;
+        const device::TicketPtr ticket = ipc(DeviceComm::Streams{s, s});
+        ticket->waitHost();
+        if (auto e = ticket->error()) std::rethrow_exception(e);
+        route = "ipc";
+      } else {
+        CLAWCOMM_ARG_CHECK(!capturing_, "clawcomm::", opTypeName(type),
+                           ": a staged call cannot be captured into a graph");
+        request = staged();
+        request->waitFor(std::chrono::milliseconds(-1));
+        route = "staged";
+      }
+    }
+    if (request) {
+      if (auto e = request->exception()) std::rethrow_exception(e);
+    }
+    return route;
+  }
+  std::shared_ptr<Communicator> comm_;
+  std::shared_ptr<HostRuntime> runtime_;
+  std::unique_ptr<DeviceComm> dev_;
+  bool capturing_ = false;
+};
+
+}  // namespace
+
+void bindDevice(py::module_& m) {
+  py::class_<device::HostGraph, std::shared_ptr<device::HostGraph>>(
+      m, "HostGraph", "Calls captured by HostDeviceComm.begin_capture(), replayed in order.")
+      .def("replay", &device::HostGraph::replay, py::call_guard<py::gil_scoped_release>());
+  py::class_<HostDeviceComm>(
+      m, "HostDeviceComm",
+      "The device collectives of an Engine over the host runtime: the CUDA IPC path's setup, "
+      "routing, kernels' protocol, abort and failure reports, run on the CPU. `device` is the "
+      "device index this rank claims; `fault` ('none', 'alloc', 'open', 'probe') fails this "
+      "rank's IPC setup on purpose. Each call returns the route it took ('ipc' or 'staged').")
+      .def(py::init<std::shared_ptr<Communicator>, int, const std::string&>(), py::arg("engine"),
+           py::arg("device") = 0, py::arg("fault") = "none")
+      .def("route", &HostDeviceComm::route, py::arg("op"), py::arg("nbytes"),
+           py::call_guard<py::gil_scoped_release>(),
+           "'one-shot', 'two-shot', 'ipc' or 'staged' for `op` moving `nbytes` per rank.")
+      .def("all_reduce", &HostDeviceComm::allReduce, py::arg("buf"), py::arg("op") = "sum")
+      .def("all_gather", &HostDeviceComm::allGather, py::arg("input"), py::arg("output"))
+      .def("reduce_scatter", &HostDeviceComm::reduceScatter, py::arg("input"), py::arg("output"),
+           py::arg("op") = "sum")
+      .def("broadcast", &HostDeviceComm::broadcast, py::arg("buf"), py::arg("root") = 0)
+      .def("all_to_all", &HostDeviceComm::allToAll, py::arg("input"), py::arg("output"))
+      .def_property_readonly("status", &HostDeviceComm::status)
+      .def_property_readonly("devices", &HostDeviceComm::devices,
+                             "Each rank's device index, as the IPC setup exchanged them.")
+      .def("abort", &HostDeviceComm::abort, py::call_guard<py::gil_scoped_release>(),
+           "From any thread: stops this rank's spinning blocks and tells its peers' blocks.")
+      .def("begin_capture", &HostDeviceComm::beginCapture)
+      .def("end_capture", &HostDeviceComm::endCapture)
+      .def("close", &HostDeviceComm::close);
+}
+
+}  // namespace clawcomm

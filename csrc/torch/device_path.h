@@ -1,0 +1,249 @@
+// The adapter's CUDA IPC path (included by process_group.cc alone): c10d's
+// stream rules around device::DeviceComm, which owns the device collectives
+// (routing, sequence numbers, flight record, bytes, abort; see
+// device/device_comm.h).
+//
+//   1. Routing is DeviceComm's, from what every rank shares. A tensor's own
+//      layout never decides it: a non-contiguous tensor goes through a
+//      contiguous copy made on the caller's stream and copied back after.
+//   2. The call waits for the caller's current stream and runs on the
+//      communicator's stream for the device (while the caller's stream is
+//      being captured into a CUDA graph: on the caller's stream, where the
+//      graph records it), and every tensor it touches is recorded on that
+//      stream for the caching allocator.
+//   3. Work::wait() makes the caller's current stream wait (the host does
+//      not); synchronize() makes the host wait. Both, and isSuccess() and
+//      exception(), report a launch that gave up (a timeout, an abort) as
+//      an error, and abort the communicator so every rank learns.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include "cuda/kernels.h"
+#include "device/device_comm.h"
+#include "torch/adapter_helpers.h"
+#include "torch/work.h"
+
+namespace clawcomm {
+namespace adapter {
+
+class DeviceWork : public c10d::Work {
+ public:
+  DeviceWork(int rank, OpType type, TensorList outputs, device::TicketPtr ticket,
+             c10::Device device, c10::Stream ranOn)
+      : Work(rank, type),
+        outputs_(std::move(outputs)),
+        ticket_(std::move(ticket)),
+        device_(device),
+        ranOn_(ranOn) {}
+
+  bool isCompleted() override { return ticket_->done(); }
+  bool isSuccess() const override { return !ticket_->error(); }
+  std::exception_ptr exception() const override { return ticket_->error(); }
+  std::vector<at::Tensor> result() override { return outputs_; }
+  void synchronize() override {
+    ticket_->waitHost();
+    throwIfFailed();
+  }
+  bool wait(std::chrono::milliseconds) override {
+    throwIfFailed();
+    c10::impl::VirtualGuardImpl impl(device_.type());
+    ticket_->waitOn(impl.getStream(device_).native_handle());
+    return true;
+  }
+  // Made on demand: most callers wait() and never ask, and a CUDA-aware
+  // future records an event of its own.
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    if (!future_) {
+      future_ = makeFuture({device_});
+      if (auto e = ticket_->error()) {
+        future_->setError(e);
+      } else {
+        c10::StreamGuard onStream(ranOn_);
+        future_->markCompleted(c10::IValue(outputs_));
+      }
+    }
+    return future_;
+  }
+
+ private:
+  void throwIfFailed() const {
+    if (auto e = ticket_->error()) rethrowForTorch(e);
+  }
+
+  TensorList outputs_;
+  device::TicketPtr ticket_;
+  c10::Device device_;
+  c10::Stream ranOn_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+class DevicePath {
+ public:
+  using WorkPtr = c10::intrusive_ptr<c10d::Work>;
+
+  DevicePath(std::shared_ptr<Communicator> comm, int rank) : comm_(std::move(comm)), rank_(rank) {}
+
+  // Each returns the Work of a call that goes through CUDA IPC, or null
+  // where the caller must stage it through host memory. The tensors are
+  // checked (dtype, device, sizes) by the caller.
+  WorkPtr allReduce(const at::Tensor& t, DataType dt, ReduceOp op) {
+    device::DeviceComm* dev = deviceFor(t, OpType::ALLREDUCE, size_t(t.nbytes()));
+    if (!dev) return {};
+    at::Tensor buf = t.contiguous();
+    return launch(*dev, OpType::ALLREDUCE, {t}, {buf}, copiesBack(buf, t), [&](auto s) {
+      return dev->allReduce(buf.data_ptr(), size_t(buf.numel()), dt, op, s);
+    });
+  }
+  WorkPtr broadcast(const at::Tensor& t, DataType dt, int root) {
+    device::DeviceComm* dev = deviceFor(t, OpType::BROADCAST, size_t(t.nbytes()));
+    if (!dev) return {};
+    at::Tensor buf = t.contiguous();
+    return launch(*dev, OpType::BROADCAST, {t}, {buf}, copiesBack(buf, t), [&](auto s) {
+      return dev->broadcast(buf.data_ptr(), size_t(buf.numel()), dt, root, s);
+    });
+  }
+  WorkPtr allGather(const at::Tensor& out, const at::Tensor& in, DataType dt) {
+    device::DeviceComm* dev = deviceFor(out, OpType::_ALLGATHER_BASE, size_t(in.nbytes()));
+    if (!dev) return {};
+    at::Tensor src = in.contiguous(), dst = contiguousOutput(out);
+    return launch(*dev, OpType::_ALLGATHER_BASE, {out}, {src, dst}, copiesBack(dst, out),
+                  [&](auto s) {
+                    return dev->allGather(src.data_ptr(), dst.data_ptr(), size_t(src.numel()), dt,
+                                          s);
+                  });
+  }
+  WorkPtr reduceScatter(const at::Tensor& out, const at::Tensor& in, DataType dt, ReduceOp op) {
+    device::DeviceComm* dev = deviceFor(out, OpType::_REDUCE_SCATTER_BASE, size_t(out.nbytes()));
+    if (!dev) return {};
+    at::Tensor src = in.contiguous(), dst = contiguousOutput(out);
+    return launch(*dev, OpType::_REDUCE_SCATTER_BASE, {out}, {src, dst}, copiesBack(dst, out),
+                  [&](auto s) {
+                    return dev->reduceScatter(src.data_ptr(), dst.data_ptr(), size_t(dst.numel()),
+                                              dt, op, s);
+                  });
+  }
+  // Even splits only (the caller stages uneven ones).
+  WorkPtr allToAll(const at::Tensor& out, const at::Tensor& in, DataType dt) {
+    const size_t n = size_t(comm_->size());
+    device::DeviceComm* dev = deviceFor(out, OpType::ALLTOALL_BASE, size_t(in.nbytes()) / n);
+    if (!dev) return {};
+    at::Tensor src = in.contiguous(), dst = contiguousOutput(out);
+    return launch(*dev, OpType::ALLTOALL_BASE, {out}, {src, dst}, copiesBack(dst, out),
+                  [&](auto s) {
+                    return dev->allToAll(src.data_ptr(), dst.data_ptr(), size_t(src.numel()) / n,
+                                         dt, s);
+                  });
+  }
+
+  // Per CUDA device used so far: "ok", why its calls are staged, or the
+  // failure that stopped them.
+  std::map<int, std::string> status() const {
+    std::map<int, std::string> out;
+    for (const auto& [index, dev] : devices_) out[index] = dev->status();
+    return out;
+  }
+
+  // The communicator's stream on `device` (one per device, from torch's pool).
+  c10::Stream streamFor(c10::Device device) {
+    std::lock_guard<std::mutex> lock(streamsMutex_);
+    auto it = streams_.find(device.index());
+    if (it == streams_.end()) {
+      c10::impl::VirtualGuardImpl impl(device.type());
+      it = streams_.emplace(device.index(), impl.getStreamFromGlobalPool(device)).first;
+    }
+    return it->second;
+  }
+
+ private:
+  // `t`'s device collectives, when this call goes through CUDA IPC. The first
+  // call on a device sets its IPC group up (collective: every rank issues the
+  // same calls in the same order).
+  device::DeviceComm* deviceFor(const at::Tensor& t, OpType type, size_t bytesPerRank) {
+    if (!t.is_cuda() || !cuda::built()) return nullptr;
+    const int index = t.device().index();
+    auto it = devices_.find(index);
+    if (it == devices_.end()) {
+      try {
+        it = devices_
+                 .emplace(index, std::make_unique<device::DeviceComm>(
+                                     comm_, device::makeCudaRuntime(index)))
+                 .first;
+      } catch (...) {
+        rethrowForTorch(std::current_exception());
+      }
+    }
+    device::DeviceComm& dev = *it->second;
+    bool ipc = false;
+    try {
+      ipc = dev.ipc(engineOp(type), bytesPerRank);
+    } catch (...) {
+      rethrowForTorch(std::current_exception());
+    }
+    if (!warned_[index] && dev.status() != "ok" && comm_->settings().cudaIpc) {
+      warned_[index] = true;
+      TORCH_WARN("clawcomm: CUDA IPC is not used on ", t.device(), ": ", dev.status());
+    }
+    return ipc ? &dev : nullptr;
+  }
+
+  static clawcomm::OpType engineOp(OpType type) {
+    switch (type) {
+      case OpType::ALLREDUCE: return clawcomm::OpType::kAllReduce;
+      case OpType::BROADCAST: return clawcomm::OpType::kBroadcast;
+      case OpType::_ALLGATHER_BASE: return clawcomm::OpType::kAllGather;
+      case OpType::_REDUCE_SCATTER_BASE: return clawcomm::OpType::kReduceScatter;
+      default: return clawcomm::OpType::kAllToAll;
+    }
+  }
+
+  // The output itself when contiguous, else a contiguous buffer of its shape.
+  static at::Tensor contiguousOutput(const at::Tensor& out) {
+    return out.is_contiguous() ? out : at::empty(out.sizes(), out.options());
+  }
+  // Copies `buf` into `target` when they differ (run on the call's stream).
+  static std::function<void()> copiesBack(const at::Tensor& buf, const at::Tensor& target) {
+    if (buf.is_same(target)) return nullptr;
+    return [buf, target] { target.copy_(buf); };
+  }
+
+  template <typename Run>
+  WorkPtr launch(device::DeviceComm& dev, OpType type, TensorList outputs, TensorList touched,
+                 std::function<void()> after, Run run) {
+    const c10::Device device = outputs[0].device();
+    c10::impl::VirtualGuardImpl impl(device.type());
+    const c10::Stream caller = impl.getStream(device);
+    const c10::Stream mine = streamFor(device);
+    device::TicketPtr ticket;
+    c10::Stream ranOn = caller;
+    try {
+      const bool captured = dev.runtime().capturing(caller.native_handle());
+      ranOn = captured ? caller : mine;
+      ticket = run(device::DeviceComm::Streams{caller.native_handle(), mine.native_handle()});
+      c10::StreamGuard onStream(ranOn);
+      if (after) after();
+      if (ranOn != caller) {
+        for (const auto* list : {&touched, &outputs}) {
+          for (const auto& t : *list) impl.recordDataPtrOnStream(t.storage().data_ptr(), ranOn);
+        }
+      }
+    } catch (...) {
+      rethrowForTorch(std::current_exception());
+    }
+    return c10::make_intrusive<DeviceWork>(rank_, type, outputs, ticket, device, ranOn);
+  }
+
+  std::shared_ptr<Communicator> comm_;
+  int rank_;
+  // Per device; created and used on the caller's thread. Destroyed before
+  // comm_ (declared after it): each waits for its calls in flight.
+  std::map<int, std::unique_ptr<device::DeviceComm>> devices_;
+  std::map<int, bool> warned_;
+  std::mutex streamsMutex_;
+  std::map<c10::DeviceIndex, c10::Stream> streams_;
+};
+
+}  // namespace adapter
+}  // namespace clawcomm
