@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# What a session with a GPU runs (issue 11's measurements), in stages that
-# each fit one 10-minute device call. Results land in $OUT (default
-# /tmp/gpu_session), at most 8 files, as the device tool brings them back.
+# What a session with a GPU runs, in stages that fit one 10-minute device
+# call each, or all of them in one (`all`, about 8 minutes on an H100).
+# Results land in $OUT (default /tmp/gpu_session), as the device tool brings
+# them back.
 #
-#   bash bench/gpu_session.sh build     # CUDA build + the GPU tests (~4 min on an H100)
-#   bash bench/gpu_session.sh bench     # kernels vs copy, clawcomm bench --device cuda at 2 and 4 ranks
-#   bash bench/gpu_session.sh sanitize  # compute-sanitizer memcheck and racecheck on the kernel tests
+#   bash bench/gpu_session.sh build     # CUDA build (skipped when csrc/ is unchanged since)
+#   bash bench/gpu_session.sh test      # the GPU tests
+#   bash bench/gpu_session.sh bench     # kernels vs copy, host/kernel split, clawcomm bench --device cuda
+#   bash bench/gpu_session.sh sanitize  # compute-sanitizer memcheck and racecheck: kernels and IPC
+#   bash bench/gpu_session.sh all       # build, test, bench, sanitize
 #
-# Every stage rebuilds if needed (a fresh machine is bare): pip install -e
-# compiles csrc/cuda/ when torch is a CUDA build and nvcc is found.
+# pip install -e compiles csrc/cuda/ when torch is a CUDA build and nvcc is
+# found; a fresh machine is bare, so every stage builds first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_session}
@@ -16,6 +19,12 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 
 build() {
+  local so
+  so=$(ls clawcomm/_C.*.so 2>/dev/null | head -1)
+  if [ -n "$so" ] && [ -z "$(find csrc setup.py -newer "$so" -print -quit)" ] &&
+    python3 -c "from clawcomm import _C; assert _C.cuda_built" 2>/dev/null; then
+    return 0
+  fi
   # The system compiler, whose libstdc++ is the one torch loads: the image's
   # CXX=/opt/gcc/bin/g++ links a static libstdc++ that setup.py refuses.
   CC=gcc CXX=g++ MAX_JOBS=$(nproc) python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/build.log" 2>&1 ||
@@ -36,38 +45,45 @@ mps_on() {
 }
 mps_off() { echo quit | nvidia-cuda-mps-control 2>/dev/null; sleep 1; }
 
+gpu_tests() {
+  mps_on
+  python3 -m pytest -q -p no:cacheprovider -n 6 tests/test_gpu_kernels.py tests/test_gpu.py \
+    2>&1 | tee "$OUT/gpu_tests.log" | tail -30
+  mps_off
+}
+
+benchmarks() {
+  mps_on
+  python3 bench/gpu_kernels_bench.py --json "$OUT/gpu_kernels.json" | tee "$OUT/gpu_kernels.txt"
+  python3 bench/gpu_latency.py --nproc 2 --json "$OUT/gpu_latency.json" | tee "$OUT/gpu_latency.txt"
+  clawcomm bench --device cuda --nproc 2 --compare gloo -b 8 -e 64M -f 4 --quiet \
+    --json "$OUT/cuda_2ranks.json" --plot "$OUT/cuda_2ranks.png" | tee "$OUT/cuda_2ranks.txt"
+  mps_off
+}
+
+# The sanitizer does not run under MPS: two ranks on one GPU then take turns
+# (a time slice per barrier), which is slow but checks the same accesses.
+sanitize() {
+  mps_off
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
+      tests/test_gpu_kernels.py -k "1000 and not 100003" 2>&1 | tail -4 | tee -a "$OUT/sanitizer.log"
+  done
+  # The IPC kernels, in both ranks' processes.
+  compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 \
+    python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+    -k "match_the_cpu_engine and ipc and 2 and float32 and 1001" 2>&1 | tail -6 |
+    tee -a "$OUT/sanitizer.log"
+}
+
 case "${1:-build}" in
-  build)
-    build
-    mps_on
-    # The trap test kills a kernel on purpose: alone and last, so that no
-    # other test shares the MPS server when it does.
-    python3 -m pytest -q -p no:cacheprovider -n 6 tests/test_gpu_kernels.py tests/test_gpu.py \
-      -k "not never_arrives" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
-    python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k never_arrives 2>&1 |
-      tee -a "$OUT/gpu_tests.log" | tail -3
-    mps_off
-    ;;
-  bench)
-    build
-    mps_on
-    python3 bench/gpu_kernels_bench.py --json "$OUT/gpu_kernels.json" | tee "$OUT/gpu_kernels.txt"
-    for n in 2 4; do
-      clawcomm bench --device cuda --nproc $n --compare gloo,nccl -b 8 -e 256M -f 4 --quiet \
-        --json "$OUT/cuda_${n}ranks.json" --plot "$OUT/cuda_${n}ranks.png" | tee "$OUT/cuda_${n}ranks.txt"
-    done
-    mps_off
-    ;;
-  sanitize)
-    build
-    mps_off # the sanitizer runs were taken with MPS off
-    for tool in memcheck racecheck; do
-      compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
-        tests/test_gpu_kernels.py -k "1000 and not 100003" 2>&1 | tail -15 | tee -a "$OUT/sanitizer.log"
-    done
-    ;;
+  build) build ;;
+  test) build && gpu_tests ;;
+  bench) build && benchmarks ;;
+  sanitize) build && sanitize ;;
+  all) build && gpu_tests && benchmarks && sanitize ;;
   *)
-    echo "usage: $0 build|bench|sanitize" >&2
+    echo "usage: $0 build|test|bench|sanitize|all" >&2
     exit 2
     ;;
 esac

@@ -543,4 +543,5 @@ def test_sockets_per_peer_must_match():
         timeout=60,
     )
     for result in results:
-        assert "CLAWCOMM_SOCKETS_PER_PEER must match" in _error_text(result)
+        text = _error_text(result)
+        assert "CLAWCOMM_SOCKETS_PER_PEER=" in text and "must match" in text, text

@@ -1,12 +1,19 @@
-"""CUDA tensors through the clawcomm backend (issue 11, step 1: staging through
-pinned host memory). Every test carries the ``gpu`` marker and skips cleanly
-where there is no GPU; ranks share the one GPU a test machine has.
+"""CUDA tensors through the clawcomm backend: CUDA IPC and staging through
+pinned host memory. Every test carries the ``gpu`` marker and skips cleanly
+where there is no GPU. Rank r runs on ``cuda:{r % device_count}``, the layout
+torchrun users have: one GPU per rank where there are enough, ranks sharing
+one (under MPS) where there are not.
 
 Results are compared with the same collectives on CPU tensors, which the rest
-of the suite checks against local values and gloo.
+of the suite checks against local values and gloo. The CUDA IPC path's logic
+is also tested without a GPU (tests/test_device_collectives.py, over the host
+runtime).
 """
 
 from __future__ import annotations
+
+import threading
+import time
 
 import pytest
 import torch
@@ -29,9 +36,14 @@ def _inputs(rank, count, dtype):
     return x
 
 
-def _every_collective(rank, n, dtype, count):
-    dev = torch.device("cuda", 0)
+def _device(rank):
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
     torch.cuda.set_device(dev)
+    return dev
+
+
+def _every_collective(rank, n, dtype, count):
+    dev = _device(rank)
     problems = []
 
     def same(name, got, want):
@@ -50,6 +62,14 @@ def _every_collective(rank, n, dtype, count):
     dist.all_reduce(c)
     torch.cuda.synchronize()
     same("all_reduce", d2, c)
+
+    # Rank 0's tensor is a strided view, the others' contiguous: the call
+    # still routes alike on every rank (through a contiguous copy on rank 0).
+    wide = torch.zeros(2 * count, dtype=dtype, device=dev)
+    d = wide[::2] if rank == 0 else torch.zeros(count, dtype=dtype, device=dev)
+    d.copy_(x.to(dev))
+    dist.all_reduce(d)
+    same("all_reduce strided on rank 0", d, c)
 
     for op in (dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT):
         # A product of four values in [-8, 8] needs up to 12 bits, more than
@@ -123,8 +143,7 @@ def test_cuda_collectives_match_the_cpu_engine(path, world_size, dtype, count):
 
 
 def _graph_replay(rank, n):
-    dev = torch.device("cuda", 0)
-    torch.cuda.set_device(dev)
+    dev = _device(rank)
     x = torch.zeros(4096, device=dev)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -134,7 +153,7 @@ def _graph_replay(rank, n):
     import clawcomm
 
     status = clawcomm.backend_of(device="cuda").cuda_ipc_status()
-    if status.get(0) != "ok":  # staging needs the host: it cannot be captured
+    if status.get(dev.index) != "ok":  # staging needs the host: it cannot be captured
         return True, f"skipped: CUDA IPC unusable here ({status})"
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
@@ -160,27 +179,74 @@ def test_ipc_all_reduce_replays_inside_a_cuda_graph(world_size):
 
 
 def _peer_never_comes(rank, n):
-    x = torch.ones(1024, device="cuda")
+    dev = _device(rank)
+    x = torch.ones(1024, device=dev)
     dist.all_reduce(x)  # both ranks: the IPC group exists
     torch.cuda.synchronize()
     if rank == 1:
-        return "skipped"  # rank 0's next all-reduce waits for it in vain
-    try:
+        time.sleep(8)  # rank 0's next all-reduce waits for it in vain, and gives up
+        errors = []
+    else:
+        start = time.monotonic()
+        work = dist.all_reduce(x, async_op=True)
+        errors = []
+        try:
+            work.synchronize()  # the host waits: the kernel gives up at the 5 s timeout
+            errors.append("no error")
+        except RuntimeError as e:
+            errors.append(f"{time.monotonic() - start:.1f} s: {e}")
+    try:  # every later call is refused, on both ranks
         dist.all_reduce(x)
-        torch.cuda.synchronize()
+        errors.append("no error")
     except RuntimeError as e:
-        return str(e)
-    return "no error"
+        errors.append(str(e))
+    # No trap: this process's CUDA context is still alive.
+    alive = torch.ones(4, device=dev).sum().item() == 4
+    return errors, alive
 
 
-def test_a_peer_that_never_arrives_traps_instead_of_hanging():
-    out = run_ranks(_peer_never_comes, 2, pg_timeout=5, timeout=120, allow_failures=True)
-    assert out[1] == "skipped"
-    assert out[0] != "no error", out
+def test_a_peer_that_never_arrives_is_an_error_and_the_context_survives():
+    out = run_ranks(_peer_never_comes, 2, pg_timeout=5, timeout=120)
+    errors0, alive0 = out[0]
+    assert "gave up waiting for rank 1" in errors0[0], errors0
+    assert all(e != "no error" for e in errors0 + out[1][0]), out
+    assert alive0 and out[1][1], out
+
+
+def _abort_while_spinning(rank, n):
+    dev = _device(rank)
+    x = torch.ones(4096, device=dev)
+    dist.all_reduce(x)
+    torch.cuda.synchronize()
+    start = time.monotonic()
+    error = None
+    if rank == 0:
+        threading.Timer(0.5, dist.distributed_c10d._abort_process_group).start()
+        try:
+            dist.all_reduce(x, async_op=True).synchronize()  # rank 1 never joins
+        except RuntimeError as e:
+            error = str(e)
+    else:
+        time.sleep(2)
+    took = time.monotonic() - start
+    alive = torch.ones(4, device=dev).sum().item() == 4
+    return took, error, alive
+
+
+def test_abort_reaches_the_spinning_kernel():
+    """A 60 s timeout: torch's _abort_process_group() on rank 0 stops its
+    spinning blocks within a second, its work reports the abort, and the
+    CUDA context survives."""
+    if not hasattr(dist.distributed_c10d, "_abort_process_group"):
+        pytest.skip("this torch has no _abort_process_group")
+    out = run_ranks(_abort_while_spinning, 2, pg_timeout=60, timeout=120, allow_failures=True)
+    took, error, alive = out[0]
+    assert took < 3 and error and "abort" in error, out[0]
+    assert alive, out[0]
 
 
 def _mixed_devices(rank, n):
-    out = torch.empty(4 * n, device="cuda")
+    out = torch.empty(4 * n, device=_device(rank))
     try:
         dist.all_gather_into_tensor(out, torch.ones(4))
     except ValueError as e:
@@ -190,12 +256,12 @@ def _mixed_devices(rank, n):
 
 def test_mixing_devices_in_one_call_is_a_clear_error():
     for msg in run_ranks(_mixed_devices, 2, timeout=120):
-        assert "cuda:0" in msg and "cpu" in msg and "one device" in msg, msg
+        assert "cuda:" in msg and "cpu" in msg and "one device" in msg, msg
 
 
 def _ddp_step(rank, n):
     torch.manual_seed(0)
-    dev = torch.device("cuda", 0)
+    dev = _device(rank)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
     ref = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
     ref.load_state_dict(model.state_dict())
@@ -231,14 +297,14 @@ def _compressed(rank, n, spec):
     g = torch.Generator().manual_seed(rank)
     grads = [torch.randn(50_000, generator=g) for _ in range(3)]
     out = {}
-    for device in ("cpu", "cuda"):
+    for device in ("cpu", _device(rank)):
         state = CompressorState()
         got = []
         for x in grads:
             t = x.to(device, copy=True)  # all_reduce works in place
             comp.all_reduce(t, state, "w", None)
             got.append(t.cpu())
-        out[device] = got
+        out[str(device)[:4]] = got
     # relative to the largest result
     return max(
         ((a - b).abs().max() / a.abs().max().clamp_min(1e-30)).item()
@@ -264,8 +330,7 @@ def _data_parallel_cuda(rank, n, compression):
     from clawcomm.parallel import DataParallel
 
     torch.manual_seed(0)
-    dev = torch.device("cuda", 0)
-    torch.cuda.set_device(dev)
+    dev = _device(rank)
     base = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
     ref = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
     ref.load_state_dict(base.state_dict())

@@ -281,6 +281,7 @@ void Communicator::abort(const std::string& reason) {
     abortReason_ = CLAWCOMM_CONCAT("rank ", rank_, " aborted: ", reason);
     why = abortReason_;
     if (failure_.empty()) failure_ = why;
+    failed_ = true;
   }
   messenger_->cancel(why);  // wakes a wait in progress, on any thread
   cv_.notify_all();         // wakes an idle progress thread
@@ -294,6 +295,7 @@ void Communicator::fail(std::exception_ptr error) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (failure_.empty()) failure_ = why;
+      failed_ = true;
     }
     messenger_->abort(CLAWCOMM_CONCAT("rank ", rank_, " failed: ", why));
     notifyFailure(why);
@@ -338,9 +340,8 @@ uint64_t Communicator::beginExternal(OpSignature& sig, uint64_t bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
   CLAWCOMM_ARG_CHECK(!stopping_, opPrefix(sig.type), "the communicator is shutting down");
   if (!failure_.empty()) {
-    throw PeerError(
-        CLAWCOMM_CONCAT(opPrefix(sig.type), "the communicator was aborted by an earlier error: ",
-                        failure_));
+    throw PeerError(CLAWCOMM_CONCAT(
+        opPrefix(sig.type), "the communicator was aborted by an earlier error: ", failure_));
   }
   sig.seq = nextSeq_++;
   const uint64_t id = recorder_.queued(sig, -1, bytes);

@@ -131,8 +131,9 @@ class Communicator {
   uint64_t beginExternal(OpSignature& sig, uint64_t bytes);
   void endExternal(uint64_t record, bool ok);
   // Why this communicator can run no more operations (abort(), or its first
-  // failure), or "" while it can.
+  // failure), or "" while it can; failed() is the quick check.
   std::string failure();
+  bool failed() const { return failed_.load(std::memory_order_acquire); }
   // `f(reason)` runs once when the communicator aborts or fails, on the
   // thread that noticed; it must be quick and must not call back in.
   // Returns an id for removeFailureListener (which waits for a call in
@@ -230,8 +231,9 @@ class Communicator {
   bool abortRequested_ = false;
   bool abortHandled_ = false;
   std::string abortReason_;
-  std::string failure_;       // guarded by mutex_: abortReason_ or the first failure
-  uint64_t setups_ = 0;       // guarded by mutex_: setupNamespace() calls so far
+  std::string failure_;              // guarded by mutex_: abortReason_ or the first failure
+  std::atomic<bool> failed_{false};  // !failure_.empty()
+  uint64_t setups_ = 0;              // guarded by mutex_: setupNamespace() calls so far
 
   std::mutex listenersMutex_;  // held while listeners run
   std::map<int, std::function<void(const std::string&)>> listeners_;

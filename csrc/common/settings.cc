@@ -86,6 +86,7 @@ Settings Settings::fromEnv() {
     s.flightDir = std::string(tmp ? tmp : "/tmp") + "/clawcomm-flight";
   }
   s.cudaIpcBytes = envNumber("CLAWCOMM_CUDA_IPC_BYTES", s.cudaIpcBytes, 4096, 64 * kGiB);
+  s.cudaGraphBytes = envNumber("CLAWCOMM_CUDA_GRAPH_BYTES", s.cudaGraphBytes, 4096, 64 * kGiB);
   const char* oneShot = env("CLAWCOMM_CUDA_ONESHOT_BYTES");
   if (oneShot && std::string(oneShot) != "auto") {
     s.cudaOneShotMaxBytes = envNumber("CLAWCOMM_CUDA_ONESHOT_BYTES", 0, 0, 64 * kGiB);
@@ -96,11 +97,11 @@ Settings Settings::fromEnv() {
 std::string Settings::mustMatch() const {
   const std::string oneShot =
       cudaOneShotMaxBytes == kAutoBytes ? "auto" : std::to_string(cudaOneShotMaxBytes);
-  return CLAWCOMM_CONCAT("CLAWCOMM_TRANSPORT=", transport, "|CLAWCOMM_SHM_RING_BYTES=", shmRingBytes,
-                         "|CLAWCOMM_SOCKETS_PER_PEER=", socketsPerPeer,
-                         "|CLAWCOMM_CUDA_IPC=", cudaIpc ? "auto" : "0",
-                         "|CLAWCOMM_CUDA_IPC_BYTES=", cudaIpcBytes,
-                         "|CLAWCOMM_CUDA_ONESHOT_BYTES=", oneShot);
+  return CLAWCOMM_CONCAT(
+      "CLAWCOMM_TRANSPORT=", transport, "|CLAWCOMM_SHM_RING_BYTES=", shmRingBytes,
+      "|CLAWCOMM_SOCKETS_PER_PEER=", socketsPerPeer, "|CLAWCOMM_CUDA_IPC=", cudaIpc ? "auto" : "0",
+      "|CLAWCOMM_CUDA_IPC_BYTES=", cudaIpcBytes, "|CLAWCOMM_CUDA_GRAPH_BYTES=", cudaGraphBytes,
+      "|CLAWCOMM_CUDA_ONESHOT_BYTES=", oneShot);
 }
 
 }  // namespace clawcomm

@@ -109,6 +109,11 @@ struct Settings {
   // CLAWCOMM_CUDA_IPC_BYTES: each rank's IPC input and result areas (the
   // largest piece one kernel moves; larger all-reduces go in pieces).
   size_t cudaIpcBytes = size_t(64) << 20;
+  // CLAWCOMM_CUDA_GRAPH_BYTES: the input and result areas of calls captured
+  // into CUDA graphs (they have areas and flags of their own, so a replay
+  // may run beside eager calls). A captured call that does not fit is an
+  // error (all-reduces go in pieces and always fit).
+  size_t cudaGraphBytes = size_t(8) << 20;
   // CLAWCOMM_CUDA_ONESHOT_BYTES=auto|N: CUDA IPC all-reduces up to this size
   // use the one-shot kernel (every rank reads every input), larger ones the
   // two-shot (reduce-scatter + all-gather). auto: by the world size, as

@@ -56,9 +56,7 @@ struct CudaBlock {
   }
   static __device__ void fenceSystem() { __threadfence_system(); }
   static __device__ bool claim(uint32_t* p) { return atomicCAS_system(p, 0u, 1u) == 0u; }
-  static __device__ Pack load(const Pack* p) {
-    return asPack(*reinterpret_cast<const uint4*>(p));
-  }
+  static __device__ Pack load(const Pack* p) { return asPack(*reinterpret_cast<const uint4*>(p)); }
   // Peers' memory bypasses L1 (__ldcg): another GPU, or another process's
   // kernel, wrote it.
   static __device__ Pack loadPeer(const Pack* p) {

@@ -1,5 +1,6 @@
 #include "device/device_comm.h"
 
+#include <atomic>
 #include <limits>
 
 #include "common/errors.h"
@@ -46,51 +47,65 @@ IpcKernel kernelOf(Algorithm a) {
   return a == Algorithm::kIpcOneShot ? IpcKernel::kOneShot : IpcKernel::kTwoShot;
 }
 
-// A pooled event, released when the last holder (the ticket, the flight
-// list) lets go.
-struct PooledEvent {
-  PooledEvent(std::shared_ptr<DeviceRuntime> rt, DeviceRuntime::Event e)
-      : runtime(std::move(rt)), event(e) {}
-  ~PooledEvent() { runtime->release(event); }
+}  // namespace
+
+struct DeviceFlight {
+  DeviceFlight(std::shared_ptr<DeviceRuntime> rt, DeviceRuntime::Event e,
+               std::weak_ptr<Communicator> c, uint64_t r, std::shared_ptr<IpcMapping> m)
+      : runtime(std::move(rt)), event(e), comm(std::move(c)), record(r), mapping(std::move(m)) {}
+  ~DeviceFlight() { runtime->release(event); }
+
+  // The flight record's entry ends once, ok unless a launch gave up.
+  void end() {
+    if (ended.exchange(true)) return;
+    if (auto c = comm.lock()) c->endExternal(record, mapping->status()->state == kIpcOk);
+  }
+  bool done() {
+    if (!runtime->done(event)) return false;
+    end();
+    return true;
+  }
+
   std::shared_ptr<DeviceRuntime> runtime;
   DeviceRuntime::Event event;
+  std::weak_ptr<Communicator> comm;
+  uint64_t record;
+  std::shared_ptr<IpcMapping> mapping;
+  std::atomic<bool> ended{false};
 };
-
-}  // namespace
 
 // ---------------------------------------------------------------------------
 // DeviceTicket
 
 DeviceTicket::DeviceTicket(std::shared_ptr<DeviceRuntime> runtime,
-                           std::shared_ptr<IpcMapping> mapping, std::shared_ptr<void> done,
-                           OpType type, std::weak_ptr<Communicator> comm)
+                           std::shared_ptr<IpcMapping> mapping,
+                           std::shared_ptr<DeviceFlight> flight, OpType type,
+                           std::weak_ptr<Communicator> comm)
     : runtime_(std::move(runtime)),
       mapping_(std::move(mapping)),
-      done_(std::move(done)),
+      flight_(std::move(flight)),
       type_(type),
       comm_(std::move(comm)) {}
 
-DeviceRuntime::Event DeviceTicket::event() const {
-  return done_ ? static_cast<PooledEvent*>(done_.get())->event : nullptr;
-}
-
 bool DeviceTicket::done() {
-  return !done_ || runtime_->done(event());
+  return !flight_ || flight_->done();
 }
 
 void DeviceTicket::waitOn(Stream s) {
-  if (done_) runtime_->streamWait(s, event());
+  if (flight_) runtime_->streamWait(s, flight_->event);
 }
 
 void DeviceTicket::waitHost() {
-  if (done_) runtime_->waitHost(event());
+  if (!flight_) return;
+  runtime_->waitHost(flight_->event);
+  flight_->end();
 }
 
 std::exception_ptr DeviceTicket::error() const {
   const IpcStatus* live = mapping_->status();
   if (live->state == kIpcOk) return nullptr;
   __atomic_thread_fence(__ATOMIC_ACQUIRE);
-  const std::string why = describe(*live, mapping_->peers.rank);
+  const std::string why = describe(*live, mapping_->peers[kIpcEager].rank);
   if (auto comm = comm_.lock()) comm->abort(why);  // so that every rank learns
   return std::make_exception_ptr(PeerError(opPrefix(type_) + why));
 }
@@ -112,7 +127,7 @@ DeviceComm::~DeviceComm() {
   }
 }
 
-bool DeviceComm::ipc(OpType op, size_t bytesPerRank) {
+bool DeviceComm::ipc(OpType op, size_t bytesPerRank, const Streams& s) {
   bool needSetup;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -121,8 +136,7 @@ bool DeviceComm::ipc(OpType op, size_t bytesPerRank) {
   if (needSetup) {
     const std::string failed = comm_->failure();
     if (!failed.empty()) {
-      throw PeerError(
-          opPrefix(op) + "the communicator was aborted by an earlier error: " + failed);
+      throw PeerError(opPrefix(op) + "the communicator was aborted by an earlier error: " + failed);
     }
     const Settings& settings = comm_->settings();
     std::string why;
@@ -136,7 +150,7 @@ bool DeviceComm::ipc(OpType op, size_t bytesPerRank) {
     if (why.empty()) {
       group = std::make_shared<IpcGroup>(runtime_, comm_->store(), comm_->setupNamespace("ipc"),
                                          comm_->rank(), comm_->size(), settings.cudaIpcBytes,
-                                         Clock::now() + comm_->timeout());
+                                         settings.cudaGraphBytes, Clock::now() + comm_->timeout());
       if (!group->usable()) why = group->whyNot();
     }
     bool abortNow;
@@ -148,17 +162,29 @@ bool DeviceComm::ipc(OpType op, size_t bytesPerRank) {
     }
     if (abortNow && group) group->abort();
   }
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (!why_.empty()) return false;
-  const size_t capacity = group_->capacity();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!why_.empty()) return false;
+  }
+  const bool captured = s.captured;
+  const size_t capacity = group_->capacity(captured ? kIpcGraph : kIpcEager);
+  bool fits = true;
   switch (op) {
-    case OpType::kAllReduce: return true;  // in pieces
-    case OpType::kBroadcast: return bytesPerRank <= capacity;
+    case OpType::kAllReduce: break;  // in pieces
+    case OpType::kBroadcast: fits = bytesPerRank <= capacity; break;
     case OpType::kAllGather:
     case OpType::kReduceScatter:
-    case OpType::kAllToAll: return IpcGroup::areaBytes(bytesPerRank, comm_->size()) <= capacity;
-    default: return false;
+    case OpType::kAllToAll:
+      fits = IpcGroup::areaBytes(bytesPerRank, comm_->size()) <= capacity;
+      break;
+    default: fits = false;
   }
+  // Staging waits on the host, which a CUDA graph cannot capture.
+  CLAWCOMM_ARG_CHECK(
+      fits || !captured, opPrefix(op), "a CUDA graph captures calls through CUDA IPC ",
+      "whose areas fit CLAWCOMM_CUDA_GRAPH_BYTES (", capacity, " bytes); this one needs ",
+      op == OpType::kBroadcast ? bytesPerRank : IpcGroup::areaBytes(bytesPerRank, comm_->size()));
+  return fits;
 }
 
 Algorithm DeviceComm::allReduceAlgorithm(size_t bytes) const {
@@ -173,9 +199,9 @@ Algorithm DeviceComm::allReduceAlgorithm(size_t bytes) const {
 }
 
 void DeviceComm::checkHealthy(OpType op) {
-  const std::string failed = comm_->failure();
-  if (!failed.empty()) {
-    throw PeerError(opPrefix(op) + "the communicator was aborted by an earlier error: " + failed);
+  if (comm_->failed()) {
+    throw PeerError(opPrefix(op) +
+                    "the communicator was aborted by an earlier error: " + comm_->failure());
   }
   std::shared_ptr<IpcGroup> group;
   {
@@ -193,16 +219,14 @@ void DeviceComm::checkHealthy(OpType op) {
 }
 
 void DeviceComm::reap(bool wait) {
-  const bool ok = group_ && group_->status().state == kIpcOk;
   while (!inFlight_.empty()) {
-    Flight& f = inFlight_.front();
-    auto* e = static_cast<PooledEvent*>(f.done.get());
+    DeviceFlight& f = *inFlight_.front();
     if (wait) {
-      runtime_->waitHost(e->event);
-    } else if (!runtime_->done(e->event)) {
+      runtime_->waitHost(f.event);
+      f.end();
+    } else if (!f.done()) {
       break;
     }
-    comm_->endExternal(f.record, ok);
     inFlight_.pop_front();
   }
 }
@@ -212,15 +236,13 @@ TicketPtr DeviceComm::issue(OpSignature sig, uint64_t bytes, uint64_t sent, uint
                             Streams s, Run run) {
   checkHealthy(sig.type);
   reap(/*wait=*/false);
-  const bool captured = runtime_->capturing(s.caller);
+  const bool captured = s.captured;
   const IpcGroup::Launch how{captured ? s.caller : s.run, captured ? kIpcGraph : kIpcEager,
                              uint64_t(comm_->timeout().count()) * 1000000};
   const uint64_t record = comm_->beginExternal(sig, bytes);
-  std::shared_ptr<void> done;
   try {
     if (!captured) runtime_->streamWaitStream(s.run, s.caller);
     run(how);
-    if (!captured) done = std::make_shared<PooledEvent>(runtime_, runtime_->record(s.run));
   } catch (...) {
     comm_->endExternal(record, false);
     throw;
@@ -232,10 +254,12 @@ TicketPtr DeviceComm::issue(OpSignature sig, uint64_t bytes, uint64_t sent, uint
     // graph. Replays are the graph's; the record ends here.
     runtime_->keepWithGraph(s.caller, mapping);
     comm_->endExternal(record, true);
-  } else {
-    inFlight_.push_back({done, record});
+    return std::make_shared<DeviceTicket>(runtime_, mapping, nullptr, sig.type, comm_);
   }
-  return std::make_shared<DeviceTicket>(runtime_, mapping, done, sig.type, comm_);
+  auto flight =
+      std::make_shared<DeviceFlight>(runtime_, runtime_->record(s.run), comm_, record, mapping);
+  inFlight_.push_back(flight);
+  return std::make_shared<DeviceTicket>(runtime_, mapping, flight, sig.type, comm_);
 }
 
 TicketPtr DeviceComm::allReduce(void* buf, size_t count, DataType type, ReduceOp op, Streams s) {
@@ -258,9 +282,8 @@ TicketPtr DeviceComm::allGather(const void* in, void* out, size_t countPerRank, 
   OpSignature sig{OpType::kAllGather, type, ReduceOp::kSum, -1, countPerRank * n};
   sig.algo = Algorithm::kIpc;
   const uint64_t moved = bytes * (n - 1);
-  return issue(sig, bytes, moved, moved, s, [&](const IpcGroup::Launch& how) {
-    group_->allGather(in, out, bytes, how);
-  });
+  return issue(sig, bytes, moved, moved, s,
+               [&](const IpcGroup::Launch& how) { group_->allGather(in, out, bytes, how); });
 }
 
 TicketPtr DeviceComm::reduceScatter(const void* in, void* out, size_t countPerRank, DataType type,
@@ -296,9 +319,8 @@ TicketPtr DeviceComm::allToAll(const void* in, void* out, size_t countPerRank, D
   OpSignature sig{OpType::kAllToAll, type, ReduceOp::kSum, -1, 0};
   sig.algo = Algorithm::kIpc;
   const uint64_t moved = bytes * (n - 1);
-  return issue(sig, bytes * n, moved, moved, s, [&](const IpcGroup::Launch& how) {
-    group_->allToAll(in, out, bytes, how);
-  });
+  return issue(sig, bytes * n, moved, moved, s,
+               [&](const IpcGroup::Launch& how) { group_->allToAll(in, out, bytes, how); });
 }
 
 void DeviceComm::abort() {

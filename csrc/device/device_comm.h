@@ -37,13 +37,16 @@
 namespace clawcomm {
 namespace device {
 
+// A call's completion (device_comm.cc): its pooled event and its flight
+// record, ended by whoever sees the event done first.
+struct DeviceFlight;
+
 // One IPC call in flight: what a Work waits on.
 class DeviceTicket {
  public:
-  // `done`: the pooled event recorded after the call (null for a captured
-  // call, which runs when its graph is replayed).
+  // `flight`: null for a captured call, which runs when its graph is replayed.
   DeviceTicket(std::shared_ptr<DeviceRuntime> runtime, std::shared_ptr<IpcMapping> mapping,
-               std::shared_ptr<void> done, OpType type, std::weak_ptr<Communicator> comm);
+               std::shared_ptr<DeviceFlight> flight, OpType type, std::weak_ptr<Communicator> comm);
 
   // Whether its stream got past it.
   bool done();
@@ -57,11 +60,9 @@ class DeviceTicket {
   std::exception_ptr error() const;
 
  private:
-  DeviceRuntime::Event event() const;
-
   std::shared_ptr<DeviceRuntime> runtime_;
   std::shared_ptr<IpcMapping> mapping_;
-  std::shared_ptr<void> done_;
+  std::shared_ptr<DeviceFlight> flight_;
   OpType type_;
   std::weak_ptr<Communicator> comm_;
 };
@@ -77,22 +78,27 @@ class DeviceComm {
   DeviceComm(const DeviceComm&) = delete;
   DeviceComm& operator=(const DeviceComm&) = delete;
 
+  // Where a call waits and where it runs: `run` (the communicator's stream)
+  // waits for `caller` first. While `caller` is being captured into a CUDA
+  // graph (`captured`: runtime().capturing(caller)) the call runs on `caller`
+  // itself, on the graph's own flags and areas.
+  struct Streams {
+    Stream caller;
+    Stream run;
+    bool captured;
+  };
   // Whether a call of `op` moving `bytesPerRank` (all-reduce and broadcast:
-  // the message) goes through IPC; if not, the caller stages it through the
-  // communicator. Sets the IPC group up at the first call that could use it.
-  bool ipc(OpType op, size_t bytesPerRank);
+  // the message) from `s.caller` goes through IPC; if not, the caller
+  // stages it through the communicator. A call too large for the graph
+  // channel while `s.caller` is being captured is an InvalidArgument (staging
+  // cannot be captured). Sets the IPC group up at the first call that could
+  // use it.
+  bool ipc(OpType op, size_t bytesPerRank, const Streams& s);
   // The all-reduce algorithm for `bytes`: one-shot up to a threshold that
   // depends on the world size (CLAWCOMM_CUDA_ONESHOT_BYTES overrides it),
   // two-shot beyond.
   Algorithm allReduceAlgorithm(size_t bytes) const;
 
-  // Where a call waits and where it runs: `run` (the communicator's stream)
-  // waits for `caller` first. While `caller` is being captured into a CUDA
-  // graph the call runs on `caller` itself, on the graph's own flags.
-  struct Streams {
-    Stream caller;
-    Stream run;
-  };
   // Only after ipc() said yes for the same op and size. Arguments are
   // checked (an error names the op and the value) before anything moves.
   TicketPtr allReduce(void* buf, size_t count, DataType type, ReduceOp op, Streams s);
@@ -114,10 +120,6 @@ class DeviceComm {
   DeviceRuntime& runtime() { return *runtime_; }
 
  private:
-  struct Flight {
-    std::shared_ptr<void> done;  // the pooled event, shared with the ticket
-    uint64_t record;
-  };
   // Throws if the communicator has failed or a launch gave up (then aborts
   // the communicator, so every rank learns).
   void checkHealthy(OpType op);
@@ -130,11 +132,11 @@ class DeviceComm {
   std::shared_ptr<Communicator> comm_;
   std::shared_ptr<DeviceRuntime> runtime_;
   int listener_ = -1;
-  mutable std::mutex mutex_;           // guards group_, aborted_, why_ (abort comes from any thread)
-  std::shared_ptr<IpcGroup> group_;    // null until the first call that could use IPC
+  mutable std::mutex mutex_;         // guards group_, aborted_, why_ (abort comes from any thread)
+  std::shared_ptr<IpcGroup> group_;  // null until the first call that could use IPC
   bool aborted_ = false;
-  std::string why_;                    // why calls are staged, when they are
-  std::deque<Flight> inFlight_;        // the caller's thread only
+  std::string why_;                                     // why calls are staged, when they are
+  std::deque<std::shared_ptr<DeviceFlight>> inFlight_;  // the caller's thread only
 };
 
 }  // namespace device

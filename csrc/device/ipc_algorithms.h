@@ -8,10 +8,11 @@
 // message of N bytes on n ranks (docs/algorithms.md has the table).
 #pragma once
 
+#include <cstring>
 #include <type_traits>
 
-#include "device/protocol.h"
 #include "common/errors.h"
+#include "device/protocol.h"
 #include "reduce/ops.h"
 
 namespace clawcomm {
@@ -78,17 +79,21 @@ CLAWCOMM_HD void reducePacks(const X& x, const IpcPeers& P, char* const* area, s
   using Acc = typename E::Acc;
   constexpr int N = 16 / sizeof(Store);
   for (size_t i = lo + size_t(x.thread()); i < hi; i += size_t(x.threads())) {
+    // Elements are copied out of and into packs (memcpy: no aliasing of a
+    // Pack's words as another type, which the host compiler may reorder).
+    Store in[N];
     Acc acc[N];
     Pack v = X::loadPeer(packsAt(area[0]) + offset + i);
-    for (int j = 0; j < N; ++j) acc[j] = E::widen(reinterpret_cast<const Store*>(&v)[j]);
+    memcpy(in, &v, sizeof(v));
+    for (int j = 0; j < N; ++j) acc[j] = E::widen(in[j]);
     for (int p = 1; p < P.size; ++p) {
       v = X::loadPeer(packsAt(area[p]) + offset + i);
-      for (int j = 0; j < N; ++j) {
-        acc[j] = Op::template apply<Acc>(acc[j], E::widen(reinterpret_cast<const Store*>(&v)[j]));
-      }
+      memcpy(in, &v, sizeof(v));
+      for (int j = 0; j < N; ++j) acc[j] = Op::template apply<Acc>(acc[j], E::widen(in[j]));
     }
+    for (int j = 0; j < N; ++j) in[j] = E::narrow(acc[j]);
     Pack o;
-    for (int j = 0; j < N; ++j) reinterpret_cast<Store*>(&o)[j] = E::narrow(acc[j]);
+    memcpy(&o, in, sizeof(o));
     X::store(out + i, o);
     if (out2) X::store(out2 + i, o);
   }
@@ -223,8 +228,8 @@ CLAWCOMM_HD void allToAll(const X& x, const IpcLaunch& L) {
   if (!barrier(x, P, kIpcStart, epoch)) return;
   Pack* dst = L.out ? L.out : packsAt(P.result[P.rank]);
   for (int p = 0; p < P.size; ++p) {
-    copyPacks(x, packsAt(P.input[p]) + size_t(P.rank) * L.packs, dst + size_t(p) * L.packs, lo,
-              hi, p != P.rank);
+    copyPacks(x, packsAt(P.input[p]) + size_t(P.rank) * L.packs, dst + size_t(p) * L.packs, lo, hi,
+              p != P.rank);
   }
   barrier(x, P, kIpcEnd, epoch);
 }

@@ -29,12 +29,16 @@ size_t packsOf(size_t bytes) {
 
 }  // namespace
 
-IpcMapping::IpcMapping(std::shared_ptr<DeviceRuntime> rt, size_t cap)
-    : runtime(std::move(rt)), capacity(cap) {
+IpcMapping::IpcMapping(std::shared_ptr<DeviceRuntime> rt, size_t eagerBytes, size_t graphBytes)
+    : runtime(std::move(rt)), capacity{eagerBytes, graphBytes} {
   void* onDevice = nullptr;
   hostWords = runtime->allocMapped(kHostWordBytes, &onDevice);
-  peers.abortFlag = static_cast<const volatile uint32_t*>(onDevice);
-  peers.status = reinterpret_cast<IpcStatus*>(static_cast<char*>(onDevice) + kStatusOffset);
+  for (int c = 0; c < kIpcChannels; ++c) {
+    peers[c] = IpcPeers{};
+    peers[c].abortFlag = static_cast<const volatile uint32_t*>(onDevice);
+    peers[c].status = reinterpret_cast<IpcStatus*>(static_cast<char*>(onDevice) + kStatusOffset);
+    peers[c].channel = c;
+  }
 }
 
 IpcMapping::~IpcMapping() {
@@ -43,11 +47,18 @@ IpcMapping::~IpcMapping() {
   if (hostWords) runtime->freeMapped(hostWords);
 }
 
+size_t IpcMapping::bufferBytes() const {
+  return kSignalBytes + 2 * (capacity[kIpcEager] + capacity[kIpcGraph]);
+}
+
 void IpcMapping::map(int rank, void* buffer) {
-  char* b = static_cast<char*>(buffer);
-  peers.signals[rank] = reinterpret_cast<IpcSignals*>(b);
-  peers.input[rank] = b + kSignalBytes;
-  peers.result[rank] = b + kSignalBytes + capacity;
+  char* at = static_cast<char*>(buffer) + kSignalBytes;
+  for (int c = 0; c < kIpcChannels; ++c) {
+    peers[c].signals[rank] = static_cast<IpcSignals*>(buffer);
+    peers[c].input[rank] = at;
+    peers[c].result[rank] = at + capacity[c];
+    at += 2 * capacity[c];
+  }
 }
 
 IpcStatus* IpcMapping::status() const {
@@ -55,11 +66,12 @@ IpcStatus* IpcMapping::status() const {
 }
 
 IpcGroup::IpcGroup(std::shared_ptr<DeviceRuntime> runtime, Store& store, const std::string& prefix,
-                   int rank, int size, size_t capacity, Clock::time_point deadline)
+                   int rank, int size, size_t eagerBytes, size_t graphBytes,
+                   Clock::time_point deadline)
     : runtime_(std::move(runtime)),
       rank_(rank),
       size_(size),
-      capacity_((capacity + 255) & ~size_t(255)),
+      capacity_{(eagerBytes + 255) & ~size_t(255), (graphBytes + 255) & ~size_t(255)},
       devices_(size_t(size), -1) {
   devices_[rank] = runtime_->device();
   if (size > kIpcMaxRanks) {
@@ -75,7 +87,7 @@ void IpcGroup::setUp(Store& store, const std::string& prefix, Clock::time_point 
   auto key = [&](const char* what, int r) { return CLAWCOMM_CONCAT(prefix, what, "/", r); };
   const std::string me = CLAWCOMM_CONCAT("rank ", rank_, " (", runtime_->kind(), " device ",
                                          runtime_->device(), "): ");
-  std::string local;  // what failed on this rank
+  std::string local;   // what failed on this rank
   std::string remote;  // what peers said failed on them (they post it in their verdict too)
   auto note = [&](std::string& where, const std::string& what) {
     where += (where.empty() ? "" : "; ") + what;
@@ -84,10 +96,12 @@ void IpcGroup::setUp(Store& store, const std::string& prefix, Clock::time_point 
   // 1. Our buffer and its handle, posted as "<device>|<handle>" or "!<why>".
   std::vector<uint8_t> handle;
   try {
-    map_ = std::make_shared<IpcMapping>(runtime_, capacity_);
-    map_->peers.rank = rank_;
-    map_->peers.size = size_;
-    map_->base = runtime_->allocShared(kSignalBytes + 2 * capacity_);
+    map_ = std::make_shared<IpcMapping>(runtime_, capacity_[kIpcEager], capacity_[kIpcGraph]);
+    for (IpcPeers& p : map_->peers) {
+      p.rank = rank_;
+      p.size = size_;
+    }
+    map_->base = runtime_->allocShared(map_->bufferBytes());
     runtime_->fill(map_->base, 0, kSignalBytes);
     const uint32_t hello = helloValue(rank_);
     runtime_->toDevice(&static_cast<IpcSignals*>(map_->base)->hello, &hello, sizeof(hello));
@@ -120,7 +134,8 @@ void IpcGroup::setUp(Store& store, const std::string& prefix, Clock::time_point 
     devices_[p] = std::atoi(text.substr(0, bar).c_str());
     if (!local.empty()) continue;
     try {
-      void* ptr = runtime_->openHandle(std::vector<uint8_t>(theirs.begin() + long(bar) + 1, theirs.end()));
+      void* ptr =
+          runtime_->openHandle(std::vector<uint8_t>(theirs.begin() + long(bar) + 1, theirs.end()));
       map_->opened.push_back(ptr);
       map_->map(p, ptr);
     } catch (const std::exception& e) {
@@ -134,7 +149,7 @@ void IpcGroup::setUp(Store& store, const std::string& prefix, Clock::time_point 
     try {
       IpcLaunch probe;
       probe.kernel = IpcKernel::kProbe;
-      probe.peers = map_->peers;
+      probe.peers = map_->peers[kIpcEager];
       probe.peers.timeoutNs = 0;
       runtime_->launch(probe, nullptr);
       runtime_->synchronize();
@@ -208,15 +223,14 @@ IpcStatus IpcGroup::status() const {
 void IpcGroup::abort() {
   if (!map_) return;
   __atomic_store_n(map_->abortFlag(), 1u, __ATOMIC_SEQ_CST);
-  runtime_->writeWordNow(&map_->peers.signals[rank_]->failed, 1);
+  runtime_->writeWordNow(&map_->peers[kIpcEager].signals[rank_]->failed, 1);
 }
 
 IpcLaunch IpcGroup::launchOf(IpcKernel kernel, const void* in, void* out, size_t packs,
                              const Launch& how, bool direct) const {
   IpcLaunch L;
   L.kernel = kernel;
-  L.peers = map_->peers;
-  L.peers.channel = how.channel;
+  L.peers = peers(how);
   L.peers.timeoutNs = how.timeoutNs;
   L.in = direct ? static_cast<const Pack*>(in) : nullptr;
   L.out = direct ? static_cast<Pack*>(out) : nullptr;
@@ -234,19 +248,19 @@ void IpcGroup::copy(void* dst, const void* src, size_t bytes, Stream s) const {
 void IpcGroup::allReduce(const void* in, void* out, size_t count, DataType type, ReduceOp op,
                          IpcKernel algo, const Launch& how) {
   const size_t es = elementSize(type);
-  const size_t per = capacity_ / es;
+  const size_t per = capacity_[how.channel] / es;
   const int me = rank_;
   for (size_t at = 0; at < count; at += per) {
     const size_t n = std::min(per, count - at);
     const char* i = static_cast<const char*>(in) + at * es;
     char* o = static_cast<char*>(out) + at * es;
     const bool direct = aligned16(i) && aligned16(o) && (n * es) % 16 == 0;
-    if (!direct) copy(map_->peers.input[me], i, n * es, how.stream);
+    if (!direct) copy(peers(how).input[me], i, n * es, how.stream);
     IpcLaunch L = launchOf(algo, i, o, packsOf(n * es), how, direct);
     L.type = type;
     L.op = op;
     runtime_->launch(L, how.stream);
-    if (!direct) copy(o, map_->peers.result[me], n * es, how.stream);
+    if (!direct) copy(o, peers(how).result[me], n * es, how.stream);
   }
 }
 
@@ -254,12 +268,12 @@ void IpcGroup::allGather(const void* in, void* out, size_t bytes, const Launch& 
   if (bytes == 0) return;
   const bool direct = aligned16(in) && aligned16(out) && bytes % 16 == 0;
   const int me = rank_;
-  if (!direct) copy(map_->peers.input[me], in, bytes, how.stream);
+  if (!direct) copy(peers(how).input[me], in, bytes, how.stream);
   runtime_->launch(launchOf(IpcKernel::kAllGather, in, out, packsOf(bytes), how, direct),
                    how.stream);
   if (!direct) {
     for (int q = 0; q < size_; ++q) {
-      copy(static_cast<char*>(out) + q * bytes, map_->peers.result[me] + q * roundUp(bytes), bytes,
+      copy(static_cast<char*>(out) + q * bytes, peers(how).result[me] + q * roundUp(bytes), bytes,
            how.stream);
     }
   }
@@ -273,7 +287,7 @@ void IpcGroup::reduceScatter(const void* in, void* out, size_t countPerRank, Dat
   const int me = rank_;
   if (!direct) {
     for (int q = 0; q < size_; ++q) {
-      copy(map_->peers.input[me] + q * roundUp(bytes), static_cast<const char*>(in) + q * bytes,
+      copy(peers(how).input[me] + q * roundUp(bytes), static_cast<const char*>(in) + q * bytes,
            bytes, how.stream);
     }
   }
@@ -281,18 +295,18 @@ void IpcGroup::reduceScatter(const void* in, void* out, size_t countPerRank, Dat
   L.type = type;
   L.op = op;
   runtime_->launch(L, how.stream);
-  if (!direct) copy(out, map_->peers.result[me], bytes, how.stream);
+  if (!direct) copy(out, peers(how).result[me], bytes, how.stream);
 }
 
 void IpcGroup::broadcast(void* buf, size_t bytes, int root, const Launch& how) {
   if (bytes == 0) return;
   const bool direct = aligned16(buf) && bytes % 16 == 0;
   const int me = rank_;
-  if (!direct && me == root) copy(map_->peers.input[root], buf, bytes, how.stream);
+  if (!direct && me == root) copy(peers(how).input[root], buf, bytes, how.stream);
   IpcLaunch L = launchOf(IpcKernel::kBroadcast, buf, buf, packsOf(bytes), how, direct);
   L.root = root;
   runtime_->launch(L, how.stream);
-  if (!direct && me != root) copy(buf, map_->peers.result[me], bytes, how.stream);
+  if (!direct && me != root) copy(buf, peers(how).result[me], bytes, how.stream);
 }
 
 void IpcGroup::allToAll(const void* in, void* out, size_t bytes, const Launch& how) {
@@ -301,7 +315,7 @@ void IpcGroup::allToAll(const void* in, void* out, size_t bytes, const Launch& h
   const int me = rank_;
   if (!direct) {
     for (int q = 0; q < size_; ++q) {
-      copy(map_->peers.input[me] + q * roundUp(bytes), static_cast<const char*>(in) + q * bytes,
+      copy(peers(how).input[me] + q * roundUp(bytes), static_cast<const char*>(in) + q * bytes,
            bytes, how.stream);
     }
   }
@@ -309,7 +323,7 @@ void IpcGroup::allToAll(const void* in, void* out, size_t bytes, const Launch& h
                    how.stream);
   if (!direct) {
     for (int q = 0; q < size_; ++q) {
-      copy(static_cast<char*>(out) + q * bytes, map_->peers.result[me] + q * roundUp(bytes), bytes,
+      copy(static_cast<char*>(out) + q * bytes, peers(how).result[me] + q * roundUp(bytes), bytes,
            how.stream);
     }
   }

@@ -36,19 +36,25 @@ namespace device {
 // The memory a group maps: this rank's buffer, the peers' it opened, and the
 // host-mapped abort flag and status. Shared with every CUDA graph that
 // captured a launch over it, so a replay never reads freed memory.
+//
+// Each rank's buffer: the signals, then for each channel (eager, graph) an
+// input area and a result area of that channel's capacity. Eager calls and
+// graph replays have flags and areas of their own, so a graph replayed on
+// one stream and an eager call on another can run at the same time.
 struct IpcMapping {
-  IpcMapping(std::shared_ptr<DeviceRuntime> runtime, size_t capacity);
+  IpcMapping(std::shared_ptr<DeviceRuntime> runtime, size_t eagerBytes, size_t graphBytes);
   ~IpcMapping();
   IpcMapping(const IpcMapping&) = delete;
   IpcMapping& operator=(const IpcMapping&) = delete;
 
   std::shared_ptr<DeviceRuntime> runtime;
-  size_t capacity;
+  size_t capacity[kIpcChannels];
   void* base = nullptr;  // this rank's buffer
   std::vector<void*> opened;
   void* hostWords = nullptr;  // abort flag, then the status
-  IpcPeers peers{};
+  IpcPeers peers[kIpcChannels];
 
+  size_t bufferBytes() const;
   void map(int rank, void* buffer);
   uint32_t* abortFlag() const { return static_cast<uint32_t*>(hostWords); }
   IpcStatus* status() const;
@@ -56,13 +62,15 @@ struct IpcMapping {
 
 class IpcGroup {
  public:
+  // `eagerBytes` and `graphBytes`: each channel's input and result areas
+  // (the largest piece one launch moves).
   IpcGroup(std::shared_ptr<DeviceRuntime> runtime, Store& store, const std::string& prefix,
-           int rank, int size, size_t capacity, Clock::time_point deadline);
+           int rank, int size, size_t eagerBytes, size_t graphBytes, Clock::time_point deadline);
 
   bool usable() const { return why_.empty(); }
   // Why the group is not usable: every rank's problem, the same text on every rank.
   const std::string& whyNot() const { return why_; }
-  size_t capacity() const { return capacity_; }
+  size_t capacity(int channel) const { return capacity_[channel]; }
   // Each rank's device index, as it posted it.
   const std::vector<int>& devices() const { return devices_; }
   std::shared_ptr<IpcMapping> mapping() const { return map_; }
@@ -74,7 +82,7 @@ class IpcGroup {
   void abort();
 
   // The host side of each collective, asynchronous on `s`: pieces of at
-  // most capacity() bytes, and the caller's buffers read and written by the
+  // most the channel's capacity, and the caller's buffers read and written by the
   // kernel itself when 16-byte aligned (else copied through this rank's
   // areas). Every rank passes the same counts. `in` may equal `out`.
   struct Launch {
@@ -98,12 +106,13 @@ class IpcGroup {
   void setUp(Store& store, const std::string& prefix, Clock::time_point deadline);
   IpcLaunch launchOf(IpcKernel kernel, const void* in, void* out, size_t packs, const Launch& how,
                      bool direct) const;
+  const IpcPeers& peers(const Launch& how) const { return map_->peers[how.channel]; }
   void copy(void* dst, const void* src, size_t bytes, Stream s) const;
 
   std::shared_ptr<DeviceRuntime> runtime_;
   int rank_;
   int size_;
-  size_t capacity_;
+  size_t capacity_[kIpcChannels];
   std::shared_ptr<IpcMapping> map_;
   std::vector<int> devices_;
   std::string why_;

@@ -67,7 +67,7 @@ struct alignas(16) Pack {
 // The head of every rank's buffer.
 struct IpcSignals {
   struct Channel {
-    uint32_t counter[kIpcMaxBlocks];                          // each block's epoch
+    uint32_t counter[kIpcMaxBlocks];                         // each block's epoch
     uint32_t slot[kIpcPhases][kIpcMaxBlocks][kIpcMaxRanks];  // written by rank [from]
   } channel[kIpcChannels];
   uint32_t hello;                 // set at setup; the probe's loads read it
@@ -102,7 +102,15 @@ struct IpcPeers {
   uint64_t timeoutNs;
 };
 
-enum class IpcKernel { kOneShot, kTwoShot, kReduceScatter, kAllGather, kBroadcast, kAllToAll, kProbe };
+enum class IpcKernel {
+  kOneShot,
+  kTwoShot,
+  kReduceScatter,
+  kAllGather,
+  kBroadcast,
+  kAllToAll,
+  kProbe
+};
 
 // One launch. `in`/`out` are the caller's buffers when `direct` (16-byte
 // aligned, whole packs), else null: the host has copied the input into this

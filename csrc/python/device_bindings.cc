@@ -35,76 +35,79 @@ class HostDeviceComm {
   // `bytes` per rank goes (sets the IPC group up at the first call).
   std::string route(const std::string& op, size_t bytes) {
     const OpType type = opNamed(op);
-    if (!live().ipc(type, bytes)) return "staged";
+    if (!live().ipc(type, bytes, streams())) return "staged";
     if (type != OpType::kAllReduce) return "ipc";
     return live().allReduceAlgorithm(bytes) == Algorithm::kIpcOneShot ? "one-shot" : "two-shot";
   }
 
-  std::string allReduce(const py::buffer& b, const std::string& opName) {
-    Buffer buf = takeBuffer("all_reduce", "buf", b, true, py::none());
+  std::string allReduce(const py::buffer& b, const std::string& opName, const py::object& dtype) {
+    Buffer buf = takeBuffer("all_reduce", "buf", b, true, dtype);
     const ReduceOp op = parseReduceOp("all_reduce", opName);
-    return call(OpType::kAllReduce, buf.count * elementSize(buf.dtype),
-                [&](DeviceComm::Streams s) {
-                  return live().allReduce(buf.data, buf.count, buf.dtype, op, s);
-                },
-                [&] { return comm_->allReduce(buf.data, buf.count, buf.dtype, op); });
+    return call(
+        OpType::kAllReduce, buf.count * elementSize(buf.dtype),
+        [&](DeviceComm::Streams s) {
+          return live().allReduce(buf.data, buf.count, buf.dtype, op, s);
+        },
+        [&] { return comm_->allReduce(buf.data, buf.count, buf.dtype, op); });
   }
-  std::string allGather(const py::buffer& i, const py::buffer& o) {
-    Buffer in = takeBuffer("all_gather", "input", i, false, py::none());
-    Buffer out = takeBuffer("all_gather", "output", o, true, py::none());
+  std::string allGather(const py::buffer& i, const py::buffer& o, const py::object& dtype) {
+    Buffer in = takeBuffer("all_gather", "input", i, false, dtype);
+    Buffer out = takeBuffer("all_gather", "output", o, true, dtype);
     checkSameType("all_gather", in, out);
     checkCount("all_gather", out.count, in.count * size_t(comm_->size()));
-    return call(OpType::kAllGather, in.count * elementSize(in.dtype),
-                [&](DeviceComm::Streams s) {
-                  return live().allGather(in.data, out.data, in.count, in.dtype, s);
-                },
-                [&] {
-                  return comm_->allGather(in.data, out.data,
-                                          std::vector<size_t>(size_t(comm_->size()), in.count),
-                                          in.dtype);
-                });
+    return call(
+        OpType::kAllGather, in.count * elementSize(in.dtype),
+        [&](DeviceComm::Streams s) {
+          return live().allGather(in.data, out.data, in.count, in.dtype, s);
+        },
+        [&] {
+          return comm_->allGather(in.data, out.data,
+                                  std::vector<size_t>(size_t(comm_->size()), in.count), in.dtype);
+        });
   }
-  std::string reduceScatter(const py::buffer& i, const py::buffer& o, const std::string& opName) {
-    Buffer in = takeBuffer("reduce_scatter", "input", i, false, py::none());
-    Buffer out = takeBuffer("reduce_scatter", "output", o, true, py::none());
+  std::string reduceScatter(const py::buffer& i, const py::buffer& o, const std::string& opName,
+                            const py::object& dtype) {
+    Buffer in = takeBuffer("reduce_scatter", "input", i, false, dtype);
+    Buffer out = takeBuffer("reduce_scatter", "output", o, true, dtype);
     checkSameType("reduce_scatter", in, out);
     checkCount("reduce_scatter", in.count, out.count * size_t(comm_->size()));
     const ReduceOp op = parseReduceOp("reduce_scatter", opName);
-    return call(OpType::kReduceScatter, out.count * elementSize(out.dtype),
-                [&](DeviceComm::Streams s) {
-                  return live().reduceScatter(in.data, out.data, out.count, out.dtype, op, s);
-                },
-                [&] {
-                  return comm_->reduceScatter(
-                      in.data, out.data, std::vector<size_t>(size_t(comm_->size()), out.count),
-                      out.dtype, op);
-                });
+    return call(
+        OpType::kReduceScatter, out.count * elementSize(out.dtype),
+        [&](DeviceComm::Streams s) {
+          return live().reduceScatter(in.data, out.data, out.count, out.dtype, op, s);
+        },
+        [&] {
+          return comm_->reduceScatter(in.data, out.data,
+                                      std::vector<size_t>(size_t(comm_->size()), out.count),
+                                      out.dtype, op);
+        });
   }
-  std::string broadcast(const py::buffer& b, int root) {
-    Buffer buf = takeBuffer("broadcast", "buf", b, true, py::none());
-    return call(OpType::kBroadcast, buf.count * elementSize(buf.dtype),
-                [&](DeviceComm::Streams s) {
-                  return live().broadcast(buf.data, buf.count, buf.dtype, root, s);
-                },
-                [&] { return comm_->broadcast(buf.data, buf.count, buf.dtype, root); });
+  std::string broadcast(const py::buffer& b, int root, const py::object& dtype) {
+    Buffer buf = takeBuffer("broadcast", "buf", b, true, dtype);
+    return call(
+        OpType::kBroadcast, buf.count * elementSize(buf.dtype),
+        [&](DeviceComm::Streams s) {
+          return live().broadcast(buf.data, buf.count, buf.dtype, root, s);
+        },
+        [&] { return comm_->broadcast(buf.data, buf.count, buf.dtype, root); });
   }
-  std::string allToAll(const py::buffer& i, const py::buffer& o) {
-    Buffer in = takeBuffer("all_to_all", "input", i, false, py::none());
-    Buffer out = takeBuffer("all_to_all", "output", o, true, py::none());
+  std::string allToAll(const py::buffer& i, const py::buffer& o, const py::object& dtype) {
+    Buffer in = takeBuffer("all_to_all", "input", i, false, dtype);
+    Buffer out = takeBuffer("all_to_all", "output", o, true, dtype);
     checkSameType("all_to_all", in, out);
     checkCount("all_to_all", out.count, in.count);
     const size_t n = size_t(comm_->size());
     CLAWCOMM_ARG_CHECK(in.count % n == 0, "clawcomm::all_to_all: ", in.count,
                        " elements do not split evenly among ", n, " ranks");
     const size_t per = in.count / n;
-    return call(OpType::kAllToAll, per * elementSize(in.dtype),
-                [&](DeviceComm::Streams s) {
-                  return live().allToAll(in.data, out.data, per, in.dtype, s);
-                },
-                [&] {
-                  const std::vector<size_t> counts(n, per);
-                  return comm_->allToAll(in.data, counts, out.data, counts, in.dtype);
-                });
+    return call(
+        OpType::kAllToAll, per * elementSize(in.dtype),
+        [&](DeviceComm::Streams s) { return live().allToAll(in.data, out.data, per, in.dtype, s); },
+        [&] {
+          const std::vector<size_t> counts(n, per);
+          return comm_->allToAll(in.data, counts, out.data, counts, in.dtype);
+        });
   }
 
   std::string status() { return dev_ ? dev_->status() : "closed"; }
@@ -135,6 +138,11 @@ class HostDeviceComm {
     return *dev_;
   }
   device::Stream captureStream() { return this; }
+  // Eager calls run at once on the null stream; captured ones are recorded.
+  DeviceComm::Streams streams() {
+    const device::Stream s = capturing_ ? captureStream() : nullptr;
+    return {s, s, capturing_};
+  }
 
   static OpType opNamed(const std::string& name) {
     for (OpType t : {OpType::kAllReduce, OpType::kAllGather, OpType::kReduceScatter,
@@ -158,9 +166,8 @@ class HostDeviceComm {
     RequestPtr request;
     {
       py::gil_scoped_release release;
-      if (live().ipc(type, bytesPerRank)) {
-        const device::Stream s = capturing_ ? captureStream() : nullptr;
-        const device::TicketPtr ticket = ipc(DeviceComm::Streams{s, s});
+      if (live().ipc(type, bytesPerRank, streams())) {
+        const device::TicketPtr ticket = ipc(streams());
         ticket->waitHost();
         if (auto e = ticket->error()) std::rethrow_exception(e);
         route = "ipc";
@@ -200,12 +207,16 @@ void bindDevice(py::module_& m) {
       .def("route", &HostDeviceComm::route, py::arg("op"), py::arg("nbytes"),
            py::call_guard<py::gil_scoped_release>(),
            "'one-shot', 'two-shot', 'ipc' or 'staged' for `op` moving `nbytes` per rank.")
-      .def("all_reduce", &HostDeviceComm::allReduce, py::arg("buf"), py::arg("op") = "sum")
-      .def("all_gather", &HostDeviceComm::allGather, py::arg("input"), py::arg("output"))
+      .def("all_reduce", &HostDeviceComm::allReduce, py::arg("buf"), py::arg("op") = "sum",
+           py::arg("dtype") = py::none())
+      .def("all_gather", &HostDeviceComm::allGather, py::arg("input"), py::arg("output"),
+           py::arg("dtype") = py::none())
       .def("reduce_scatter", &HostDeviceComm::reduceScatter, py::arg("input"), py::arg("output"),
-           py::arg("op") = "sum")
-      .def("broadcast", &HostDeviceComm::broadcast, py::arg("buf"), py::arg("root") = 0)
-      .def("all_to_all", &HostDeviceComm::allToAll, py::arg("input"), py::arg("output"))
+           py::arg("op") = "sum", py::arg("dtype") = py::none())
+      .def("broadcast", &HostDeviceComm::broadcast, py::arg("buf"), py::arg("root") = 0,
+           py::arg("dtype") = py::none())
+      .def("all_to_all", &HostDeviceComm::allToAll, py::arg("input"), py::arg("output"),
+           py::arg("dtype") = py::none())
       .def_property_readonly("status", &HostDeviceComm::status)
       .def_property_readonly("devices", &HostDeviceComm::devices,
                              "Each rank's device index, as the IPC setup exchanged them.")

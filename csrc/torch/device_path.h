@@ -17,6 +17,7 @@
 //      an error, and abort the communicator so every rank learns.
 #pragma once
 
+#include <algorithm>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -109,21 +110,19 @@ class DevicePath {
     device::DeviceComm* dev = deviceFor(out, OpType::_ALLGATHER_BASE, size_t(in.nbytes()));
     if (!dev) return {};
     at::Tensor src = in.contiguous(), dst = contiguousOutput(out);
-    return launch(*dev, OpType::_ALLGATHER_BASE, {out}, {src, dst}, copiesBack(dst, out),
-                  [&](auto s) {
-                    return dev->allGather(src.data_ptr(), dst.data_ptr(), size_t(src.numel()), dt,
-                                          s);
-                  });
+    return launch(
+        *dev, OpType::_ALLGATHER_BASE, {out}, {src, dst}, copiesBack(dst, out), [&](auto s) {
+          return dev->allGather(src.data_ptr(), dst.data_ptr(), size_t(src.numel()), dt, s);
+        });
   }
   WorkPtr reduceScatter(const at::Tensor& out, const at::Tensor& in, DataType dt, ReduceOp op) {
     device::DeviceComm* dev = deviceFor(out, OpType::_REDUCE_SCATTER_BASE, size_t(out.nbytes()));
     if (!dev) return {};
     at::Tensor src = in.contiguous(), dst = contiguousOutput(out);
-    return launch(*dev, OpType::_REDUCE_SCATTER_BASE, {out}, {src, dst}, copiesBack(dst, out),
-                  [&](auto s) {
-                    return dev->reduceScatter(src.data_ptr(), dst.data_ptr(), size_t(dst.numel()),
-                                              dt, op, s);
-                  });
+    return launch(
+        *dev, OpType::_REDUCE_SCATTER_BASE, {out}, {src, dst}, copiesBack(dst, out), [&](auto s) {
+          return dev->reduceScatter(src.data_ptr(), dst.data_ptr(), size_t(dst.numel()), dt, op, s);
+        });
   }
   // Even splits only (the caller stages uneven ones).
   WorkPtr allToAll(const at::Tensor& out, const at::Tensor& in, DataType dt) {
@@ -131,11 +130,10 @@ class DevicePath {
     device::DeviceComm* dev = deviceFor(out, OpType::ALLTOALL_BASE, size_t(in.nbytes()) / n);
     if (!dev) return {};
     at::Tensor src = in.contiguous(), dst = contiguousOutput(out);
-    return launch(*dev, OpType::ALLTOALL_BASE, {out}, {src, dst}, copiesBack(dst, out),
-                  [&](auto s) {
-                    return dev->allToAll(src.data_ptr(), dst.data_ptr(), size_t(src.numel()) / n,
-                                         dt, s);
-                  });
+    return launch(
+        *dev, OpType::ALLTOALL_BASE, {out}, {src, dst}, copiesBack(dst, out), [&](auto s) {
+          return dev->allToAll(src.data_ptr(), dst.data_ptr(), size_t(src.numel()) / n, dt, s);
+        });
   }
 
   // Per CUDA device used so far: "ok", why its calls are staged, or the
@@ -165,6 +163,7 @@ class DevicePath {
     if (!t.is_cuda() || !cuda::built()) return nullptr;
     const int index = t.device().index();
     auto it = devices_.find(index);
+    bool first = false;
     if (it == devices_.end()) {
       try {
         it = devices_
@@ -174,19 +173,27 @@ class DevicePath {
       } catch (...) {
         rethrowForTorch(std::current_exception());
       }
+      first = true;
     }
     device::DeviceComm& dev = *it->second;
     bool ipc = false;
     try {
-      ipc = dev.ipc(engineOp(type), bytesPerRank);
+      ipc = dev.ipc(engineOp(type), bytesPerRank, streamsFor(dev, t.device()));
     } catch (...) {
       rethrowForTorch(std::current_exception());
     }
-    if (!warned_[index] && dev.status() != "ok" && comm_->settings().cudaIpc) {
-      warned_[index] = true;
+    if (first && dev.status() != "ok" && comm_->settings().cudaIpc) {
       TORCH_WARN("clawcomm: CUDA IPC is not used on ", t.device(), ": ", dev.status());
     }
     return ipc ? &dev : nullptr;
+  }
+
+  // The caller's current stream on `device`, the communicator's, and
+  // whether the caller's is being captured into a graph.
+  device::DeviceComm::Streams streamsFor(device::DeviceComm& dev, c10::Device device) {
+    c10::impl::VirtualGuardImpl impl(device.type());
+    void* caller = impl.getStream(device).native_handle();
+    return {caller, streamFor(device).native_handle(), dev.runtime().capturing(caller)};
   }
 
   static clawcomm::OpType engineOp(OpType type) {
@@ -215,18 +222,24 @@ class DevicePath {
     const c10::Device device = outputs[0].device();
     c10::impl::VirtualGuardImpl impl(device.type());
     const c10::Stream caller = impl.getStream(device);
-    const c10::Stream mine = streamFor(device);
     device::TicketPtr ticket;
     c10::Stream ranOn = caller;
     try {
-      const bool captured = dev.runtime().capturing(caller.native_handle());
-      ranOn = captured ? caller : mine;
-      ticket = run(device::DeviceComm::Streams{caller.native_handle(), mine.native_handle()});
+      const device::DeviceComm::Streams streams = streamsFor(dev, device);
+      if (!streams.captured) ranOn = streamFor(device);
+      ticket = run(streams);
       c10::StreamGuard onStream(ranOn);
       if (after) after();
       if (ranOn != caller) {
+        // Once per storage: an in-place call touches its tensor twice.
+        std::vector<const void*> seen;
         for (const auto* list : {&touched, &outputs}) {
-          for (const auto& t : *list) impl.recordDataPtrOnStream(t.storage().data_ptr(), ranOn);
+          for (const auto& t : *list) {
+            const c10::DataPtr& p = t.storage().data_ptr();
+            if (std::find(seen.begin(), seen.end(), p.get()) != seen.end()) continue;
+            seen.push_back(p.get());
+            impl.recordDataPtrOnStream(p, ranOn);
+          }
         }
       }
     } catch (...) {
@@ -240,7 +253,6 @@ class DevicePath {
   // Per device; created and used on the caller's thread. Destroyed before
   // comm_ (declared after it): each waits for its calls in flight.
   std::map<int, std::unique_ptr<device::DeviceComm>> devices_;
-  std::map<int, bool> warned_;
   std::mutex streamsMutex_;
   std::map<c10::DeviceIndex, c10::Stream> streams_;
 };
