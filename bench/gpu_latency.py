@@ -51,6 +51,23 @@ def _kernel_time(x, calls):
     return statistics.median(times) if times else float("nan")
 
 
+def _host_breakdown(x, calls):
+    """The CUDA runtime calls one all_reduce makes on the host, and their
+    time, per call (torch.profiler's CPU events): where the host time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            dist.all_reduce(x)
+        torch.cuda.synchronize()
+    per = {}
+    for e in prof.key_averages():
+        if e.key.startswith("cuda") and e.key != "cudaDeviceSynchronize":
+            per[e.key] = (e.count / calls, e.cpu_time_total / calls)
+    return dict(sorted(per.items(), key=lambda kv: -kv[1][1]))
+
+
 def _fake_group():
     try:
         from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401
@@ -83,8 +100,10 @@ def _worker(rank, n, calls):
                 "floor_us": floor * 1e6,
             }
         )
+    x = torch.ones(262144 // 4, device=dev)
+    breakdown = _host_breakdown(x, min(calls, 500))
     status = clawcomm.backend_of(device="cuda").cuda_ipc_status()
-    return {"rows": rows, "status": status, "gpu": torch.cuda.get_device_name(dev)}
+    return {"rows": rows, "breakdown_256k": breakdown, "status": status, "gpu": torch.cuda.get_device_name(dev)}
 
 
 def main() -> None:
@@ -101,6 +120,9 @@ def main() -> None:
             f"  {r['size']:>10} {r['per_op_us']:>9.2f} {r['host_us']:>9.2f} "
             f"{r['kernel_us']:>9.2f} {r['floor_us']:>9.2f}"
         )
+    print("# CUDA runtime calls per 256 KiB all_reduce on the host: calls, us")
+    for name, (count, us) in out["breakdown_256k"].items():
+        print(f"  {name:<34} {count:>5.1f} {us:>8.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"nproc": args.nproc, **out}, f, indent=1)

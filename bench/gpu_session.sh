@@ -72,7 +72,7 @@ sanitize() {
   # The IPC kernels, in both ranks' processes.
   compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 \
     python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
-    -k "match_the_cpu_engine and ipc and 2 and float32 and 1001" 2>&1 | tail -6 |
+    -k "match_the_cpu_engine and 1001-dtype0-2-ipc" 2>&1 | tail -6 |
     tee -a "$OUT/sanitizer.log"
 }
 

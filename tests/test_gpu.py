@@ -222,8 +222,13 @@ def _abort_while_spinning(rank, n):
     error = None
     if rank == 0:
         threading.Timer(0.5, dist.distributed_c10d._abort_process_group).start()
+        # rank 1 never joins. Polled, not synchronize(): torch's binding of
+        # Work.synchronize keeps the GIL, so the timer thread could not abort.
+        work = dist.all_reduce(x, async_op=True)
+        while not work.is_completed() and time.monotonic() - start < 30:
+            time.sleep(0.01)
         try:
-            dist.all_reduce(x, async_op=True).synchronize()  # rank 1 never joins
+            work.wait()
         except RuntimeError as e:
             error = str(e)
     else:

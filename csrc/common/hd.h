@@ -11,11 +11,13 @@
 #define CLAWCOMM_HD inline __attribute__((always_inline))
 #endif
 
-// Before a CLAWCOMM_HD template whose executor argument may be device-only
-// (device/protocol.h): nvcc would otherwise warn that the template's host
-// instantiation calls __device__ functions, though only device code uses it.
+// The device collectives' bodies over an executor (device/protocol.h,
+// device/ipc_algorithms.h): device code under nvcc, where a call to a
+// host-only function is a compile error (a host/device template with the exec
+// check disabled compiled such calls to nothing: kernels that moved no data),
+// and inline functions for the host runtime.
 #if defined(__CUDACC__)
-#define CLAWCOMM_HD_TEMPLATE _Pragma("nv_exec_check_disable")
+#define CLAWCOMM_DEVICE __device__ __forceinline__
 #else
-#define CLAWCOMM_HD_TEMPLATE
+#define CLAWCOMM_DEVICE inline
 #endif

@@ -235,8 +235,10 @@ template <typename Run>
 TicketPtr DeviceComm::issue(OpSignature sig, uint64_t bytes, uint64_t sent, uint64_t received,
                             Streams s, Run run) {
   checkHealthy(sig.type);
-  reap(/*wait=*/false);
   const bool captured = s.captured;
+  // Querying an event is not allowed while a stream captures (torch's
+  // default capture mode invalidates the graph): reap on eager calls only.
+  if (!captured) reap(/*wait=*/false);
   const IpcGroup::Launch how{captured ? s.caller : s.run, captured ? kIpcGraph : kIpcEager,
                              uint64_t(comm_->timeout().count()) * 1000000};
   const uint64_t record = comm_->beginExternal(sig, bytes);

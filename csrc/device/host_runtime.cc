@@ -230,6 +230,13 @@ void HostRuntime::divide(DataType type, void* buf, size_t count, double divisor,
   run(s, [=] { divideInPlace(type, buf, count, divisor); });
 }
 
+void HostRuntime::refuseWhileCapturing(const char* what) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  CLAWCOMM_CHECK(graphs_.empty(), what,
+                 " while a stream captures a graph (CUDA: operation not permitted when stream "
+                 "is capturing)");
+}
+
 bool HostRuntime::capturing(Stream s) {
   std::lock_guard<std::mutex> lock(mutex_);
   return s && graphs_.count(s);

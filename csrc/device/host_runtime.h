@@ -77,9 +77,14 @@ class HostRuntime final : public DeviceRuntime {
   // complete when recorded.
   void streamWaitStream(Stream, Stream) override {}
   Event record(Stream) override { return this; }
-  bool done(Event) override { return true; }
+  // As under CUDA's global capture mode (torch's default), querying or
+  // waiting for an event while any stream captures is an error.
+  bool done(Event) override {
+    refuseWhileCapturing("an event query");
+    return true;
+  }
   void streamWait(Stream, Event) override {}
-  void waitHost(Event) override {}
+  void waitHost(Event) override { refuseWhileCapturing("an event wait"); }
   void release(Event) noexcept override {}
   void synchronize() override {}
 
@@ -103,6 +108,8 @@ class HostRuntime final : public DeviceRuntime {
   HostFault fault_;
   std::mutex mutex_;
   std::map<void*, Segment> segments_;                    // guarded by mutex_
+  void refuseWhileCapturing(const char* what);
+
   std::map<Stream, std::shared_ptr<HostGraph>> graphs_;  // being captured; guarded by mutex_
 };
 

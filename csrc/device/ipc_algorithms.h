@@ -35,19 +35,18 @@ CLAWCOMM_HD void slicePart(size_t packs, int size, int q, int block, int blocks,
   hi += qlo;
 }
 
-CLAWCOMM_HD_TEMPLATE
 template <class X>
-CLAWCOMM_HD void copyPacks(const X& x, const Pack* src, Pack* dst, size_t lo, size_t hi,
+CLAWCOMM_DEVICE void copyPacks(const X& x, const Pack* src, Pack* dst, size_t lo, size_t hi,
                            bool fromPeer) {
   for (size_t i = lo + size_t(x.thread()); i < hi; i += size_t(x.threads())) {
     X::store(dst + i, fromPeer ? X::loadPeer(src + i) : X::load(src + i));
   }
 }
 
-inline const Pack* packsAt(const char* area) {
+CLAWCOMM_HD const Pack* packsAt(const char* area) {
   return reinterpret_cast<const Pack*>(area);
 }
-inline Pack* packsAt(char* area) {
+CLAWCOMM_HD Pack* packsAt(char* area) {
   return reinterpret_cast<Pack*>(area);
 }
 
@@ -71,9 +70,8 @@ struct Wide16 {
 // out[i] (and out2[i], unless null) = the reduction over ranks 0..size-1, in
 // rank order, of area[rank][offset + i], for packs [lo, hi): the same bits on
 // every rank.
-CLAWCOMM_HD_TEMPLATE
 template <typename E, typename Op, class X>
-CLAWCOMM_HD void reducePacks(const X& x, const IpcPeers& P, char* const* area, size_t offset,
+CLAWCOMM_DEVICE void reducePacks(const X& x, const IpcPeers& P, char* const* area, size_t offset,
                              size_t lo, size_t hi, Pack* out, Pack* out2) {
   using Store = typename E::Store;
   using Acc = typename E::Acc;
@@ -107,9 +105,8 @@ CLAWCOMM_HD void reducePacks(const X& x, const IpcPeers& P, char* const* area, s
 //   2. barrier(start)
 //   3. read all n inputs and reduce them in rank order    (n N read)
 //   4. barrier(end): nobody reuses its input area while a peer still reads it.
-CLAWCOMM_HD_TEMPLATE
 template <typename E, typename Op, class X>
-CLAWCOMM_HD void oneShot(const X& x, const IpcLaunch& L) {
+CLAWCOMM_DEVICE void oneShot(const X& x, const IpcLaunch& L) {
   const IpcPeers& P = L.peers;
   const uint32_t epoch = beginOp(x, P);
   size_t lo, hi;
@@ -126,9 +123,8 @@ CLAWCOMM_HD void oneShot(const X& x, const IpcLaunch& L) {
 //   4. barrier(middle)
 //   5. rank r copies slice q from rank q's result area, for every q   (N read)
 //   6. barrier(end)
-CLAWCOMM_HD_TEMPLATE
 template <typename E, typename Op, class X>
-CLAWCOMM_HD void twoShot(const X& x, const IpcLaunch& L) {
+CLAWCOMM_DEVICE void twoShot(const X& x, const IpcLaunch& L) {
   const IpcPeers& P = L.peers;
   const uint32_t epoch = beginOp(x, P);
   Pack* myIn = packsAt(P.input[P.rank]);
@@ -155,9 +151,8 @@ CLAWCOMM_HD void twoShot(const X& x, const IpcLaunch& L) {
 
 // Copies this block's part [lo, hi) of each of the size pieces of `in`
 // (`piece` packs each) into this rank's input area, at the same offsets.
-CLAWCOMM_HD_TEMPLATE
 template <class X>
-CLAWCOMM_HD void copyPiecesIn(const X& x, const IpcPeers& P, const Pack* in, size_t piece,
+CLAWCOMM_DEVICE void copyPiecesIn(const X& x, const IpcPeers& P, const Pack* in, size_t piece,
                               size_t lo, size_t hi) {
   for (int q = 0; q < P.size; ++q) {
     copyPacks(x, in + size_t(q) * piece, packsAt(P.input[P.rank]) + size_t(q) * piece, lo, hi,
@@ -167,9 +162,8 @@ CLAWCOMM_HD void copyPiecesIn(const X& x, const IpcPeers& P, const Pack* in, siz
 
 // Reduce-scatter (two-shot's first half): in holds size pieces of `packs`;
 // out receives this rank's piece, reduced.
-CLAWCOMM_HD_TEMPLATE
 template <typename E, typename Op, class X>
-CLAWCOMM_HD void reduceScatter(const X& x, const IpcLaunch& L) {
+CLAWCOMM_DEVICE void reduceScatter(const X& x, const IpcLaunch& L) {
   const IpcPeers& P = L.peers;
   const uint32_t epoch = beginOp(x, P);
   size_t lo, hi;
@@ -183,9 +177,8 @@ CLAWCOMM_HD void reduceScatter(const X& x, const IpcLaunch& L) {
 
 // All-gather (two-shot's second half): in is this rank's piece; out
 // receives every rank's, rank-major.
-CLAWCOMM_HD_TEMPLATE
 template <class X>
-CLAWCOMM_HD void allGather(const X& x, const IpcLaunch& L) {
+CLAWCOMM_DEVICE void allGather(const X& x, const IpcLaunch& L) {
   const IpcPeers& P = L.peers;
   const uint32_t epoch = beginOp(x, P);
   size_t lo, hi;
@@ -200,9 +193,8 @@ CLAWCOMM_HD void allGather(const X& x, const IpcLaunch& L) {
 }
 
 // Broadcast: the root's message, read by every other rank from its input area.
-CLAWCOMM_HD_TEMPLATE
 template <class X>
-CLAWCOMM_HD void broadcast(const X& x, const IpcLaunch& L) {
+CLAWCOMM_DEVICE void broadcast(const X& x, const IpcLaunch& L) {
   const IpcPeers& P = L.peers;
   const uint32_t epoch = beginOp(x, P);
   size_t lo, hi;
@@ -217,9 +209,8 @@ CLAWCOMM_HD void broadcast(const X& x, const IpcLaunch& L) {
 }
 
 // All-to-all: in holds piece p for rank p; out receives piece p from rank p.
-CLAWCOMM_HD_TEMPLATE
 template <class X>
-CLAWCOMM_HD void allToAll(const X& x, const IpcLaunch& L) {
+CLAWCOMM_DEVICE void allToAll(const X& x, const IpcLaunch& L) {
   const IpcPeers& P = L.peers;
   const uint32_t epoch = beginOp(x, P);
   size_t lo, hi;
@@ -237,9 +228,8 @@ CLAWCOMM_HD void allToAll(const X& x, const IpcLaunch& L) {
 // The setup probe, with the loads and stores the kernels use: store a value
 // into every peer's mailbox, and load every peer's hello word. The host
 // checks both after a store-side barrier (device/ipc_group.cc).
-CLAWCOMM_HD_TEMPLATE
 template <class X>
-CLAWCOMM_HD void probe(const X& x, const IpcLaunch& L) {
+CLAWCOMM_DEVICE void probe(const X& x, const IpcLaunch& L) {
   const IpcPeers& P = L.peers;
   for (int p = x.thread(); p < P.size; p += x.threads()) {
     if (p == P.rank) continue;
@@ -324,9 +314,8 @@ void dispatchKernel(const IpcLaunch& L, Run&& run) {
 
 // The body with number K (as dispatchKernel passes it) for element traits E
 // and operator Op, on executor x.
-CLAWCOMM_HD_TEMPLATE
 template <int K, typename E, typename Op, class X>
-CLAWCOMM_HD void runBody(const X& x, const IpcLaunch& L) {
+CLAWCOMM_DEVICE void runBody(const X& x, const IpcLaunch& L) {
   if constexpr (K == 1) oneShot<E, Op>(x, L);
   if constexpr (K == 2) twoShot<E, Op>(x, L);
   if constexpr (K == 3) reduceScatter<E, Op>(x, L);

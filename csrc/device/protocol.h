@@ -154,9 +154,8 @@ inline int blocksFor(size_t packs, int maxBlocks) {
 //   static bool claim(uint32_t*)            0 -> 1, true for the one caller that swaps
 //   static Pack load(const Pack*), loadPeer(const Pack*); static void store(Pack*, Pack)
 
-CLAWCOMM_HD_TEMPLATE
 template <class X>
-CLAWCOMM_HD void giveUp(const X& x, const IpcPeers& P, uint32_t why, int peer, int phase,
+CLAWCOMM_DEVICE void giveUp(const X& x, const IpcPeers& P, uint32_t why, int peer, int phase,
                         uint32_t epoch, uint64_t waited) {
   X::storeRelease(&P.signals[P.rank]->failed, 1);
   if (X::claim(&P.signals[P.rank]->failClaim)) {
@@ -173,9 +172,8 @@ CLAWCOMM_HD void giveUp(const X& x, const IpcPeers& P, uint32_t why, int peer, i
 }
 
 // This block's epoch for this launch (and the block's "gave up" word cleared).
-CLAWCOMM_HD_TEMPLATE
 template <class X>
-CLAWCOMM_HD uint32_t beginOp(const X& x, const IpcPeers& P) {
+CLAWCOMM_DEVICE uint32_t beginOp(const X& x, const IpcPeers& P) {
   if (x.thread() == 0) {
     x.shared()[0] = ++P.signals[P.rank]->channel[P.channel].counter[x.block()];
     x.shared()[1] = 0;
@@ -185,9 +183,8 @@ CLAWCOMM_HD uint32_t beginOp(const X& x, const IpcPeers& P) {
 }
 
 // See the header. Returns false when this block gave up (the kernel returns).
-CLAWCOMM_HD_TEMPLATE
 template <class X>
-CLAWCOMM_HD bool barrier(const X& x, const IpcPeers& P, int phase, uint32_t epoch) {
+CLAWCOMM_DEVICE bool barrier(const X& x, const IpcPeers& P, int phase, uint32_t epoch) {
   x.sync();
   const int b = x.block();
   for (int p = x.thread(); p < P.size; p += x.threads()) {
