@@ -219,16 +219,18 @@ void DeviceComm::checkHealthy(OpType op) {
 }
 
 void DeviceComm::reap(bool wait) {
-  while (!inFlight_.empty()) {
-    DeviceFlight& f = *inFlight_.front();
-    if (wait) {
-      runtime_->waitHost(f.event);
-      f.end();
-    } else if (!f.done()) {
-      break;
-    }
-    inFlight_.pop_front();
+  if (inFlight_.empty()) return;
+  if (wait) {
+    runtime_->waitHost(inFlight_.back()->event);
+  } else if (inFlight_.size() < kReapEvery) {
+    return;
+  } else if (!inFlight_.back()->done()) {
+    // Behind: settle the oldest that are done.
+    while (!inFlight_.empty() && inFlight_.front()->done()) inFlight_.pop_front();
+    return;
   }
+  for (auto& f : inFlight_) f->end();  // the newest is done: so is every older one
+  inFlight_.clear();
 }
 
 template <typename Run>
@@ -245,6 +247,7 @@ TicketPtr DeviceComm::issue(OpSignature sig, uint64_t bytes, uint64_t sent, uint
   try {
     if (!captured) runtime_->streamWaitStream(s.run, s.caller);
     run(how);
+    if (s.then) s.then();
   } catch (...) {
     comm_->endExternal(record, false);
     throw;

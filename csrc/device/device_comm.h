@@ -26,6 +26,7 @@
 
 #include <deque>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -78,14 +79,19 @@ class DeviceComm {
   DeviceComm(const DeviceComm&) = delete;
   DeviceComm& operator=(const DeviceComm&) = delete;
 
-  // Where a call waits and where it runs: `run` (the communicator's stream)
-  // waits for `caller` first. While `caller` is being captured into a CUDA
+  // Where a call waits and where it runs: `run` (the communicator's stream
+  // for this device, the same one on every call) waits for `caller` first. While `caller` is being captured into a CUDA
   // graph (`captured`: runtime().capturing(caller)) the call runs on `caller`
   // itself, on the graph's own flags and areas.
+  // `then`, if set, is enqueued on the stream the call ran on after the
+  // collective and before its completion is recorded, so waiting for the
+  // call waits for it too (the adapter's copy back into a non-contiguous
+  // tensor).
   struct Streams {
     Stream caller;
     Stream run;
     bool captured;
+    std::function<void()> then;
   };
   // Whether a call of `op` moving `bytesPerRank` (all-reduce and broadcast:
   // the message) from `s.caller` goes through IPC; if not, the caller
@@ -123,7 +129,10 @@ class DeviceComm {
   // Throws if the communicator has failed or a launch gave up (then aborts
   // the communicator, so every rank learns).
   void checkHealthy(OpType op);
-  // Marks finished the calls in flight whose streams got past them.
+  // Marks finished the calls in flight whose stream got past them: all of
+  // them when waiting, else once eight are pending (eager calls share one
+  // stream and finish in order, so one query of the newest usually settles
+  // them all).
   void reap(bool wait);
   template <typename Issue>
   TicketPtr issue(OpSignature sig, uint64_t bytes, uint64_t sent, uint64_t received, Streams s,
@@ -136,6 +145,7 @@ class DeviceComm {
   std::shared_ptr<IpcGroup> group_;  // null until the first call that could use IPC
   bool aborted_ = false;
   std::string why_;                                     // why calls are staged, when they are
+  static constexpr size_t kReapEvery = 8;
   std::deque<std::shared_ptr<DeviceFlight>> inFlight_;  // the caller's thread only
 };
 

@@ -91,49 +91,48 @@ class DevicePath {
   // where the caller must stage it through host memory. The tensors are
   // checked (dtype, device, sizes) by the caller.
   WorkPtr allReduce(const at::Tensor& t, DataType dt, ReduceOp op) {
-    device::DeviceComm* dev = deviceFor(t, OpType::ALLREDUCE, size_t(t.nbytes()));
-    if (!dev) return {};
+    Route r = route(t, OpType::ALLREDUCE, size_t(t.nbytes()));
+    if (!r.dev) return {};
     at::Tensor buf = t.contiguous();
-    return launch(*dev, OpType::ALLREDUCE, {t}, {buf}, copiesBack(buf, t), [&](auto s) {
-      return dev->allReduce(buf.data_ptr(), size_t(buf.numel()), dt, op, s);
+    return launch(r, OpType::ALLREDUCE, {t}, {buf}, copiesBack(buf, t), [&](auto s) {
+      return r.dev->allReduce(buf.data_ptr(), size_t(buf.numel()), dt, op, s);
     });
   }
   WorkPtr broadcast(const at::Tensor& t, DataType dt, int root) {
-    device::DeviceComm* dev = deviceFor(t, OpType::BROADCAST, size_t(t.nbytes()));
-    if (!dev) return {};
+    Route r = route(t, OpType::BROADCAST, size_t(t.nbytes()));
+    if (!r.dev) return {};
     at::Tensor buf = t.contiguous();
-    return launch(*dev, OpType::BROADCAST, {t}, {buf}, copiesBack(buf, t), [&](auto s) {
-      return dev->broadcast(buf.data_ptr(), size_t(buf.numel()), dt, root, s);
+    return launch(r, OpType::BROADCAST, {t}, {buf}, copiesBack(buf, t), [&](auto s) {
+      return r.dev->broadcast(buf.data_ptr(), size_t(buf.numel()), dt, root, s);
     });
   }
   WorkPtr allGather(const at::Tensor& out, const at::Tensor& in, DataType dt) {
-    device::DeviceComm* dev = deviceFor(out, OpType::_ALLGATHER_BASE, size_t(in.nbytes()));
-    if (!dev) return {};
+    Route r = route(out, OpType::_ALLGATHER_BASE, size_t(in.nbytes()));
+    if (!r.dev) return {};
     at::Tensor src = in.contiguous(), dst = contiguousOutput(out);
-    return launch(
-        *dev, OpType::_ALLGATHER_BASE, {out}, {src, dst}, copiesBack(dst, out), [&](auto s) {
-          return dev->allGather(src.data_ptr(), dst.data_ptr(), size_t(src.numel()), dt, s);
-        });
+    return launch(r, OpType::_ALLGATHER_BASE, {out}, {src, dst}, copiesBack(dst, out), [&](auto s) {
+      return r.dev->allGather(src.data_ptr(), dst.data_ptr(), size_t(src.numel()), dt, s);
+    });
   }
   WorkPtr reduceScatter(const at::Tensor& out, const at::Tensor& in, DataType dt, ReduceOp op) {
-    device::DeviceComm* dev = deviceFor(out, OpType::_REDUCE_SCATTER_BASE, size_t(out.nbytes()));
-    if (!dev) return {};
+    Route r = route(out, OpType::_REDUCE_SCATTER_BASE, size_t(out.nbytes()));
+    if (!r.dev) return {};
     at::Tensor src = in.contiguous(), dst = contiguousOutput(out);
     return launch(
-        *dev, OpType::_REDUCE_SCATTER_BASE, {out}, {src, dst}, copiesBack(dst, out), [&](auto s) {
-          return dev->reduceScatter(src.data_ptr(), dst.data_ptr(), size_t(dst.numel()), dt, op, s);
+        r, OpType::_REDUCE_SCATTER_BASE, {out}, {src, dst}, copiesBack(dst, out), [&](auto s) {
+          return r.dev->reduceScatter(src.data_ptr(), dst.data_ptr(), size_t(dst.numel()), dt, op,
+                                      s);
         });
   }
   // Even splits only (the caller stages uneven ones).
   WorkPtr allToAll(const at::Tensor& out, const at::Tensor& in, DataType dt) {
     const size_t n = size_t(comm_->size());
-    device::DeviceComm* dev = deviceFor(out, OpType::ALLTOALL_BASE, size_t(in.nbytes()) / n);
-    if (!dev) return {};
+    Route r = route(out, OpType::ALLTOALL_BASE, size_t(in.nbytes()) / n);
+    if (!r.dev) return {};
     at::Tensor src = in.contiguous(), dst = contiguousOutput(out);
-    return launch(
-        *dev, OpType::ALLTOALL_BASE, {out}, {src, dst}, copiesBack(dst, out), [&](auto s) {
-          return dev->allToAll(src.data_ptr(), dst.data_ptr(), size_t(src.numel()) / n, dt, s);
-        });
+    return launch(r, OpType::ALLTOALL_BASE, {out}, {src, dst}, copiesBack(dst, out), [&](auto s) {
+      return r.dev->allToAll(src.data_ptr(), dst.data_ptr(), size_t(src.numel()) / n, dt, s);
+    });
   }
 
   // Per CUDA device used so far: "ok", why its calls are staged, or the
@@ -156,11 +155,20 @@ class DevicePath {
   }
 
  private:
+  // A call through CUDA IPC: the device's collectives and the streams.
+  struct Route {
+    device::DeviceComm* dev = nullptr;  // null: staged
+    device::DeviceComm::Streams streams;
+    c10::Stream caller{c10::Stream::DEFAULT, c10::Device(c10::kCPU)};
+  };
+
   // `t`'s device collectives, when this call goes through CUDA IPC. The first
   // call on a device sets its IPC group up (collective: every rank issues the
   // same calls in the same order).
-  device::DeviceComm* deviceFor(const at::Tensor& t, OpType type, size_t bytesPerRank) {
-    if (!t.is_cuda() || !cuda::built()) return nullptr;
+  Route route(const at::Tensor& t, OpType type, size_t bytesPerRank) {
+    Route r;
+    if (!t.is_cuda() || !cuda::built()) return r;
+    r.caller = c10::impl::VirtualGuardImpl(t.device().type()).getStream(t.device());
     const int index = t.device().index();
     auto it = devices_.find(index);
     bool first = false;
@@ -176,24 +184,19 @@ class DevicePath {
       first = true;
     }
     device::DeviceComm& dev = *it->second;
+    void* caller = r.caller.native_handle();
+    r.streams = {caller, streamFor(t.device()).native_handle(), dev.runtime().capturing(caller)};
     bool ipc = false;
     try {
-      ipc = dev.ipc(engineOp(type), bytesPerRank, streamsFor(dev, t.device()));
+      ipc = dev.ipc(engineOp(type), bytesPerRank, r.streams);
     } catch (...) {
       rethrowForTorch(std::current_exception());
     }
     if (first && dev.status() != "ok" && comm_->settings().cudaIpc) {
       TORCH_WARN("clawcomm: CUDA IPC is not used on ", t.device(), ": ", dev.status());
     }
-    return ipc ? &dev : nullptr;
-  }
-
-  // The caller's current stream on `device`, the communicator's, and
-  // whether the caller's is being captured into a graph.
-  device::DeviceComm::Streams streamsFor(device::DeviceComm& dev, c10::Device device) {
-    c10::impl::VirtualGuardImpl impl(device.type());
-    void* caller = impl.getStream(device).native_handle();
-    return {caller, streamFor(device).native_handle(), dev.runtime().capturing(caller)};
+    if (ipc) r.dev = &dev;
+    return r;
   }
 
   static clawcomm::OpType engineOp(OpType type) {
@@ -216,20 +219,24 @@ class DevicePath {
     return [buf, target] { target.copy_(buf); };
   }
 
+  // Runs the call; `after` (a copy back into a non-contiguous tensor) runs on
+  // the same stream before the call's completion is recorded.
   template <typename Run>
-  WorkPtr launch(device::DeviceComm& dev, OpType type, TensorList outputs, TensorList touched,
+  WorkPtr launch(Route& r, OpType type, TensorList outputs, TensorList touched,
                  std::function<void()> after, Run run) {
     const c10::Device device = outputs[0].device();
-    c10::impl::VirtualGuardImpl impl(device.type());
-    const c10::Stream caller = impl.getStream(device);
+    const c10::impl::VirtualGuardImpl impl(device.type());
+    const c10::Stream caller = r.caller;
     device::TicketPtr ticket;
-    c10::Stream ranOn = caller;
+    const c10::Stream ranOn = r.streams.captured ? caller : streamFor(device);
     try {
-      const device::DeviceComm::Streams streams = streamsFor(dev, device);
-      if (!streams.captured) ranOn = streamFor(device);
-      ticket = run(streams);
-      c10::StreamGuard onStream(ranOn);
-      if (after) after();
+      if (after) {
+        r.streams.then = [&] {
+          c10::StreamGuard onStream(ranOn);
+          after();
+        };
+      }
+      ticket = run(r.streams);
       if (ranOn != caller) {
         // Once per storage: an in-place call touches its tensor twice.
         std::vector<const void*> seen;
