@@ -103,7 +103,12 @@ def _worker(rank, n, calls):
     x = torch.ones(262144 // 4, device=dev)
     breakdown = _host_breakdown(x, min(calls, 500))
     status = clawcomm.backend_of(device="cuda").cuda_ipc_status()
-    return {"rows": rows, "breakdown_256k": breakdown, "status": status, "gpu": torch.cuda.get_device_name(dev)}
+    return {
+        "rows": rows,
+        "breakdown_256k": breakdown,
+        "status": status,
+        "gpu": torch.cuda.get_device_name(dev),
+    }
 
 
 def main() -> None:

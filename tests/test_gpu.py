@@ -178,6 +178,16 @@ def test_ipc_all_reduce_replays_inside_a_cuda_graph(world_size):
         pytest.skip(results[0][1])
 
 
+def _wait_polling(work, limit=30.0):
+    """Waits for `work` on the host, then raises its error. Polled: torch's
+    binding of Work.synchronize keeps the GIL, so no other thread (an abort
+    timer) could run meanwhile."""
+    start = time.monotonic()
+    while not work.is_completed() and time.monotonic() - start < limit:
+        time.sleep(0.01)
+    work.wait()
+
+
 def _peer_never_comes(rank, n):
     dev = _device(rank)
     x = torch.ones(1024, device=dev)
@@ -188,15 +198,17 @@ def _peer_never_comes(rank, n):
         errors = []
     else:
         start = time.monotonic()
-        work = dist.all_reduce(x, async_op=True)
         errors = []
-        try:
-            work.synchronize()  # the host waits: the kernel gives up at the 5 s timeout
+        try:  # the kernel gives up at the 5 s timeout
+            _wait_polling(dist.all_reduce(x, async_op=True))
             errors.append("no error")
         except RuntimeError as e:
             errors.append(f"{time.monotonic() - start:.1f} s: {e}")
-    try:  # every later call is refused, on both ranks
-        dist.all_reduce(x)
+    # Every later call fails, on both ranks: refused at once, or (rank 1,
+    # whose call may launch before it learns) its kernel stops on seeing
+    # rank 0's failure and the work reports it.
+    try:
+        _wait_polling(dist.all_reduce(x, async_op=True))
         errors.append("no error")
     except RuntimeError as e:
         errors.append(str(e))
@@ -222,13 +234,8 @@ def _abort_while_spinning(rank, n):
     error = None
     if rank == 0:
         threading.Timer(0.5, dist.distributed_c10d._abort_process_group).start()
-        # rank 1 never joins. Polled, not synchronize(): torch's binding of
-        # Work.synchronize keeps the GIL, so the timer thread could not abort.
-        work = dist.all_reduce(x, async_op=True)
-        while not work.is_completed() and time.monotonic() - start < 30:
-            time.sleep(0.01)
         try:
-            work.wait()
+            _wait_polling(dist.all_reduce(x, async_op=True))  # rank 1 never joins
         except RuntimeError as e:
             error = str(e)
     else:

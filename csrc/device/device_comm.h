@@ -80,10 +80,10 @@ class DeviceComm {
   DeviceComm& operator=(const DeviceComm&) = delete;
 
   // Where a call waits and where it runs: `run` (the communicator's stream
-  // for this device, the same one on every call) waits for `caller` first. While `caller` is being captured into a CUDA
-  // graph (`captured`: runtime().capturing(caller)) the call runs on `caller`
-  // itself, on the graph's own flags and areas.
-  // `then`, if set, is enqueued on the stream the call ran on after the
+  // for this device, the same one on every call) waits for `caller` first.
+  // While `caller` is being captured into a CUDA graph (`captured`:
+  // runtime().capturing(caller)) the call runs on `caller` itself, on the
+  // graph's own flags and areas. `then`, if set, is enqueued on the stream the call ran on after the
   // collective and before its completion is recorded, so waiting for the
   // call waits for it too (the adapter's copy back into a non-contiguous
   // tensor).
@@ -144,7 +144,7 @@ class DeviceComm {
   mutable std::mutex mutex_;         // guards group_, aborted_, why_ (abort comes from any thread)
   std::shared_ptr<IpcGroup> group_;  // null until the first call that could use IPC
   bool aborted_ = false;
-  std::string why_;                                     // why calls are staged, when they are
+  std::string why_;  // why calls are staged, when they are
   static constexpr size_t kReapEvery = 8;
   std::deque<std::shared_ptr<DeviceFlight>> inFlight_;  // the caller's thread only
 };

@@ -107,7 +107,7 @@ class HostRuntime final : public DeviceRuntime {
   int device_;
   HostFault fault_;
   std::mutex mutex_;
-  std::map<void*, Segment> segments_;                    // guarded by mutex_
+  std::map<void*, Segment> segments_;  // guarded by mutex_
   void refuseWhileCapturing(const char* what);
 
   std::map<Stream, std::shared_ptr<HostGraph>> graphs_;  // being captured; guarded by mutex_

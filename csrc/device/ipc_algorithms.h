@@ -37,7 +37,7 @@ CLAWCOMM_HD void slicePart(size_t packs, int size, int q, int block, int blocks,
 
 template <class X>
 CLAWCOMM_DEVICE void copyPacks(const X& x, const Pack* src, Pack* dst, size_t lo, size_t hi,
-                           bool fromPeer) {
+                               bool fromPeer) {
   for (size_t i = lo + size_t(x.thread()); i < hi; i += size_t(x.threads())) {
     X::store(dst + i, fromPeer ? X::loadPeer(src + i) : X::load(src + i));
   }
@@ -72,7 +72,7 @@ struct Wide16 {
 // every rank.
 template <typename E, typename Op, class X>
 CLAWCOMM_DEVICE void reducePacks(const X& x, const IpcPeers& P, char* const* area, size_t offset,
-                             size_t lo, size_t hi, Pack* out, Pack* out2) {
+                                 size_t lo, size_t hi, Pack* out, Pack* out2) {
   using Store = typename E::Store;
   using Acc = typename E::Acc;
   constexpr int N = 16 / sizeof(Store);
@@ -153,7 +153,7 @@ CLAWCOMM_DEVICE void twoShot(const X& x, const IpcLaunch& L) {
 // (`piece` packs each) into this rank's input area, at the same offsets.
 template <class X>
 CLAWCOMM_DEVICE void copyPiecesIn(const X& x, const IpcPeers& P, const Pack* in, size_t piece,
-                              size_t lo, size_t hi) {
+                                  size_t lo, size_t hi) {
   for (int q = 0; q < P.size; ++q) {
     copyPacks(x, in + size_t(q) * piece, packsAt(P.input[P.rank]) + size_t(q) * piece, lo, hi,
               false);

@@ -156,7 +156,7 @@ inline int blocksFor(size_t packs, int maxBlocks) {
 
 template <class X>
 CLAWCOMM_DEVICE void giveUp(const X& x, const IpcPeers& P, uint32_t why, int peer, int phase,
-                        uint32_t epoch, uint64_t waited) {
+                            uint32_t epoch, uint64_t waited) {
   X::storeRelease(&P.signals[P.rank]->failed, 1);
   if (X::claim(&P.signals[P.rank]->failClaim)) {
     P.status->block = x.block();

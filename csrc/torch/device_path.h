@@ -118,11 +118,11 @@ class DevicePath {
     Route r = route(out, OpType::_REDUCE_SCATTER_BASE, size_t(out.nbytes()));
     if (!r.dev) return {};
     at::Tensor src = in.contiguous(), dst = contiguousOutput(out);
-    return launch(
-        r, OpType::_REDUCE_SCATTER_BASE, {out}, {src, dst}, copiesBack(dst, out), [&](auto s) {
-          return r.dev->reduceScatter(src.data_ptr(), dst.data_ptr(), size_t(dst.numel()), dt, op,
-                                      s);
-        });
+    return launch(r, OpType::_REDUCE_SCATTER_BASE, {out}, {src, dst}, copiesBack(dst, out),
+                  [&](auto s) {
+                    return r.dev->reduceScatter(src.data_ptr(), dst.data_ptr(), size_t(dst.numel()),
+                                                dt, op, s);
+                  });
   }
   // Even splits only (the caller stages uneven ones).
   WorkPtr allToAll(const at::Tensor& out, const at::Tensor& in, DataType dt) {
