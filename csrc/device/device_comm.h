@@ -83,10 +83,9 @@ class DeviceComm {
   // for this device, the same one on every call) waits for `caller` first.
   // While `caller` is being captured into a CUDA graph (`captured`:
   // runtime().capturing(caller)) the call runs on `caller` itself, on the
-  // graph's own flags and areas. `then`, if set, is enqueued on the stream the call ran on after the
-  // collective and before its completion is recorded, so waiting for the
-  // call waits for it too (the adapter's copy back into a non-contiguous
-  // tensor).
+  // graph's own flags and areas. `then`, if set, is enqueued on the stream the call ran on after
+  // the collective and before its completion is recorded, so waiting for the call waits for it too
+  // (the adapter's copy back into a non-contiguous tensor).
   struct Streams {
     Stream caller;
     Stream run;
