@@ -257,6 +257,10 @@ class Engine:
     """
     A communicator's collectives on buffer-protocol objects, below torch's dispatch. Every call blocks until the operation is complete on this rank.
     """
+    def abort(self, reason: str = "abort() was called") -> None:
+        """
+        From any thread: fails the operation in flight and every later one with 'rank R aborted: reason', wakes every waiter and tells the peers; the process goes on.
+        """
     def all_gather(
         self,
         input: typing_extensions.Buffer,
@@ -285,10 +289,6 @@ class Engine:
         output: typing_extensions.Buffer,
         dtype: typing.Any = None,
     ) -> None: ...
-    def abort(self, reason: str = "abort() was called") -> None:
-        """
-        From any thread: fails the operation in flight and every later one with 'rank R aborted: reason', wakes every waiter and tells the peers; the process goes on.
-        """
     def barrier(self) -> None: ...
     def broadcast(
         self,
@@ -299,6 +299,10 @@ class Engine:
     def comm_stats(self) -> dict:
         """
         Calls and bytes on the wire so far, per operation: whole frames (bytes_*) and payload only (payload_bytes_*).
+        """
+    def flight_record(self) -> str:
+        """
+        The last operations of this communicator, oldest first, as JSON (the flight recorder; CLAWCOMM_RECORDER_ENTRIES sizes it).
         """
     def recv(
         self,
@@ -341,10 +345,6 @@ class Engine:
         Sends to `dst` while receiving from `src`.
         """
     def transport_of(self, peer: typing.SupportsInt | typing.SupportsIndex) -> str: ...
-    def flight_record(self) -> str:
-        """
-        The last operations of this communicator, oldest first, as JSON (the flight recorder; CLAWCOMM_RECORDER_ENTRIES sizes it).
-        """
     @property
     def flight_record_path(self) -> str:
         """
@@ -355,19 +355,84 @@ class Engine:
     @property
     def size(self) -> int: ...
 
-def _feed_frames(data: bytes, recv_bytes: int = -1) -> str:
+class HostGraph:
     """
-    Test hook: parses `data` as the frames rank 1 sends rank 0, then receives a point-to-point message of recv_bytes (tag 0) if recv_bytes >= 0. Returns the error raised, or ''.
+    Calls captured by HostDeviceComm.begin_capture(), replayed in order.
     """
+    def replay(self) -> None: ...
+
+class HostDeviceComm:
+    """
+    The device collectives of an Engine over the host runtime: the CUDA IPC path's setup, routing, kernels' protocol, abort and failure reports, run on the CPU. `device` is the device index this rank claims; `fault` ('none', 'alloc', 'open', 'probe') fails this rank's IPC setup on purpose. Each call returns the route it took ('ipc' or 'staged').
+    """
+    def __init__(
+        self,
+        engine: Engine,
+        device: typing.SupportsInt | typing.SupportsIndex = 0,
+        fault: str = "none",
+    ) -> None: ...
+    def abort(self) -> None:
+        """
+        From any thread: stops this rank's spinning blocks and tells its peers' blocks.
+        """
+    def all_gather(
+        self,
+        input: typing_extensions.Buffer,
+        output: typing_extensions.Buffer,
+        dtype: typing.Any = None,
+    ) -> str: ...
+    def all_reduce(
+        self, buf: typing_extensions.Buffer, op: str = "sum", dtype: typing.Any = None
+    ) -> str: ...
+    def all_to_all(
+        self,
+        input: typing_extensions.Buffer,
+        output: typing_extensions.Buffer,
+        dtype: typing.Any = None,
+    ) -> str: ...
+    def begin_capture(self) -> None: ...
+    def broadcast(
+        self,
+        buf: typing_extensions.Buffer,
+        root: typing.SupportsInt | typing.SupportsIndex = 0,
+        dtype: typing.Any = None,
+    ) -> str: ...
+    def close(self) -> None: ...
+    def end_capture(self) -> HostGraph: ...
+    def reduce_scatter(
+        self,
+        input: typing_extensions.Buffer,
+        output: typing_extensions.Buffer,
+        op: str = "sum",
+        dtype: typing.Any = None,
+    ) -> str: ...
+    def route(self, op: str, nbytes: typing.SupportsInt | typing.SupportsIndex) -> str:
+        """
+        'one-shot', 'two-shot', 'ipc' or 'staged' for `op` moving `nbytes` per rank.
+        """
+    @property
+    def devices(self) -> list[int]:
+        """
+        Each rank's device index, as the IPC setup exchanged them.
+        """
+    @property
+    def status(self) -> str: ...
 
 def _all_reduce_cost(
-    algo: str, nbytes: typing.SupportsFloat, host_of: list[int], model: dict
+    algo: str,
+    nbytes: typing.SupportsFloat | typing.SupportsIndex,
+    host_of: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+    model: dict,
 ) -> float:
     """
     The engine's predicted seconds for an all-reduce of nbytes on ranks placed on host_of[r] (model: a dict of shm_alpha, shm_beta, net_alpha, net_beta, gamma).
     """
 
-def _choose_all_reduce(nbytes: typing.SupportsFloat, host_of: list[int], model: dict) -> str:
+def _choose_all_reduce(
+    nbytes: typing.SupportsFloat | typing.SupportsIndex,
+    host_of: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+    model: dict,
+) -> str:
     """
     What CLAWCOMM_ALGO=auto picks for an all-reduce of nbytes on that layout.
     """
@@ -380,6 +445,11 @@ def _drop_last_reference_in_callback(small: bool = False) -> str:
 def _engine_from_handle(handle: typing_extensions.CapsuleType) -> Engine:
     """
     The Engine behind a handle from ClawcommBackend._engine_handle().
+    """
+
+def _feed_frames(data: str, recv_bytes: typing.SupportsInt | typing.SupportsIndex = -1) -> str:
+    """
+    Test hook: parses `data` as the frames rank 1 sends rank 0, then receives a point-to-point message of recv_bytes (tag 0) if recv_bytes >= 0. Returns the error raised, or ''.
     """
 
 def _shutdown_all() -> None:
