@@ -421,7 +421,7 @@ class HostDeviceComm:
 def _all_reduce_cost(
     algo: str,
     nbytes: typing.SupportsFloat | typing.SupportsIndex,
-    host_of: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+    host_of: list[int],
     model: dict,
 ) -> float:
     """
@@ -430,7 +430,7 @@ def _all_reduce_cost(
 
 def _choose_all_reduce(
     nbytes: typing.SupportsFloat | typing.SupportsIndex,
-    host_of: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+    host_of: list[int],
     model: dict,
 ) -> str:
     """
