@@ -372,3 +372,39 @@ def test_data_parallel_on_cuda_matches_single_process_training(compression, atol
     """Buckets on the GPU, reduced through the CUDA path while backward runs."""
     for err in run_ranks(_data_parallel_cuda, 2, compression, timeout=300):
         assert err < atol, err
+
+
+def _train_on(rank, n, cfg):
+    from clawcomm.train.cli import train_rank
+
+    metrics = train_rank(cfg, announce=False)
+    return [m["loss"] for m in metrics], [m.get("max_gpu_mem_mb") for m in metrics]
+
+
+TRAIN = dict(model="gpt", dim=32, heads=2, layers=2, seq_len=16, lr=3e-3, lr_decay="none",
+             steps=4, quiet=True, microbatches=4)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "layout,env",
+    [
+        (dict(dp=2, pp=1), {}),
+        (dict(dp=1, pp=2, schedule="1f1b"), {}),
+        (dict(dp=2, pp=2, schedule="zb1", compression="fp16"), {}),
+        (dict(dp=2, pp=1), {"CLAWCOMM_CUDA_IPC": "0"}),
+    ],
+)
+def test_the_trainer_on_cuda_follows_the_cpu_run(layout, env):
+    """Same seed, same loss curve within float tolerance, on cuda:rank % GPUs
+    through CUDA IPC (or staged); every rank reports its peak GPU memory."""
+    from clawcomm.train import TrainConfig
+
+    world = layout["dp"] * layout["pp"]
+    cpu = run_ranks(_train_on, world, TrainConfig(**TRAIN, **layout, device="cpu"), timeout=300)
+    gpu = run_ranks(
+        _train_on, world, TrainConfig(**TRAIN, **layout, device="cuda"), env=env, timeout=300
+    )
+    want = cpu[0][0]
+    for losses, peaks in gpu:
+        assert losses == pytest.approx(want, rel=1e-3), (losses, want)
+        assert all(p is not None and p > 0 for p in peaks), peaks

@@ -89,6 +89,7 @@ class PipelineExecutor:
 
     ``stages``: stage index -> module, for the stages on this rank.
     ``loss_fn(output, target)``: the sum of the loss over the micro-batch.
+    ``device``: where this rank's stages are (receive buffers are made there).
     ``on_grad(param)``: called for each contribution a parameter's
     gradient receives during an action for which ``run``'s ``armed(action)``
     is true (autograd's accumulations reach it through the trainer's
@@ -108,6 +109,7 @@ class PipelineExecutor:
         group=None,
         loss_fn: Callable | None = None,
         on_grad: Callable[[torch.Tensor], None] | None = None,
+        device: torch.device | str = "cpu",
     ):
         self.stages = stages
         self.actions = actions
@@ -118,6 +120,7 @@ class PipelineExecutor:
         self.group = group
         self.loss_fn = loss_fn
         self.on_grad = on_grad
+        self.device = torch.device(device)
         # The group's own send/recv (ranks within the group): the same
         # operations as dist.isend/irecv without their Python checks, which
         # cost about as much as the transfer of a small activation.
@@ -210,6 +213,8 @@ class PipelineExecutor:
         else:
             with listening(self._final_grad):
                 self._backward_pass(a, grad)
+        if self.device.type == "cuda":  # the action's time on the GPU, not its queueing
+            torch.cuda.current_stream(self.device).synchronize()
         self._last_end = time.perf_counter()
         self._stats.timeline.append((a, t0, self._last_end))
         self._armed = False
@@ -317,7 +322,7 @@ class PipelineExecutor:
                     raise RuntimeError(f"pipeline: {a} posted before the forward it belongs to")
                 return
             meta = (out.dtype, tuple(out.shape))
-        buf = torch.empty(meta[1], dtype=meta[0])
+        buf = torch.empty(meta[1], dtype=meta[0], device=self.device)
         tag = self._tag(kind, tag_stage, mb)
         self._recv[key] = (self._pg.recv([buf], stage_to_rank(src, self.pp), tag), buf)
 

@@ -393,8 +393,10 @@ def load(trainer, path: str) -> int:
         prefix = f"optim/{name}/"
         for key, md in have.items():
             if key.startswith(prefix) and not isinstance(md, BytesStorageMetadata):
-                t = torch.empty(md.size, dtype=md.properties.dtype)
-                request[key] = t
+                # Moments live with their parameter (a GPU, maybe); torch's
+                # optimizers keep the step count on the CPU.
+                where = "cpu" if key.endswith("/step") else p.device
+                request[key] = torch.empty(md.size, dtype=md.properties.dtype, device=where)
                 optim_keys[key] = (p, key[len(prefix) :])
     residual_keys: dict[str, list[str]] = {}
     r = trainer.reducer

@@ -32,6 +32,11 @@ class TrainConfig:
     balance: str = _opt(
         "params", "cut stages by parameter count or measured time", ("params", "time")
     )
+    device: str = _opt(
+        "auto",
+        "where ranks compute: cuda:LOCAL_RANK % GPUs, the CPU, or auto (CUDA if any)",
+        ("auto", "cpu", "cuda"),
+    )
     # model and data
     model: str = _opt("gpt", "model", MODELS)
     layers: int = _opt(0, "layers (0: the model's default: gpt 4 blocks, mlp 4, wait 8)")
@@ -151,6 +156,9 @@ class TrainConfig:
         check_schedule_args(self.schedule, self.pp, self.microbatches, self.virtual_stages)
         if self.model == "wait":
             self.wait_times()
+        from clawcomm.train import device
+
+        device.check(self.device)
         if self.compression:
             from clawcomm.compression import get_compressor
 

@@ -56,6 +56,8 @@ from clawcomm.pipeline.schedules import build, stage_to_rank
 from clawcomm.pipeline.validate import SimulationPlan, validate
 from clawcomm.pipeline.weight_grad import notify_grad, split_linear_backward
 from clawcomm.train.config import TrainConfig
+from clawcomm.train.device import for_rank as device_for_rank
+from clawcomm.train.device import peak_mb, reset_peak
 from clawcomm.train.layout import Grid, balanced_cuts, measured_costs, parameter_costs
 
 _KINDS = (F, B, I, W)
@@ -105,6 +107,11 @@ class Trainer:
         self._plan = SimulationPlan(self.schedule, S)
         me = self.grid.pp_rank
         self.local = {s: stages[s] for s in range(S) if stage_to_rank(s, cfg.pp) == me}
+        # Every rank builds the whole model on the CPU from one seed (the same
+        # weights whatever the device), then moves its own stages.
+        self.device = device_for_rank(cfg.device, self.grid.rank)
+        for mod in self.local.values():
+            mod.to(self.device)
         if cfg.schedule == "zb1":
             for mod in self.local.values():
                 split_linear_backward(mod)
@@ -130,6 +137,7 @@ class Trainer:
             self.pp_group,
             loss_fn,
             on_grad=self._final_grad,
+            device=self.device,
         )
         last = {}
         for a in self.schedule[me]:
@@ -313,6 +321,7 @@ class Trainer:
         for i, g in enumerate(self.optimizer.param_groups):
             g["lr"] = self._peak_lr[i] * self.lr_factor(self.step_index)
         bytes_before = self._bytes_sent()
+        reset_peak(self.device)
         if self.pp_group is not None:
             dist.barrier(group=self.pp_group)
         t0 = time.perf_counter()
@@ -328,8 +337,9 @@ class Trainer:
                 lo + a * per_replica // cfg.accumulation,
                 lo + (a + 1) * per_replica // cfg.accumulation,
             )
-            inputs = list(x[rows].chunk(cfg.microbatches)) if has_first else None
-            targets = list(y[rows].chunk(cfg.microbatches)) if has_last else None
+            dev = self.device
+            inputs = list(x[rows].to(dev).chunk(cfg.microbatches)) if has_first else None
+            targets = list(y[rows].to(dev).chunk(cfg.microbatches)) if has_last else None
             last_round = a == cfg.accumulation - 1
             armed = self._armed if (last_round and self.reducer is not None) else None
             stats = self.executor.run(inputs, targets, loss_scale=scale, armed=armed)
@@ -540,8 +550,8 @@ class Trainer:
         self, loss, sumsq, bytes_before, busy, span, recv_wait, dp_wait, host, costs
     ) -> dict:
         """One all-gather: [loss, sumsq, bytes, busy, span, recv wait, dp wait,
-        rss MB, host overhead per compute action, pp bytes, dp bytes, then the
-        F/B/I/W mean cost of each local stage]."""
+        rss MB, host overhead per compute action, pp bytes, dp bytes, peak GPU
+        MB, then the F/B/I/W mean cost of each local stage]."""
         cfg = self.cfg
         v = cfg.virtual_stages
         sent = [float(a - b) for a, b in zip(self._bytes_sent(), bytes_before, strict=True)]
@@ -557,12 +567,13 @@ class Trainer:
             host,
             sent[1],
             sent[2],
+            peak_mb(self.device),
         ]
         for s in sorted(self.local):
             for k in _KINDS:
                 tot, cnt = costs.get((s, k), (0.0, 0))
                 own.append(tot / cnt if cnt else 0.0)
-        width = 11 + 4 * v
+        width = 12 + 4 * v
         mine = torch.tensor(own, dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1:
             everyone = torch.zeros(dist.get_world_size() * width, dtype=torch.float64)
@@ -591,13 +602,15 @@ class Trainer:
             "bytes_sent_pp": int(sum(row[9] for row in rows)),
             "bytes_sent_dp": int(sum(row[10] for row in rows)),
         }
+        if self.device.type == "cuda":
+            metrics["max_gpu_mem_mb"] = max(row[11] for row in rows)
         if grid.rank == 0:
             cost = {}
             for p_rank, r in enumerate(replica0):
                 for j in range(v):
                     s = j * cfg.pp + p_rank
                     for k_i, k in enumerate(_KINDS):
-                        cost[(s, k)] = rows[r][11 + 4 * j + k_i]
+                        cost[(s, k)] = rows[r][12 + 4 * j + k_i]
             host = [rows[r][8] for r in replica0]
 
             def costs_of(a):

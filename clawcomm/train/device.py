@@ -1,0 +1,70 @@
+"""Where the trainer computes: ``--device cpu|cuda|auto``, one rule for every
+rank and for the command line.
+
+- ``cpu``: every rank on the CPU.
+- ``cuda``: rank r on ``cuda:{LOCAL_RANK % device_count}`` (torchrun's local
+  rank; the ranks ``clawcomm train`` spawns get one too), the layout torchrun
+  users have: one GPU per rank where there are enough, ranks sharing a GPU
+  (under MPS, for speed) where there are not.
+- ``auto``: ``cuda`` where torch sees a GPU, else ``cpu``.
+
+``check`` runs before any rank starts, so ``--device cuda`` on a machine
+without a GPU is one clear error, not one per rank.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _why_no_gpu() -> str:
+    if not torch.backends.cuda.is_built():
+        return f"this torch ({torch.__version__}) is a CPU-only build"
+    return f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU"
+
+
+def _gpus() -> int:
+    # device_count() asks NVML and leaves the driver uninitialised, so ranks
+    # forked afterwards can still use the GPU.
+    return torch.cuda.device_count() if torch.backends.cuda.is_built() else 0
+
+
+def check(spec: str) -> str:
+    """The device kind ``spec`` resolves to here ("cpu" or "cuda"); a
+    ValueError naming the problem when ``spec`` cannot be honoured."""
+    if spec not in DEVICES:
+        raise ValueError(f"device {spec!r} is not one of {', '.join(DEVICES)}")
+    if spec == "cpu":
+        return "cpu"
+    if _gpus() == 0:
+        if spec == "cuda":
+            raise ValueError(f"device 'cuda': {_why_no_gpu()}; use --device cpu or auto")
+        return "cpu"
+    return "cuda"
+
+
+def for_rank(spec: str, rank: int = 0) -> torch.device:
+    """This rank's device for ``spec``, made current when it is a GPU."""
+    if check(spec) == "cpu":
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    dev = torch.device("cuda", local % _gpus())
+    torch.cuda.set_device(dev)
+    return dev
+
+
+def reset_peak(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+
+
+def peak_mb(dev: torch.device) -> float:
+    """The most memory torch's allocator held on ``dev`` since the last
+    ``reset_peak`` (0 on the CPU)."""
+    if dev.type != "cuda":
+        return 0.0
+    return torch.cuda.max_memory_allocated(dev) / 2**20
