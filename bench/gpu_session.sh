@@ -58,6 +58,8 @@ benchmarks() {
   python3 bench/gpu_latency.py --nproc 2 --json "$OUT/gpu_latency.json" | tee "$OUT/gpu_latency.txt"
   clawcomm bench --device cuda --nproc 2 --compare gloo -b 8 -e 64M -f 4 --quiet \
     --json "$OUT/cuda_2ranks.json" --plot "$OUT/cuda_2ranks.png" | tee "$OUT/cuda_2ranks.txt"
+  clawcomm bench --device cuda --nproc 4 --compare gloo -b 32K -e 64M -f 4 --quiet \
+    --json "$OUT/cuda_4ranks.json" | tee "$OUT/cuda_4ranks.txt"
   mps_off
 }
 
