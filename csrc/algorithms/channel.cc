@@ -7,14 +7,16 @@
 namespace clawcomm {
 
 Channel::Channel(Messenger& messenger, const OpSignature& sig, Clock::time_point deadline,
-                 const Settings& settings, const Topology& topology)
+                 const Settings& settings, const Topology& topology, Scratch* scratch)
     : messenger_(messenger),
       sig_(sig),
       deadline_(deadline),
       settings_(settings),
       topology_(topology),
       steps_(std::make_shared<Steps>()),
-      rank_(messenger.rank()) {
+      rank_(messenger.rank()),
+      ownScratch_(scratch ? nullptr : std::make_shared<Scratch>()),
+      scratch_(scratch ? scratch : ownScratch_.get()) {
   steps_->send.assign(size_t(messenger.size()), 0);
   steps_->recv.assign(size_t(messenger.size()), 0);
   for (int r = 0; r < messenger.size(); ++r) members_.push_back(r);
@@ -27,7 +29,9 @@ Channel::Channel(Channel& parent, const std::vector<int>& members)
       settings_(parent.settings_),
       topology_(parent.topology_),
       steps_(parent.steps_),
-      rank_(-1) {
+      rank_(-1),
+      ownScratch_(parent.ownScratch_),
+      scratch_(parent.scratch_) {
   for (int m : members) {
     if (m == parent.rank()) rank_ = int(members_.size());
     members_.push_back(parent.globalRank(m));

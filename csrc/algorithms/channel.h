@@ -18,6 +18,7 @@
 
 #include "algorithms/topology.h"
 #include "common/op.h"
+#include "common/scratch.h"
 #include "common/settings.h"
 #include "messenger/messenger.h"
 
@@ -25,8 +26,9 @@ namespace clawcomm {
 
 class Channel {
  public:
+  // `scratch`: the communicator's reusable buffers (null: the channel's own).
   Channel(Messenger& messenger, const OpSignature& sig, Clock::time_point deadline,
-          const Settings& settings, const Topology& topology);
+          const Settings& settings, const Topology& topology, Scratch* scratch = nullptr);
   // The view of `parent` over `members` (ranks of the parent's numbering,
   // this rank among them): member i is rank i of the view.
   Channel(Channel& parent, const std::vector<int>& members);
@@ -42,6 +44,9 @@ class Channel {
   const OpSignature& signature() const { return sig_; }
   const Settings& settings() const { return settings_; }
   size_t elementBytes() const { return elementSize(sig_.dtype); }
+  // Uninitialised working memory that outlives the call (common/scratch.h):
+  // operations take kOpScratch, algorithms kAlgorithmScratch.
+  uint8_t* scratch(ScratchSlot slot, size_t bytes) { return scratch_->get(slot, bytes); }
 
   // Posts a send of `bytes` from `buf`; `buf` must stay untouched until wait().
   void send(int peer, const void* buf, size_t bytes);
@@ -77,6 +82,8 @@ class Channel {
   std::vector<int> members_;  // global rank of each member
   int rank_;
   std::vector<TransferPtr> pending_;
+  std::shared_ptr<Scratch> ownScratch_;  // when the communicator gave none
+  Scratch* scratch_;
 };
 
 }  // namespace clawcomm

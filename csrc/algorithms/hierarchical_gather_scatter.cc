@@ -98,15 +98,15 @@ void hierarchicalReduceScatter(Channel& ch, void* buf, const std::vector<size_t>
   const Blocks b = layOut(ch, counts);
   const size_t es = ch.elementBytes();
   uint8_t* ranked = static_cast<uint8_t*>(buf);
-  std::vector<uint8_t> scratch(b.rankOffset.back() * es);
-  permute(b, counts, es, ranked, scratch.data(), true);
+  uint8_t* scratch = ch.scratch(kAlgorithmScratch, b.rankOffset.back() * es);
+  permute(b, counts, es, ranked, scratch, true);
   Channel local(ch, b.local), cross(ch, b.cross);
-  ringReduceScatter(local, scratch.data(), b.segmentCounts);
-  ringReduceScatter(cross, scratch.data() + b.scratchOffset[size_t(b.i)][0] * es, b.crossCounts);
+  ringReduceScatter(local, scratch, b.segmentCounts);
+  ringReduceScatter(cross, scratch + b.scratchOffset[size_t(b.i)][0] * es, b.crossCounts);
   const size_t mine = counts[size_t(ch.rank())] * es;
   if (mine) {
     std::memcpy(ranked + b.rankOffset[size_t(ch.rank())] * es,
-                scratch.data() + b.scratchOffset[size_t(b.i)][size_t(b.h)] * es, mine);
+                scratch + b.scratchOffset[size_t(b.i)][size_t(b.h)] * es, mine);
   }
 }
 
@@ -114,16 +114,16 @@ void hierarchicalAllGather(Channel& ch, void* buf, const std::vector<size_t>& co
   const Blocks b = layOut(ch, counts);
   const size_t es = ch.elementBytes();
   uint8_t* ranked = static_cast<uint8_t*>(buf);
-  std::vector<uint8_t> scratch(b.rankOffset.back() * es);
+  uint8_t* scratch = ch.scratch(kAlgorithmScratch, b.rankOffset.back() * es);
   const size_t mine = counts[size_t(ch.rank())] * es;
   if (mine) {
-    std::memcpy(scratch.data() + b.scratchOffset[size_t(b.i)][size_t(b.h)] * es,
+    std::memcpy(scratch + b.scratchOffset[size_t(b.i)][size_t(b.h)] * es,
                 ranked + b.rankOffset[size_t(ch.rank())] * es, mine);
   }
   Channel local(ch, b.local), cross(ch, b.cross);
-  ringAllGather(cross, scratch.data() + b.scratchOffset[size_t(b.i)][0] * es, b.crossCounts);
-  ringAllGather(local, scratch.data(), b.segmentCounts);
-  permute(b, counts, es, ranked, scratch.data(), false);
+  ringAllGather(cross, scratch + b.scratchOffset[size_t(b.i)][0] * es, b.crossCounts);
+  ringAllGather(local, scratch, b.segmentCounts);
+  permute(b, counts, es, ranked, scratch, false);
 }
 
 }  // namespace clawcomm

@@ -48,12 +48,12 @@ void treeAllReduce(Channel& ch, void* buf, size_t count) {
   // Step 2: recursive doubling. Our buffer is copied aside for sending so
   // that the partner's data can be reduced into it while it streams in.
   if (self >= 0) {
-    std::vector<uint8_t> outgoing(bytes);
+    uint8_t* outgoing = ch.scratch(kAlgorithmScratch, bytes);
     for (int mask = 1; mask < p; mask <<= 1) {
       const int partnerSelf = self ^ mask;
       const int partner = partnerSelf < extra ? partnerSelf * 2 + 1 : partnerSelf + extra;
-      if (bytes) std::memcpy(outgoing.data(), buf, bytes);
-      ch.send(partner, outgoing.data(), bytes);
+      if (bytes) std::memcpy(outgoing, buf, bytes);
+      ch.send(partner, outgoing, bytes);
       ch.recvReduce(partner, buf, bytes);
       ch.wait();
     }

@@ -396,7 +396,7 @@ void Communicator::runCollective(Op& op) {
   const Clock::time_point start = Clock::now();
   recorder_.started(op.record, start);
   try {
-    Channel ch(*messenger_, op.sig, start + this->timeout(), settings_, topology_);
+    Channel ch(*messenger_, op.sig, start + this->timeout(), settings_, topology_, &scratch_);
     op.run(ch);
   } catch (const TimeoutError&) {
     // "clawcomm::all_reduce: timeout after 5 s: rank 0 timed out waiting

@@ -32,6 +32,7 @@
 #include "comm/request.h"
 #include "common/dtype.h"
 #include "common/op.h"
+#include "common/scratch.h"
 #include "common/settings.h"
 #include "common/store.h"
 #include "common/traffic.h"
@@ -214,6 +215,7 @@ class Communicator {
   std::string jobToken_;
   std::string storeNamespace_;
   Recorder recorder_;
+  Scratch scratch_;  // the collectives' working memory (one collective runs at a time)
 
   std::mutex mutex_;
   std::condition_variable cv_;

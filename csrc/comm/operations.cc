@@ -86,15 +86,15 @@ RequestPtr Communicator::reduceScatter(const void* in, void* out, std::vector<si
       [=](Channel& ch) {
         const size_t es = elementSize(dtype);
         // The ring reduces in place, so it works on a copy of the input.
-        std::vector<uint8_t> work(total * es);
-        if (total) std::memcpy(work.data(), in, total * es);
+        uint8_t* work = ch.scratch(kOpScratch, total * es);
+        if (total) std::memcpy(work, in, total * es);
         if (hierarchical) {
-          hierarchicalReduceScatter(ch, work.data(), counts);
+          hierarchicalReduceScatter(ch, work, counts);
         } else {
-          ringReduceScatter(ch, work.data(), counts);
+          ringReduceScatter(ch, work, counts);
         }
         const size_t offset = std::accumulate(counts.begin(), counts.begin() + r, size_t(0));
-        if (counts[r]) std::memcpy(out, work.data() + offset * es, counts[r] * es);
+        if (counts[r]) std::memcpy(out, work + offset * es, counts[r] * es);
         if (op == ReduceOp::kAvg) divideInPlace(dtype, out, counts[r], n);
       },
       std::move(cb));
@@ -149,9 +149,9 @@ RequestPtr Communicator::reduce(void* buf, size_t count, DataType dtype, ReduceO
           if (op == ReduceOp::kAvg) divideInPlace(dtype, buf, count, n);
         } else {
           // Non-roots accumulate their subtree in scratch, leaving `buf` as it was.
-          std::vector<uint8_t> scratch(bytes);
-          if (bytes) std::memcpy(scratch.data(), buf, bytes);
-          binomialReduce(ch, scratch.data(), count, root);
+          uint8_t* partial = ch.scratch(kOpScratch, bytes);
+          if (bytes) std::memcpy(partial, buf, bytes);
+          binomialReduce(ch, partial, count, root);
         }
       },
       std::move(cb));
