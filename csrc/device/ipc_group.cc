@@ -245,6 +245,20 @@ void IpcGroup::copy(void* dst, const void* src, size_t bytes, Stream s) const {
   if (bytes) runtime_->copy(dst, src, bytes, s);
 }
 
+void IpcGroup::piecesIn(const void* in, size_t bytes, const Launch& how) const {
+  for (int q = 0; q < size_; ++q) {
+    copy(peers(how).input[rank_] + q * roundUp(bytes), static_cast<const char*>(in) + q * bytes,
+         bytes, how.stream);
+  }
+}
+
+void IpcGroup::piecesOut(void* out, size_t bytes, const Launch& how) const {
+  for (int q = 0; q < size_; ++q) {
+    copy(static_cast<char*>(out) + q * bytes, peers(how).result[rank_] + q * roundUp(bytes), bytes,
+         how.stream);
+  }
+}
+
 void IpcGroup::allReduce(const void* in, void* out, size_t count, DataType type, ReduceOp op,
                          IpcKernel algo, const Launch& how) {
   const size_t es = elementSize(type);
@@ -271,12 +285,7 @@ void IpcGroup::allGather(const void* in, void* out, size_t bytes, const Launch& 
   if (!direct) copy(peers(how).input[me], in, bytes, how.stream);
   runtime_->launch(launchOf(IpcKernel::kAllGather, in, out, packsOf(bytes), how, direct),
                    how.stream);
-  if (!direct) {
-    for (int q = 0; q < size_; ++q) {
-      copy(static_cast<char*>(out) + q * bytes, peers(how).result[me] + q * roundUp(bytes), bytes,
-           how.stream);
-    }
-  }
+  if (!direct) piecesOut(out, bytes, how);
 }
 
 void IpcGroup::reduceScatter(const void* in, void* out, size_t countPerRank, DataType type,
@@ -285,12 +294,7 @@ void IpcGroup::reduceScatter(const void* in, void* out, size_t countPerRank, Dat
   if (bytes == 0) return;
   const bool direct = aligned16(in) && aligned16(out) && bytes % 16 == 0;
   const int me = rank_;
-  if (!direct) {
-    for (int q = 0; q < size_; ++q) {
-      copy(peers(how).input[me] + q * roundUp(bytes), static_cast<const char*>(in) + q * bytes,
-           bytes, how.stream);
-    }
-  }
+  if (!direct) piecesIn(in, bytes, how);
   IpcLaunch L = launchOf(IpcKernel::kReduceScatter, in, out, packsOf(bytes), how, direct);
   L.type = type;
   L.op = op;
@@ -312,21 +316,10 @@ void IpcGroup::broadcast(void* buf, size_t bytes, int root, const Launch& how) {
 void IpcGroup::allToAll(const void* in, void* out, size_t bytes, const Launch& how) {
   if (bytes == 0) return;
   const bool direct = aligned16(in) && aligned16(out) && bytes % 16 == 0;
-  const int me = rank_;
-  if (!direct) {
-    for (int q = 0; q < size_; ++q) {
-      copy(peers(how).input[me] + q * roundUp(bytes), static_cast<const char*>(in) + q * bytes,
-           bytes, how.stream);
-    }
-  }
+  if (!direct) piecesIn(in, bytes, how);
   runtime_->launch(launchOf(IpcKernel::kAllToAll, in, out, packsOf(bytes), how, direct),
                    how.stream);
-  if (!direct) {
-    for (int q = 0; q < size_; ++q) {
-      copy(static_cast<char*>(out) + q * bytes, peers(how).result[me] + q * roundUp(bytes), bytes,
-           how.stream);
-    }
-  }
+  if (!direct) piecesOut(out, bytes, how);
 }
 
 }  // namespace device

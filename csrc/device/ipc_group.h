@@ -108,6 +108,10 @@ class IpcGroup {
                      bool direct) const;
   const IpcPeers& peers(const Launch& how) const { return map_->peers[how.channel]; }
   void copy(void* dst, const void* src, size_t bytes, Stream s) const;
+  // The size pieces of `bytesPerRank` between a caller's buffer (packed) and
+  // this rank's input / result area (each piece at a 16-byte boundary).
+  void piecesIn(const void* in, size_t bytesPerRank, const Launch& how) const;
+  void piecesOut(void* out, size_t bytesPerRank, const Launch& how) const;
 
   std::shared_ptr<DeviceRuntime> runtime_;
   int rank_;
