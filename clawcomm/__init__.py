@@ -8,7 +8,7 @@ CPU tensors::
     dist.init_process_group("clawcomm")
 
 Settings are read from ``CLAWCOMM_*`` environment variables when a group is
-created; the README lists them.
+created; docs/settings.md lists them.
 """
 
 __version__ = "0.1.0"

@@ -1,6 +1,6 @@
 """The chaos families: a job is attacked the way real jobs fail, and every
 trial is scored. tests/chaos/ runs each family a few times in CI;
-bench/chaos.py runs them long and writes the scorecard the README shows.
+bench/chaos.py runs them long and writes the scorecard docs/reliability.md shows.
 
 Each family returns a :class:`Score`: trials, how many ended as they must
 (an error on every rank that had to fail, within the group's timeout + 1 s,

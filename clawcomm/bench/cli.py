@@ -206,9 +206,9 @@ def _mpi_available() -> str | None:
     try:
         import mpi4py  # noqa: F401
     except ImportError:
-        return "mpi4py is not installed (README: 'Comparing with MPI')"
+        return "mpi4py is not installed (docs/benchmarks.md: 'Comparing with MPI')"
     if shutil.which("mpirun") is None:
-        return "mpirun is not on PATH (README: 'Comparing with MPI')"
+        return "mpirun is not on PATH (docs/benchmarks.md: 'Comparing with MPI')"
     return None
 
 

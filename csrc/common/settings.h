@@ -1,7 +1,7 @@
 // Every CLAWCOMM_* environment setting, declared and read in one place.
 //
 // Settings are read when a communicator is created, so tests can change the
-// environment between groups. The README's "Settings" table mirrors this file.
+// environment between groups. docs/settings.md's table mirrors this file.
 #pragma once
 
 #include <cstddef>
