@@ -298,7 +298,7 @@ class Engine:
     ) -> None: ...
     def comm_stats(self) -> dict:
         """
-        Calls and bytes on the wire so far, per operation: whole frames (bytes_*) and payload only (payload_bytes_*).
+        Calls and bytes on the wire so far, per operation: whole frames (bytes_*) and payload only (payload_bytes_*); frames_*_single_copy: those whose payload the receiver read straight from the sender's memory (CLAWCOMM_SINGLE_COPY).
         """
     def flight_record(self) -> str:
         """

@@ -196,6 +196,8 @@ def _mismatch_trial(rank, ws, store_path, kind, odd):
     import torch
     import torch.distributed as dist
 
+    from clawcomm._torch_names import all_gather_single
+
     _init(rank, ws, store_path)
     t = torch.ones(64)
     me = rank == odd
@@ -214,7 +216,7 @@ def _mismatch_trial(rank, ws, store_path, kind, odd):
         elif kind == "skipped":
             if not me:
                 dist.all_reduce(t)
-            dist.all_gather_into_tensor(torch.empty(64 * ws), t)
+            all_gather_single(torch.empty(64 * ws), t)
         dist.all_reduce(t)  # and the next call: it must not slip through either
         return ("no error", time.monotonic() - start)
     except Exception as e:  # noqa: BLE001
@@ -284,6 +286,8 @@ def _arguments_trial(rank, ws, store_path):
     import torch
     import torch.distributed as dist
 
+    from clawcomm._torch_names import all_gather_single
+
     _init(rank, ws, store_path)
     x = torch.ones(8)
     cases = {
@@ -292,7 +296,7 @@ def _arguments_trial(rank, ws, store_path):
         "root = size": lambda: dist.reduce(x, ws),
         "peer = size": lambda: dist.send(x, ws),
         "uneven split": lambda: dist.all_to_all_single(torch.empty(8), x, [9] * ws, [1] * ws),
-        "wrong output size": lambda: dist.all_gather_into_tensor(torch.empty(3), x),
+        "wrong output size": lambda: all_gather_single(torch.empty(3), x),
         "int16 dtype": lambda: dist.all_reduce(torch.ones(4, dtype=torch.int16)),
         "unsigned 16-bit dtype": lambda: dist.all_reduce(torch.ones(4, dtype=torch.uint16)),
     }
@@ -305,7 +309,7 @@ def _arguments_trial(rank, ws, store_path):
             out.append((name, "refused"))
     # Limits that must work, and give the right values.
     out_t = torch.empty(8, ws).t()  # a strided output
-    dist.all_gather_into_tensor(out_t, torch.full((8,), float(rank + 1)))
+    all_gather_single(out_t, torch.full((8,), float(rank + 1)))
     want = torch.arange(1, ws + 1, dtype=torch.float32).repeat_interleave(8).reshape(ws, 8)
     out.append(("strided output", "ok" if torch.equal(out_t, want) else "wrong"))
     empty = torch.ones(0)
@@ -386,6 +390,8 @@ def _soak_trial(rank, ws, store_path, ops, seed):
     import torch
     import torch.distributed as dist
 
+    from clawcomm._torch_names import all_gather_single, reduce_scatter_single
+
     _init(rank, ws, store_path)
     rng = random.Random(seed)  # the same sequence on every rank
     wrong, samples = 0, []
@@ -404,11 +410,11 @@ def _soak_trial(rank, ws, store_path, ops, seed):
             wrong += x[-1].item() != i % ws + 1
         elif kind == "all_gather":
             out = torch.empty(n * ws * ws)
-            dist.all_gather_into_tensor(out, x)
+            all_gather_single(out, x)
             wrong += out[-1].item() != ws
         elif kind == "reduce_scatter":
             out = torch.empty(n)
-            dist.reduce_scatter_tensor(out, x)
+            reduce_scatter_single(out, x)
             wrong += out[0].item() != ws * (ws + 1) / 2
         else:
             out = torch.empty(n * ws)

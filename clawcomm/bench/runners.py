@@ -66,6 +66,8 @@ class TorchRunner:
         import torch
         import torch.distributed as dist
 
+        from clawcomm._torch_names import all_gather_single, reduce_scatter_single
+
         if self.backend == "gloo" and redop == "avg":
             raise Unsupported("gloo has no AVG")
         if redop == "avg" and dtype not in ("float32", "float64", "float16", "bfloat16"):
@@ -101,9 +103,9 @@ class TorchRunner:
         if name == "all_reduce":
             step = lambda: dist.all_reduce(out, op=op, group=g)
         elif name == "reduce_scatter":
-            step = lambda: dist.reduce_scatter_tensor(out, inp, op=op, group=g)
+            step = lambda: reduce_scatter_single(out, inp, op=op, group=g)
         elif name == "all_gather":
-            step = lambda: dist.all_gather_into_tensor(out, inp, group=g)
+            step = lambda: all_gather_single(out, inp, group=g)
         elif name == "broadcast":
             step = lambda: dist.broadcast(out, src=groot, group=g)
         elif name == "reduce":

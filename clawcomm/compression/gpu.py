@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from clawcomm._torch_names import all_gather_single
+
 
 def _kernels():
     from clawcomm import _C
@@ -70,8 +72,8 @@ def topk_all_reduce(
         val = val.to({"fp16": torch.float16, "bf16": torch.bfloat16}[values])
     all_idx = torch.empty(k * world, dtype=torch.int32, device=dev)
     all_val = torch.empty(k * world, dtype=val.dtype, device=dev)
-    dist.all_gather_into_tensor(all_idx, idx, group=group)
-    dist.all_gather_into_tensor(all_val, val, group=group)
+    all_gather_single(all_idx, idx, group=group)
+    all_gather_single(all_val, val, group=group)
     all_val = all_val.float()
     m = k * world
     ws = torch.empty(max(1, kern.scatter_add_workspace_bytes(m)), dtype=torch.uint8, device=dev)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from clawcomm import _C
+from clawcomm._torch_names import all_gather_single
 
 VALUE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -98,13 +99,9 @@ def sparse_all_reduce(
         _reduce_scatter_form(idx, val, out, group, values, n, scale)
 
 
-# torch 2.13 renamed all_gather_into_tensor (the old name warns).
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
 def _all_counts(count: int, group, n: int) -> list[int]:
     counts = torch.zeros(n, dtype=torch.int64)
-    _all_gather(counts, torch.tensor([count], dtype=torch.int64), group=group)
+    all_gather_single(counts, torch.tensor([count], dtype=torch.int64), group=group)
     return counts.tolist()
 
 
@@ -119,7 +116,7 @@ def _gather_form(idx, val, out, group, values, n, scale):
     val = torch.cat([val, torch.zeros(pad, dtype=val.dtype)])
     mine = _pack(idx, val, numel, values)
     gathered = torch.empty(n * mine.numel(), dtype=torch.uint8)
-    _all_gather(gathered, mine, group=group)
+    all_gather_single(gathered, mine, group=group)
     for r in range(n):
         i, v = _unpack(gathered[r * mine.numel() : (r + 1) * mine.numel()], k, numel, values)
         _scatter_add(out, i, v, scale)

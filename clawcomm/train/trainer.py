@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from clawcomm._torch_names import all_gather_single
 from clawcomm.compression import get_compressor
 from clawcomm.parallel.reducer import GradReducer
 from clawcomm.pipeline.actions import Action, B, F, I, W
@@ -61,8 +62,6 @@ from clawcomm.train.device import peak_mb, reset_peak
 from clawcomm.train.layout import Grid, balanced_cuts, measured_costs, parameter_costs
 
 _KINDS = (F, B, I, W)
-# torch 2.13 renamed all_gather_into_tensor (the old name warns).
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class Trainer:
@@ -577,7 +576,7 @@ class Trainer:
         mine = torch.tensor(own, dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1:
             everyone = torch.zeros(dist.get_world_size() * width, dtype=torch.float64)
-            _all_gather(everyone, mine)
+            all_gather_single(everyone, mine)
             rows = everyone.view(-1, width).tolist()
         else:
             rows = [own]

@@ -45,6 +45,22 @@ struct Settings {
   // auto: sparse when a host runs more than 16 ranks of the group.
   enum class ShmPeers { kAuto, kAll, kSparse };
   ShmPeers shmPeers = ShmPeers::kAuto;
+  // CLAWCOMM_SINGLE_COPY=auto|cma|off: how large messages move between ranks
+  // of one host. cma: the receiver copies straight out of the sender's
+  // memory with one process_vm_readv (cross-memory attach), where the ring
+  // would take two copies (into the ring, out of it); each receiver probes
+  // at setup whether it may read each peer (a container's seccomp or a ptrace
+  // policy can forbid it) and says so in the ring's control block, so each
+  // direction of each pair decides by the reader's verdict and every frame
+  // says how it travels (transport/shm/connection.h). auto: cma where the
+  // probe passes, the ring elsewhere; cma: a failed probe is an error at
+  // setup; off: always the ring.
+  enum class SingleCopy { kAuto, kCma, kOff };
+  SingleCopy singleCopy = SingleCopy::kAuto;
+  // CLAWCOMM_SINGLE_COPY_BYTES: frames of at least this many payload bytes
+  // go by single copy (smaller ones stay in the ring, whose copy is cheaper
+  // than the system call and the page pinning).
+  size_t singleCopyMinBytes = size_t(256) << 10;
   // CLAWCOMM_SEGMENT_BYTES: ring algorithms pipeline each chunk in segments of
   // at most this many bytes.
   size_t segmentBytes = size_t(1) << 20;

@@ -22,6 +22,9 @@ struct OpTraffic {
   std::atomic<uint64_t> framesReceived{0};
   std::atomic<uint64_t> bytesReceived{0};
   std::atomic<uint64_t> payloadReceived{0};
+  // Of those, frames whose payload moved by single copy (messenger.h).
+  std::atomic<uint64_t> framesSentByReference{0};
+  std::atomic<uint64_t> framesReceivedByReference{0};
 };
 
 struct Traffic {

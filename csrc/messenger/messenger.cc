@@ -29,6 +29,11 @@ constexpr size_t kHeaderBytes = sizeof(FrameHeader);
 // Frames up to this size are assembled contiguously and written in one call.
 constexpr size_t kSmallFrameBytes = 4096;
 const uint8_t kZeros[8] = {0};
+// A reference's payload is read this much per progress pass (copy sinks
+// straight into the destination; other sinks through bounce_, small enough
+// to stay in cache between the read and the reduction).
+constexpr size_t kReferenceChunkBytes = size_t(2) << 20;
+constexpr size_t kBounceBytes = size_t(256) << 10;
 // How often a sleeping wait wakes to check that its peers are alive.
 constexpr auto kHealthCheckInterval = std::chrono::milliseconds(10);
 
@@ -272,6 +277,7 @@ bool Messenger::progress() {
   for (int p = 0; p < size_; ++p) {
     if (p == rank_) continue;
     PeerState& ps = peers_[p];
+    moved |= settleReferences(ps);
     moved |= progressSend(ps);
     moved |= progressRecv(p, ps);
   }
@@ -282,14 +288,23 @@ bool Messenger::progressSend(PeerState& ps) {
   bool moved = false;
   while (!ps.sendQueue.empty()) {
     Transfer& t = *ps.sendQueue.front();
-    const size_t payloadEnd = kHeaderBytes + t.bytes;
+    const bool data =
+        t.header.kind == FrameKind::kCollective || t.header.kind == FrameKind::kPointToPoint;
+    if (t.done == 0 && data && t.bytes >= ps.conn->referenceMinBytes()) t.header.byReference = 1;
+    const bool byReference = t.header.byReference != 0;
+    const size_t payloadEnd = kHeaderBytes + (byReference ? sizeof(Reference) : t.bytes);
     const size_t total = padTo8(payloadEnd);
     if (t.done == 0 && total <= kSmallFrameBytes) {
       // Small frame: one contiguous write keeps latency to a single store
       // (shm) or a single packet (tcp).
       ps.scratch.resize(kSmallFrameBytes);
       std::memcpy(ps.scratch.data(), &t.header, kHeaderBytes);
-      if (t.bytes) std::memcpy(ps.scratch.data() + kHeaderBytes, t.src, t.bytes);
+      if (byReference) {
+        const Reference ref{reinterpret_cast<uint64_t>(t.src), t.bytes};
+        std::memcpy(ps.scratch.data() + kHeaderBytes, &ref, sizeof(ref));
+      } else if (t.bytes) {
+        std::memcpy(ps.scratch.data() + kHeaderBytes, t.src, t.bytes);
+      }
       std::memset(ps.scratch.data() + payloadEnd, 0, total - payloadEnd);
     }
     while (t.done < total) {
@@ -313,12 +328,17 @@ bool Messenger::progressSend(PeerState& ps) {
       t.done += w;
       moved = true;
     }
-    t.complete = true;
-    if (t.header.kind == FrameKind::kCollective || t.header.kind == FrameKind::kPointToPoint) {
+    if (data) {
       OpTraffic& c = traffic_.of(t.header.opType);
       Traffic::bump(c.framesSent, 1);
-      Traffic::bump(c.bytesSent, total);
+      Traffic::bump(c.bytesSent, padTo8(kHeaderBytes + t.bytes));
       Traffic::bump(c.payloadSent, t.bytes);
+      if (byReference) Traffic::bump(c.framesSentByReference, 1);
+    }
+    if (byReference) {
+      ps.awaitingRead.push_back(ps.sendQueue.front());  // complete once the peer has read it
+    } else {
+      t.complete = true;
     }
     ps.sendQueue.pop_front();
   }
@@ -350,6 +370,7 @@ bool Messenger::progressRecv(int peer, PeerState& ps) {
       }
       ps.target.reset();
       ps.frameDone = 0;
+      ps.referenceFill = 0;
       if (h.kind == FrameKind::kClose) {
         ps.closed = true;
         ps.headerFill = 0;
@@ -365,7 +386,14 @@ bool Messenger::progressRecv(int peer, PeerState& ps) {
     Transfer& t = *ps.target;
     const size_t payload = h.payloadBytes;
     const size_t total = padTo8(payload);
-    while (ps.frameDone < total) {
+    if (h.byReference) {
+      if (h.kind != FrameKind::kCollective && h.kind != FrameKind::kPointToPoint) {
+        throw PeerError(CLAWCOMM_CONCAT("corrupt stream from rank ", peer, ": a frame of kind ",
+                                        int(h.kind), " by reference"));
+      }
+      if (!pullReference(peer, ps, t, payload, moved)) return moved;
+    }
+    while (!h.byReference && ps.frameDone < total) {
       const Readable r = c.peek();
       if (r.size == 0) return moved;
       size_t n;
@@ -387,14 +415,68 @@ bool Messenger::progressRecv(int peer, PeerState& ps) {
     if (h.kind == FrameKind::kCollective || h.kind == FrameKind::kPointToPoint) {
       OpTraffic& c = traffic_.of(h.kind == FrameKind::kPointToPoint ? OpType::kRecv : h.opType);
       Traffic::bump(c.framesReceived, 1);
-      Traffic::bump(c.bytesReceived, kHeaderBytes + total);
+      Traffic::bump(c.bytesReceived, kHeaderBytes + total);  // by reference too: the same bytes
       Traffic::bump(c.payloadReceived, payload);
+      if (h.byReference) Traffic::bump(c.framesReceivedByReference, 1);
     }
     finishReceive(peer, ps, ps.target);
     ps.target.reset();
     ps.headerFill = 0;
     moved = true;
   }
+}
+
+bool Messenger::settleReferences(PeerState& ps) {
+  if (ps.awaitingRead.empty()) return false;
+  const uint64_t read = ps.conn->referencesRead();
+  bool moved = false;
+  while (!ps.awaitingRead.empty() && ps.referencesSettled < read) {
+    ps.awaitingRead.front()->complete = true;
+    ps.awaitingRead.pop_front();
+    ++ps.referencesSettled;
+    moved = true;
+  }
+  return moved;
+}
+
+bool Messenger::pullReference(int peer, PeerState& ps, Transfer& t, size_t payload, bool& moved) {
+  Connection& c = *ps.conn;
+  while (ps.referenceFill < sizeof(Reference)) {
+    const Readable r = c.peek();
+    if (r.size == 0) return false;
+    const size_t n = std::min(r.size, sizeof(Reference) - ps.referenceFill);
+    std::memcpy(ps.reference + ps.referenceFill, r.data, n);
+    c.consume(n);
+    ps.referenceFill += n;
+    moved = true;
+  }
+  Reference ref;
+  std::memcpy(&ref, ps.reference, sizeof(ref));
+  if (ref.bytes != payload) {
+    throw PeerError(CLAWCOMM_CONCAT("corrupt stream from rank ", peer, ": a reference to ",
+                                    ref.bytes, " bytes in a frame of ", payload));
+  }
+  if (ps.frameDone < payload) {
+    // One chunk per pass. Chunks are multiples of 8 bytes, so of every
+    // sink's granule; the last ends with the payload, a whole element.
+    size_t n = payload - ps.frameDone;
+    if (t.sink.kind == ReceiveSink::Kind::kCopy) {
+      n = std::min(n, kReferenceChunkBytes);
+      if (t.unexpected) growStash(t, ps.frameDone + n);
+      c.readPeer(ref.address + ps.frameDone, t.sink.dst + ps.frameDone, n);
+    } else {
+      n = std::min(n, kBounceBytes);
+      if (bounce_.empty()) bounce_.resize(kBounceBytes);
+      c.readPeer(ref.address + ps.frameDone, bounce_.data(), n);
+      t.sink.take(ps.frameDone, bounce_.data(), n);
+    }
+    t.done += n;
+    ps.frameDone += n;
+    moved = true;
+    if (ps.frameDone < payload) return false;
+  }
+  c.referenceRead();
+  return true;
 }
 
 TransferPtr Messenger::match(int peer, PeerState& ps, const FrameHeader& h) {
@@ -500,6 +582,9 @@ void Messenger::waitAll(const std::vector<TransferPtr>& transfers, Clock::time_p
 }
 
 std::string Messenger::describeWait(const Transfer& t) const {
+  if (t.mode == Transfer::Mode::kSend && t.header.byReference) {
+    return CLAWCOMM_CONCAT("rank ", t.peer, " to read ", t.bytes, " bytes by single copy");
+  }
   if (t.mode == Transfer::Mode::kSend) {
     return CLAWCOMM_CONCAT("rank ", t.peer, " to take ", t.bytes, " bytes (", t.done,
                            " frame bytes written)");

@@ -18,6 +18,17 @@
 //     reduce, decode, decode-and-add) straight out of the transport's
 //     memory, with no intermediate copy.
 //
+// Single copy: a frame of at least the connection's referenceMinBytes()
+// carries, instead of its payload, a reference (the address of the payload
+// in the sender's memory; FrameHeader::byReference). The receiver matches it
+// like any frame, then reads the payload straight into the sink
+// (Connection::readPeer; a reduce or decode sink through a small buffer that
+// stays in cache), a chunk per progress pass so other peers keep moving, and
+// tells the sender out of band (Connection::referenceRead). The send
+// completes only then, so its buffer stays untouched until it is read. An
+// unexpected point-to-point reference is read at once into its stash, so a
+// send never waits for its receive to be posted, as with bytes.
+//
 // One thread (the communicator's progress thread) owns a Messenger.
 #pragma once
 
@@ -54,13 +65,21 @@ struct FrameHeader {
   uint64_t count;  // collective: the signature's count
   uint64_t payloadBytes;
   int32_t root;
-  uint32_t step;  // collective: index of this message between the pair
-  uint8_t algo;   // collective: OpSignature::algo
-  uint8_t reserved[3];
+  uint32_t step;        // collective: index of this message between the pair
+  uint8_t algo;         // collective: OpSignature::algo
+  uint8_t byReference;  // the payload stays with the sender: the stream carries a Reference
+  uint8_t reserved[2];
   uint32_t epoch;  // the group's epoch (Messenger::setEpoch): frames of another group are refused
   uint8_t reserved2[16];
 };
 static_assert(sizeof(FrameHeader) == 64, "frame header is 64 bytes");
+
+// What a frame sent by reference carries in place of its payload.
+struct Reference {   // 16 bytes: frames stay multiples of 8
+  uint64_t address;  // of the payload, in the sender's memory
+  uint64_t bytes;    // the payload's size, as the header says
+};
+static_assert(sizeof(Reference) % 8 == 0, "a reference keeps frames whole 8-byte words");
 
 struct Transfer {
   enum class Mode { kSend, kRecv };
@@ -153,12 +172,25 @@ class Messenger {
     size_t frameDone = 0;          // payload + padding consumed
     bool closed = false;           // the peer sent its close frame
     std::vector<uint8_t> scratch;  // small frames are assembled here
+    // Single copy. Sender side: frames sent by reference, oldest first,
+    // that the peer has not read yet, and how many it has read so far.
+    std::deque<TransferPtr> awaitingRead;
+    uint64_t referencesSettled = 0;
+    // Receiver side: the current frame's reference, as it arrives.
+    uint8_t reference[sizeof(Reference)];
+    size_t referenceFill = 0;
   };
 
   // Queues one outgoing frame; fills the header's magic and payload size.
   TransferPtr queueSend(int peer, const FrameHeader& header, const void* src, size_t bytes);
   bool progressSend(PeerState& ps);
   bool progressRecv(int peer, PeerState& ps);
+  // Completes the sends by reference the peer has read.
+  bool settleReferences(PeerState& ps);
+  // Moves the current frame's payload by reference into its receive: the
+  // reference from the stream, then one chunk per call. True when complete;
+  // `moved` says whether anything happened.
+  bool pullReference(int peer, PeerState& ps, Transfer& t, size_t payload, bool& moved);
   TransferPtr match(int peer, PeerState& ps, const FrameHeader& h);
   void startTcpWatcher(const std::vector<int>& fds);
   // Grows an unexpected frame's stash to hold `need` payload bytes (up to
@@ -190,6 +222,7 @@ class Messenger {
   std::mutex cancelMutex_;
   std::string cancelReason_;  // guarded by cancelMutex_
   Traffic traffic_;
+  std::vector<uint8_t> bounce_;  // a reference's chunk on its way into a reduce or decode sink
 };
 
 }  // namespace clawcomm

@@ -16,8 +16,12 @@ bool anyPair(const RankInfo&, const RankInfo&) {
 }
 
 std::unique_ptr<Endpoint> makeShm(const EndpointSetup& s) {
+  SingleCopyPolicy single;
+  single.probe = s.settings->singleCopy != Settings::SingleCopy::kOff;
+  single.required = s.settings->singleCopy == Settings::SingleCopy::kCma;
+  single.minBytes = s.settings->singleCopyMinBytes;
   return std::make_unique<ShmEndpoint>(s.jobTokenHex, s.rank, s.size, s.settings->shmRingBytes,
-                                       s.peersOf);
+                                       s.peersOf, single);
 }
 
 std::unique_ptr<Endpoint> makeTcp(const EndpointSetup& s) {

@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -72,6 +73,23 @@ class Connection {
   virtual Doorbell* doorbell() { return nullptr; }
 
   virtual const char* kind() const = 0;
+
+  // Single copy (shared memory with cross-memory attach; a transport
+  // without it keeps the defaults). A sender may put a reference to its own
+  // memory in the stream instead of the bytes of a frame of at least
+  // referenceMinBytes() payload bytes (SIZE_MAX: never; the peer decides, by
+  // whether it may read this process). The receiver copies straight out of
+  // the sender's memory (readPeer) and then calls referenceRead(), which
+  // counts up referencesRead() on the sender's side out of band: never behind
+  // frames in the stream, which back-pressure can hold.
+  virtual size_t referenceMinBytes() const { return SIZE_MAX; }
+  // Copies `n` bytes at `address` in the peer's memory to `dst`. Throws
+  // PeerError when the peer died or its memory is gone.
+  virtual void readPeer(uint64_t /*address*/, void* /*dst*/, size_t /*n*/) {
+    throw std::logic_error("a reference on a transport without single copy");
+  }
+  virtual void referenceRead() {}
+  virtual uint64_t referencesRead() const { return 0; }
 };
 
 // This rank's side of one transport: the local resources (a listening socket,

@@ -3,12 +3,15 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstddef>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -26,6 +29,8 @@ constexpr size_t kReasonBytes = 384;
 
 // kClosed: the writer shut down cleanly; what it wrote stays readable.
 enum RingState : uint32_t { kOpen = 0, kAborted = 1, kClosed = 2 };
+// The reader's verdict on single copy for one ring (RingControl::attach).
+enum Attach : uint32_t { kAttachUnknown = 0, kAttachYes = 1, kAttachNo = 2 };
 
 // Control block of one ring. head and tail live on their own cache lines so
 // the producer and the consumer never write the same line.
@@ -37,6 +42,11 @@ struct alignas(64) RingControl {
   std::atomic<uint32_t> producerState;
   std::atomic<uint32_t> consumerState;
   char pad2[56];
+  // Single copy, both written by the consumer: references it has read, and
+  // whether it can read the producer's memory (Attach).
+  std::atomic<uint64_t> referencesRead;
+  std::atomic<uint32_t> attach;
+  char pad3[52];
   char producerReason[kReasonBytes];
   char consumerReason[kReasonBytes];
 };
@@ -50,6 +60,9 @@ struct SegmentHeader {
   int32_t size;
   int32_t rings;  // one per shared-memory peer of this rank
   uint64_t ringBytes;
+  // Where this header lies in its owner's address space: the single-copy
+  // probe reads it from there.
+  uint64_t ownAddress;
   // Rung by every peer that writes into this segment's rings or frees space
   // in the rings this rank writes to (see transport/doorbell.h).
   Doorbell doorbell;
@@ -86,6 +99,29 @@ void writeReason(char* dst, const std::string& reason) {
   std::snprintf(dst, kReasonBytes, "%s", reason.c_str());
 }
 
+// Copies `n` bytes at `address` in process `pid` to `dst`; returns 0, or the
+// errno of the failure.
+int readProcess(int pid, uint64_t address, void* dst, size_t n) {
+  auto* out = static_cast<uint8_t*>(dst);
+  while (n > 0) {
+    iovec local{out, n};
+    iovec remote{reinterpret_cast<void*>(address), n};
+    const ssize_t got = process_vm_readv(pid, &local, 1, &remote, 1, 0);
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) return got < 0 ? errno : EFAULT;
+    out += got;
+    address += uint64_t(got);
+    n -= size_t(got);
+  }
+  return 0;
+}
+
+std::string yamaScope() {
+  std::ifstream f("/proc/sys/kernel/yama/ptrace_scope");
+  std::string v;
+  return f >> v ? v : std::string();
+}
+
 }  // namespace
 
 class ShmMapping {
@@ -112,7 +148,7 @@ class ShmConnection : public Connection {
   // `inSlot`: the peer's ring in this rank's segment; `outSlot`: this
   // rank's ring in the peer's.
   ShmConnection(int rank, int peer, std::shared_ptr<ShmMapping> own,
-                std::shared_ptr<ShmMapping> remote, int inSlot, int outSlot)
+                std::shared_ptr<ShmMapping> remote, int inSlot, int outSlot, size_t referenceMin)
       : rank_(rank),
         peer_(peer),
         peerPid_(remote->header()->pid),
@@ -122,7 +158,8 @@ class ShmConnection : public Connection {
         inData_(own_->ringData(inSlot)),
         out_(remote_->ring(outSlot)),
         outData_(remote_->ringData(outSlot)),
-        cap_(own_->ringBytes()) {}
+        cap_(own_->ringBytes()),
+        referenceMin_(referenceMin) {}
 
   // Producer side: copy into the peer's ring, wrapping at its end.
   size_t write(const void* data, size_t n) override {
@@ -187,6 +224,31 @@ class ShmConnection : public Connection {
 
   const char* kind() const override { return "shm"; }
 
+  size_t referenceMinBytes() const override {
+    return out_->attach.load(std::memory_order_acquire) == kAttachYes ? referenceMin_ : SIZE_MAX;
+  }
+
+  void readPeer(uint64_t address, void* dst, size_t n) override {
+    const int err = readProcess(peerPid_, address, dst, n);
+    if (err == 0) return;
+    throw PeerError(CLAWCOMM_CONCAT(
+        "rank ", rank_, " could not read ", n, " bytes from rank ", peer_, " (pid ", peerPid_,
+        ") by single copy: ", std::strerror(err),
+        err == ESRCH    ? " (the rank died)"
+        : err == EFAULT ? " (its buffer is gone: the rank died or freed it before the receive)"
+                        : ""));
+  }
+
+  void referenceRead() override {
+    in_->referencesRead.store(in_->referencesRead.load(std::memory_order_relaxed) + 1,
+                              std::memory_order_release);
+    ringDoorbell(remote_->header()->doorbell);
+  }
+
+  uint64_t referencesRead() const override {
+    return out_->referencesRead.load(std::memory_order_acquire);
+  }
+
  private:
   int rank_;
   int peer_;
@@ -198,6 +260,7 @@ class ShmConnection : public Connection {
   RingControl* out_;
   uint8_t* outData_;
   size_t cap_;
+  size_t referenceMin_;
 };
 
 std::shared_ptr<ShmMapping> mapSegment(int fd, size_t bytes, const std::string& name) {
@@ -216,13 +279,14 @@ std::string segmentName(const std::string& jobToken, int rank) {
 }  // namespace
 
 ShmEndpoint::ShmEndpoint(const std::string& jobToken, int rank, int size, size_t ringBytes,
-                         std::vector<std::vector<int>> peersOf)
+                         std::vector<std::vector<int>> peersOf, SingleCopyPolicy singleCopy)
     : jobToken_(jobToken),
       name_(segmentName(jobToken, rank)),
       rank_(rank),
       size_(size),
       ringBytes_(ringBytes),
-      peersOf_(std::move(peersOf)) {
+      peersOf_(std::move(peersOf)),
+      singleCopy_(singleCopy) {
   const size_t rings = peersOf_.at(size_t(rank)).size();
   CLAWCOMM_CHECK(ringBytes % 64 == 0, "ring bytes ", ringBytes);
   const int fd = shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
@@ -265,6 +329,12 @@ ShmEndpoint::ShmEndpoint(const std::string& jobToken, int rank, int size, size_t
   h->size = size;
   h->rings = int32_t(rings);
   h->ringBytes = ringBytes;
+  h->ownAddress = reinterpret_cast<uint64_t>(h);
+  // Yama's "restricted" ptrace (scope 1) lets a process read only its
+  // descendants' memory, and sibling ranks are not: name the launcher, so
+  // that processes under it (the other ranks) may. Scopes 2 and 3 allow no
+  // such exception; the probe then fails and the ring carries everything.
+  if (singleCopy_.probe && yamaScope() == "1") prctl(PR_SET_PTRACER, getppid(), 0, 0, 0);
   std::atomic_thread_fence(std::memory_order_release);
   h->magic = kSegmentMagic;
 }
@@ -294,9 +364,27 @@ std::unique_ptr<Connection> ShmEndpoint::connect(int peer, const std::string& pe
                                 rank_, " expected rank ", peer, " of ", size_, " with ", ringBytes_,
                                 "-byte rings (is CLAWCOMM_SHM_RING_BYTES the same everywhere?)"));
   }
-  return std::make_unique<ShmConnection>(rank_, peer, own_, std::move(remote),
-                                         slotOf(peersOf_[size_t(rank_)], peer),
-                                         slotOf(theirs, rank_));
+  const int inSlot = slotOf(peersOf_[size_t(rank_)], peer);
+  if (singleCopy_.probe) {
+    // Reads the peer's header out of its own address space: the bytes must
+    // be what the shared mapping shows.
+    SegmentHeader seen{};
+    const int err = readProcess(h->pid, h->ownAddress, &seen, offsetof(SegmentHeader, doorbell));
+    const bool ok = err == 0 && std::memcmp(&seen, h, offsetof(SegmentHeader, doorbell)) == 0;
+    if (!ok && singleCopy_.required) {
+      const std::string scope = yamaScope();
+      throw Error(CLAWCOMM_CONCAT(
+          "clawcomm shm: CLAWCOMM_SINGLE_COPY=cma, but rank ", rank_, " cannot read rank ", peer,
+          "'s memory (pid ", h->pid,
+          ") with process_vm_readv: ", err ? std::strerror(err) : "it read other bytes",
+          scope.empty() ? "" : CLAWCOMM_CONCAT(" (kernel.yama.ptrace_scope=", scope, ")"),
+          "; a container's seccomp profile or a ptrace policy can forbid it. "
+          "CLAWCOMM_SINGLE_COPY=auto falls back to the ring"));
+    }
+    own_->ring(inSlot)->attach.store(ok ? kAttachYes : kAttachNo, std::memory_order_release);
+  }
+  return std::make_unique<ShmConnection>(rank_, peer, own_, std::move(remote), inSlot,
+                                         slotOf(theirs, rank_), singleCopy_.minBytes);
 }
 
 void ShmEndpoint::finishSetup() {

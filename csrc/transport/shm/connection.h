@@ -9,6 +9,16 @@
 // ring in the reader's segment without asking.
 // The segment is unlinked as soon as every peer has mapped it
 // (finishSetup), so a SIGKILL of every rank leaves nothing in /dev/shm.
+//
+// Single copy (CLAWCOMM_SINGLE_COPY): when a rank connects to a peer it
+// tries to read the peer's segment header out of the peer's own address
+// space with process_vm_readv, and writes the verdict into the control block
+// of the ring the peer writes to it. The peer then sends frames of at least
+// CLAWCOMM_SINGLE_COPY_BYTES as references (Connection::referenceMinBytes),
+// which this rank reads with one process_vm_readv each, straight into the
+// receive. Where Yama restricts ptrace to descendants (ptrace_scope 1, as on
+// Ubuntu), each rank names its parent (the launcher) its ptracer, which lets
+// its sibling ranks, and only processes under that launcher, read it.
 #pragma once
 
 #include <memory>
@@ -21,12 +31,18 @@ namespace clawcomm {
 
 class ShmMapping;
 
+struct SingleCopyPolicy {
+  bool probe = true;     // try cross-memory attach with every peer (auto, cma)
+  bool required = true;  // a failed probe is an error (cma)
+  size_t minBytes = size_t(256) << 10;
+};
+
 class ShmEndpoint : public Endpoint {
  public:
   // Creates "/clawcomm-<jobToken>-<rank>" with one inbound ring for each of
   // peersOf[rank]; peersOf[q] lists rank q's shared-memory peers.
   ShmEndpoint(const std::string& jobToken, int rank, int size, size_t ringBytes,
-              std::vector<std::vector<int>> peersOf);
+              std::vector<std::vector<int>> peersOf, SingleCopyPolicy singleCopy = {});
   ~ShmEndpoint() override;
 
   std::string address() const override { return name_; }
@@ -44,6 +60,7 @@ class ShmEndpoint : public Endpoint {
   int size_;
   size_t ringBytes_;
   std::vector<std::vector<int>> peersOf_;
+  SingleCopyPolicy singleCopy_;
   std::shared_ptr<ShmMapping> own_;
   bool unlinked_ = false;
 };
