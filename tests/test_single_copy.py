@@ -81,14 +81,15 @@ def test_every_operation_by_reference_equals_the_ring(world_size):
 
 def _head_to_head(rank, n):
     """Blocking sends first on both ranks, then the receives; and a send
-    whose receive comes after a collective on the receiver."""
+    whose receive comes after a collective on the receiver. Each send's
+    reference waits unclaimed (parked) until it is read into a stash."""
     eng = clawcomm.engine_of()
     peer = 1 - rank
     big = np.full(1 << 20, rank + 1, np.float32)  # 4 MiB: by reference
     got = np.empty_like(big)
     eng.send(big, peer, tag=1)  # returns before the peer posts its receive
     eng.recv(got, peer, tag=1)
-    ones = np.ones(8, np.float32)
+    ones = np.ones(1 << 20, np.float32)  # its frames go by reference too, read before the send's
     if rank == 0:
         eng.send(big, 1, tag=2)  # rank 1 receives it only after the all-reduce
         eng.all_reduce(ones)
@@ -96,7 +97,7 @@ def _head_to_head(rank, n):
         eng.all_reduce(ones)
         eng.recv(got, 0, tag=2)
     stats = eng.comm_stats()
-    return float(got[0]), float(ones[0]), stats["recv"]["frames_received_single_copy"]
+    return float(got[0]), float(ones[-1]), stats["recv"]["frames_received_single_copy"]
 
 
 def test_a_send_by_reference_never_waits_for_its_receive():
@@ -104,6 +105,30 @@ def test_a_send_by_reference_never_waits_for_its_receive():
     assert results[0][:2] == (2.0, 2.0)
     assert results[1][:2] == (1.0, 2.0)
     assert results[0][2] >= 1 and results[1][2] >= 1
+
+
+def _receives_late_or_in_time(rank, n, delay):
+    eng = clawcomm.engine_of()
+    count = 1 << 20
+    if rank == 0:
+        for tag in range(3):
+            eng.send(np.arange(count, dtype=np.float32) + tag, 1, tag=tag)
+        return None
+    time.sleep(delay)  # 0: in time (read straight in); 50 ms: parked, then stashed
+    out = []
+    for tag in (2, 0, 1):  # not in the order sent: matched by tag
+        got = np.empty(count, np.float32)
+        src = eng.recv(got, -1, tag=tag)
+        out.append((src, float(got[5]), float(got[-1])))
+    return out
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.05], ids=["in-time", "late"])
+def test_unexpected_references_are_matched_by_tag_from_any_source(delay):
+    env = {"CLAWCOMM_SINGLE_COPY": "cma"}
+    results = run_ranks(_receives_late_or_in_time, 2, delay, env=env, pg_timeout=20)
+    last = (1 << 20) - 1
+    assert results[1] == [(0, 5.0 + tag, last + tag) for tag in (2, 0, 1)]
 
 
 # --- a reader that may not read: a seccomp filter, as in a container --------

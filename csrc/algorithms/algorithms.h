@@ -51,14 +51,27 @@ void ringAllGather(Channel& ch, void* buf, const std::vector<size_t>& counts);
 // Need topology().hierarchical() and the whole group's channel.
 void hierarchicalReduceScatter(Channel& ch, void* buf, const std::vector<size_t>& counts);
 void hierarchicalAllGather(Channel& ch, void* buf, const std::vector<size_t>& counts);
+// The same for a group on one host, in one step from the caller's buffers
+// (direct_gather_scatter.cc): rank r's reduced chunk lands in `out`, the
+// gathered chunks in `out` at their offsets; `in` is only read. `in` may be
+// `out`'s own chunk for the all-gather.
+void directReduceScatter(Channel& ch, const void* in, void* out, const std::vector<size_t>& counts);
+void directAllGather(Channel& ch, const void* in, void* out, const std::vector<size_t>& counts);
+// Whether reduce-scatter and all-gather take the direct algorithms: every
+// rank on one host, at most kDirectMaxRanks of them (beyond, CLAWCOMM_SHM_PEERS
+// may leave pairs on TCP), and CLAWCOMM_ALGO=auto (a named algorithm keeps
+// the ring).
+constexpr int kDirectMaxRanks = 16;
+bool useDirect(const Topology& topo, const Settings& settings);
 // Whether reduce-scatter and all-gather take the hierarchical algorithms:
 // on a hierarchical layout, unless CLAWCOMM_ALGO names a flat one.
 bool useHierarchical(const Topology& topo, const Settings& settings);
 
 void binomialBroadcast(Channel& ch, void* buf, size_t bytes, int root);
 
-// Reduces into `buf` on `root`. `buf` is used as the accumulator on every
-// rank, so non-roots pass a scratch copy of their input.
+// Reduces into `buf` on `root`. `buf` is the accumulator of every rank with
+// children in the tree, so such non-roots pass a scratch copy of their
+// input; a leaf only sends it.
 void binomialReduce(Channel& ch, void* buf, size_t count, int root);
 
 // Rank r's `bytes` from `in` land at out + r * bytes on `root`.

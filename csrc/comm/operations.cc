@@ -79,12 +79,19 @@ RequestPtr Communicator::reduceScatter(const void* in, void* out, std::vector<si
   const size_t total = std::accumulate(counts.begin(), counts.end(), size_t(0));
   OpSignature sig{OpType::kReduceScatter, dtype, op, -1, total};
   const bool hierarchical = useHierarchical(topology_, settings_);
+  const bool direct = !hierarchical && useDirect(topology_, settings_);
   if (hierarchical) sig.algo = Algorithm::kHierarchical;
+  if (direct) sig.algo = Algorithm::kDirect;
   const int r = rank_, n = size_;
   return enqueueCollective(
       sig, total * elementSize(dtype),
       [=](Channel& ch) {
         const size_t es = elementSize(dtype);
+        if (direct) {
+          directReduceScatter(ch, in, out, counts);
+          if (op == ReduceOp::kAvg) divideInPlace(dtype, out, counts[r], n);
+          return;
+        }
         // The ring reduces in place, so it works on a copy of the input.
         uint8_t* work = ch.scratch(kOpScratch, total * es);
         if (total) std::memcpy(work, in, total * es);
@@ -107,11 +114,17 @@ RequestPtr Communicator::allGather(const void* in, void* out, std::vector<size_t
   const size_t total = std::accumulate(counts.begin(), counts.end(), size_t(0));
   OpSignature sig{OpType::kAllGather, dtype, ReduceOp::kSum, -1, total};
   const bool hierarchical = useHierarchical(topology_, settings_);
+  const bool direct = !hierarchical && useDirect(topology_, settings_);
   if (hierarchical) sig.algo = Algorithm::kHierarchical;
+  if (direct) sig.algo = Algorithm::kDirect;
   const int r = rank_;
   return enqueueCollective(
       sig, total * elementSize(dtype),
       [=](Channel& ch) {
+        if (direct) {
+          directAllGather(ch, in, out, counts);
+          return;
+        }
         const size_t es = elementSize(dtype);
         const size_t offset = std::accumulate(counts.begin(), counts.begin() + r, size_t(0));
         uint8_t* mine = static_cast<uint8_t*>(out) + offset * es;
@@ -144,9 +157,15 @@ RequestPtr Communicator::reduce(void* buf, size_t count, DataType dtype, ReduceO
       sig, count * elementSize(dtype),
       [=](Channel& ch) {
         const size_t bytes = count * elementSize(dtype);
+        // A leaf of the tree (no children: odd, or the last) only sends
+        // its input, which it never writes: no copy.
+        const int v = (r - root + n) % n;
+        const bool leaf = (v & 1) || v + 1 >= n;
         if (r == root) {
           binomialReduce(ch, buf, count, root);
           if (op == ReduceOp::kAvg) divideInPlace(dtype, buf, count, n);
+        } else if (leaf) {
+          binomialReduce(ch, buf, count, root);
         } else {
           // Non-roots accumulate their subtree in scratch, leaving `buf` as it was.
           uint8_t* partial = ch.scratch(kOpScratch, bytes);

@@ -31,6 +31,7 @@ const char* algorithmName(Algorithm a) {
     case Algorithm::kIpcOneShot: return "CUDA IPC one-shot";
     case Algorithm::kIpcTwoShot: return "CUDA IPC two-shot";
     case Algorithm::kIpc: return "CUDA IPC";
+    case Algorithm::kDirect: return "direct";
   }
   return "unknown-algorithm";
 }

@@ -37,6 +37,7 @@ enum class Algorithm : uint8_t {
   kIpcOneShot = 5,     // device memory through IPC: every rank reduces every input
   kIpcTwoShot = 6,     // device memory through IPC: reduce-scatter + all-gather
   kIpc = 7,            // device memory through IPC, the op's only algorithm there
+  kDirect = 8,         // one host: every rank exchanges with every peer in one step
 };
 
 const char* algorithmName(Algorithm a);

@@ -29,11 +29,6 @@ constexpr size_t kHeaderBytes = sizeof(FrameHeader);
 // Frames up to this size are assembled contiguously and written in one call.
 constexpr size_t kSmallFrameBytes = 4096;
 const uint8_t kZeros[8] = {0};
-// A reference's payload is read this much per progress pass (copy sinks
-// straight into the destination; other sinks through bounce_, small enough
-// to stay in cache between the read and the reduction).
-constexpr size_t kReferenceChunkBytes = size_t(2) << 20;
-constexpr size_t kBounceBytes = size_t(256) << 10;
 // How often a sleeping wait wakes to check that its peers are alive.
 constexpr auto kHealthCheckInterval = std::chrono::milliseconds(10);
 
@@ -280,6 +275,7 @@ bool Messenger::progress() {
     moved |= settleReferences(ps);
     moved |= progressSend(ps);
     moved |= progressRecv(p, ps);
+    moved |= progressParked(ps);
   }
   return moved;
 }
@@ -290,7 +286,11 @@ bool Messenger::progressSend(PeerState& ps) {
     Transfer& t = *ps.sendQueue.front();
     const bool data =
         t.header.kind == FrameKind::kCollective || t.header.kind == FrameKind::kPointToPoint;
-    if (t.done == 0 && data && t.bytes >= ps.conn->referenceMinBytes()) t.header.byReference = 1;
+    if (t.done == 0 && data && !t.header.byReference && t.bytes >= ps.conn->referenceMinBytes() &&
+        referenceFits(ps)) {
+      t.header.byReference = 1;
+      t.referenceSeq = ++ps.referencesSent;
+    }
     const bool byReference = t.header.byReference != 0;
     const size_t payloadEnd = kHeaderBytes + (byReference ? sizeof(Reference) : t.bytes);
     const size_t total = padTo8(payloadEnd);
@@ -300,7 +300,7 @@ bool Messenger::progressSend(PeerState& ps) {
       ps.scratch.resize(kSmallFrameBytes);
       std::memcpy(ps.scratch.data(), &t.header, kHeaderBytes);
       if (byReference) {
-        const Reference ref{reinterpret_cast<uint64_t>(t.src), t.bytes};
+        const Reference ref{reinterpret_cast<uint64_t>(t.src), t.bytes, t.referenceSeq, 0};
         std::memcpy(ps.scratch.data() + kHeaderBytes, &ref, sizeof(ref));
       } else if (t.bytes) {
         std::memcpy(ps.scratch.data() + kHeaderBytes, t.src, t.bytes);
@@ -391,7 +391,25 @@ bool Messenger::progressRecv(int peer, PeerState& ps) {
         throw PeerError(CLAWCOMM_CONCAT("corrupt stream from rank ", peer, ": a frame of kind ",
                                         int(h.kind), " by reference"));
       }
-      if (!pullReference(peer, ps, t, payload, moved)) return moved;
+      if (!takeReference(ps, moved)) return moved;
+      Reference& ref = t.reference;
+      std::memcpy(&ref, ps.reference, sizeof(ref));
+      if (ref.bytes != payload) {
+        throw PeerError(CLAWCOMM_CONCAT("corrupt stream from rank ", peer, ": a reference to ",
+                                        ref.bytes, " bytes in a frame of ", payload));
+      }
+      if (t.unexpected) {  // parked (references.cc); the stream moves on
+        t.parked = true;
+        t.parkedAt = Clock::now();
+      } else {
+        if (ps.frameDone < payload) {
+          readChunk(c, ref, t.sink, ps.frameDone);
+          t.done = ps.frameDone;
+          moved = true;
+          if (ps.frameDone < payload) return moved;  // the next chunk on the next pass
+        }
+        c.referenceRead(ref.seq);
+      }
     }
     while (!h.byReference && ps.frameDone < total) {
       const Readable r = c.peek();
@@ -419,64 +437,11 @@ bool Messenger::progressRecv(int peer, PeerState& ps) {
       Traffic::bump(c.payloadReceived, payload);
       if (h.byReference) Traffic::bump(c.framesReceivedByReference, 1);
     }
-    finishReceive(peer, ps, ps.target);
+    if (!t.parked) finishReceive(peer, ps, ps.target);
     ps.target.reset();
     ps.headerFill = 0;
     moved = true;
   }
-}
-
-bool Messenger::settleReferences(PeerState& ps) {
-  if (ps.awaitingRead.empty()) return false;
-  const uint64_t read = ps.conn->referencesRead();
-  bool moved = false;
-  while (!ps.awaitingRead.empty() && ps.referencesSettled < read) {
-    ps.awaitingRead.front()->complete = true;
-    ps.awaitingRead.pop_front();
-    ++ps.referencesSettled;
-    moved = true;
-  }
-  return moved;
-}
-
-bool Messenger::pullReference(int peer, PeerState& ps, Transfer& t, size_t payload, bool& moved) {
-  Connection& c = *ps.conn;
-  while (ps.referenceFill < sizeof(Reference)) {
-    const Readable r = c.peek();
-    if (r.size == 0) return false;
-    const size_t n = std::min(r.size, sizeof(Reference) - ps.referenceFill);
-    std::memcpy(ps.reference + ps.referenceFill, r.data, n);
-    c.consume(n);
-    ps.referenceFill += n;
-    moved = true;
-  }
-  Reference ref;
-  std::memcpy(&ref, ps.reference, sizeof(ref));
-  if (ref.bytes != payload) {
-    throw PeerError(CLAWCOMM_CONCAT("corrupt stream from rank ", peer, ": a reference to ",
-                                    ref.bytes, " bytes in a frame of ", payload));
-  }
-  if (ps.frameDone < payload) {
-    // One chunk per pass. Chunks are multiples of 8 bytes, so of every
-    // sink's granule; the last ends with the payload, a whole element.
-    size_t n = payload - ps.frameDone;
-    if (t.sink.kind == ReceiveSink::Kind::kCopy) {
-      n = std::min(n, kReferenceChunkBytes);
-      if (t.unexpected) growStash(t, ps.frameDone + n);
-      c.readPeer(ref.address + ps.frameDone, t.sink.dst + ps.frameDone, n);
-    } else {
-      n = std::min(n, kBounceBytes);
-      if (bounce_.empty()) bounce_.resize(kBounceBytes);
-      c.readPeer(ref.address + ps.frameDone, bounce_.data(), n);
-      t.sink.take(ps.frameDone, bounce_.data(), n);
-    }
-    t.done += n;
-    ps.frameDone += n;
-    moved = true;
-    if (ps.frameDone < payload) return false;
-  }
-  c.referenceRead();
-  return true;
 }
 
 TransferPtr Messenger::match(int peer, PeerState& ps, const FrameHeader& h) {

@@ -18,16 +18,18 @@
 //     reduce, decode, decode-and-add) straight out of the transport's
 //     memory, with no intermediate copy.
 //
-// Single copy: a frame of at least the connection's referenceMinBytes()
-// carries, instead of its payload, a reference (the address of the payload
-// in the sender's memory; FrameHeader::byReference). The receiver matches it
-// like any frame, then reads the payload straight into the sink
-// (Connection::readPeer; a reduce or decode sink through a small buffer that
-// stays in cache), a chunk per progress pass so other peers keep moving, and
-// tells the sender out of band (Connection::referenceRead). The send
-// completes only then, so its buffer stays untouched until it is read. An
-// unexpected point-to-point reference is read at once into its stash, so a
-// send never waits for its receive to be posted, as with bytes.
+// Single copy (messenger/references.cc): a frame of at least the
+// connection's referenceMinBytes() carries, instead of its payload, a
+// reference (the address of the payload in the sender's memory;
+// FrameHeader::byReference). The receiver matches it like any frame, then
+// reads the payload straight into the sink (Connection::readPeer; a reduce
+// or decode sink through a small buffer that stays in cache), a chunk per
+// progress pass so other peers keep moving, and tells the sender out of band
+// (Connection::referenceRead). The send completes only then, so its buffer
+// stays untouched until it is read. An unexpected point-to-point reference
+// is parked, and the stream moves on: a receive posted within kParkTime reads
+// it straight into its buffer; after that it is read into a stash, as bytes
+// would be, so a send never waits long for its receive to be posted.
 //
 // One thread (the communicator's progress thread) owns a Messenger.
 #pragma once
@@ -75,9 +77,11 @@ struct FrameHeader {
 static_assert(sizeof(FrameHeader) == 64, "frame header is 64 bytes");
 
 // What a frame sent by reference carries in place of its payload.
-struct Reference {   // 16 bytes: frames stay multiples of 8
+struct Reference {
   uint64_t address;  // of the payload, in the sender's memory
   uint64_t bytes;    // the payload's size, as the header says
+  uint64_t seq;      // 1, 2, ... per direction (Connection::referenceRead)
+  uint64_t reserved;
 };
 static_assert(sizeof(Reference) % 8 == 0, "a reference keeps frames whole 8-byte words");
 
@@ -99,6 +103,14 @@ struct Transfer {
   bool abortReason = false;  // an abort frame's text
   std::vector<uint8_t> stash;
   std::shared_ptr<Transfer> claimedBy;
+  // Single copy. Sends: the reference's number. Unexpected receives: the
+  // reference a frame carried, parked until a receive claims it or
+  // kParkTime passes (then read into `stash`).
+  uint64_t referenceSeq = 0;
+  bool parked = false;
+  bool readIntoStash = false;
+  Reference reference{};
+  Clock::time_point parkedAt{};
 };
 using TransferPtr = std::shared_ptr<Transfer>;
 
@@ -172,10 +184,10 @@ class Messenger {
     size_t frameDone = 0;          // payload + padding consumed
     bool closed = false;           // the peer sent its close frame
     std::vector<uint8_t> scratch;  // small frames are assembled here
-    // Single copy. Sender side: frames sent by reference, oldest first,
-    // that the peer has not read yet, and how many it has read so far.
-    std::deque<TransferPtr> awaitingRead;
-    uint64_t referencesSettled = 0;
+    // Single copy. Sender side: frames sent by reference that the peer has
+    // not read yet, and the last number given to a reference.
+    std::vector<TransferPtr> awaitingRead;
+    uint64_t referencesSent = 0;
     // Receiver side: the current frame's reference, as it arrives.
     uint8_t reference[sizeof(Reference)];
     size_t referenceFill = 0;
@@ -185,12 +197,19 @@ class Messenger {
   TransferPtr queueSend(int peer, const FrameHeader& header, const void* src, size_t bytes);
   bool progressSend(PeerState& ps);
   bool progressRecv(int peer, PeerState& ps);
+  // Single copy (references.cc). Whether the next send to this peer may go
+  // by reference: the references it awaits stay within the window.
+  bool referenceFits(const PeerState& ps) const;
   // Completes the sends by reference the peer has read.
   bool settleReferences(PeerState& ps);
-  // Moves the current frame's payload by reference into its receive: the
-  // reference from the stream, then one chunk per call. True when complete;
-  // `moved` says whether anything happened.
-  bool pullReference(int peer, PeerState& ps, Transfer& t, size_t payload, bool& moved);
+  // Gathers the current frame's reference from the stream into
+  // ps.reference; true once whole.
+  bool takeReference(PeerState& ps, bool& moved);
+  // Reads the next chunk of `ref`'s payload into `sink`, from `offset`.
+  void readChunk(Connection& c, const Reference& ref, const ReceiveSink& sink, size_t& offset);
+  // Reads parked references: into the receive that claimed one, or, once
+  // kParkTime has passed, into its stash. One chunk per call.
+  bool progressParked(PeerState& ps);
   TransferPtr match(int peer, PeerState& ps, const FrameHeader& h);
   void startTcpWatcher(const std::vector<int>& fds);
   // Grows an unexpected frame's stash to hold `need` payload bytes (up to

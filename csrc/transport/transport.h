@@ -78,18 +78,22 @@ class Connection {
   // without it keeps the defaults). A sender may put a reference to its own
   // memory in the stream instead of the bytes of a frame of at least
   // referenceMinBytes() payload bytes (SIZE_MAX: never; the peer decides, by
-  // whether it may read this process). The receiver copies straight out of
-  // the sender's memory (readPeer) and then calls referenceRead(), which
-  // counts up referencesRead() on the sender's side out of band: never behind
-  // frames in the stream, which back-pressure can hold.
+  // whether it may read this process). References are numbered 1, 2, ... per
+  // direction. The receiver copies straight out of the sender's memory
+  // (readPeer) and then calls referenceRead(seq), which the sender sees out
+  // of band (referenceWasRead), in any order: never behind frames in the
+  // stream, which back-pressure can hold. One slot per seq modulo
+  // kReferenceWindow carries it, so a sender keeps the references it awaits
+  // within that many consecutive numbers.
+  static constexpr uint64_t kReferenceWindow = 64;
   virtual size_t referenceMinBytes() const { return SIZE_MAX; }
   // Copies `n` bytes at `address` in the peer's memory to `dst`. Throws
   // PeerError when the peer died or its memory is gone.
   virtual void readPeer(uint64_t /*address*/, void* /*dst*/, size_t /*n*/) {
     throw std::logic_error("a reference on a transport without single copy");
   }
-  virtual void referenceRead() {}
-  virtual uint64_t referencesRead() const { return 0; }
+  virtual void referenceRead(uint64_t /*seq*/) {}
+  virtual bool referenceWasRead(uint64_t /*seq*/) const { return false; }
 };
 
 // This rank's side of one transport: the local resources (a listening socket,

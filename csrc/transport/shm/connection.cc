@@ -42,11 +42,12 @@ struct alignas(64) RingControl {
   std::atomic<uint32_t> producerState;
   std::atomic<uint32_t> consumerState;
   char pad2[56];
-  // Single copy, both written by the consumer: references it has read, and
-  // whether it can read the producer's memory (Attach).
-  std::atomic<uint64_t> referencesRead;
+  // Single copy, written by the consumer: whether it can read the
+  // producer's memory (Attach), and the references it has read, each in
+  // slot seq % kReferenceWindow.
   std::atomic<uint32_t> attach;
-  char pad3[52];
+  char pad3[60];
+  std::atomic<uint64_t> referenceDone[Connection::kReferenceWindow];
   char producerReason[kReasonBytes];
   char consumerReason[kReasonBytes];
 };
@@ -239,14 +240,13 @@ class ShmConnection : public Connection {
                         : ""));
   }
 
-  void referenceRead() override {
-    in_->referencesRead.store(in_->referencesRead.load(std::memory_order_relaxed) + 1,
-                              std::memory_order_release);
+  void referenceRead(uint64_t seq) override {
+    in_->referenceDone[seq % kReferenceWindow].store(seq, std::memory_order_release);
     ringDoorbell(remote_->header()->doorbell);
   }
 
-  uint64_t referencesRead() const override {
-    return out_->referencesRead.load(std::memory_order_acquire);
+  bool referenceWasRead(uint64_t seq) const override {
+    return out_->referenceDone[seq % kReferenceWindow].load(std::memory_order_acquire) == seq;
   }
 
  private:
