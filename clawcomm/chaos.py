@@ -10,7 +10,8 @@ results (a collective that returned a wrong value instead of failing).
 
 Families:
   kill      SIGKILL of a random rank at a random moment, setup included,
-            over shm and TCP, 2 to 4 ranks.
+            over shm and TCP, 2 to 4 ranks, with messages small or large
+            enough to go by single copy.
   mismatch  one rank calls another collective: op, size, dtype, root,
             reduce op, or skips a call.
   settings  every numeric CLAWCOMM_* setting given nonsense, and arguments
@@ -149,7 +150,7 @@ def _run(fn, ws, *args, env=None, limit=60.0):
 # --- kill -----------------------------------------------------------------
 
 
-def _kill_trial(rank, ws, store_path, victim, start_at, delay):
+def _kill_trial(rank, ws, store_path, victim, start_at, delay, count):
     import torch
     import torch.distributed as dist
 
@@ -159,7 +160,7 @@ def _kill_trial(rank, ws, store_path, victim, start_at, delay):
         threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
     try:
         _init(rank, ws, store_path)
-        x = torch.ones(4096)
+        x = torch.ones(count)
         while time.time() < killed_at + TIMEOUT + 2 * SLACK:
             dist.all_reduce(x)
             x.fill_(1.0)
@@ -175,15 +176,18 @@ def kill(trials: int, seed: int = 0) -> Score:
         ws = rng.choice([2, 3, 4])
         env = {"CLAWCOMM_TRANSPORT": rng.choice(["shm", "tcp"])}
         victim, delay = rng.randrange(ws), rng.uniform(0.0, 0.15)
+        # 16 KiB, or 4 MiB, whose frames go by single copy on shared memory:
+        # the victim may die while a peer reads its memory.
+        count = rng.choice([4096, 1 << 20])
         before = segments()
-        results, hung = _run(_kill_trial, ws, victim, time.time() + 0.3, delay, env=env)
+        results, hung = _run(_kill_trial, ws, victim, time.time() + 0.3, delay, count, env=env)
         survivors = [r for p, r in enumerate(results) if p != victim]
         good = all(
             isinstance(r, tuple) and r[0] != "no error" and r[1] <= TIMEOUT + SLACK
             for r in survivors
         )
         leak = bool(segments() - before)
-        score.add(good, hang=hung, leak=leak, note=f"{env} ws={ws} {survivors}")
+        score.add(good, hang=hung, leak=leak, note=f"{env} ws={ws} count={count} {survivors}")
     return score
 
 

@@ -1,9 +1,10 @@
 """Single copy between ranks of one host (CLAWCOMM_SINGLE_COPY): frames of at
 least CLAWCOMM_SINGLE_COPY_BYTES travel as references that the receiver reads
 straight out of the sender's memory (messenger/messenger.h,
-transport/shm/connection.h). Here the threshold is 64 bytes, so nearly every
-frame of every operation goes by reference, through every kind of sink (copy,
-reduce, 16-bit decode), and the results must equal the ring's bit for bit."""
+transport/shm/connection.h). Here the threshold is 64 bytes and the mode
+`all`, so nearly every frame of every operation goes by reference, through
+every kind of sink (copy, reduce, 16-bit decode), and the results must equal
+the ring's bit for bit."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import torch.distributed as dist
 import clawcomm
 from clawcomm.testing import RankFailure, run_ranks
 
-BY_REFERENCE = {"CLAWCOMM_SINGLE_COPY": "auto", "CLAWCOMM_SINGLE_COPY_BYTES": "64"}
+BY_REFERENCE = {"CLAWCOMM_SINGLE_COPY": "all", "CLAWCOMM_SINGLE_COPY_BYTES": "64"}
 RING = {"CLAWCOMM_SINGLE_COPY": "off"}
 COUNTS = [1, 4099, 300007]
 DTYPES = [np.float32, np.int32, np.float16, np.float64]
@@ -101,7 +102,7 @@ def _head_to_head(rank, n):
 
 
 def test_a_send_by_reference_never_waits_for_its_receive():
-    results = run_ranks(_head_to_head, 2, env={"CLAWCOMM_SINGLE_COPY": "cma"}, pg_timeout=20)
+    results = run_ranks(_head_to_head, 2, env={"CLAWCOMM_SINGLE_COPY": "all"}, pg_timeout=20)
     assert results[0][:2] == (2.0, 2.0)
     assert results[1][:2] == (1.0, 2.0)
     assert results[0][2] >= 1 and results[1][2] >= 1
@@ -129,6 +130,28 @@ def test_unexpected_references_are_matched_by_tag_from_any_source(delay):
     results = run_ranks(_receives_late_or_in_time, 2, delay, env=env, pg_timeout=20)
     last = (1 << 20) - 1
     assert results[1] == [(0, 5.0 + tag, last + tag) for tag in (2, 0, 1)]
+
+
+def _which_ops_go_by_reference(rank, n):
+    eng = clawcomm.engine_of()
+    x = np.ones(1 << 16, np.float32)
+    eng.all_reduce(x)
+    eng.reduce_scatter(x, np.empty(x.size // n, np.float32))
+    eng.reduce(x.copy(), root=0)
+    eng.broadcast(x, root=0)
+    eng.all_gather(x, np.empty(x.size * n, np.float32))
+    eng.all_to_all(x, np.empty_like(x))
+    eng.sendrecv(x, 1 - rank, np.empty_like(x), 1 - rank)
+    return {op: v["frames_received_single_copy"] for op, v in eng.comm_stats().items()}
+
+
+def test_auto_sends_by_reference_where_every_rank_sends_and_receives():
+    env = {"CLAWCOMM_SINGLE_COPY": "auto", "CLAWCOMM_SINGLE_COPY_BYTES": "64"}
+    for got in run_ranks(_which_ops_go_by_reference, 2, env=env):
+        for op in ("all_reduce", "reduce_scatter", "reduce", "broadcast"):
+            assert got[op] == 0, (op, got)
+        for op in ("all_gather", "all_to_all", "recv"):
+            assert got[op] > 0, (op, got)
 
 
 # --- a reader that may not read: a seccomp filter, as in a container --------

@@ -227,6 +227,7 @@ class Communicator {
   // small collective inline. Never both.
   bool threadBusy_ = false;
   bool inlineBusy_ = false;
+  std::atomic<uint64_t> enqueued_{0};  // operations ever queued: the idle progress thread polls it
   std::atomic<std::thread::id> inlineThread_{};  // who runs the inline op (set with inlineBusy_)
   // abort(): requested by any thread, handled by the one driving the
   // messenger (guarded by mutex_).

@@ -64,7 +64,8 @@ Settings Settings::fromEnv() {
   s.shmRingBytes =
       envNumber("CLAWCOMM_SHM_RING_BYTES", s.shmRingBytes, 4096, 16 * kGiB) & ~size_t(63);
   s.shmPeers = Settings::ShmPeers(envChoice("CLAWCOMM_SHM_PEERS", {"auto", "all", "sparse"}));
-  s.singleCopy = Settings::SingleCopy(envChoice("CLAWCOMM_SINGLE_COPY", {"auto", "cma", "off"}));
+  s.singleCopy =
+      Settings::SingleCopy(envChoice("CLAWCOMM_SINGLE_COPY", {"auto", "cma", "all", "off"}));
   s.singleCopyMinBytes =
       envNumber("CLAWCOMM_SINGLE_COPY_BYTES", s.singleCopyMinBytes, 1, 1024 * kGiB);
   s.segmentBytes = envNumber("CLAWCOMM_SEGMENT_BYTES", s.segmentBytes, 64, 16 * kGiB);

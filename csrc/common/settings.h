@@ -45,22 +45,27 @@ struct Settings {
   // auto: sparse when a host runs more than 16 ranks of the group.
   enum class ShmPeers { kAuto, kAll, kSparse };
   ShmPeers shmPeers = ShmPeers::kAuto;
-  // CLAWCOMM_SINGLE_COPY=auto|cma|off: how large messages move between ranks
-  // of one host. cma: the receiver copies straight out of the sender's
-  // memory with one process_vm_readv (cross-memory attach), where the ring
-  // would take two copies (into the ring, out of it); each receiver probes
-  // at setup whether it may read each peer (a container's seccomp or a ptrace
-  // policy can forbid it) and says so in the ring's control block, so each
-  // direction of each pair decides by the reader's verdict and every frame
-  // says how it travels (transport/shm/connection.h). auto: cma where the
-  // probe passes, the ring elsewhere; cma: a failed probe is an error at
-  // setup; off: always the ring.
-  enum class SingleCopy { kAuto, kCma, kOff };
+  // CLAWCOMM_SINGLE_COPY=auto|cma|all|off: how large messages move between
+  // ranks of one host. cma: the receiver copies straight out of the
+  // sender's memory with one process_vm_readv (cross-memory attach), where
+  // the ring takes two copies (into the ring, out of it); each receiver
+  // probes at setup whether it may read each peer (a container's seccomp or
+  // a ptrace policy can forbid it) and says so in the ring's control block,
+  // so each direction of each pair decides by the reader's verdict and every
+  // frame says how it travels (transport/shm/connection.h). Only frames of
+  // operations where every rank sends and receives at once (send/recv,
+  // all-gather, all-to-all, gather, scatter) go by single copy; see
+  // Messenger::referenceSuits. auto: cma where the probe passes, the ring
+  // elsewhere; cma: a failed probe is an error at setup; all: as cma, and the
+  // frames of every operation (reductions and broadcast too); off: always
+  // the ring.
+  enum class SingleCopy { kAuto, kCma, kAll, kOff };
   SingleCopy singleCopy = SingleCopy::kAuto;
   // CLAWCOMM_SINGLE_COPY_BYTES: frames of at least this many payload bytes
-  // go by single copy (smaller ones stay in the ring, whose copy is cheaper
-  // than the system call and the page pinning).
-  size_t singleCopyMinBytes = size_t(256) << 10;
+  // go by single copy (smaller ones stay in the ring: their copies hit the
+  // cache, while the kernel pins every page it reads, which here makes a
+  // 1 MiB read from 4 KiB pages take 130 us against memcpy's 20 us).
+  size_t singleCopyMinBytes = size_t(4) << 20;
   // CLAWCOMM_SEGMENT_BYTES: ring algorithms pipeline each chunk in segments of
   // at most this many bytes.
   size_t segmentBytes = size_t(1) << 20;

@@ -197,8 +197,10 @@ class Messenger {
   TransferPtr queueSend(int peer, const FrameHeader& header, const void* src, size_t bytes);
   bool progressSend(PeerState& ps);
   bool progressRecv(int peer, PeerState& ps);
-  // Single copy (references.cc). Whether the next send to this peer may go
-  // by reference: the references it awaits stay within the window.
+  // Single copy (references.cc). Whether frames of `op` go by reference.
+  static bool referenceSuits(OpType op);
+  // Whether the next send to this peer may go by reference: the references
+  // it awaits stay within the window.
   bool referenceFits(const PeerState& ps) const;
   // Completes the sends by reference the peer has read.
   bool settleReferences(PeerState& ps);

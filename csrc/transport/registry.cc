@@ -18,7 +18,9 @@ bool anyPair(const RankInfo&, const RankInfo&) {
 std::unique_ptr<Endpoint> makeShm(const EndpointSetup& s) {
   SingleCopyPolicy single;
   single.probe = s.settings->singleCopy != Settings::SingleCopy::kOff;
-  single.required = s.settings->singleCopy == Settings::SingleCopy::kCma;
+  single.required = s.settings->singleCopy == Settings::SingleCopy::kCma ||
+                    s.settings->singleCopy == Settings::SingleCopy::kAll;
+  single.everyOp = s.settings->singleCopy == Settings::SingleCopy::kAll;
   single.minBytes = s.settings->singleCopyMinBytes;
   return std::make_unique<ShmEndpoint>(s.jobTokenHex, s.rank, s.size, s.settings->shmRingBytes,
                                        s.peersOf, single);

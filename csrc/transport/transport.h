@@ -87,6 +87,9 @@ class Connection {
   // within that many consecutive numbers.
   static constexpr uint64_t kReferenceWindow = 64;
   virtual size_t referenceMinBytes() const { return SIZE_MAX; }
+  // Whether frames of every operation may go by reference, not only those
+  // the messenger deems suited (Messenger::referenceSuits).
+  virtual bool referencesForEveryOp() const { return false; }
   // Copies `n` bytes at `address` in the peer's memory to `dst`. Throws
   // PeerError when the peer died or its memory is gone.
   virtual void readPeer(uint64_t /*address*/, void* /*dst*/, size_t /*n*/) {

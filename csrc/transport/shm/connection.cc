@@ -149,7 +149,8 @@ class ShmConnection : public Connection {
   // `inSlot`: the peer's ring in this rank's segment; `outSlot`: this
   // rank's ring in the peer's.
   ShmConnection(int rank, int peer, std::shared_ptr<ShmMapping> own,
-                std::shared_ptr<ShmMapping> remote, int inSlot, int outSlot, size_t referenceMin)
+                std::shared_ptr<ShmMapping> remote, int inSlot, int outSlot,
+                SingleCopyPolicy policy)
       : rank_(rank),
         peer_(peer),
         peerPid_(remote->header()->pid),
@@ -160,7 +161,7 @@ class ShmConnection : public Connection {
         out_(remote_->ring(outSlot)),
         outData_(remote_->ringData(outSlot)),
         cap_(own_->ringBytes()),
-        referenceMin_(referenceMin) {}
+        policy_(policy) {}
 
   // Producer side: copy into the peer's ring, wrapping at its end.
   size_t write(const void* data, size_t n) override {
@@ -226,8 +227,10 @@ class ShmConnection : public Connection {
   const char* kind() const override { return "shm"; }
 
   size_t referenceMinBytes() const override {
-    return out_->attach.load(std::memory_order_acquire) == kAttachYes ? referenceMin_ : SIZE_MAX;
+    return out_->attach.load(std::memory_order_acquire) == kAttachYes ? policy_.minBytes : SIZE_MAX;
   }
+
+  bool referencesForEveryOp() const override { return policy_.everyOp; }
 
   void readPeer(uint64_t address, void* dst, size_t n) override {
     const int err = readProcess(peerPid_, address, dst, n);
@@ -260,7 +263,7 @@ class ShmConnection : public Connection {
   RingControl* out_;
   uint8_t* outData_;
   size_t cap_;
-  size_t referenceMin_;
+  SingleCopyPolicy policy_;
 };
 
 std::shared_ptr<ShmMapping> mapSegment(int fd, size_t bytes, const std::string& name) {
@@ -384,7 +387,7 @@ std::unique_ptr<Connection> ShmEndpoint::connect(int peer, const std::string& pe
     own_->ring(inSlot)->attach.store(ok ? kAttachYes : kAttachNo, std::memory_order_release);
   }
   return std::make_unique<ShmConnection>(rank_, peer, own_, std::move(remote), inSlot,
-                                         slotOf(theirs, rank_), singleCopy_.minBytes);
+                                         slotOf(theirs, rank_), singleCopy_);
 }
 
 void ShmEndpoint::finishSetup() {

@@ -33,8 +33,9 @@ class ShmMapping;
 
 struct SingleCopyPolicy {
   bool probe = true;     // try cross-memory attach with every peer (auto, cma)
-  bool required = true;  // a failed probe is an error (cma)
-  size_t minBytes = size_t(256) << 10;
+  bool required = true;  // a failed probe is an error (cma, all)
+  bool everyOp = false;  // reductions and broadcast by reference too (all)
+  size_t minBytes = size_t(4) << 20;
 };
 
 class ShmEndpoint : public Endpoint {
