@@ -94,10 +94,15 @@ def plot(path: str, records, memcpy_gbps: float | None, title: str) -> None:
     import matplotlib.pyplot as plt
 
     tables = _groups(records)
+    cols = min(len(tables), 4)  # then wrap: seven operations are two rows, not one strip
+    nrows = (len(tables) + cols - 1) // cols
     fig, axes = plt.subplots(
-        1, len(tables), figsize=(5.5 * len(tables), 4.2), squeeze=False, sharey=True
+        nrows, cols, figsize=(4.6 * cols, 3.8 * nrows), squeeze=False, sharey=True
     )
-    for ax, ((coll, redop), rows) in zip(axes[0], tables.items(), strict=False):
+    flat = [ax for row in axes for ax in row]
+    for ax in flat[len(tables) :]:
+        ax.set_visible(False)
+    for ax, ((coll, redop), rows) in zip(flat, tables.items(), strict=False):
         for v in _variants(rows, None):
             pts = sorted(
                 (r["size"], r["busbw"]) for r in rows if r["variant"] == v and "busbw" in r
@@ -113,7 +118,8 @@ def plot(path: str, records, memcpy_gbps: float | None, title: str) -> None:
         ax.set_title(coll if redop == "-" else f"{coll} ({redop})")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    axes[0][0].set_ylabel("bus bandwidth (GB/s)")
+    for row in axes:
+        row[0].set_ylabel("bus bandwidth (GB/s)")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -29,6 +29,7 @@ constexpr size_t kHeaderBytes = sizeof(FrameHeader);
 // Frames up to this size are assembled contiguously and written in one call.
 constexpr size_t kSmallFrameBytes = 4096;
 const uint8_t kZeros[8] = {0};
+constexpr size_t kWriteChunkBytes = size_t(256) << 10;
 // How often a sleeping wait wakes to check that its peers are alive.
 constexpr auto kHealthCheckInterval = std::chrono::milliseconds(10);
 
@@ -323,7 +324,11 @@ bool Messenger::progressSend(PeerState& ps) {
         p = kZeros;
         n = total - t.done;
       }
-      const size_t w = ps.conn->write(p, n);
+      // At most kWriteChunkBytes per write: a transport publishes what one
+      // write copied, so the receiver copies out (or reduces) one chunk
+      // while this rank copies in the next, instead of after the whole
+      // frame.
+      const size_t w = ps.conn->write(p, std::min(n, kWriteChunkBytes));
       if (w == 0) return moved;
       t.done += w;
       moved = true;
