@@ -79,6 +79,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="timed blocks per point, interleaved across backends; the best counts (3)",
     )
     p.add_argument(
+        "--pages",
+        choices=("huge", "small"),
+        default="huge",
+        help="CPU buffers of 2 MiB or more, for every system alike: 2 MiB-aligned on "
+        "transparent huge pages (huge, the default) or on 4 KiB pages (small, as torch's "
+        "allocator gives without THP_MEM_ALLOC_ENABLE=1)",
+    )
+    p.add_argument(
         "-o",
         "--op",
         default="all_reduce,sum",
@@ -167,11 +175,16 @@ def parse_ops(text: str) -> tuple[list[str], list[str]]:
 
 
 def memcpy_ceiling(nbytes: int = 64 << 20, repeats: int = 10) -> float:
-    """One core's copy bandwidth (GB/s): best of `repeats` numpy.copyto."""
+    """One core's copy bandwidth (GB/s): best of `repeats` numpy.copyto,
+    between buffers of the run's kind of pages (runners.host_array)."""
     import numpy as np
 
-    src = np.ones(nbytes // 8, np.float64)
-    dst = np.zeros_like(src)
+    from clawcomm.bench.runners import host_array
+
+    src = host_array(nbytes // 8, np.float64)
+    dst = host_array(nbytes // 8, np.float64)
+    src.fill(1.0)
+    dst.fill(0.0)
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -280,6 +293,7 @@ def run(args, argv: list[str] | None = None) -> int:
             "iters": args.iters,
             "check": bool(args.check),
             "repeats": args.repeats,
+            "pages": args.pages,
         },
         "algos": args.algo,
         "compare": [c for c in args.compare if c != "mpi"],
@@ -291,6 +305,9 @@ def run(args, argv: list[str] | None = None) -> int:
     reference = clawcomm_name(reference_algo(args.algo), args.algo)
     info = machine_info()
     rank = int(os.environ.get("RANK", "0")) if torchrun else 0
+    from clawcomm.bench.runners import set_pages
+
+    set_pages(args.pages)
     memcpy = memcpy_ceiling() if rank == 0 else None
 
     if torchrun:
@@ -345,6 +362,7 @@ def run(args, argv: list[str] | None = None) -> int:
         )
     else:
         print(f"# memcpy ceiling (one core, 64 MiB numpy.copyto, best of 10): {memcpy:.2f} GB/s")
+        print(f"# buffers from 2 MiB up on {args.pages} pages (--pages), for every system")
     for note in notes:
         print(note)
     print(format_tables(records, lambda _coll: reference, world, header))

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 
 from clawcomm.bench.collectives import GUARD, Collective, expected, inputs
-from clawcomm.bench.runners import SENTINEL, Unsupported, prepared
+from clawcomm.bench.runners import SENTINEL, Unsupported, host_array, prepared, set_pages
 from clawcomm.bench.sweep import Config, Sync, points, run_sweep
 
 
@@ -35,10 +35,11 @@ class MpiRunner:
         rank, n = comm.Get_rank(), comm.Get_size()
         op = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}[redop]
         in_count, out_count = coll.counts(count, n)
-        full = np.full(out_count + GUARD, SENTINEL, dtype=dtype)
+        full = host_array(out_count + GUARD, dtype)
+        full.fill(SENTINEL)
         out = full[:out_count]
         inplace = coll.shape == "inplace"
-        inp = np.empty(in_count, dtype=dtype)
+        inp = host_array(in_count, dtype)
 
         def fill():
             full[out_count:] = SENTINEL
@@ -83,6 +84,7 @@ def main(argv: list[str]) -> None:
     with open(config_path) as f:
         options = json.load(f)
     cfg = Config(**options["config"])
+    set_pages(cfg.pages)
     comm = MPI.COMM_WORLD
     n = comm.Get_size()
     runner = MpiRunner(comm)

@@ -14,6 +14,8 @@ and ``check()`` refills the inputs, runs it once more and returns
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 
 from clawcomm.bench.collectives import (
@@ -28,19 +30,45 @@ from clawcomm.bench.collectives import (
 SENTINEL = 77  # what guard elements hold; no pattern produces it
 
 
+_HUGE_PAGE = 2 << 20
+_pages = "huge"
+
+
+def set_pages(kind: str) -> None:
+    """`clawcomm bench --pages`: "huge" or "small", for every buffer after."""
+    global _pages
+    _pages = kind
+
+
+def host_array(count: int, dtype) -> np.ndarray:
+    """`count` elements of `dtype` for a benchmark buffer. Every system in a
+    run (torch backends, the raw engine, MPI) gets its buffers here, so all
+    move the same kind of memory. From 2 MiB up a buffer is an anonymous
+    mapping aligned to 2 MiB, all of it on transparent huge pages (--pages
+    huge, the default) or none of it (small). Left to malloc, a buffer's
+    page size depends on where it happens to start (numpy asks for huge
+    pages only on the aligned part of arrays from 4 MiB up, torch not at
+    all), and a copy between processes out of small pages is about a third
+    as fast on the reference machine: runs would measure the allocator."""
+    dtype = np.dtype(dtype)
+    nbytes = count * dtype.itemsize
+    if nbytes < _HUGE_PAGE:
+        return np.empty(count, dtype=dtype)
+    mm = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE)  # shared would be shmem
+    offset = -np.frombuffer(mm, np.uint8, count=1).ctypes.data % _HUGE_PAGE
+    advice = mmap.MADV_HUGEPAGE if _pages == "huge" else mmap.MADV_NOHUGEPAGE
+    mm.madvise(advice, offset, len(mm) - offset)
+    return np.frombuffer(mm, dtype=dtype, count=count, offset=offset)
+
+
 def _buffer(count: int, tdtype, device: str):
-    """A tensor of `count` elements. On the CPU its memory is numpy's, as
-    the MPI worker's and the raw engine's buffers are: numpy puts arrays of
-    4 MiB or more on transparent huge pages (madvise), torch's allocator does
-    not by default, and a single-copy transfer out of huge pages is about
-    three times as fast. Every system in a run then moves the same memory."""
+    """A tensor of `count` elements; on the CPU in host_array's memory."""
     import torch
 
     if device != "cpu":
         return torch.empty(count, dtype=tdtype, device=device)
     itemsize = torch.empty(0, dtype=tdtype).element_size()
-    raw = np.empty(count * itemsize, dtype=np.uint8)
-    return torch.from_numpy(raw).view(tdtype)
+    return torch.from_numpy(host_array(count * itemsize, np.uint8)).view(tdtype)
 
 
 class Unsupported(Exception):
@@ -172,13 +200,14 @@ class EngineRunner:
         in_count, out_count = coll.counts(count, n)
         op = "product" if redop == "prod" else redop
 
-        full = np.full(out_count + GUARD, SENTINEL, dtype=np_dtype)
+        full = host_array(out_count + GUARD, np_dtype)
+        full.fill(SENTINEL)
         if dtype == "bfloat16":
             full[:] = _to_bf16_bits(np.full(full.size, SENTINEL, np.float64))
         out = full[:out_count]
         guard_fill = full[out_count:].copy()
         inplace = coll.shape == "inplace"
-        inp = out if inplace else np.empty(in_count, dtype=np_dtype)
+        inp = out if inplace else host_array(in_count, np_dtype)
 
         def fill():
             full[out_count:] = guard_fill

@@ -51,6 +51,7 @@ class Config:
     check: bool
     repeats: int = 3
     target_s: float = 0.04
+    pages: str = "huge"  # buffers from 2 MiB up (runners.host_array)
 
 
 def points(cfg: Config) -> Iterable[tuple]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
-from clawcomm.bench.runners import EngineRunner, TorchRunner
+from clawcomm.bench.runners import EngineRunner, TorchRunner, set_pages
 from clawcomm.bench.sweep import Config, Sync, points, run_sweep
 
 
@@ -62,6 +62,7 @@ def rank_main(rank: int, world_size: int, options: dict):
     import clawcomm
 
     cfg = Config(**options["config"])
+    set_pages(cfg.pages)
     algos: list[str] = options["algos"]
     compare: list[str] = options["compare"]
     device = options.get("device", "cpu")

@@ -1,6 +1,7 @@
 #include "algorithms/channel.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "common/errors.h"
 
@@ -57,6 +58,16 @@ void Channel::recvReduce(int peer, void* buf, size_t bytes) {
 void Channel::recvInto(int peer, const ReceiveSink& sink, size_t bytes) {
   const int g = members_[size_t(peer)];
   pending_.push_back(messenger_.recvCollective(g, sig_, steps_->recv[size_t(g)]++, sink, bytes));
+}
+
+void Channel::copyLocal(void* dst, const void* src, size_t bytes) {
+  constexpr size_t kPiece = size_t(1) << 20;
+  auto* d = static_cast<uint8_t*>(dst);
+  const auto* s = static_cast<const uint8_t*>(src);
+  for (size_t off = 0; off < bytes; off += kPiece) {
+    std::memcpy(d + off, s + off, std::min(kPiece, bytes - off));
+    messenger_.progress();
+  }
 }
 
 void Channel::wait() {

@@ -55,6 +55,10 @@ class Channel {
   // Posts a receive that combines the peer's elements into `buf` with the
   // op's reduce operator, straight from the transport's memory.
   void recvReduce(int peer, void* buf, size_t bytes);
+  // Copies `bytes` from `src` to `dst` (not overlapping: this rank's own
+  // piece of an operation) 1 MiB at a time, moving bytes between the pieces,
+  // so that peers waiting for this rank keep going while it copies.
+  void copyLocal(void* dst, const void* src, size_t bytes);
   // Posts a receive whose `bytes` of payload go to `sink` as they arrive
   // (messenger/sink.h), e.g. decoded from 16 bits and added to a float32
   // buffer.

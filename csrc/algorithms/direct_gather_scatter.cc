@@ -2,15 +2,18 @@
 // exchanges its pieces with every peer in one step, straight from the
 // caller's input, with no working copy and no ring steps.
 //
-// Reduce-scatter: rank r sends chunk q of its input to each rank q, copies
-// its own chunk into `out`, and reduces the peers' chunk r into it one peer
-// at a time (r+1, r+2, ...: a fixed order, so a run repeats its bits, and
-// no two ranks read the same peer first). All-gather: rank r sends its input
-// to every peer and receives every peer's into its place in `out`, all at
-// once. Sends go out before the local copy, so peers read (by single copy
-// where it is on: the messenger's reference points into the caller's input)
-// while this rank copies its own part. Bytes each rank receives:
+// Reduce-scatter: rank r sends chunk q of its input to each rank q and
+// reduces the peers' chunk r into `out` one peer at a time (r+1, r+2, ...: a
+// fixed order, so a run repeats its bits, and no two ranks read the same
+// peer first); the first is added to r's own chunk as it arrives, which
+// saves copying that chunk first. All-gather: rank r sends its input to
+// every peer and receives every peer's into its place in `out`, all at
+// once. Sends go out before the local copy, which moves bytes between its
+// pieces (Channel::copyLocal), so peers keep going (by single copy where it
+// is on: the reference points into the caller's input) while this rank
+// copies its own part. Bytes each rank receives:
 // (n-1)/n N, as the ring's; steps: 1 (all-gather), n-1 (reduce-scatter).
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <numeric>
@@ -45,17 +48,49 @@ void directReduceScatter(Channel& ch, const void* in, void* out,
   const size_t es = ch.elementBytes();
   const std::vector<size_t> off = offsetsOf(counts, es);
   const uint8_t* src = static_cast<const uint8_t*>(in);
-  Channel sends(ch, everyone(n));  // waited for last: peers read while this rank reduces
-  for (int s = 1; s < n; ++s) {
-    const int q = ringIndex(r + s, n);
-    if (counts[q]) sends.send(q, src + off[q], counts[q] * es);
+  uint8_t* dst = static_cast<uint8_t*>(out);
+  // Every chunk is cut into the same number of segments (at most
+  // CLAWCOMM_SEGMENT_BYTES each), and the segments go in lockstep waves: a
+  // rank sends segment j only once it has reduced segment j-1, so what a
+  // peer reduces was written a segment ago and is still in cache. (One
+  // frame per chunk let the writer run a whole ring ahead: a 64 MiB
+  // reduce-scatter took longer than the all-reduce.)
+  const size_t largest = *std::max_element(counts.begin(), counts.end());
+  const size_t segElems = std::max<size_t>(1, ch.settings().segmentBytes / es);
+  const size_t segments = std::max<size_t>(1, (largest + segElems - 1) / segElems);
+  auto segment = [&](int c, size_t j, size_t& at, size_t& bytes) {
+    const size_t per = (counts[c] + segments - 1) / segments;
+    const size_t lo = std::min(counts[c], j * per), hi = std::min(counts[c], lo + per);
+    at = off[c] + lo * es;
+    bytes = (hi - lo) * es;
+  };
+  if (n == 1) {
+    if (counts[0]) std::memcpy(dst, src, counts[0] * es);
+    return;
   }
-  sends.progress();
-  const size_t mine = counts[r] * es;
-  if (mine) {
-    std::memcpy(out, src + off[r], mine);
+  Channel sends(ch, everyone(n));  // waited for last: the input is not written
+  for (size_t j = 0; j < segments; ++j) {
     for (int s = 1; s < n; ++s) {
-      ch.recvReduce(ringIndex(r + s, n), out, mine);
+      const int q = ringIndex(r + s, n);
+      size_t at, bytes;
+      segment(q, j, at, bytes);
+      if (bytes) sends.send(q, src + at, bytes);
+    }
+    size_t at, bytes;
+    segment(r, j, at, bytes);
+    if (!bytes) continue;
+    uint8_t* seg = dst + (at - off[r]);
+    for (int s = 1; s < n; ++s) {
+      // The first peer's segment is added to this rank's own as it arrives
+      // (reduceFrom: no separate copy of the own chunk), the others to that.
+      const int p = ringIndex(r + s, n);
+      if (s == 1) {
+        ch.recvInto(
+            p, ReceiveSink::reduceFrom(seg, src + at, ch.signature().dtype, ch.signature().redop),
+            bytes);
+      } else {
+        ch.recvReduce(p, seg, bytes);
+      }
       ch.wait();
     }
   }
@@ -74,7 +109,15 @@ void directAllGather(Channel& ch, const void* in, void* out, const std::vector<s
     if (counts[p]) ch.recv(p, dst + off[p], counts[p] * es);
   }
   ch.progress();
-  if (mine && dst + off[r] != in) std::memmove(dst + off[r], in, mine);
+  uint8_t* own = dst + off[r];
+  const auto* src = static_cast<const uint8_t*>(in);
+  if (mine && own != src) {
+    if (own + mine <= src || src + mine <= own) {
+      ch.copyLocal(own, src, mine);
+    } else {
+      std::memmove(own, src, mine);
+    }
+  }
   ch.wait();
 }
 

@@ -29,7 +29,7 @@ void pairwiseAllToAll(Channel& ch, const void* in, const std::vector<size_t>& se
     ch.recv(from, o + recvOff[from], recvBytes[from]);
   }
   ch.progress();  // the frames (or references) out first: peers read while this rank copies
-  if (recvBytes[r]) std::memcpy(o + recvOff[r], i + sendOff[r], recvBytes[r]);
+  ch.copyLocal(o + recvOff[r], i + sendOff[r], recvBytes[r]);
   ch.wait();
 }
 

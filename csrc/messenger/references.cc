@@ -98,6 +98,14 @@ bool Messenger::progressParked(PeerState& ps) {
   for (auto it = ps.unexpected.begin(); it != ps.unexpected.end(); ++it) {
     Transfer& s = **it;
     if (!s.parked || s.complete) continue;
+    if (ps.closed && s.done == 0) {
+      // The sender shut down with this send unread: it failed the send
+      // first, and its buffer may be gone or reused.
+      if (!s.claimedBy) continue;
+      throw PeerError(CLAWCOMM_CONCAT("rank ", s.peer,
+                                      " shut down its communicator before its send of ", s.bytes,
+                                      " bytes (tag ", s.tag, ") was received"));
+    }
     // Straight into the receive that claimed it, unless a read into the
     // stash has begun (then the stash is delivered at the end).
     const bool direct = s.claimedBy && !s.readIntoStash;

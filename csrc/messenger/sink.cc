@@ -20,6 +20,13 @@ ReceiveSink ReceiveSink::reduce(void* dst, DataType dtype, ReduceOp op) {
   return s;
 }
 
+ReceiveSink ReceiveSink::reduceFrom(void* dst, const void* local, DataType dtype, ReduceOp op) {
+  ReceiveSink s = reduce(dst, dtype, op);
+  s.kind = Kind::kReduceFrom;
+  s.local = static_cast<const uint8_t*>(local);
+  return s;
+}
+
 ReceiveSink ReceiveSink::decode(float* dst, DataType wire, float scale) {
   ReceiveSink s = copy(dst);
   s.kind = Kind::kDecode;
@@ -46,7 +53,8 @@ ReceiveSink ReceiveSink::decodeAddRound(float* dst, DataType wire, uint16_t* rou
 size_t ReceiveSink::granule() const {
   switch (kind) {
     case Kind::kCopy: return 1;
-    case Kind::kReduce: return elementSize(dtype);
+    case Kind::kReduce:
+    case Kind::kReduceFrom: return elementSize(dtype);
     default: return 2;  // one 16-bit wire value
   }
 }
@@ -58,6 +66,10 @@ void ReceiveSink::take(size_t offset, const uint8_t* src, size_t n) const {
   switch (kind) {
     case Kind::kCopy: std::memcpy(dst + offset, src, n); return;
     case Kind::kReduce: reduceInto(dtype, op, dst + offset, src, n / elementSize(dtype)); return;
+    case Kind::kReduceFrom:
+      std::memcpy(dst + offset, local + offset, n);  // in cache for the reduction next
+      reduceInto(dtype, op, dst + offset, src, n / elementSize(dtype));
+      return;
     case Kind::kDecode: toFloat32(dtype, src, f32 + at, n / 2, scale); return;
     case Kind::kDecodeAdd: addFrom16(dtype, f32 + at, src, n / 2, scale); return;
     case Kind::kDecodeAddRound:

@@ -6,6 +6,9 @@
 // per receive:
 //   copy            dst[i] = src[i]                       (bytes)
 //   reduce          dst[i] = dst[i] op src[i]             (the op's dtype)
+//   reduceFrom      dst[i] = local[i] op src[i]           (a reduce whose first
+//                   operand is another buffer: copied a chunk at a time as the
+//                   bytes arrive, so the copy needs no pass of its own)
 //   decode          dst[i] = widen(src[i]) * scale        (16-bit wire -> float32)
 //   decodeAdd       dst[i] = dst[i] * scale + widen(src[i])
 //   decodeAddRound  decodeAdd, then rounded[i] = round16(dst[i]) and
@@ -22,10 +25,11 @@
 namespace clawcomm {
 
 struct ReceiveSink {
-  enum class Kind : uint8_t { kCopy, kReduce, kDecode, kDecodeAdd, kDecodeAddRound };
+  enum class Kind : uint8_t { kCopy, kReduce, kReduceFrom, kDecode, kDecodeAdd, kDecodeAddRound };
 
   static ReceiveSink copy(void* dst);
   static ReceiveSink reduce(void* dst, DataType dtype, ReduceOp op);
+  static ReceiveSink reduceFrom(void* dst, const void* local, DataType dtype, ReduceOp op);
   static ReceiveSink decode(float* dst, DataType wire, float scale = 1.0f);
   static ReceiveSink decodeAdd(float* dst, DataType wire, float dstScale = 1.0f);
   static ReceiveSink decodeAddRound(float* dst, DataType wire, uint16_t* rounded, float dstScale,
@@ -45,6 +49,7 @@ struct ReceiveSink {
   ReduceOp op = ReduceOp::kSum;
   uint8_t* dst = nullptr;  // copy, reduce: bytes; decode*: float32 elements
   uint16_t* rounded = nullptr;
+  const uint8_t* local = nullptr;  // reduceFrom
   float scale = 1.0f;
   float outScale = 1.0f;
 };
