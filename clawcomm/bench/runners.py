@@ -65,7 +65,7 @@ def _buffer(count: int, tdtype, device: str):
     """A tensor of `count` elements; on the CPU in host_array's memory."""
     import torch
 
-    if device != "cpu":
+    if device != "cpu" or count == 0:  # an empty byte tensor cannot be viewed as another type
         return torch.empty(count, dtype=tdtype, device=device)
     itemsize = torch.empty(0, dtype=tdtype).element_size()
     return torch.from_numpy(host_array(count * itemsize, np.uint8)).view(tdtype)
