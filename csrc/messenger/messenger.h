@@ -75,6 +75,7 @@ struct FrameHeader {
   uint8_t reserved2[16];
 };
 static_assert(sizeof(FrameHeader) == 64, "frame header is 64 bytes");
+constexpr uint32_t kFrameMagic = 0x434c4d46;  // "CLMF", FrameHeader::magic
 
 // What a frame sent by reference carries in place of its payload.
 struct Reference {
