@@ -55,29 +55,21 @@ void directReduceScatter(Channel& ch, const void* in, void* out,
   // peer reduces was written a segment ago and is still in cache. (One
   // frame per chunk let the writer run a whole ring ahead: a 64 MiB
   // reduce-scatter took longer than the all-reduce.)
-  const size_t largest = *std::max_element(counts.begin(), counts.end());
-  const size_t segElems = std::max<size_t>(1, ch.settings().segmentBytes / es);
-  const size_t segments = std::max<size_t>(1, (largest + segElems - 1) / segElems);
-  auto segment = [&](int c, size_t j, size_t& at, size_t& bytes) {
-    const size_t per = (counts[c] + segments - 1) / segments;
-    const size_t lo = std::min(counts[c], j * per), hi = std::min(counts[c], lo + per);
-    at = off[c] + lo * es;
-    bytes = (hi - lo) * es;
-  };
+  const ChunkSegments segments(counts, es, ch.settings().segmentBytes);
   if (n == 1) {
     if (counts[0]) std::memcpy(dst, src, counts[0] * es);
     return;
   }
   Channel sends(ch, everyone(n));  // waited for last: the input is not written
-  for (size_t j = 0; j < segments; ++j) {
+  for (size_t j = 0; j < segments.count(); ++j) {
     for (int s = 1; s < n; ++s) {
       const int q = ringIndex(r + s, n);
       size_t at, bytes;
-      segment(q, j, at, bytes);
+      segments.of(q, j, &at, &bytes);
       if (bytes) sends.send(q, src + at, bytes);
     }
     size_t at, bytes;
-    segment(r, j, at, bytes);
+    segments.of(r, j, &at, &bytes);
     if (!bytes) continue;
     uint8_t* seg = dst + (at - off[r]);
     for (int s = 1; s < n; ++s) {

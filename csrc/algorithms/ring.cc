@@ -27,32 +27,33 @@ std::vector<RingStep> allGatherSteps(int r, int n) {
   return steps;
 }
 
-RingPipeline::RingPipeline(Channel& ch, void* buf, std::vector<size_t> counts,
-                           std::vector<RingStep> steps)
-    : ch_(ch),
-      base_(static_cast<uint8_t*>(buf)),
-      counts_(std::move(counts)),
-      steps_(std::move(steps)),
-      offsets_(counts_.size() + 1, 0) {
+ChunkSegments::ChunkSegments(std::vector<size_t> counts, size_t elementBytes, size_t segmentBytes)
+    : counts_(std::move(counts)), offsets_(counts_.size() + 1, 0), es_(elementBytes) {
   size_t largest = 0;
   for (size_t c = 0; c < counts_.size(); ++c) {
     offsets_[c + 1] = offsets_[c] + counts_[c];
     largest = std::max(largest, counts_[c]);
   }
-  const size_t segElems = std::max<size_t>(1, ch.settings().segmentBytes / ch.elementBytes());
+  const size_t segElems = std::max<size_t>(1, segmentBytes / es_);
   segments_ = std::max<size_t>(1, (largest + segElems - 1) / segElems);
-  // One rank, or nothing to do: no waves.
-  waves_ = (ch.size() == 1 || steps_.empty()) ? 0 : segments_ + steps_.size() - 1;
 }
 
-// Segment j of chunk c: elements [c.begin + j*per, c.begin + min((j+1)*per, count)).
-void RingPipeline::segment(int c, size_t j, size_t* begin, size_t* len) const {
-  const size_t es = ch_.elementBytes();
+void ChunkSegments::of(int c, size_t j, size_t* at, size_t* bytes) const {
   const size_t per = (counts_[c] + segments_ - 1) / segments_;
   const size_t lo = std::min(counts_[c], j * per);
   const size_t hi = std::min(counts_[c], lo + per);
-  *begin = (offsets_[c] + lo) * es;
-  *len = (hi - lo) * es;
+  *at = (offsets_[c] + lo) * es_;
+  *bytes = (hi - lo) * es_;
+}
+
+RingPipeline::RingPipeline(Channel& ch, void* buf, std::vector<size_t> counts,
+                           std::vector<RingStep> steps)
+    : ch_(ch),
+      base_(static_cast<uint8_t*>(buf)),
+      segments_(std::move(counts), ch.elementBytes(), ch.settings().segmentBytes),
+      steps_(std::move(steps)) {
+  // One rank, or nothing to do: no waves.
+  waves_ = (ch.size() == 1 || steps_.empty()) ? 0 : segments_.count() + steps_.size() - 1;
 }
 
 bool RingPipeline::postWave() {
@@ -62,13 +63,13 @@ bool RingPipeline::postWave() {
   const int prev = ringIndex(ch_.rank() - 1, n);
   // Every rank walks the same (wave, segment) order, so the k-th frame to
   // the next rank is the k-th frame the next rank expects.
-  for (size_t j = 0; j < segments_; ++j) {
+  for (size_t j = 0; j < segments_.count(); ++j) {
     if (wave_ < j || wave_ - j >= steps_.size()) continue;
     const RingStep& s = steps_[wave_ - j];
     size_t off, len;
-    segment(s.sendChunk, j, &off, &len);
+    segments_.of(s.sendChunk, j, &off, &len);
     ch_.send(next, base_ + off, len);
-    segment(s.recvChunk, j, &off, &len);
+    segments_.of(s.recvChunk, j, &off, &len);
     if (s.reduce) {
       ch_.recvReduce(prev, base_ + off, len);
     } else {

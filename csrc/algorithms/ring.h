@@ -27,6 +27,25 @@ struct RingStep {
 void ringPipeline(Channel& ch, void* buf, const std::vector<size_t>& counts,
                   const std::vector<RingStep>& steps);
 
+// How the segmented algorithms cut a buffer of chunks, back to back (chunk
+// c holds counts[c] elements), into segments: every chunk into the same
+// number of segments of at most `segmentBytes`, so that segment j of every
+// chunk moves in the same wave on every rank.
+class ChunkSegments {
+ public:
+  ChunkSegments(std::vector<size_t> counts, size_t elementBytes, size_t segmentBytes);
+  size_t count() const { return segments_; }  // segments per chunk
+  // Segment j of chunk c: elements [j*per, min((j+1)*per, counts[c])) of
+  // the chunk, as a byte offset from the buffer's start and a byte length.
+  void of(int c, size_t j, size_t* at, size_t* bytes) const;
+
+ private:
+  std::vector<size_t> counts_;
+  std::vector<size_t> offsets_;  // elements before each chunk
+  size_t es_;
+  size_t segments_;
+};
+
 // The same pipeline one wave at a time, for an algorithm that runs rings on
 // two subgroups at once (hierarchical all-reduce): postWave() posts the next
 // wave's sends and receives on the channel, and the caller waits for them
@@ -38,14 +57,10 @@ class RingPipeline {
   bool postWave();
 
  private:
-  void segment(int chunk, size_t j, size_t* begin, size_t* len) const;
-
   Channel& ch_;
   uint8_t* base_;
-  std::vector<size_t> counts_;
+  ChunkSegments segments_;
   std::vector<RingStep> steps_;
-  std::vector<size_t> offsets_;
-  size_t segments_ = 1;
   size_t wave_ = 0;
   size_t waves_ = 0;
 };
