@@ -18,10 +18,12 @@ OUT=${OUT:-/tmp/gpu_session}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 
+# The device tool copies the tree afresh each call (new mtimes), so the
+# build is skipped by the sources' hash, not by their timestamps.
 build() {
-  local so
-  so=$(ls clawcomm/_C.*.so 2>/dev/null | head -1)
-  if [ -n "$so" ] && [ -z "$(find csrc setup.py -newer "$so" -print -quit)" ] &&
+  local stamp=build/gpu_session.sources sum
+  sum=$(find csrc setup.py -type f | sort | xargs sha1sum | sha1sum)
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$sum" ] &&
     python3 -c "from clawcomm import _C; assert _C.cuda_built" 2>/dev/null; then
     return 0
   fi
@@ -29,7 +31,8 @@ build() {
   # CXX=/opt/gcc/bin/g++ links a static libstdc++ that setup.py refuses.
   CC=gcc CXX=g++ MAX_JOBS=$(nproc) python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/build.log" 2>&1 ||
     { tail -40 "$OUT/build.log"; exit 1; }
-  python3 -c "from clawcomm import _C; assert _C.cuda_built, 'no CUDA in this build'; print('cuda build ok')"
+  python3 -c "from clawcomm import _C; assert _C.cuda_built, 'no CUDA in this build'; print('cuda build ok')" &&
+    mkdir -p build && echo "$sum" >"$stamp"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 }
 

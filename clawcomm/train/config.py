@@ -171,7 +171,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         names = [flag] + ([f.metadata["flag"]] if f.metadata.get("flag") else [])
-        help_text = f"{f.metadata['help']} ({f.default!r})"
+        # argparse %-formats help strings: a literal % must be doubled.
+        help_text = f"{f.metadata['help']} ({f.default!r})".replace("%", "%%")
         if isinstance(f.default, bool):
             p.add_argument(
                 *names, action=argparse.BooleanOptionalAction, default=None, help=help_text
