@@ -8,7 +8,9 @@
 #   bash bench/gpu_session.sh test      # the GPU tests
 #   bash bench/gpu_session.sh bench     # kernels vs copy, host/kernel split, clawcomm bench --device cuda
 #   bash bench/gpu_session.sh sanitize  # compute-sanitizer memcheck and racecheck: kernels and IPC
-#   bash bench/gpu_session.sh all       # build, test, bench, sanitize
+#   bash bench/gpu_session.sh latency   # where a small all-reduce's time goes (host, kernel, floor)
+#   bash bench/gpu_session.sh train     # clawcomm train on CUDA: through CUDA IPC against staged
+#   bash bench/gpu_session.sh all       # build, test, bench, sanitize, train
 #
 # pip install -e compiles csrc/cuda/ when torch is a CUDA build and nvcc is
 # found; a fresh machine is bare, so every stage builds first.
@@ -58,11 +60,30 @@ gpu_tests() {
 benchmarks() {
   mps_on
   python3 bench/gpu_kernels_bench.py --json "$OUT/gpu_kernels.json" | tee "$OUT/gpu_kernels.txt"
-  python3 bench/gpu_latency.py --nproc 2 --json "$OUT/gpu_latency.json" | tee "$OUT/gpu_latency.txt"
+  latency
   clawcomm bench --device cuda --nproc 2 --compare gloo -b 8 -e 64M -f 4 --quiet \
     --json "$OUT/cuda_2ranks.json" --plot "$OUT/cuda_2ranks.png" | tee "$OUT/cuda_2ranks.txt"
   clawcomm bench --device cuda --nproc 4 --compare gloo -b 32K -e 64M -f 4 --quiet \
     --json "$OUT/cuda_4ranks.json" | tee "$OUT/cuda_4ranks.txt"
+  mps_off
+}
+
+latency() {
+  python3 bench/gpu_latency.py --nproc 2 --json "$OUT/gpu_latency.json" | tee "$OUT/gpu_latency.txt"
+}
+
+# The trainer's step on CUDA through CUDA IPC against the same run staged
+# through host memory (CLAWCOMM_CUDA_IPC=0): dp 2, and pp 2 (1f1b).
+train_runs() {
+  mps_on
+  local args=(--device cuda --nproc 2 --steps 60 --dim 256 --layers 4 --seq-len 128 --quiet)
+  for layout in "--dp 2" "--pp 2 --schedule 1f1b"; do
+    for ipc in auto 0; do
+      echo "# $layout, CLAWCOMM_CUDA_IPC=$ipc"
+      # shellcheck disable=SC2086
+      CLAWCOMM_CUDA_IPC=$ipc clawcomm train $layout "${args[@]}" 2>&1 | grep -E "final|median"
+    done
+  done | tee "$OUT/gpu_train.txt"
   mps_off
 }
 
@@ -74,11 +95,14 @@ sanitize() {
     compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
       tests/test_gpu_kernels.py -k "1000 and not 100003" 2>&1 | tail -4 | tee -a "$OUT/sanitizer.log"
   done
-  # The IPC kernels, in both ranks' processes.
-  compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 \
-    python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
-    -k "match_the_cpu_engine and 1001-dtype0-2-ipc" 2>&1 | tail -6 |
-    tee -a "$OUT/sanitizer.log"
+  # The IPC kernels, in both ranks' processes: one-shot and two-shot
+  # all-reduce, and a graph replay.
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool $tool --target-processes all --error-exitcode 9 \
+      python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+      -k "(match_the_cpu_engine and 2-ipc and dtype0 and (1001- or 262144-)) or cuda_graph and 2" \
+      2>&1 | tail -4 | tee -a "$OUT/sanitizer.log"
+  done
 }
 
 case "${1:-build}" in
@@ -86,9 +110,11 @@ case "${1:-build}" in
   test) build && gpu_tests ;;
   bench) build && benchmarks ;;
   sanitize) build && sanitize ;;
-  all) build && gpu_tests && benchmarks && sanitize ;;
+  latency) build && mps_on && latency && mps_off ;;
+  train) build && train_runs ;;
+  all) build && gpu_tests && benchmarks && sanitize && train_runs ;;
   *)
-    echo "usage: $0 build|test|bench|sanitize|all" >&2
+    echo "usage: $0 build|test|bench|sanitize|latency|train|all" >&2
     exit 2
     ;;
 esac

@@ -245,7 +245,7 @@ TicketPtr DeviceComm::issue(OpSignature sig, uint64_t bytes, uint64_t sent, uint
                              uint64_t(comm_->timeout().count()) * 1000000};
   const uint64_t record = comm_->beginExternal(sig, bytes);
   try {
-    if (!captured) runtime_->streamWaitStream(s.run, s.caller);
+    if (s.run != s.caller) runtime_->streamWaitStream(s.run, s.caller);
     run(how);
     if (s.then) s.then();
   } catch (...) {

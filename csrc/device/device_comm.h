@@ -80,10 +80,11 @@ class DeviceComm {
   DeviceComm& operator=(const DeviceComm&) = delete;
 
   // Where a call waits and where it runs: `run` (the communicator's stream
-  // for this device, the same one on every call) waits for `caller` first.
+  // for this device, the same one on every call) waits for `caller` first;
+  // or `run` is `caller` itself (a synchronous call), which needs no wait.
   // While `caller` is being captured into a CUDA graph (`captured`:
-  // runtime().capturing(caller)) the call runs on `caller` itself, on the
-  // graph's own flags and areas. `then`, if set, is enqueued on the stream the call ran on after
+  // runtime().capturing(caller)) the call runs on `caller`, on the graph's
+  // own flags and areas. `then`, if set, is enqueued on the stream the call ran on after
   // the collective and before its completion is recorded, so waiting for the call waits for it too
   // (the adapter's copy back into a non-contiguous tensor).
   struct Streams {

@@ -26,6 +26,22 @@ namespace adapter {
 using c10d::OpType;
 using TensorList = std::vector<at::Tensor>;
 
+// Whether the caller asked for an asynchronous call (async_op=True). torch
+// 2.8 and later pass it down as opts.asyncOp; before that every call counts
+// as asynchronous.
+template <typename Opts>
+auto isAsyncOf(const Opts& opts, int) -> decltype(bool(opts.asyncOp)) {
+  return opts.asyncOp;
+}
+template <typename Opts>
+bool isAsyncOf(const Opts&, long) {
+  return true;
+}
+template <typename Opts>
+bool isAsync(const Opts& opts) {
+  return isAsyncOf(opts, 0);
+}
+
 class StoreAdapter : public Store {
  public:
   explicit StoreAdapter(c10::intrusive_ptr<c10d::Store> store) : store_(std::move(store)) {}

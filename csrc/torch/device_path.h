@@ -6,13 +6,16 @@
 //   1. Routing is DeviceComm's, from what every rank shares. A tensor's own
 //      layout never decides it: a non-contiguous tensor goes through a
 //      contiguous copy made on the caller's stream and copied back after.
-//   2. The call waits for the caller's current stream and runs on the
-//      communicator's stream for the device (while the caller's stream is
-//      being captured into a CUDA graph: on the caller's stream, where the
-//      graph records it), and every tensor it touches is recorded on that
-//      stream for the caching allocator.
+//   2. An asynchronous call (async_op=True) waits for the caller's current
+//      stream and runs on the communicator's stream for the device, and
+//      every tensor it touches is recorded on that stream for the caching
+//      allocator. A synchronous one (async_op=False: the caller waits for
+//      it at once), and one issued while the caller's stream is being
+//      captured into a CUDA graph, run on the caller's stream itself, as
+//      NCCL does: no events between streams, no allocator records.
 //   3. Work::wait() makes the caller's current stream wait (the host does
-//      not); synchronize() makes the host wait. Both, and isSuccess() and
+//      not; nothing to do when the call ran on that stream); synchronize()
+//      makes the host wait. Both, and isSuccess() and
 //      exception(), report a launch that gave up (a timeout, an abort) as
 //      an error, and abort the communicator so every rank learns.
 #pragma once
@@ -51,7 +54,8 @@ class DeviceWork : public c10d::Work {
   bool wait(std::chrono::milliseconds) override {
     throwIfFailed();
     c10::impl::VirtualGuardImpl impl(device_.type());
-    ticket_->waitOn(impl.getStream(device_).native_handle());
+    const c10::Stream current = impl.getStream(device_);
+    if (current != ranOn_) ticket_->waitOn(current.native_handle());
     return true;
   }
   // Made on demand: most callers wait() and never ask, and a CUDA-aware
@@ -90,32 +94,33 @@ class DevicePath {
   // Each returns the Work of a call that goes through CUDA IPC, or null
   // where the caller must stage it through host memory. The tensors are
   // checked (dtype, device, sizes) by the caller.
-  WorkPtr allReduce(const at::Tensor& t, DataType dt, ReduceOp op) {
-    Route r = route(t, OpType::ALLREDUCE, size_t(t.nbytes()));
+  WorkPtr allReduce(const at::Tensor& t, DataType dt, ReduceOp op, bool async) {
+    Route r = route(t, OpType::ALLREDUCE, size_t(t.nbytes()), async);
     if (!r.dev) return {};
     at::Tensor buf = t.contiguous();
     return launch(r, OpType::ALLREDUCE, {t}, {buf}, copiesBack(buf, t), [&](auto s) {
       return r.dev->allReduce(buf.data_ptr(), size_t(buf.numel()), dt, op, s);
     });
   }
-  WorkPtr broadcast(const at::Tensor& t, DataType dt, int root) {
-    Route r = route(t, OpType::BROADCAST, size_t(t.nbytes()));
+  WorkPtr broadcast(const at::Tensor& t, DataType dt, int root, bool async) {
+    Route r = route(t, OpType::BROADCAST, size_t(t.nbytes()), async);
     if (!r.dev) return {};
     at::Tensor buf = t.contiguous();
     return launch(r, OpType::BROADCAST, {t}, {buf}, copiesBack(buf, t), [&](auto s) {
       return r.dev->broadcast(buf.data_ptr(), size_t(buf.numel()), dt, root, s);
     });
   }
-  WorkPtr allGather(const at::Tensor& out, const at::Tensor& in, DataType dt) {
-    Route r = route(out, OpType::_ALLGATHER_BASE, size_t(in.nbytes()));
+  WorkPtr allGather(const at::Tensor& out, const at::Tensor& in, DataType dt, bool async) {
+    Route r = route(out, OpType::_ALLGATHER_BASE, size_t(in.nbytes()), async);
     if (!r.dev) return {};
     at::Tensor src = in.contiguous(), dst = contiguousOutput(out);
     return launch(r, OpType::_ALLGATHER_BASE, {out}, {src, dst}, copiesBack(dst, out), [&](auto s) {
       return r.dev->allGather(src.data_ptr(), dst.data_ptr(), size_t(src.numel()), dt, s);
     });
   }
-  WorkPtr reduceScatter(const at::Tensor& out, const at::Tensor& in, DataType dt, ReduceOp op) {
-    Route r = route(out, OpType::_REDUCE_SCATTER_BASE, size_t(out.nbytes()));
+  WorkPtr reduceScatter(const at::Tensor& out, const at::Tensor& in, DataType dt, ReduceOp op,
+                        bool async) {
+    Route r = route(out, OpType::_REDUCE_SCATTER_BASE, size_t(out.nbytes()), async);
     if (!r.dev) return {};
     at::Tensor src = in.contiguous(), dst = contiguousOutput(out);
     return launch(r, OpType::_REDUCE_SCATTER_BASE, {out}, {src, dst}, copiesBack(dst, out),
@@ -125,9 +130,9 @@ class DevicePath {
                   });
   }
   // Even splits only (the caller stages uneven ones).
-  WorkPtr allToAll(const at::Tensor& out, const at::Tensor& in, DataType dt) {
+  WorkPtr allToAll(const at::Tensor& out, const at::Tensor& in, DataType dt, bool async) {
     const size_t n = size_t(comm_->size());
-    Route r = route(out, OpType::ALLTOALL_BASE, size_t(in.nbytes()) / n);
+    Route r = route(out, OpType::ALLTOALL_BASE, size_t(in.nbytes()) / n, async);
     if (!r.dev) return {};
     at::Tensor src = in.contiguous(), dst = contiguousOutput(out);
     return launch(r, OpType::ALLTOALL_BASE, {out}, {src, dst}, copiesBack(dst, out), [&](auto s) {
@@ -162,10 +167,10 @@ class DevicePath {
     c10::Stream caller{c10::Stream::DEFAULT, c10::Device(c10::kCPU)};
   };
 
-  // `t`'s device collectives, when this call goes through CUDA IPC. The first
-  // call on a device sets its IPC group up (collective: every rank issues the
-  // same calls in the same order).
-  Route route(const at::Tensor& t, OpType type, size_t bytesPerRank) {
+  // `t`'s device collectives, when this call goes through CUDA IPC, and the
+  // stream it runs on (rule 2). The first call on a device sets its IPC
+  // group up (collective: every rank issues the same calls in the same order).
+  Route route(const at::Tensor& t, OpType type, size_t bytesPerRank, bool async) {
     Route r;
     if (!t.is_cuda() || !cuda::built()) return r;
     r.caller = c10::impl::VirtualGuardImpl(t.device().type()).getStream(t.device());
@@ -185,7 +190,9 @@ class DevicePath {
     }
     device::DeviceComm& dev = *it->second;
     void* caller = r.caller.native_handle();
-    r.streams = {caller, streamFor(t.device()).native_handle(), dev.runtime().capturing(caller)};
+    const bool captured = dev.runtime().capturing(caller);
+    r.streams = {caller, async && !captured ? streamFor(t.device()).native_handle() : caller,
+                 captured};
     bool ipc = false;
     try {
       ipc = dev.ipc(engineOp(type), bytesPerRank, r.streams);
@@ -228,7 +235,7 @@ class DevicePath {
     const c10::impl::VirtualGuardImpl impl(device.type());
     const c10::Stream caller = r.caller;
     device::TicketPtr ticket;
-    const c10::Stream ranOn = r.streams.captured ? caller : streamFor(device);
+    const c10::Stream ranOn = r.streams.run == caller.native_handle() ? caller : streamFor(device);
     try {
       if (after) {
         r.streams.then = [&] {

@@ -81,7 +81,7 @@ class ClawcommBackend : public c10d::Backend {
     const DataType dt = checkTensors(op, tensors);
     const at::Tensor& t = single(op, tensors);
     const ReduceOp redop = toReduceOp(op, opts.reduceOp);
-    if (auto work = device_->allReduce(t, dt, redop)) return track(work);
+    if (auto work = device_->allReduce(t, dt, redop, isAsync(opts))) return track(work);
     at::Tensor buf = flat(t);
     return launch(OpType::ALLREDUCE, {t}, {updates(buf)}, copyBack(buf, t), [&](auto cb) {
       return comm_->allReduce(buf.data_ptr(), size_t(buf.numel()), dt, redop, cb);
@@ -196,7 +196,7 @@ class ClawcommBackend : public c10d::Backend {
     const DataType dt = checkTensors(op, tensors);
     const at::Tensor& t = single(op, tensors);
     const int root = rootOf(op, opts.rootRank);
-    if (auto work = device_->broadcast(t, dt, root)) return track(work);
+    if (auto work = device_->broadcast(t, dt, root, isAsync(opts))) return track(work);
     at::Tensor buf = flat(t);
     return launch(OpType::BROADCAST, {t}, {updates(buf)}, copyBack(buf, t), [&](auto cb) {
       return comm_->broadcast(buf.data_ptr(), size_t(buf.numel()), dt, root, cb);
@@ -226,11 +226,11 @@ class ClawcommBackend : public c10d::Backend {
   }
 
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
-                                                 const c10d::AllgatherOptions&) override {
+                                                 const c10d::AllgatherOptions& opts) override {
     const char* op = "all_gather_into_tensor";
     const DataType dt = checkTensors(op, {input, output});
     checkNumel(op, "the output", output.numel(), input.numel() * getSize());
-    if (auto work = device_->allGather(output, input, dt)) return track(work);
+    if (auto work = device_->allGather(output, input, dt, isAsync(opts))) return track(work);
     at::Tensor src = flat(input);
     at::Tensor buf = flat(output);
     std::vector<size_t> counts(static_cast<size_t>(getSize()), static_cast<size_t>(input.numel()));
@@ -328,7 +328,8 @@ class ClawcommBackend : public c10d::Backend {
     const DataType dt = checkTensors(op, {input, output});
     checkNumel(op, "the input", input.numel(), output.numel() * getSize());
     const ReduceOp redop = toReduceOp(op, opts.reduceOp);
-    if (auto work = device_->reduceScatter(output, input, dt, redop)) return track(work);
+    if (auto work = device_->reduceScatter(output, input, dt, redop, isAsync(opts)))
+      return track(work);
     at::Tensor src = flat(input);
     at::Tensor buf = flat(output);
     std::vector<size_t> counts(static_cast<size_t>(getSize()), static_cast<size_t>(output.numel()));
@@ -376,7 +377,7 @@ class ClawcommBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
                                                std::vector<int64_t>& outputSplits,
                                                std::vector<int64_t>& inputSplits,
-                                               const c10d::AllToAllOptions&) override {
+                                               const c10d::AllToAllOptions& opts) override {
     const char* op = "alltoall_base";
     const DataType dt = checkTensors(op, {input, output});
     const int n = getSize();
@@ -410,7 +411,7 @@ class ClawcommBackend : public c10d::Backend {
     // CUDA IPC takes even splits (passed as none on every rank); split
     // sizes are staged.
     if (inputSplits.empty() && outputSplits.empty()) {
-      if (auto work = device_->allToAll(output, input, dt)) return track(work);
+      if (auto work = device_->allToAll(output, input, dt, isAsync(opts))) return track(work);
     }
     at::Tensor src = flat(input);
     at::Tensor buf = flat(output);
