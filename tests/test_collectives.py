@@ -29,6 +29,12 @@ CONFIGS = {
         "CLAWCOMM_INLINE_BYTES": "0",
         "CLAWCOMM_SIMD": "portable",
     },
+    # The broadcast and reduce with the message split among the ranks,
+    # whatever the size (auto takes them for large messages only).
+    "shm-split": {
+        "CLAWCOMM_TRANSPORT": "shm",
+        "CLAWCOMM_ALGO": "broadcast:scatter_allgather,reduce:reducescatter_gather",
+    },
     # Tiny rings and segments: every frame wraps around the ring and every
     # chunk is cut into many segments.
     "shm-tiny-ring": {
@@ -213,6 +219,14 @@ def sweep_large(rank, ws):
     t = base * (rank + 1)
     dist.broadcast(t, ws - 1)
     check(failures, "broadcast/12MB", t, base * ws)
+    t = base * (rank + 1)
+    dist.reduce(t, ws - 1)
+    check(
+        failures,
+        "reduce/12MB",
+        t,
+        base * (ws * (ws + 1) // 2) if rank == ws - 1 else base * (rank + 1),
+    )
     out = torch.empty(n * ws)
     dist.all_gather_into_tensor(out, base + rank)
     check(failures, "all_gather/12MB", out, torch.cat([base + r for r in range(ws)]))
@@ -356,7 +370,7 @@ def test_every_op_matches_local_reference(world_size, config):
     assert not failures, "\n".join(failures[:40])
 
 
-@pytest.mark.parametrize("config", ["shm-ring", "tcp-ring", "shm-tree", "tcp-striped"])
+@pytest.mark.parametrize("config", ["shm-ring", "tcp-ring", "shm-tree", "tcp-striped", "shm-split"])
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_large_messages(world_size, config):
     results = run_ranks(run_sweeps, world_size, [sweep_large], env=CONFIGS[config], timeout=300)
@@ -391,6 +405,18 @@ def test_hierarchical_all_reduce(layout):
     results = run_ranks(_transports, len(ranks), rank_env=ranks, env=env)
     assert {r[1] for r in results} == {"hierarchical"}
     # Reduce-scatter and all-gather go hierarchical too (rs/ and ag/ cases).
+    sweeps = [sweep_reductions, sweep_movement, sweep_large]
+    results = run_ranks(run_sweeps, len(ranks), sweeps, rank_env=ranks, env=env, timeout=300)
+    failures = [f"rank {r}: {f}" for r, fs in enumerate(results) for f in fs]
+    assert not failures, "\n".join(failures[:40])
+
+
+@pytest.mark.parametrize("layout", [(2, 2), (2, 1)])
+def test_split_broadcast_and_reduce_across_hosts(layout):
+    """The split broadcast and reduce over fake hosts: their all-gather and
+    reduce-scatter inside run hierarchical (2 x 2) or on the ring (2 + 1)."""
+    ranks = _hosts(*layout)
+    env = {"CLAWCOMM_ALGO": "broadcast:scatter_allgather,reduce:reducescatter_gather"}
     sweeps = [sweep_reductions, sweep_movement, sweep_large]
     results = run_ranks(run_sweeps, len(ranks), sweeps, rank_env=ranks, env=env, timeout=300)
     failures = [f"rank {r}: {f}" for r, fs in enumerate(results) for f in fs]

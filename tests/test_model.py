@@ -103,3 +103,66 @@ def test_engine_reads_the_model_file(tmp_path):
     (tmp_path / "broken.json").write_text('{"shm_alpha": "fast"}')
     with pytest.raises(RankFailure, match="broken.json"):
         run_ranks(pick, 2, env={"CLAWCOMM_COST_MODEL": str(tmp_path / "broken.json")})
+
+
+def _pick(op, nbytes, host_of, algo="auto"):
+    return _C._choose_algorithm(op, nbytes, host_of, asdict(CostModel()), algo)
+
+
+def test_every_collective_with_a_choice_takes_the_cheapest_algorithm():
+    """CLAWCOMM_ALGO=auto for each op: the split broadcast and reduce from a
+    few ranks and large messages, the trees below; direct reduce-scatter and
+    all-gather on one host; and always the row the cost model ranks first."""
+    one_host4, one_host2, hosts2x2 = [0] * 4, [0] * 2, [0, 0, 1, 1]
+    assert _pick("broadcast", 8, one_host4) == "tree"
+    assert _pick("broadcast", 64 << 20, one_host4) == "scatter_allgather"
+    assert _pick("broadcast", 64 << 20, one_host2) == "tree"  # nothing to split on 2 ranks
+    assert _pick("reduce", 8, one_host4) == "tree"
+    assert _pick("reduce", 64 << 20, one_host4) == "reducescatter_gather"
+    assert _pick("reduce_scatter", 8, one_host4) == "direct"
+    assert _pick("all_gather", 64 << 20, one_host4) == "direct"
+    assert _pick("all_gather", 64 << 20, hosts2x2) == "hierarchical"
+    model = asdict(CostModel())
+    for op, algos in {
+        "broadcast": ["tree", "scatter_allgather"],
+        "reduce": ["tree", "reducescatter_gather"],
+        "reduce_scatter": ["ring", "direct", "hierarchical"],
+        "all_gather": ["ring", "direct", "hierarchical"],
+    }.items():
+        for host_of in (one_host2, one_host4, hosts2x2, [0, 0, 0, 1, 1, 1]):
+            for nbytes in (8, 1 << 16, 1 << 20, 64 << 20):
+                costs = {a: _C._collective_cost(op, a, nbytes, host_of, model) for a in algos}
+                best = min(costs.values())
+                assert costs[_pick(op, nbytes, host_of)] == best, (op, host_of, nbytes, costs)
+
+
+def test_clawcomm_algo_names_an_algorithm_per_op():
+    one_host4 = [0] * 4
+    forced = "broadcast:scatter_allgather,reduce:tree"
+    assert _pick("broadcast", 8, one_host4, forced) == "scatter_allgather"
+    assert _pick("reduce", 64 << 20, one_host4, forced) == "tree"
+    assert _pick("all_reduce", 8, one_host4, forced) == "tree"  # not named: auto
+    # A bare name applies to every op that has it; the others stay auto.
+    assert _pick("reduce_scatter", 8, one_host4, "ring") == "ring"
+    assert _pick("broadcast", 64 << 20, one_host4, "ring") == "scatter_allgather"
+    assert _pick("reduce", 64 << 20, one_host4, "tree") == "tree"
+    # One the layout cannot run gives the ring.
+    assert _pick("reduce_scatter", 8, one_host4, "reduce_scatter:hierarchical") == "ring"
+    assert _pick("all_gather", 8, [0, 1], "all_gather:direct") == "ring"
+    assert _pick("all_gather", 8, one_host4, "all_gather:auto") == "direct"
+
+
+@pytest.mark.parametrize(
+    "value,message",
+    [
+        ("butterfly", r"CLAWCOMM_ALGO=butterfly is not one of auto, ring, tree, hierarchical"),
+        (
+            "broadcast:ring",
+            r"broadcast has no algorithm 'ring' \(scatter_allgather, tree, or auto\)",
+        ),
+        ("gather:tree", r"'gather' is not an operation with a choice of algorithm"),
+    ],
+)
+def test_a_bad_clawcomm_algo_names_the_choices(value, message):
+    with pytest.raises(ValueError, match=message):
+        _pick("broadcast", 8, [0, 0], value)

@@ -105,6 +105,9 @@ def test_the_recorder_keeps_every_operation_with_its_state():
         assert all(o["end_us"] >= o["start_us"] > 0 for o in ops), ops
         ar = next(o for o in ops if o["op"] == "all_reduce")
         assert (ar["count"], ar["dtype"], ar["bytes"]) == (8, "float32", 32)
+        # Each collective's algorithm, as CLAWCOMM_ALGO names it.
+        bc = next(o for o in ops if o["op"] == "broadcast")
+        assert (ar["algo"], bc["algo"]) == ("tree", "tree"), (ar, bc)
 
 
 def _mismatch(rank, n, flight_dir):

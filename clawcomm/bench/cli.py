@@ -30,7 +30,34 @@ from clawcomm.bench.collectives import COLLECTIVES, DTYPE_ALIASES, REDOPS
 from clawcomm.testing import under_torchrun
 
 COMPARE_CHOICES = ("gloo", "mpi", "raw", "nccl")
-ALGO_CHOICES = ("ring", "tree", "hierarchical", "auto")
+ALGO_CHOICES = (
+    "ring",
+    "tree",
+    "hierarchical",
+    "direct",
+    "scatter_allgather",
+    "reducescatter_gather",
+    "auto",
+)
+
+
+def _algorithms(text: str) -> list[str]:
+    """--algo: CLAWCOMM_ALGO values, one per variant (a name, which applies
+    to every op that has it, or op:name), checked by the engine's own rule."""
+    from dataclasses import asdict
+
+    from clawcomm import _C
+    from clawcomm.model import CostModel
+
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"algorithm {text!r} not one of {', '.join(ALGO_CHOICES)}")
+    for item in items:
+        try:
+            _C._choose_algorithm("all_reduce", 8, [0], asdict(CostModel()), item)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e).removeprefix("clawcomm: ")) from None
+    return items
 
 
 def parse_size(text: str) -> int:
@@ -103,9 +130,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--check", type=int, default=1, choices=(0, 1), help="check results (1)")
     p.add_argument(
         "--algo",
-        type=_csv(ALGO_CHOICES, "algorithm"),
+        type=_algorithms,
         default=["auto"],
-        help="all-reduce algorithms to compare: ring,tree,hierarchical,auto (default auto)",
+        help="algorithms to compare, one variant each: ring, tree, hierarchical, direct, "
+        "scatter_allgather, reducescatter_gather, auto, or op:name (e.g. broadcast:tree); a "
+        "bare name applies to every op that has it, the others run auto (default auto)",
     )
     p.add_argument(
         "--compare",

@@ -57,15 +57,9 @@ void hierarchicalAllGather(Channel& ch, void* buf, const std::vector<size_t>& co
 // `out`'s own chunk for the all-gather.
 void directReduceScatter(Channel& ch, const void* in, void* out, const std::vector<size_t>& counts);
 void directAllGather(Channel& ch, const void* in, void* out, const std::vector<size_t>& counts);
-// Whether reduce-scatter and all-gather take the direct algorithms: every
-// rank on one host, at most kDirectMaxRanks of them (beyond, CLAWCOMM_SHM_PEERS
-// may leave pairs on TCP), and CLAWCOMM_ALGO=auto (a named algorithm keeps
-// the ring).
+// Direct algorithms run on one host of at most this many ranks (beyond,
+// CLAWCOMM_SHM_PEERS may leave pairs on TCP).
 constexpr int kDirectMaxRanks = 16;
-bool useDirect(const Topology& topo, const Settings& settings);
-// Whether reduce-scatter and all-gather take the hierarchical algorithms:
-// on a hierarchical layout, unless CLAWCOMM_ALGO names a flat one.
-bool useHierarchical(const Topology& topo, const Settings& settings);
 
 void binomialBroadcast(Channel& ch, void* buf, size_t bytes, int root);
 
@@ -86,6 +80,39 @@ void pairwiseAllToAll(Channel& ch, const void* in, const std::vector<size_t>& se
 
 void disseminationBarrier(Channel& ch);
 
+// Broadcast and reduce with the message split among the ranks
+// (split_broadcast_reduce.cc): the root scatters, then the layout's
+// all-gather; the layout's reduce-scatter, then the root gathers (non-roots'
+// `buf` is left as it was). `count` elements of the channel's dtype.
+void scatterAllGatherBroadcast(Channel& ch, void* buf, size_t count, int root);
+void reduceScatterGatherReduce(Channel& ch, void* buf, size_t count, int root);
+// `count` cut into `parts` chunks, the first count % parts one larger.
+std::vector<size_t> splitCounts(size_t count, int parts);
+
+// One algorithm of one collective: a row of the table in selection.cc, by
+// the name CLAWCOMM_ALGO and the flight record give it.
+struct CollectiveAlgorithm {
+  OpType op;
+  Algorithm id;
+  const char* name;
+};
+// Every collective algorithm CLAWCOMM_ALGO can name (all-reduce,
+// reduce-scatter, all-gather, broadcast and reduce have a choice).
+const std::vector<CollectiveAlgorithm>& collectiveAlgorithms();
+
+// The cost model's prediction, in seconds, for `op` by `algo` over `topo`
+// (docs/algorithms.md); `bytes`: the whole buffer (all-reduce, broadcast,
+// reduce: the message; reduce-scatter: the input; all-gather: the output).
+// Infinite where the algorithm cannot run on the layout.
+double collectiveCost(OpType op, Algorithm algo, double bytes, const Topology& topo,
+                      const CostModel& model);
+
+// `op`'s algorithm for `bytes` over `topo`: the one CLAWCOMM_ALGO names for
+// it (an item "op:name", or a bare name that is one of op's algorithms;
+// one the layout cannot run gives the ring), else the cheapest by the cost
+// model; kDefault for an op without a choice.
+Algorithm chooseAlgorithm(OpType op, size_t bytes, const Topology& topo, const Settings& settings);
+
 // One all-reduce algorithm: a row of the table in selection.cc.
 struct AllReduceAlgorithm {
   Algorithm id;
@@ -93,8 +120,9 @@ struct AllReduceAlgorithm {
   void (*run)(Channel& ch, void* buf, size_t count);
 };
 
-// Every all-reduce algorithm CLAWCOMM_ALGO can name.
+// Every all-reduce algorithm CLAWCOMM_ALGO can name, and one by its id.
 const std::vector<AllReduceAlgorithm>& allReduceAlgorithms();
+const AllReduceAlgorithm& allReduceById(Algorithm id);
 
 // The cost model's prediction, in seconds, for an all-reduce of `bytes` per
 // rank over `topo` (docs/algorithms.md derives each formula; the
@@ -107,7 +135,8 @@ double allReduceCost(Algorithm algo, double bytes, const Topology& topo, const C
 const AllReduceAlgorithm& chooseAllReduce(size_t bytes, const Topology& topo,
                                           const Settings& settings);
 
-// Checks a CLAWCOMM_ALGO value: "auto" or a name in the table.
+// Checks a CLAWCOMM_ALGO value: "auto", or a comma-separated list of
+// algorithm names and op:name items (InvalidArgument naming the choices).
 void checkAlgorithmSetting(const std::string& value);
 
 }  // namespace clawcomm

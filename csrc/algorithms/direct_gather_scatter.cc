@@ -38,10 +38,6 @@ std::vector<int> everyone(int n) {
 
 }  // namespace
 
-bool useDirect(const Topology& topo, const Settings& settings) {
-  return topo.hosts() == 1 && topo.size() <= kDirectMaxRanks && settings.algo == "auto";
-}
-
 void directReduceScatter(Channel& ch, const void* in, void* out,
                          const std::vector<size_t>& counts) {
   const int n = ch.size(), r = ch.rank();

@@ -90,10 +90,6 @@ void permute(const Blocks& b, const std::vector<size_t>& counts, size_t es, uint
 
 }  // namespace
 
-bool useHierarchical(const Topology& topo, const Settings& settings) {
-  return topo.hierarchical() && (settings.algo == "auto" || settings.algo == "hierarchical");
-}
-
 void hierarchicalReduceScatter(Channel& ch, void* buf, const std::vector<size_t>& counts) {
   const Blocks b = layOut(ch, counts);
   const size_t es = ch.elementBytes();

@@ -1,5 +1,5 @@
-// The all-reduce algorithms, as one table, and CLAWCOMM_ALGO=auto's choice
-// between them by an alpha-beta-gamma cost model with two kinds of link
+// Every collective's algorithms, as one table, and CLAWCOMM_ALGO=auto's
+// choice between them by an alpha-beta-gamma cost model with two kinds of link
 // (docs/algorithms.md derives it; clawcomm/model.py holds the same formulas
 // for `clawcomm simulate`). A message between ranks of one host costs
 // shm_alpha + bytes * shm_beta; one between hosts costs
@@ -12,6 +12,17 @@
 //         reduce-scatter and all-gather over k ranks, net = the cheaper of
 //         ring and tree over m hosts on N/k bytes with k streams per link;
 //         P max(shm, net) + min(shm, net), the phases overlapping.
+// The other collectives (N: the whole buffer; one host's costs shown):
+//   reduce-scatter  ring: n-1 reducing steps of N/n + a working copy of N;
+//                   direct: n-1 messages of N/n, each reduced;
+//                   hierarchical: half the hierarchical all-reduce
+//   all-gather      ring: n-1 copying steps of N/n; direct: one step of
+//                   n-1 messages of N/n; hierarchical: half, as above
+//   broadcast       tree: ceil(log2 n) steps of N; scatter_allgather: the
+//                   root's n-1 messages of N/n, then the layout's all-gather
+//   reduce          tree: ceil(log2 n) steps of N, each reduced;
+//                   reducescatter_gather: the layout's reduce-scatter, then
+//                   the root's n-1 messages of N/n
 #include <algorithm>
 #include <limits>
 #include <string>
@@ -129,15 +140,113 @@ double hierarchicalCost(double N, const Topology& t, const CostModel& m) {
   return P * std::max(shm, net) + std::min(shm, net);
 }
 
-const AllReduceAlgorithm& byId(Algorithm id) {
+// The layout's own reduce-scatter and all-gather (what the split broadcast
+// and reduce run inside): direct on one host, hierarchical over hosts.
+bool directLayout(const Topology& t) {
+  return t.hosts() == 1 && t.size() <= kDirectMaxRanks;
+}
+
+double linkCost(const Topology& t, const CostModel& m, int a, int b, double bytes) {
+  return t.hostOf(a) == t.hostOf(b) ? m.shmAlpha + bytes * m.shmBeta
+                                    : m.netAlpha + bytes * m.netBeta;
+}
+
+// The root (rank 0 stands for any) exchanging `bytes` with every other rank
+// in turn.
+double rootCost(const Topology& t, const CostModel& m, double bytes) {
+  double cost = 0;
+  for (int p = 1; p < t.size(); ++p) cost += linkCost(t, m, 0, p, bytes);
+  return cost;
+}
+
+// A binomial tree's ceil(log2 n) steps of N (each reduced, for the reduce).
+double binomialCost(double N, const Topology& t, const CostModel& m, bool reducing) {
+  const int n = t.size();
+  double cost = 0;
+  for (int mask = 1; mask < n; mask <<= 1) {
+    cost += stepCost(t, m, N, [&](int r) { return r < mask && r + mask < n ? r + mask : -1; }) +
+            (reducing ? N * m.gamma : 0.0);
+  }
+  return cost;
+}
+
+constexpr double kNever = std::numeric_limits<double>::infinity();
+
+double reduceScatterCost(Algorithm a, double N, const Topology& t, const CostModel& m) {
+  const int n = t.size();
+  const double chunk = N / n;
+  switch (a) {
+    case Algorithm::kRing: return ringSteps(t, m, chunk, n - 1, 0) + N * m.shmBeta;
+    case Algorithm::kDirect:
+      return directLayout(t) ? (n - 1) * (m.shmAlpha + chunk * (m.shmBeta + m.gamma)) : kNever;
+    case Algorithm::kHierarchical: return hierarchicalCost(N, t, m) / 2;
+    default: return kNever;
+  }
+}
+
+double allGatherCost(Algorithm a, double N, const Topology& t, const CostModel& m) {
+  const int n = t.size();
+  const double chunk = N / n;
+  switch (a) {
+    case Algorithm::kRing: return ringSteps(t, m, chunk, 0, n - 1);
+    case Algorithm::kDirect:
+      return directLayout(t) ? m.shmAlpha + (n - 1) * chunk * m.shmBeta : kNever;
+    case Algorithm::kHierarchical: return hierarchicalCost(N, t, m) / 2;
+    default: return kNever;
+  }
+}
+
+// What the split algorithms run inside them (split_broadcast_reduce.cc).
+Algorithm layoutAlgorithm(const Topology& t) {
+  return directLayout(t)    ? Algorithm::kDirect
+         : t.hierarchical() ? Algorithm::kHierarchical
+                            : Algorithm::kRing;
+}
+
+// Whether `name` is an algorithm of `op` (a row of the table).
+const CollectiveAlgorithm* rowOf(OpType op, const std::string& name) {
+  for (const CollectiveAlgorithm& a : collectiveAlgorithms()) {
+    if (a.op == op && name == a.name) return &a;
+  }
+  return nullptr;
+}
+
+std::vector<std::string> splitList(const std::string& text) {
+  std::vector<std::string> items;
+  size_t at = 0;
+  while (at <= text.size()) {
+    const size_t comma = std::min(text.find(',', at), text.size());
+    items.push_back(text.substr(at, comma - at));
+    at = comma + 1;
+  }
+  return items;
+}
+
+// The algorithm CLAWCOMM_ALGO names for `op` ("" for auto): an item "op:name"
+// for it, else a bare name that is one of op's algorithms.
+std::string namedFor(const std::string& setting, OpType op) {
+  std::string bare;
+  for (const std::string& item : splitList(setting)) {
+    const size_t colon = item.find(':');
+    if (colon == std::string::npos) {
+      if (rowOf(op, item)) bare = item;
+    } else if (item.substr(0, colon) == opTypeName(op)) {
+      const std::string name = item.substr(colon + 1);
+      return name == "auto" ? "" : name;
+    }
+  }
+  return bare;
+}
+
+}  // namespace
+
+const AllReduceAlgorithm& allReduceById(Algorithm id) {
   for (const AllReduceAlgorithm& a : allReduceAlgorithms()) {
     if (a.id == id) return a;
   }
   CLAWCOMM_CHECK(false, "no all-reduce algorithm ", int(id));
   throw;  // unreachable
 }
-
-}  // namespace
 
 const std::vector<AllReduceAlgorithm>& allReduceAlgorithms() {
   static const std::vector<AllReduceAlgorithm> table = {
@@ -148,55 +257,128 @@ const std::vector<AllReduceAlgorithm>& allReduceAlgorithms() {
   return table;
 }
 
+const std::vector<CollectiveAlgorithm>& collectiveAlgorithms() {
+  // Within an op, ties in cost go to the later row.
+  static const std::vector<CollectiveAlgorithm> table = {
+      {OpType::kAllReduce, Algorithm::kRing, "ring"},
+      {OpType::kAllReduce, Algorithm::kTree, "tree"},
+      {OpType::kAllReduce, Algorithm::kHierarchical, "hierarchical"},
+      {OpType::kReduceScatter, Algorithm::kRing, "ring"},
+      {OpType::kReduceScatter, Algorithm::kHierarchical, "hierarchical"},
+      {OpType::kReduceScatter, Algorithm::kDirect, "direct"},
+      {OpType::kAllGather, Algorithm::kRing, "ring"},
+      {OpType::kAllGather, Algorithm::kHierarchical, "hierarchical"},
+      {OpType::kAllGather, Algorithm::kDirect, "direct"},
+      {OpType::kBroadcast, Algorithm::kScatterAllGather, "scatter_allgather"},
+      {OpType::kBroadcast, Algorithm::kTree, "tree"},
+      {OpType::kReduce, Algorithm::kReduceScatterGather, "reducescatter_gather"},
+      {OpType::kReduce, Algorithm::kTree, "tree"},
+  };
+  return table;
+}
+
+double collectiveCost(OpType op, Algorithm algo, double bytes, const Topology& topo,
+                      const CostModel& model) {
+  switch (op) {
+    case OpType::kAllReduce: return allReduceCost(algo, bytes, topo, model);
+    case OpType::kReduceScatter: return reduceScatterCost(algo, bytes, topo, model);
+    case OpType::kAllGather: return allGatherCost(algo, bytes, topo, model);
+    case OpType::kBroadcast:
+      if (algo == Algorithm::kTree) return binomialCost(bytes, topo, model, false);
+      if (algo == Algorithm::kScatterAllGather) {
+        return rootCost(topo, model, bytes / topo.size()) +
+               allGatherCost(layoutAlgorithm(topo), bytes, topo, model);
+      }
+      return kNever;
+    case OpType::kReduce:
+      if (algo == Algorithm::kTree) return binomialCost(bytes, topo, model, true);
+      if (algo == Algorithm::kReduceScatterGather) {
+        return reduceScatterCost(layoutAlgorithm(topo), bytes, topo, model) +
+               rootCost(topo, model, bytes / topo.size());
+      }
+      return kNever;
+    default: return kNever;
+  }
+}
+
 double allReduceCost(Algorithm algo, double bytes, const Topology& topo, const CostModel& model) {
   switch (algo) {
     case Algorithm::kRing: return ringCost(bytes, topo, model);
     case Algorithm::kTree: return treeCost(bytes, topo, model);
     case Algorithm::kHierarchical: return hierarchicalCost(bytes, topo, model);
-    default: return std::numeric_limits<double>::infinity();
+    default: return kNever;
   }
+}
+
+Algorithm chooseAlgorithm(OpType op, size_t bytes, const Topology& topo, const Settings& settings) {
+  const std::string named = namedFor(settings.algo, op);
+  if (!named.empty()) {
+    const CollectiveAlgorithm* row = rowOf(op, named);
+    if (!row) checkAlgorithmSetting(settings.algo);  // throws, naming the choices
+    // A named algorithm the layout cannot run (hierarchical on one host,
+    // direct across hosts) runs the ring.
+    if (collectiveCost(op, row->id, double(bytes), topo, settings.costModel) == kNever) {
+      return Algorithm::kRing;
+    }
+    return row->id;
+  }
+  if (op == OpType::kAllReduce) {
+    // One rank: nothing moves; recursive doubling returns at once.
+    if (topo.size() <= 1) return Algorithm::kTree;
+    if (settings.treeMaxBytes > 0 && !topo.hierarchical()) {
+      return bytes <= settings.treeMaxBytes ? Algorithm::kTree : Algorithm::kRing;
+    }
+  }
+  Algorithm best = Algorithm::kDefault;
+  double bestCost = kNever;
+  for (const CollectiveAlgorithm& a : collectiveAlgorithms()) {
+    if (a.op != op) continue;
+    const double c = collectiveCost(op, a.id, double(bytes), topo, settings.costModel);
+    if (best == Algorithm::kDefault || c <= bestCost) {
+      best = a.id;
+      bestCost = c;
+    }
+  }
+  return best;
 }
 
 const AllReduceAlgorithm& chooseAllReduce(size_t bytes, const Topology& topo,
                                           const Settings& settings) {
-  if (settings.algo != "auto") {
-    for (const AllReduceAlgorithm& a : allReduceAlgorithms()) {
-      if (settings.algo != a.name) continue;
-      // Where the layout is not hierarchical, the hierarchical algorithm is
-      // the ring: report it as such.
-      if (a.id == Algorithm::kHierarchical && !topo.hierarchical()) return byId(Algorithm::kRing);
-      return a;
-    }
-    checkAlgorithmSetting(settings.algo);  // throws, naming the choices
-  }
-  // One rank: nothing moves; recursive doubling returns at once.
-  if (topo.size() <= 1) return byId(Algorithm::kTree);
-  if (settings.treeMaxBytes > 0 && !topo.hierarchical()) {
-    return byId(bytes <= settings.treeMaxBytes ? Algorithm::kTree : Algorithm::kRing);
-  }
-  const AllReduceAlgorithm* best = nullptr;
-  double bestCost = 0;
-  for (const AllReduceAlgorithm& a : allReduceAlgorithms()) {
-    const double c = allReduceCost(a.id, double(bytes), topo, settings.costModel);
-    // Ties go to the later row (the tree over the ring): fewer steps for
-    // the same time.
-    if (best == nullptr || c <= bestCost) {
-      best = &a;
-      bestCost = c;
-    }
-  }
-  return *best;
+  return allReduceById(chooseAlgorithm(OpType::kAllReduce, bytes, topo, settings));
 }
 
 void checkAlgorithmSetting(const std::string& value) {
   if (value == "auto") return;
-  std::string names = "auto";
-  for (const AllReduceAlgorithm& a : allReduceAlgorithms()) {
-    if (value == a.name) return;
-    names += std::string(", ") + a.name;
+  std::vector<std::string> names;
+  for (const CollectiveAlgorithm& a : collectiveAlgorithms()) {
+    if (std::find(names.begin(), names.end(), a.name) == names.end()) names.push_back(a.name);
   }
-  throw InvalidArgument(
-      CLAWCOMM_CONCAT("clawcomm: CLAWCOMM_ALGO=", value, " is not one of ", names));
+  std::string all = "auto";
+  for (const std::string& n : names) all += ", " + n;
+  for (const std::string& item : splitList(value)) {
+    const size_t colon = item.find(':');
+    if (colon == std::string::npos) {
+      CLAWCOMM_ARG_CHECK(
+          item == "auto" || std::find(names.begin(), names.end(), item) != names.end(),
+          "clawcomm: CLAWCOMM_ALGO=", value, " is not one of ", all,
+          " (or a comma-separated list of op:name, e.g. broadcast:tree)");
+      continue;
+    }
+    const std::string opName = item.substr(0, colon), name = item.substr(colon + 1);
+    const CollectiveAlgorithm* first = nullptr;
+    std::string ofOp;
+    for (const CollectiveAlgorithm& a : collectiveAlgorithms()) {
+      if (opName != opTypeName(a.op)) continue;
+      if (!first) first = &a;
+      ofOp += std::string(ofOp.empty() ? "" : ", ") + a.name;
+    }
+    CLAWCOMM_ARG_CHECK(first != nullptr, "clawcomm: CLAWCOMM_ALGO=", value, ": '", opName,
+                       "' is not an operation with a choice of algorithm (all_reduce, "
+                       "reduce_scatter, all_gather, broadcast, reduce)");
+    CLAWCOMM_ARG_CHECK(name == "auto" || rowOf(first->op, name) != nullptr,
+                       "clawcomm: CLAWCOMM_ALGO=", value, ": ", opName, " has no algorithm '", name,
+                       "' (", ofOp, ", or auto)");
+  }
 }
 
 }  // namespace clawcomm

@@ -190,10 +190,10 @@ class Communicator {
                                std::function<void(Channel&)> run, Callback cb);
   RequestPtr enqueuePointToPoint(bool isSend, void* buf, size_t bytes, int peer, uint64_t tag,
                                  Callback cb);
-  // chooseAllReduce's answer for `bytes`, remembered: the cost model walks
-  // every rank of the layout, and a training loop asks for the same few
-  // sizes on every step.
-  const AllReduceAlgorithm& allReduceChoice(size_t bytes) const;
+  // chooseAlgorithm's answer for `op` on `bytes`, remembered: the cost model
+  // walks every rank of the layout, and a training loop asks for the same
+  // few sizes on every step.
+  Algorithm algorithmFor(OpType op, size_t bytes) const;
   void checkRoot(OpType op, int root) const;
   void checkCounts(OpType op, const std::vector<size_t>& counts, const char* what) const;
   void progressLoop();
@@ -211,7 +211,7 @@ class Communicator {
   std::vector<std::string> transports_;
   Topology topology_;
   mutable std::mutex choiceMutex_;
-  mutable std::unordered_map<size_t, const AllReduceAlgorithm*> choices_;  // guarded by it
+  mutable std::map<std::pair<OpType, size_t>, Algorithm> choices_;  // guarded by it
   std::string jobToken_;
   std::string storeNamespace_;
   Recorder recorder_;

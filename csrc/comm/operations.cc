@@ -13,18 +13,18 @@
 
 namespace clawcomm {
 
-const AllReduceAlgorithm& Communicator::allReduceChoice(size_t bytes) const {
+Algorithm Communicator::algorithmFor(OpType op, size_t bytes) const {
   std::lock_guard<std::mutex> lock(choiceMutex_);
-  auto it = choices_.find(bytes);
-  if (it != choices_.end()) return *it->second;
+  auto it = choices_.find({op, bytes});
+  if (it != choices_.end()) return it->second;
   if (choices_.size() >= 4096) choices_.clear();  // sizes that keep changing: stay bounded
-  const AllReduceAlgorithm& algo = chooseAllReduce(bytes, topology_, settings_);
-  choices_.emplace(bytes, &algo);
+  const Algorithm algo = chooseAlgorithm(op, bytes, topology_, settings_);
+  choices_.emplace(std::make_pair(op, bytes), algo);
   return algo;
 }
 
 std::string Communicator::allReduceAlgorithm(size_t bytes) const {
-  return allReduceChoice(bytes).name;
+  return algorithmName(algorithmFor(OpType::kAllReduce, bytes));
 }
 
 void Communicator::checkRoot(OpType op, int root) const {
@@ -41,14 +41,14 @@ void Communicator::checkCounts(OpType op, const std::vector<size_t>& counts,
 RequestPtr Communicator::allReduce(void* buf, size_t count, DataType dtype, ReduceOp op,
                                    Callback cb) {
   checkReduceOp(OpType::kAllReduce, dtype, op);
-  const AllReduceAlgorithm& algo = allReduceChoice(count * elementSize(dtype));
   OpSignature sig{OpType::kAllReduce, dtype, op, -1, count};
-  sig.algo = algo.id;
+  sig.algo = algorithmFor(OpType::kAllReduce, count * elementSize(dtype));
+  const auto run = allReduceById(sig.algo).run;
   const int n = size_;
   return enqueueCollective(
       sig, count * elementSize(dtype),
       [=](Channel& ch) {
-        algo.run(ch, buf, count);
+        run(ch, buf, count);
         if (op == ReduceOp::kAvg) divideInPlace(dtype, buf, count, n);
       },
       std::move(cb));
@@ -78,10 +78,9 @@ RequestPtr Communicator::reduceScatter(const void* in, void* out, std::vector<si
   checkCounts(OpType::kReduceScatter, counts, "counts");
   const size_t total = std::accumulate(counts.begin(), counts.end(), size_t(0));
   OpSignature sig{OpType::kReduceScatter, dtype, op, -1, total};
-  const bool hierarchical = useHierarchical(topology_, settings_);
-  const bool direct = !hierarchical && useDirect(topology_, settings_);
-  if (hierarchical) sig.algo = Algorithm::kHierarchical;
-  if (direct) sig.algo = Algorithm::kDirect;
+  sig.algo = algorithmFor(OpType::kReduceScatter, total * elementSize(dtype));
+  const bool hierarchical = sig.algo == Algorithm::kHierarchical;
+  const bool direct = sig.algo == Algorithm::kDirect;
   const int r = rank_, n = size_;
   return enqueueCollective(
       sig, total * elementSize(dtype),
@@ -113,10 +112,9 @@ RequestPtr Communicator::allGather(const void* in, void* out, std::vector<size_t
   checkCounts(OpType::kAllGather, counts, "counts");
   const size_t total = std::accumulate(counts.begin(), counts.end(), size_t(0));
   OpSignature sig{OpType::kAllGather, dtype, ReduceOp::kSum, -1, total};
-  const bool hierarchical = useHierarchical(topology_, settings_);
-  const bool direct = !hierarchical && useDirect(topology_, settings_);
-  if (hierarchical) sig.algo = Algorithm::kHierarchical;
-  if (direct) sig.algo = Algorithm::kDirect;
+  sig.algo = algorithmFor(OpType::kAllGather, total * elementSize(dtype));
+  const bool hierarchical = sig.algo == Algorithm::kHierarchical;
+  const bool direct = sig.algo == Algorithm::kDirect;
   const int r = rank_;
   return enqueueCollective(
       sig, total * elementSize(dtype),
@@ -143,6 +141,12 @@ RequestPtr Communicator::broadcast(void* buf, size_t count, DataType dtype, int 
   checkRoot(OpType::kBroadcast, root);
   OpSignature sig{OpType::kBroadcast, dtype, ReduceOp::kSum, root, count};
   const size_t bytes = count * elementSize(dtype);
+  sig.algo = algorithmFor(OpType::kBroadcast, bytes);
+  if (sig.algo == Algorithm::kScatterAllGather) {
+    return enqueueCollective(
+        sig, bytes, [=](Channel& ch) { scatterAllGatherBroadcast(ch, buf, count, root); },
+        std::move(cb));
+  }
   return enqueueCollective(
       sig, bytes, [=](Channel& ch) { binomialBroadcast(ch, buf, bytes, root); }, std::move(cb));
 }
@@ -152,7 +156,17 @@ RequestPtr Communicator::reduce(void* buf, size_t count, DataType dtype, ReduceO
   checkReduceOp(OpType::kReduce, dtype, op);
   checkRoot(OpType::kReduce, root);
   OpSignature sig{OpType::kReduce, dtype, op, root, count};
+  sig.algo = algorithmFor(OpType::kReduce, count * elementSize(dtype));
   const int r = rank_, n = size_;
+  if (sig.algo == Algorithm::kReduceScatterGather) {
+    return enqueueCollective(
+        sig, count * elementSize(dtype),
+        [=](Channel& ch) {
+          reduceScatterGatherReduce(ch, buf, count, root);
+          if (r == root && op == ReduceOp::kAvg) divideInPlace(dtype, buf, count, n);
+        },
+        std::move(cb));
+  }
   return enqueueCollective(
       sig, count * elementSize(dtype),
       [=](Channel& ch) {

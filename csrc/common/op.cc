@@ -32,6 +32,8 @@ const char* algorithmName(Algorithm a) {
     case Algorithm::kIpcTwoShot: return "CUDA IPC two-shot";
     case Algorithm::kIpc: return "CUDA IPC";
     case Algorithm::kDirect: return "direct";
+    case Algorithm::kScatterAllGather: return "scatter_allgather";
+    case Algorithm::kReduceScatterGather: return "reducescatter_gather";
   }
   return "unknown-algorithm";
 }

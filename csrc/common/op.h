@@ -29,15 +29,17 @@ const char* opTypeName(OpType t);
 // two algorithms' messages. The all-reduce algorithms and their cost model
 // are a table in algorithms/selection.cc.
 enum class Algorithm : uint8_t {
-  kDefault = 0,        // the op's only algorithm
-  kRing = 1,           // ring all-reduce (reduce-scatter + all-gather)
-  kTree = 2,           // recursive doubling
-  kRing16BitWire = 3,  // ring all-reduce of float32 with a 16-bit wire
-  kHierarchical = 4,   // shared memory inside hosts, the network across
-  kIpcOneShot = 5,     // device memory through IPC: every rank reduces every input
-  kIpcTwoShot = 6,     // device memory through IPC: reduce-scatter + all-gather
-  kIpc = 7,            // device memory through IPC, the op's only algorithm there
-  kDirect = 8,         // one host: every rank exchanges with every peer in one step
+  kDefault = 0,               // the op's only algorithm
+  kRing = 1,                  // ring all-reduce (reduce-scatter + all-gather)
+  kTree = 2,                  // recursive doubling
+  kRing16BitWire = 3,         // ring all-reduce of float32 with a 16-bit wire
+  kHierarchical = 4,          // shared memory inside hosts, the network across
+  kIpcOneShot = 5,            // device memory through IPC: every rank reduces every input
+  kIpcTwoShot = 6,            // device memory through IPC: reduce-scatter + all-gather
+  kIpc = 7,                   // device memory through IPC, the op's only algorithm there
+  kDirect = 8,                // one host: every rank exchanges with every peer in one step
+  kScatterAllGather = 9,      // broadcast: scatter from the root, then all-gather
+  kReduceScatterGather = 10,  // reduce: reduce-scatter, then gather at the root
 };
 
 const char* algorithmName(Algorithm a);

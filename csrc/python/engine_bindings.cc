@@ -150,6 +150,40 @@ void bindCostModel(py::module_& m) {
       },
       py::arg("nbytes"), py::arg("host_of"), py::arg("model"),
       "What CLAWCOMM_ALGO=auto picks for an all-reduce of nbytes on that layout.");
+  auto opOf = [](const std::string& name) {
+    for (const CollectiveAlgorithm& a : collectiveAlgorithms()) {
+      if (name == opTypeName(a.op)) return a.op;
+    }
+    throw InvalidArgument("clawcomm: " + name + " has no choice of algorithm");
+  };
+  m.def(
+      "_choose_algorithm",
+      [opOf](const std::string& op, double nbytes, std::vector<int> hostOf, const py::dict& model,
+             const std::string& algo) {
+        Settings s;
+        s.costModel = costModelOf(model);
+        s.algo = algo;
+        checkAlgorithmSetting(algo);
+        return std::string(
+            algorithmName(chooseAlgorithm(opOf(op), size_t(nbytes), Topology(hostOf), s)));
+      },
+      py::arg("op"), py::arg("nbytes"), py::arg("host_of"), py::arg("model"),
+      py::arg("algo") = "auto",
+      "The algorithm `op` (all_reduce, reduce_scatter, all_gather, broadcast, reduce) of nbytes "
+      "runs on that layout under CLAWCOMM_ALGO=algo.");
+  m.def(
+      "_collective_cost",
+      [opOf](const std::string& op, const std::string& algo, double nbytes, std::vector<int> hostOf,
+             const py::dict& model) {
+        for (const CollectiveAlgorithm& a : collectiveAlgorithms()) {
+          if (a.op == opOf(op) && algo == a.name) {
+            return collectiveCost(a.op, a.id, nbytes, Topology(hostOf), costModelOf(model));
+          }
+        }
+        throw InvalidArgument("clawcomm: " + op + " has no algorithm " + algo);
+      },
+      py::arg("op"), py::arg("algo"), py::arg("nbytes"), py::arg("host_of"), py::arg("model"),
+      "The cost model's seconds for `op` by `algo` (inf where the layout cannot run it).");
 }
 
 }  // namespace
