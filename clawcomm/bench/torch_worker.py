@@ -19,6 +19,19 @@ def clawcomm_name(algo: str, algos: list[str]) -> str:
     return "clawcomm" if algos == ["auto"] else f"clawcomm/{algo}"
 
 
+def names_algorithm(value: str, collective: str) -> bool:
+    """Whether the CLAWCOMM_ALGO value `value` (one --algo item) chooses
+    `collective`'s algorithm: auto, op:name for it, or a bare name it has."""
+    from clawcomm import _C
+
+    op = {"sendrecv": "send"}.get(collective, collective)
+    if value == "auto":
+        return True
+    if ":" in value:
+        return value.split(":", 1)[0] == op
+    return (op, value) in _C._algorithm_table()
+
+
 def reference_algo(algos: list[str]) -> str:
     return "auto" if "auto" in algos else algos[0]
 
@@ -96,9 +109,11 @@ def rank_main(rank: int, world_size: int, options: dict):
             runners["nccl"] = _Failed("nccl", f"NCCL: {str(e).splitlines()[0][:60]}")
 
     def runner_names(collective: str) -> list[str]:
-        # The all-reduce algorithm only matters to all_reduce.
-        names = [clawcomm_name(a, algos) for a in algos] if collective == "all_reduce" else []
-        names = names or [reference]
+        # A variant runs the collectives whose algorithm it names (the
+        # others would repeat auto's); the reference runs them all.
+        names = [clawcomm_name(a, algos) for a in algos if names_algorithm(a, collective)]
+        if reference not in names:
+            names = [reference] + names
         return names + [c for c in ("raw", "gloo", "nccl") if c in compare]
 
     def agree(value, op):

@@ -157,6 +157,16 @@ void bindCostModel(py::module_& m) {
     throw InvalidArgument("clawcomm: " + name + " has no choice of algorithm");
   };
   m.def(
+      "_algorithm_table",
+      [] {
+        std::vector<std::pair<std::string, std::string>> rows;
+        for (const CollectiveAlgorithm& a : collectiveAlgorithms()) {
+          rows.emplace_back(opTypeName(a.op), a.name);
+        }
+        return rows;
+      },
+      "Every (op, algorithm) CLAWCOMM_ALGO can name, in the table's order.");
+  m.def(
       "_choose_algorithm",
       [opOf](const std::string& op, double nbytes, std::vector<int> hostOf, const py::dict& model,
              const std::string& algo) {
