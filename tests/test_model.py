@@ -110,15 +110,20 @@ def _pick(op, nbytes, host_of, algo="auto"):
 
 
 def test_every_collective_with_a_choice_takes_the_cheapest_algorithm():
-    """CLAWCOMM_ALGO=auto for each op: the split broadcast and reduce from a
-    few ranks and large messages, the trees below; direct reduce-scatter and
-    all-gather on one host; and always the row the cost model ranks first."""
+    """CLAWCOMM_ALGO=auto for each op: the split broadcast and reduce for
+    large messages from 8 ranks (measured: bench/results/split_broadcast_reduce.txt),
+    the trees below; direct reduce-scatter and all-gather on one host; and
+    always the row the cost model ranks first."""
     one_host4, one_host2, hosts2x2 = [0] * 4, [0] * 2, [0, 0, 1, 1]
-    assert _pick("broadcast", 8, one_host4) == "tree"
-    assert _pick("broadcast", 64 << 20, one_host4) == "scatter_allgather"
-    assert _pick("broadcast", 64 << 20, one_host2) == "tree"  # nothing to split on 2 ranks
-    assert _pick("reduce", 8, one_host4) == "tree"
-    assert _pick("reduce", 64 << 20, one_host4) == "reducescatter_gather"
+    one_host8 = [0] * 8
+    assert _pick("broadcast", 8, one_host8) == "tree"
+    assert _pick("broadcast", 64 << 20, one_host8) == "scatter_allgather"
+    assert _pick("broadcast", 64 << 20, one_host4) == "tree"
+    assert _pick("broadcast", 64 << 20, one_host2) == "tree"
+    assert _pick("reduce", 8, one_host8) == "tree"
+    assert _pick("reduce", 64 << 20, one_host8) == "reducescatter_gather"
+    assert _pick("reduce", 64 << 20, one_host4) == "tree"
+    assert _pick("reduce", 64 << 20, one_host2) == "tree"
     assert _pick("reduce_scatter", 8, one_host4) == "direct"
     assert _pick("all_gather", 64 << 20, one_host4) == "direct"
     assert _pick("all_gather", 64 << 20, hosts2x2) == "hierarchical"
@@ -129,7 +134,7 @@ def test_every_collective_with_a_choice_takes_the_cheapest_algorithm():
         "reduce_scatter": ["ring", "direct", "hierarchical"],
         "all_gather": ["ring", "direct", "hierarchical"],
     }.items():
-        for host_of in (one_host2, one_host4, hosts2x2, [0, 0, 0, 1, 1, 1]):
+        for host_of in (one_host2, one_host4, one_host8, hosts2x2, [0, 0, 0, 1, 1, 1]):
             for nbytes in (8, 1 << 16, 1 << 20, 64 << 20):
                 costs = {a: _C._collective_cost(op, a, nbytes, host_of, model) for a in algos}
                 best = min(costs.values())
@@ -144,7 +149,7 @@ def test_clawcomm_algo_names_an_algorithm_per_op():
     assert _pick("all_reduce", 8, one_host4, forced) == "tree"  # not named: auto
     # A bare name applies to every op that has it; the others stay auto.
     assert _pick("reduce_scatter", 8, one_host4, "ring") == "ring"
-    assert _pick("broadcast", 64 << 20, one_host4, "ring") == "scatter_allgather"
+    assert _pick("broadcast", 64 << 20, [0] * 8, "ring") == "scatter_allgather"
     assert _pick("reduce", 64 << 20, one_host4, "tree") == "tree"
     # One the layout cannot run gives the ring.
     assert _pick("reduce_scatter", 8, one_host4, "reduce_scatter:hierarchical") == "ring"

@@ -19,10 +19,12 @@
 //   all-gather      ring: n-1 copying steps of N/n; direct: one step of
 //                   n-1 messages of N/n; hierarchical: half, as above
 //   broadcast       tree: ceil(log2 n) steps of N; scatter_allgather: the
-//                   root's n-1 messages of N/n, then the layout's all-gather
+//                   root's n-1 messages of N/n, then twice the layout's
+//                   all-gather (the root sends and receives)
 //   reduce          tree: ceil(log2 n) steps of N, each reduced;
-//                   reducescatter_gather: the layout's reduce-scatter, then
-//                   the root's n-1 messages of N/n
+//                   reducescatter_gather: twice the layout's reduce-scatter
+//                   and its sends, then the root's n-1 messages of N/n
+//                   (see collectiveCost)
 #include <algorithm>
 #include <limits>
 #include <string>
@@ -283,17 +285,26 @@ double collectiveCost(OpType op, Algorithm algo, double bytes, const Topology& t
     case OpType::kAllReduce: return allReduceCost(algo, bytes, topo, model);
     case OpType::kReduceScatter: return reduceScatterCost(algo, bytes, topo, model);
     case OpType::kAllGather: return allGatherCost(algo, bytes, topo, model);
+    // The trees' cost is the root's: ceil(log2 n) messages of N sent (or
+    // received and reduced). The split algorithms' root also sends and
+    // receives inside their all-gather and reduce-scatter, so those count
+    // twice (both ends of each copy), and the reduce-scatter inside the split
+    // reduce twice again: measured on 2 to 8 ranks of a 2-core and a
+    // 16-core host, it runs at about half the model's rate
+    // (bench/results/split_broadcast_reduce.txt). Hence the trees up to 4
+    // ranks and the split from 8, for large messages.
     case OpType::kBroadcast:
       if (algo == Algorithm::kTree) return binomialCost(bytes, topo, model, false);
       if (algo == Algorithm::kScatterAllGather) {
         return rootCost(topo, model, bytes / topo.size()) +
-               allGatherCost(layoutAlgorithm(topo), bytes, topo, model);
+               2 * allGatherCost(layoutAlgorithm(topo), bytes, topo, model);
       }
       return kNever;
     case OpType::kReduce:
       if (algo == Algorithm::kTree) return binomialCost(bytes, topo, model, true);
       if (algo == Algorithm::kReduceScatterGather) {
-        return reduceScatterCost(layoutAlgorithm(topo), bytes, topo, model) +
+        const double sent = bytes * (topo.size() - 1) / topo.size() * model.shmBeta;
+        return 2 * (reduceScatterCost(layoutAlgorithm(topo), bytes, topo, model) + sent) +
                rootCost(topo, model, bytes / topo.size());
       }
       return kNever;
