@@ -437,6 +437,33 @@ def _choose_all_reduce(
     What CLAWCOMM_ALGO=auto picks for an all-reduce of nbytes on that layout.
     """
 
+def _algorithm_table() -> list[tuple[str, str]]:
+    """
+    Every (op, algorithm) CLAWCOMM_ALGO can name, in the table's order.
+    """
+
+def _choose_algorithm(
+    op: str,
+    nbytes: typing.SupportsFloat | typing.SupportsIndex,
+    host_of: list[int],
+    model: dict,
+    algo: str = "auto",
+) -> str:
+    """
+    The algorithm `op` (all_reduce, reduce_scatter, all_gather, broadcast, reduce) of nbytes runs on that layout under CLAWCOMM_ALGO=algo.
+    """
+
+def _collective_cost(
+    op: str,
+    algo: str,
+    nbytes: typing.SupportsFloat | typing.SupportsIndex,
+    host_of: list[int],
+    model: dict,
+) -> float:
+    """
+    The cost model's seconds for `op` by `algo` (inf where the layout cannot run it).
+    """
+
 def _drop_last_reference_in_callback(small: bool = False) -> str:
     """
     Test hook: a one-rank communicator's last reference dropped inside its completion callback (small: an op run inline on the caller's thread); returns the thread the callback ran on.
