@@ -12,7 +12,7 @@ import textwrap
 from clawcomm import _C
 from clawcomm.testing import fuzz_frames, make_frame
 
-POINT_TO_POINT, ABORT = 2, 4
+COLLECTIVE, POINT_TO_POINT, ABORT = 1, 2, 4
 
 
 def test_a_well_formed_message_is_received():
@@ -34,6 +34,14 @@ def test_bad_magic_unknown_kind_and_a_malformed_abort_are_named():
     assert "malformed abort frame" in _C._feed_frames(make_frame(ABORT, b"x" * 8))
     reason = b"rank 1 gave up".ljust(448, b"\0")
     assert "rank 1 aborted: rank 1 gave up" in _C._feed_frames(make_frame(ABORT, reason))
+
+
+def test_an_unknown_op_type_is_named_before_it_indexes_anything():
+    """The op type indexes the per-op traffic counters: an unknown one used
+    to write past them."""
+    for kind in (COLLECTIVE, POINT_TO_POINT):
+        frame = make_frame(kind, b"12345678", fields=(250, 0, 0, 2, 0, 0, 0))
+        assert "op type 250 is not one of clawcomm's 11" in _C._feed_frames(frame, recv_bytes=8)
 
 
 def test_a_size_that_differs_from_the_receive_is_a_mismatch():

@@ -17,6 +17,7 @@ const char* opTypeName(OpType t) {
     case OpType::kBarrier: return "barrier";
     case OpType::kSend: return "send";
     case OpType::kRecv: return "recv";
+    case OpType::kCount: break;
   }
   return "unknown-op";
 }

@@ -20,7 +20,9 @@ enum class OpType : uint8_t {
   kBarrier,
   kSend,
   kRecv,
+  kCount,  // not an op: how many there are (a new op goes above)
 };
+constexpr int kNumOpTypes = int(OpType::kCount);
 
 const char* opTypeName(OpType t);
 

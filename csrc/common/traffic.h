@@ -12,8 +12,6 @@
 
 namespace clawcomm {
 
-constexpr int kNumOpTypes = int(OpType::kRecv) + 1;
-
 struct OpTraffic {
   std::atomic<uint64_t> calls{0};
   std::atomic<uint64_t> framesSent{0};

@@ -299,6 +299,11 @@ bool Messenger::progressRecv(int peer, PeerState& ps) {
         throw PeerError(CLAWCOMM_CONCAT("rank ", peer, " sent a frame of another group (epoch ",
                                         h.epoch, ", this group's is ", epoch_, ")"));
       }
+      // The op type indexes the traffic counters.
+      if (int(h.opType) >= kNumOpTypes) {
+        throw PeerError(CLAWCOMM_CONCAT("corrupt stream from rank ", peer, ": op type ",
+                                        int(h.opType), " is not one of clawcomm's ", kNumOpTypes));
+      }
       ps.target.reset();
       ps.frameDone = 0;
       ps.referenceFill = 0;

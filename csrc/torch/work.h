@@ -158,9 +158,18 @@ class ClawcommWork : public c10d::Work {
 
   void attach(RequestPtr request) { request_ = std::move(request); }
 
-  bool isCompleted() override { return request_->isCompleted(); }
-  bool isSuccess() const override { return request_->isCompleted() && !request_->exception(); }
-  std::exception_ptr exception() const override { return request_->exception(); }
+  // The future completes inside the engine's completion callback, a moment
+  // before the request is marked done: a completed future is a completed
+  // Work (its callbacks may ask).
+  bool isCompleted() override {
+    return request_->isCompleted() || completion_->future->completed();
+  }
+  bool isSuccess() const override { return isDone() && !exception(); }
+  std::exception_ptr exception() const override {
+    const auto& f = completion_->future;
+    if (f->completed() && f->hasError()) return f->exception_ptr();
+    return request_->exception();
+  }
   int sourceRank() const override { return request_->sourceRank(); }
   std::vector<at::Tensor> result() override { return completion_->outputs; }
   void synchronize() override {}
@@ -183,6 +192,8 @@ class ClawcommWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return completion_->future; }
 
  private:
+  bool isDone() const { return request_->isCompleted() || completion_->future->completed(); }
+
   std::shared_ptr<Completion> completion_;
   RequestPtr request_;
 };
@@ -227,8 +238,19 @@ class CoalescedWork : public c10d::Work {
     }
     return nullptr;
   }
+  // One timeout for all the children, not one each; throws when it passes.
   bool wait(std::chrono::milliseconds timeout) override {
-    for (auto& c : children_) c->wait(timeout);
+    if (timeout == kNoTimeout) {
+      for (auto& c : children_) c->wait(timeout);
+      return true;
+    }
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    for (auto& c : children_) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      // kNoTimeout is 0 ms: what is left is never less than 1 ms.
+      c->wait(std::max(left, std::chrono::milliseconds(1)));
+    }
     return true;
   }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }

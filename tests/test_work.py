@@ -1,0 +1,60 @@
+"""Work and future semantics through torch.distributed: a completed future
+means a completed Work, and waits keep to the timeout they are given."""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import torch
+import torch.distributed as dist
+
+from clawcomm.testing import run_ranks
+
+
+def _future_then_work(rank, ws):
+    seen = []
+    for _ in range(20):
+        t = torch.ones(1000)
+        work = dist.all_reduce(t, async_op=True)
+        fut = work.get_future()
+        # Runs inside the future's completion, on whichever thread completes it.
+        done = fut.then(lambda f, w=work: seen.append(w.is_completed()))
+        done.wait()
+        work.wait()
+    return seen
+
+
+def test_a_completed_future_means_a_completed_work():
+    """Every op handed to the progress thread (CLAWCOMM_INLINE_BYTES=0), so
+    the future completes there while the caller attaches its callback."""
+    for seen in run_ranks(_future_then_work, 2, env={"CLAWCOMM_INLINE_BYTES": "0"}):
+        assert seen == [True] * 20, seen
+
+
+def _coalesced_wait(rank, ws):
+    bufs = [torch.empty(4) for _ in range(3)]
+    if rank == 1:  # one send every 0.7 s: each receive alone waits less than 1 s
+        for i, b in enumerate(bufs):
+            time.sleep(0.7)
+            dist.send(b, 0, tag=i)
+        return None
+    works = dist.batch_isend_irecv(
+        [dist.P2POp(dist.irecv, b, 1, tag=i) for i, b in enumerate(bufs)]
+    )
+    start = time.monotonic()
+    try:
+        for w in works:
+            w.wait(timeout=datetime.timedelta(seconds=1))
+        return ("returned", len(works), time.monotonic() - start)
+    except Exception as e:  # noqa: BLE001
+        return (type(e).__name__, len(works), time.monotonic() - start, str(e)[:200])
+
+
+def test_a_coalesced_wait_keeps_to_its_timeout():
+    """Three coalesced receives that complete 0.7 s apart, waited for with a
+    1 s timeout: a timeout error after about 1 s, not one timeout per
+    receive (2.1 s and a return)."""
+    got = run_ranks(_coalesced_wait, 2, timeout=60)[0]
+    assert got[0] != "returned" and got[1] == 1, got
+    assert got[2] < 1.6, got
