@@ -468,3 +468,13 @@ def test_16_bit_wire_matches_the_ring_bit_for_bit(world_size, env):
     for rank_results in run_ranks(_wire_runs, world_size, env=env):
         for got, want in rank_results:
             assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("grad", ["strided", "float64"])
+def test_threshold_scan_refuses_a_grad_it_would_copy(grad):
+    """grad is zeroed in place: a strided or float64 one used to be copied
+    silently, and the copy zeroed, leaving the caller's array as it was."""
+    acc = np.ones(8, dtype=np.float32)
+    g = np.ones(16, dtype=np.float32)[::2] if grad == "strided" else np.ones(8)
+    with pytest.raises(ValueError, match="grad must be a C-contiguous float32 array"):
+        _C.compress.threshold_scan(acc, 0.5, g)

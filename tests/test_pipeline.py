@@ -267,3 +267,14 @@ def test_executor_matches_single_process(name, pp, v, m, mbs):
         torch.testing.assert_close(g, want[n].grad, atol=1e-6, rtol=1e-5, msg=n)
     total = [sum(r[1][k] for r in results) / (m * mbs) for k in range(2)]
     assert total == pytest.approx([loss.item()] * 2, rel=1e-5)
+
+
+def test_the_package_docstring_runs_as_written():
+    """The usage lines in clawcomm.pipeline's docstring, executed as they are."""
+    import clawcomm.pipeline as pipeline
+
+    lines = [ln[4:].split("#")[0] for ln in pipeline.__doc__.splitlines() if ln.startswith("    ")]
+    namespace: dict = {}
+    exec("\n".join(lines[:-1]), namespace)  # noqa: S102
+    bubble = eval(lines[-1], namespace)  # noqa: S307 - the last line is an expression
+    assert bubble == pytest.approx(3 / 11)

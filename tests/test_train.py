@@ -340,3 +340,16 @@ def test_metrics_split_compute_exposed_communication_and_bytes_per_group(tmp_pat
         return
     files = list((tmp_path / "tb").glob("events.out.tfevents.*"))
     assert files and files[0].stat().st_size > 0
+
+
+def test_a_missing_text_or_a_broken_config_is_an_error_not_a_traceback(tmp_path):
+    proc = _cli("--model", "gpt", "--text", str(tmp_path / "missing.txt"), "--nproc", "1")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "missing.txt' is not a file" in proc.stderr, proc.stderr
+    toml = tmp_path / "broken.toml"
+    toml.write_text("steps = 3\ndp = \n")
+    proc = _cli("--config", str(toml))
+    assert proc.returncode == 2, proc.stderr
+    assert f"{toml}: not valid TOML: Invalid value (at line 2, column 6)" in proc.stderr
+    proc = _cli("--config", str(tmp_path / "absent.toml"))
+    assert proc.returncode == 2 and "absent.toml: cannot read the settings" in proc.stderr

@@ -11,6 +11,7 @@ point-to-point operations.
 from clawcomm.pipeline.actions import Action, format_schedule, format_table, parse_schedule
 from clawcomm.pipeline.schedules import SCHEDULES
 from clawcomm.pipeline.schedules import build as build_schedule
+from clawcomm.pipeline.validate import ScheduleError, Simulation, simulate, validate
 
 __all__ = [
     "SCHEDULES",
@@ -19,4 +20,8 @@ __all__ = [
     "format_schedule",
     "format_table",
     "parse_schedule",
+    "ScheduleError",
+    "Simulation",
+    "simulate",
+    "validate",
 ]

@@ -156,6 +156,11 @@ class TrainConfig:
         check_schedule_args(self.schedule, self.pp, self.microbatches, self.virtual_stages)
         if self.model == "wait":
             self.wait_times()
+        if self.model == "gpt" and self.text:
+            import os
+
+            if not os.path.isfile(self.text):
+                raise ValueError(f"text {self.text!r} is not a file (gpt trains on a UTF-8 text)")
         from clawcomm.train import device
 
         device.check(self.device)
@@ -204,8 +209,13 @@ def load_toml(path: str) -> dict:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
         import tomli as tomllib
-    with open(path, "rb") as f:
-        raw = tomllib.load(f)
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the settings: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{path}: not valid TOML: {e}") from None
     known = {f.name: f for f in fields(TrainConfig)}
     out = {}
     for key, value in raw.items():

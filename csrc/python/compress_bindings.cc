@@ -116,6 +116,12 @@ void bindCompress(py::module_& m) {
           py::gil_scoped_release release;
           scanInPlace(acc.mutable_data(), size_t(acc.size()), threshold, out, l);
         } else {
+          // A cast would copy a strided or non-float32 array, and zero the copy.
+          CLAWCOMM_ARG_CHECK(py::isinstance<FloatArray>(grad),
+                             "clawcomm::threshold_scan: grad must be a C-contiguous float32 "
+                             "array (it is zeroed in place), got ",
+                             std::string(py::str(py::repr(grad.attr("dtype")))), " with strides ",
+                             std::string(py::str(grad.attr("strides"))));
           auto g = py::cast<FloatArray>(grad);
           CLAWCOMM_ARG_CHECK(g.size() == acc.size() && g.writeable(),
                              "clawcomm::threshold_scan: grad must be writable and as long as acc");
