@@ -14,7 +14,9 @@ tensors. Error-feedback residuals are keyed by DDP's bucket index; for the
 first ``warmup_steps`` iterations gradients are reduced densely (as Deep
 Gradient Compression warms up). Gradients are averaged, as DDP's own
 all-reduce does. The hook reduces synchronously and returns a completed
-future (overlap with backward comes with the overlap-buckets issue).
+future; for compressed reductions that overlap backward, use
+``clawcomm.parallel.DataParallel`` (its compressed buckets run on a
+reduction thread).
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's return

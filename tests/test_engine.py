@@ -4,11 +4,14 @@ numpy buffer can carry (bfloat16 as uint16), and argument errors."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
 import clawcomm
+from clawcomm import _C
 from clawcomm.testing import run_ranks
 
 
@@ -234,3 +237,16 @@ def test_missing_optional_dependency_names_feature_and_extra():
             del sys.modules["matplotlib"]
         else:
             sys.modules["matplotlib"] = saved
+
+
+def test_the_backend_names_every_all_reduce_algorithm_it_can_return():
+    """all_reduce_algorithm's docstring (binding and stub) lists the table's
+    all-reduce algorithms; it once left 'hierarchical' out."""
+    from clawcomm import _C_torch
+
+    algos = [name for op, name in _C._algorithm_table() if op == "all_reduce"]
+    doc = _C_torch.ClawcommBackend.all_reduce_algorithm.__doc__
+    stub = (Path(__file__).parent.parent / "clawcomm" / "_C_torch.pyi").read_text()
+    for name in algos:
+        assert f"'{name}'" in doc, doc
+        assert f"'{name}'" in stub.split("def all_reduce_algorithm")[1].split('"""')[1]

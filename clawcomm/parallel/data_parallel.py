@@ -18,11 +18,13 @@ How a step goes:
    order backward usually produces them, up to ``bucket_cap_mb`` (the first
    up to ``first_bucket_mb``, so the first reduction starts early).
 2. A post-accumulate-grad hook marks each gradient ready. When the next
-   bucket in launch order has all its gradients, it is handed to the
-   reduction thread (worker.py), which averages it (through the compressor,
-   if any) while autograd computes the next layers' gradients. Buckets
-   launch in index order on every rank, whatever order their gradients come
-   in, so the ranks' collectives match.
+   bucket in launch order has all its gradients, it is launched
+   (reducer.py): a dense bucket as an asynchronous all-reduce straight from
+   autograd's thread (the engine's progress thread does the work), a
+   compressed one on the reduction thread (worker.py), while autograd
+   computes the next layers' gradients. Buckets launch in index order on
+   every rank, whatever order their gradients come in, so the ranks'
+   collectives match.
 3. A callback queued on the autograd engine runs when backward ends: it
    launches what is left and waits for every bucket, so ``backward()``
    returns with averaged gradients.
@@ -197,7 +199,6 @@ class DataParallel(nn.Module):
     def _reset_step(self) -> None:
         self._ready = [False] * len(self._params)
         self._has_grad = [False] * len(self._params)
-        self._next_launch = 0
         self._in_backward = False
         self._unreached: list[int] = []
         self._reducer.reset()
