@@ -14,7 +14,8 @@ instead of TorchElastic's restart of every rank).
 
 ``rebuild`` aborts and destroys the broken default group, has every survivor
 announce itself under ``clawcomm/epoch<e>/``, waits ``settle_s`` for the
-others, and the survivor with the lowest old rank publishes who is in. The
+others, and the survivor with the lowest old rank proposes who is in (the
+first proposal stands: a late survivor cannot replace it). The
 new group (ranks renumbered in old-rank order) connects over a
 ``PrefixStore`` of that epoch, so its keys never meet the old group's; its
 connections present a new job token, and every frame carries the group's
@@ -54,13 +55,7 @@ def rebuild(
             pass
         dist.destroy_process_group()
     prefix = f"clawcomm/epoch{epoch}"
-    store.set(f"{prefix}/alive/{old_rank}", "1")
-    time.sleep(settle_s)
-    alive = [r for r in range(old_world) if store.check([f"{prefix}/alive/{r}"])]
-    if alive and alive[0] == old_rank:
-        store.set(f"{prefix}/members", json.dumps(alive))
-    store.wait([f"{prefix}/members"], timeout)
-    members = json.loads(store.get(f"{prefix}/members"))
+    members = agree_members(store, prefix, old_rank, old_world, timeout, settle_s)
     if old_rank not in members:
         raise RuntimeError(
             f"clawcomm.elastic.rebuild: rank {old_rank} announced itself after the survivors of "
@@ -75,3 +70,20 @@ def rebuild(
         timeout=timeout,
     )
     return rank, world
+
+
+def agree_members(
+    store, prefix: str, old_rank: int, old_world: int, timeout, settle_s: float
+) -> list[int]:
+    """The old ranks in the new group, the same list on every survivor:
+    each announces itself, waits `settle_s`, and the lowest it saw proposes
+    who is in. The first proposal wins (the store's compare-and-set), so a
+    survivor that arrives late, with a lower old rank, cannot replace the
+    list the others already went on with."""
+    store.set(f"{prefix}/alive/{old_rank}", "1")
+    time.sleep(settle_s)
+    alive = [r for r in range(old_world) if store.check([f"{prefix}/alive/{r}"])]
+    if alive and alive[0] == old_rank:
+        store.compare_set(f"{prefix}/members", "", json.dumps(alive))
+    store.wait([f"{prefix}/members"], timeout)
+    return json.loads(store.get(f"{prefix}/members"))
