@@ -154,6 +154,31 @@ def test_a_reused_store_does_not_hand_out_an_earlier_groups_keys(env, tmp_path):
         assert sums == [3.0, 5.0]
 
 
+def _groups_of_two_sizes(rank, ws, store_path):
+    """A group of 3 on a store, then a group of ranks 0 and 1 on the same one."""
+    from clawcomm import _C_torch
+
+    timeout = datetime.timedelta(seconds=TIMEOUT)
+    backend = _C_torch.ClawcommBackend(dist.FileStore(store_path, 3), rank, 3, timeout)
+    x = torch.ones(4)
+    backend.allreduce([x]).wait()
+    del backend
+    if rank == 2:
+        return x[0].item()
+    backend = _C_torch.ClawcommBackend(dist.FileStore(store_path, 3), rank, 2, timeout)
+    y = torch.ones(4)
+    backend.allreduce([y]).wait()
+    return x[0].item(), y[0].item()
+
+
+def test_a_store_reused_by_a_group_of_another_size(tmp_path):
+    """Generations were counted over every arrival, whatever the group's
+    size: the second group's two ranks landed in two namespaces and waited
+    for each other until the timeout."""
+    got = run_ranks(_groups_of_two_sizes, 3, str(tmp_path / "store"), init=False, timeout=60)
+    assert got == [(3.0, 2.0), (3.0, 2.0), 3.0], got
+
+
 # --- an address that is not this host's -------------------------------------
 
 

@@ -253,10 +253,12 @@ Connections rendezvous(Store& store, int rank, int size, const Settings& setting
   }
   // 0. The generation: a store that already served a group of this size
   //    (a reused FileStore, say) holds that group's keys. Every rank counts
-  //    its arrival, and a group's keys live under the number of groups
-  //    that arrived before it, so nobody reads a predecessor's token.
-  const int64_t arrival = store.add("clawcomm/arrivals", 1);
-  const std::string ns = CLAWCOMM_CONCAT("clawcomm/", (arrival - 1) / size, "/");
+  //    its arrival among the groups of its size, and a group's keys live
+  //    under the number of such groups that arrived before it, so nobody
+  //    reads a predecessor's token. Counted per size: a group of another
+  //    size in between must not shift the count.
+  const int64_t arrival = store.add(CLAWCOMM_CONCAT("clawcomm/arrivals/", size), 1);
+  const std::string ns = CLAWCOMM_CONCAT("clawcomm/", size, "/", (arrival - 1) / size, "/");
   std::vector<std::string> published;
   try {
     return connectAll(store, ns, rank, size, settings, deadline, published);
