@@ -16,7 +16,7 @@ import dataclasses
 import json
 import time
 
-from clawcomm import chaos
+from clawcomm.testing import chaos
 
 AMOUNTS = {
     "kill": 100,

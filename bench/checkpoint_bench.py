@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def kill_trials(n: int, seed: int) -> dict:
-    from clawcomm.testing import kill_mid_save_trial
+    from clawcomm.testing.checkpoint import kill_mid_save_trial
 
     rng = random.Random(seed)
     ok, failures = 0, []

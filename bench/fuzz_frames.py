@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from clawcomm.testing import fuzz_frames
+from clawcomm.testing.frames import fuzz_frames
 
 
 def main() -> int:

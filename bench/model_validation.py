@@ -11,7 +11,7 @@
    simulator) and prints the table and the geometric-mean error: the
    geometric mean over points of max(pred/meas, meas/pred), minus 1.
 
-Needs root and iproute2 (clawcomm.netns). About 10 minutes on 2 cores.
+Needs root and iproute2 (clawcomm.testing.netns). About 10 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import os
 import sys
 
 from clawcomm.model import CostModel, Layout, predict
-from clawcomm.netns import Cluster, unavailable
 from clawcomm.simulator import simulate
+from clawcomm.testing.netns import Cluster, unavailable
 
 LAYOUTS = [(2, 2), (4, 2), (8, 1)]
 OPS = "all_reduce,all_gather,reduce_scatter,broadcast"

@@ -10,7 +10,8 @@ import random
 import pytest
 import torch
 
-from clawcomm.testing import kill_mid_save_trial, run_ranks
+from clawcomm.testing import run_ranks
+from clawcomm.testing.checkpoint import kill_mid_save_trial
 from clawcomm.train import checkpoint
 from clawcomm.train.config import TrainConfig
 

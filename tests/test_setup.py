@@ -17,8 +17,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from clawcomm.chaos import listening_ports, segments, slow_to_read_addresses, tcp_hello
 from clawcomm.testing import RankFailure, run_ranks
+from clawcomm.testing.chaos.endurance import listening_ports, tcp_hello
+from clawcomm.testing.chaos.harness import segments, slow_to_read_addresses
 
 TRANSPORTS = [{"CLAWCOMM_TRANSPORT": "shm"}, {"CLAWCOMM_TRANSPORT": "tcp"}]
 TIMEOUT = 3.0  # the group's timeout in these tests (s)

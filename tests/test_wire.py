@@ -10,7 +10,7 @@ import sys
 import textwrap
 
 from clawcomm import _C
-from clawcomm.testing import fuzz_frames, make_frame
+from clawcomm.testing.frames import fuzz_frames, make_frame
 
 COLLECTIVE, POINT_TO_POINT, ABORT = 1, 2, 4
 
@@ -53,7 +53,7 @@ def _peak_rss_mb(claimed: int) -> float:
     code = textwrap.dedent(f"""
         import resource
         from clawcomm import _C
-        from clawcomm.testing import make_frame
+        from clawcomm.testing.frames import make_frame
         _C._feed_frames(make_frame(2, b"x" * 64, claimed={claimed}))
         print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     """)
@@ -71,7 +71,7 @@ def test_a_header_claiming_a_gigabyte_allocates_only_what_arrives():
 def test_random_streams_never_crash_the_parser():
     """A bounded fuzz run (bench/fuzz_frames.py runs longer), in a child
     process, so that a crash is a failure and not the end of the suite."""
-    code = "from clawcomm.testing import fuzz_frames; print(fuzz_frames(seed=1, cases=3000))"
+    code = "from clawcomm.testing.frames import fuzz_frames; print(fuzz_frames(seed=1, cases=3000))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "cases" in out.stdout

@@ -1,7 +1,7 @@
 """Test hosts on one machine: network namespaces joined by a bridge, each
 host's link shaped with ``tc``.
 
-    from clawcomm.netns import Cluster
+    from clawcomm.testing.netns import Cluster
 
     with Cluster(hosts=2, rate="1gbit") as cluster:
         runs = cluster.torchrun(["job.py", "--size", "64M"], nproc_per_node=2)
@@ -129,7 +129,7 @@ class Cluster:
     def __enter__(self) -> Cluster:
         why = unavailable()
         if why:
-            raise RuntimeError(f"clawcomm.netns: cannot make test hosts: {why}")
+            raise RuntimeError(f"clawcomm.testing.netns: cannot make test hosts: {why}")
         _remove_stale()
         try:
             self._create()
