@@ -45,9 +45,9 @@ def kill_trials(n: int, seed: int) -> dict:
 def save_time(repeats: int) -> dict:
     import torch
 
-    from clawcomm.train.cli import build
     from clawcomm.train.config import TrainConfig
     from clawcomm.train.data import global_batches
+    from clawcomm.train.models import build
     from clawcomm.train.trainer import Trainer
 
     cfg = TrainConfig(model="gpt", quiet=True, steps=2)

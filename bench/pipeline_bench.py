@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from clawcomm.testing import run_ranks
 from clawcomm.train import TrainConfig, Trainer, models
-from clawcomm.train import cli as train_cli
+from clawcomm.train import models as train_models
 from clawcomm.train.data import Noise, global_batches
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb1", 1)]
@@ -73,7 +73,7 @@ def _bubbles(rank, world, cases):
     out = []
     for schedule, v, m in cases:
         cfg = _wait_config(schedule, v, world, m)
-        model, loss, opt, ds, _, _ = train_cli.build(cfg)
+        model, loss, opt, ds, _, _ = train_models.build(cfg)
         trainer = Trainer(model, loss, opt, cfg)
         metrics = trainer.fit(global_batches(ds, cfg.effective_batch, 0), progress=False)
         trainer.close()
@@ -102,10 +102,10 @@ def _versus_torch(rank, world, which, m, steps, rounds):
         cfg = TrainConfig(model="gpt", pp=2, microbatches=m, micro_batch_size=4, steps=steps,
                           clip=0, quiet=True, lr_decay="none")  # fmt: skip
     # clawcomm
-    model, loss, opt, ds, tokens, _ = train_cli.build(cfg)
+    model, loss, opt, ds, tokens, _ = train_models.build(cfg)
     trainer = Trainer(model, loss, opt, cfg)
     # torch: the same two stages (same cut), Schedule1F1B, the same loss
-    model, loss, opt, ds, tokens, _ = train_cli.build(cfg)
+    model, loss, opt, ds, tokens, _ = train_models.build(cfg)
     layers = list(model)
     cut = trainer.cuts
     stage_mod = torch.nn.Sequential(*layers[cut[rank] : cut[rank + 1]])

@@ -25,8 +25,8 @@ def _config(**kw) -> TrainConfig:
 def _run(rank, n, cfg, stop, resume):
     """Trains to step `stop` (resuming from cfg.checkpoint_dir if asked);
     returns the losses and this rank's parameters by name."""
-    from clawcomm.train.cli import build
     from clawcomm.train.data import global_batches
+    from clawcomm.train.models import build
     from clawcomm.train.trainer import Trainer
 
     model, loss, opt, ds, tokens, sample = build(cfg)
@@ -78,7 +78,7 @@ def test_a_checkpoint_loads_at_another_layout(tmp_path, before, after):
 
 
 def _save_once(cfg, root):
-    from clawcomm.train.cli import build
+    from clawcomm.train.models import build
     from clawcomm.train.trainer import Trainer
 
     model, loss, opt, _, _, _ = build(cfg)
@@ -89,7 +89,7 @@ def _save_once(cfg, root):
 
 
 def _load_once(cfg, root):
-    from clawcomm.train.cli import build
+    from clawcomm.train.models import build
     from clawcomm.train.trainer import Trainer
 
     model, loss, opt, _, _, _ = build(cfg)
@@ -152,7 +152,7 @@ def test_an_asynchronous_save_resumes_exactly_too(tmp_path, dp, pp):
 FULL_DISK_SCRIPT = """
 import os, sys
 from clawcomm.train import checkpoint
-from clawcomm.train.cli import build
+from clawcomm.train.models import build
 from clawcomm.train.config import TrainConfig
 from clawcomm.train.trainer import Trainer
 if sys.argv[1] == "write":  # the room check passes, then the disk is full

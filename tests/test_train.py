@@ -18,7 +18,7 @@ import torch
 
 from clawcomm.testing import RankFailure, run_ranks
 from clawcomm.train import TrainConfig, Trainer
-from clawcomm.train import cli as train_cli
+from clawcomm.train import models as train_models
 from clawcomm.train.data import global_batches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,7 +34,7 @@ def _config(**kw) -> TrainConfig:
 def _reference(cfg: TrainConfig):
     """Plain single-process training on the whole effective batch: mean
     loss over every item, torch's clip_grad_norm_, the optimizer."""
-    model, loss_fn, make_opt, ds, _, _ = train_cli.build(cfg)
+    model, loss_fn, make_opt, ds, _, _ = train_models.build(cfg)
     params = list({id(p): p for p in model.parameters()}.values())
     opt = make_opt(params)
     losses, norms = [], []
@@ -55,7 +55,7 @@ def _reference(cfg: TrainConfig):
 
 
 def _train(rank, world, cfg):
-    model, loss_fn, make_opt, ds, tokens, sample = train_cli.build(cfg)
+    model, loss_fn, make_opt, ds, tokens, sample = train_models.build(cfg)
     trainer = Trainer(model, loss_fn, make_opt, cfg, tokens_per_sample=tokens, sample=sample)
     metrics = trainer.fit(global_batches(ds, cfg.effective_batch, cfg.seed), progress=False)
     params = {trainer.names[id(p)]: p.detach().clone() for p in trainer.params}
@@ -144,13 +144,13 @@ def _launch_times(rank, world):
 
     cfg = TrainConfig(model="wait", dp=2, pp=2, microbatches=4, micro_batch_size=1,
                       wait_ms="2,2,2", wait_width=64, layers=4, steps=3, quiet=True)  # fmt: skip
-    model, loss_fn, make_opt, ds, _, _ = train_cli.build(cfg)
+    model, loss_fn, make_opt, ds, _, _ = train_models.build(cfg)
     trainer = Trainer(model, loss_fn, make_opt, cfg)
     seen: list = []
     launch = reducer_mod.GradReducer._launch
 
     def recording(self, bucket):
-        seen.append((trainer.step_index, trainer.executor.armed))
+        seen.append((trainer.step_index, trainer.reducer.armed))
         launch(self, bucket)
 
     reducer_mod.GradReducer._launch = recording
@@ -175,7 +175,7 @@ def test_stage_gradients_are_reduced_while_the_pipeline_drains():
 
 def _nan_at_step_two(rank, world):
     cfg = TrainConfig(model="mlp", pp=2, microbatches=2, micro_batch_size=2, steps=4, quiet=True)
-    model, loss_fn, make_opt, ds, _, _ = train_cli.build(cfg)
+    model, loss_fn, make_opt, ds, _, _ = train_models.build(cfg)
     calls = {"n": 0}
 
     def poisoned(out, target):
@@ -197,22 +197,22 @@ def test_a_nan_stops_every_rank():
 def test_learning_rate_scaling_warm_up_and_decay():
     def trainer(**kw):
         cfg = TrainConfig(model="mlp", micro_batch_size=4, microbatches=2, steps=10, **kw)
-        model, loss_fn, make_opt, *_ = train_cli.build(cfg)
+        model, loss_fn, make_opt, *_ = train_models.build(cfg)
         return Trainer(model, loss_fn, make_opt, cfg)
 
     t = trainer(lr_scaling="linear", base_batch=4, lr_decay="none", lr=0.01)
-    assert t.lr_factor(0) == pytest.approx(2.0)  # effective batch 8 against 4
+    assert t.cfg.lr_factor(0) == pytest.approx(2.0)  # effective batch 8 against 4
     assert "lr 0.02 = 0.01 at base batch 4, linear scaling" in t.describe()
     assert "effective batch 8 = micro-batch 4 x 2 micro-batches x 1 accumulation x dp 1" in (
         t.describe()
     )
     t = trainer(lr_scaling="sqrt", base_batch=2, lr_decay="none")
-    assert t.lr_factor(5) == pytest.approx(2.0)
+    assert t.cfg.lr_factor(5) == pytest.approx(2.0)
     t = trainer(warmup_steps=4, lr_decay="cosine", min_lr_ratio=0.1)
-    assert [t.lr_factor(s) for s in range(4)] == pytest.approx([0.25, 0.5, 0.75, 1.0])
-    assert t.lr_factor(10) == pytest.approx(0.1)
+    assert [t.cfg.lr_factor(s) for s in range(4)] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert t.cfg.lr_factor(10) == pytest.approx(0.1)
     # half-way through the decay (step 7 of 4..10): cos(pi/2) = 0
-    assert t.lr_factor(7) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert t.cfg.lr_factor(7) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
 
 
 # ---- bad configurations ------------------------------------------------------------------
@@ -230,7 +230,7 @@ BAD = [
 
 def _bad(rank, world, kw):
     cfg = TrainConfig(**{"model": "mlp", **kw})
-    model, loss_fn, make_opt, *_ = train_cli.build(cfg)
+    model, loss_fn, make_opt, *_ = train_models.build(cfg)
     Trainer(model, loss_fn, make_opt, cfg)
 
 
@@ -261,7 +261,7 @@ def test_the_cli_refuses_bad_configurations_before_starting(kw, world, message):
 
 def test_loss_that_averages_is_refused():
     cfg = TrainConfig(model="mlp")
-    model, _, make_opt, *_ = train_cli.build(cfg)
+    model, _, make_opt, *_ = train_models.build(cfg)
     with pytest.raises(ValueError, match=r"loss_fn must sum over the micro-batch"):
         Trainer(model, torch.nn.CrossEntropyLoss(), make_opt, cfg)
 

@@ -134,6 +134,7 @@ class DataParallel(nn.Module):
             compressor=self.compressor,
             compression_warmup_steps=warmup,
             overlap=overlap,
+            names=self._names,
         )
         weakref.finalize(self, self._reducer.close)
         self._hooks = [
@@ -143,8 +144,6 @@ class DataParallel(nn.Module):
         self._no_sync = False
         self._micro_step = 0
         self._sync = True  # decided by each forward
-        self._rebuilt = False
-        self._ready_order: list[int] = []
         self._reset_step()
 
     # ---- the public surface -------------------------------------------------
@@ -187,12 +186,9 @@ class DataParallel(nn.Module):
 
     def _rebuild(self) -> None:
         """Lays buckets out in the order gradients became ready in the first
-        step (rank 0's, so every rank launches the same buckets)."""
-        self._rebuilt = True
-        order = torch.tensor(self._ready_order, dtype=torch.int64)
-        if self.world_size > 1:
-            dist.broadcast(order, self._root, group=self.process_group)
-        self._reducer.rebuild(order.tolist())
+        step (the reducer's rule: rank 0's order, so every rank launches the
+        same buckets)."""
+        self._reducer.learn()
 
     # ---- one step -----------------------------------------------------------
 
@@ -221,9 +217,7 @@ class DataParallel(nn.Module):
     def _mark_ready(self, i: int, used: bool) -> None:
         self._has_grad[i] = self._reducer.take_grad(i)
         self._ready[i] = True
-        if not self._rebuilt:
-            self._ready_order.append(i)
-        self._reducer.ready(i)
+        self._reducer.mark(i)
 
     def _end_of_backward(self) -> None:
         try:
@@ -258,9 +252,9 @@ class DataParallel(nn.Module):
                 p.grad = None  # no rank used it: as if it were not in the model
             elif p.grad is None or p.grad.data_ptr() != bucket.views[s].data_ptr():
                 p.grad = bucket.views[s]  # others used it: the average is its gradient
-        self._reducer.end_step()
-        if not self._rebuilt:
+        if not self._reducer.learned:
             self._rebuild()
+        self._reducer.end_step()
 
     def _unreached_params(self, out) -> list[int]:
         """Parameters the autograd graph of ``out`` does not reach: their

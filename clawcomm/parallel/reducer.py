@@ -29,6 +29,8 @@ gradients, whose copies would cost the most, are the ones adopted.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -44,9 +46,17 @@ class GradReducer:
     over ``group``.
 
     ``expected[i]``: how many times parameter i is marked ready in a step
-    (1 by default; the pipeline trainer counts its gradients' final
-    accumulations, and 0 means never). ``overlap=False`` launches nothing
-    before ``launch_all``.
+    (1 by default; learned in the first step under ``track_final_grads``,
+    and 0 means never). ``overlap=False`` launches nothing before
+    ``launch_all``. ``names``: the parameters' names, for errors.
+
+    When a gradient is final is the reducer's rule alone (see "readiness"
+    below): its user marks gradients (``mark``) or, in a pipeline, says
+    which action runs (``begin_action``/``end_action``); the reducer learns
+    in the first step the order (and, under ``track_final_grads``, the
+    number) of the marks, lays its buckets out in rank 0's order, and from
+    the second step launches each bucket as its last mark arrives. Its
+    ``state_dict`` carries what it learned into checkpoints.
     """
 
     def __init__(
@@ -59,8 +69,10 @@ class GradReducer:
         compression_warmup_steps: int = 0,
         overlap: bool = True,
         order: list[int] | None = None,
+        names: list[str] | None = None,
     ):
         self.params = params
+        self.names = names or [str(i) for i in range(len(params))]
         self.group = group
         self.cap_bytes = int(bucket_cap_mb * MB)
         self.first_cap_bytes = int(first_bucket_mb * MB)
@@ -75,6 +87,16 @@ class GradReducer:
         self._works: list = []  # (work, bucket or None) launched this step
         self._to_release: list[GradBucket] = []  # see release_dropped
         self.expected = [1] * len(params)
+        # Readiness: what the first step teaches (see track_final_grads).
+        self.learned = False
+        self.final_actions: frozenset = frozenset()
+        self.armed = False  # the action running now gives final contributions
+        self._counting = False  # learning `expected` by counting the first step's marks
+        self._overlap_after = overlap
+        self._marks = [0] * len(params)
+        self._first_order: list[int] = []
+        self._index = {id(p): i for i, p in enumerate(params)}
+        self._hooks: list = []
         self.build(order if order is not None else list(reversed(range(len(params)))))
         self.reset()
 
@@ -130,6 +152,7 @@ class GradReducer:
     def reset(self) -> None:
         """Ready for the next step's marks."""
         self._next_launch = 0
+        self._marks = [0] * len(self.params)
         for bucket in self.buckets:
             bucket.pending = sum(self.expected[i] for i in bucket.params)
 
@@ -243,6 +266,110 @@ class GradReducer:
     def close(self) -> None:
         if self._thread is not None:
             self._thread.close()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # ---- readiness: when a gradient is final -------------------------------------
+
+    def track_final_grads(self, final_actions) -> None:
+        """A pipeline's readiness: a gradient is final once it has had every
+        contribution the ``final_actions`` (on this rank: the last backward
+        actions of each stage) give it, which can be several (tied weights,
+        W jobs). The first step counts them, launching nothing before
+        ``finish``; later steps launch on that count. Contributions reach the
+        reducer through autograd's post-accumulate hooks and ``notify_grad``
+        while an armed action runs."""
+        from clawcomm.pipeline.weight_grad import notify_grad
+
+        self.final_actions = frozenset(final_actions)
+        self._counting = True
+        self._overlap_after, self.overlap = self.overlap, False
+        self._hooks = [p.register_post_accumulate_grad_hook(notify_grad) for p in self.params]
+
+    def begin_action(self, action, final_round: bool = True) -> None:
+        """``action`` starts; in the last accumulation round an action in
+        ``final_actions`` arms the reducer until ``end_action``."""
+        from clawcomm.pipeline.weight_grad import set_listener
+
+        self.armed = final_round and action in self.final_actions
+        set_listener(self._mark_param if self.armed else None)
+
+    def end_action(self, action) -> None:
+        from clawcomm.pipeline.weight_grad import set_listener
+
+        self.armed = False
+        set_listener(None)
+
+    def _mark_param(self, param: torch.Tensor) -> None:
+        i = self._index.get(id(param))
+        if i is not None:
+            self.mark(i)
+
+    def mark(self, i: int) -> None:
+        """Parameter i's gradient received a final contribution."""
+        self._marks[i] += 1
+        if not self.learned and self._marks[i] == 1:
+            self._first_order.append(i)
+        if self._counting and not self.learned:
+            return  # counted; launched by finish
+        if self._marks[i] > self.expected[i]:
+            raise RuntimeError(
+                f"GradReducer: parameter {self.names[i]!r} received more final gradient "
+                f"contributions ({self._marks[i]}) than in the first step ({self.expected[i]}): "
+                "its stage's control flow changed; train with overlap=False"
+            )
+        self.ready(i)
+
+    def finish(self) -> float:
+        """Ends the step: launches what is left, waits for every bucket, and
+        after the first step learns. Returns the seconds it waited."""
+        t0 = time.perf_counter()
+        self.launch_all()
+        self.wait()
+        waited = time.perf_counter() - t0
+        if not self.learned:
+            self.learn()  # from this step's marks, before end_step clears them
+        self.end_step()
+        return waited
+
+    def learn(self) -> None:
+        """What the first step taught: the counts of final marks (under
+        ``track_final_grads``) and the order gradients became final, rank
+        0's, so that every rank lays out and launches the same buckets."""
+        if self._counting:
+            self.expected = list(self._marks)
+        seen = set(self._first_order)
+        order = self._first_order + [i for i in range(len(self.params)) if i not in seen]
+        if self.world_size > 1:
+            t = torch.tensor(order, dtype=torch.int64)
+            dist.broadcast(t, dist.get_global_rank(self.group, 0) if self.group else 0, self.group)
+            order = t.tolist()
+        self.learned = True
+        self.overlap = self._overlap_after
+        self.rebuild(order)
+        self.reset()
+
+    def state_dict(self) -> dict:
+        """What the reducer learned and its compression step (the residuals
+        are the caller's to save, cut by parameter)."""
+        return {
+            "learned": self.learned,
+            "expected": list(self.expected),
+            "order": [i for b in self.buckets for i in b.params],
+            "compression_step": self.compression_state.step,
+            "calls": dict(self.compression_state.calls),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["learned"]:
+            self.expected = list(state["expected"])
+            self.learned = True
+            self.overlap = self._overlap_after
+            self.rebuild(state["order"])
+        self.compression_state.step = int(state["compression_step"])
+        self.compression_state.calls = dict(state["calls"])
+        self.reset()
 
     # ---- launching -------------------------------------------------------------
 

@@ -53,7 +53,7 @@ from clawcomm.pipeline.actions import (
     W,
 )
 from clawcomm.pipeline.schedules import stage_to_rank
-from clawcomm.pipeline.weight_grad import WeightGradStore, deferring, listening
+from clawcomm.pipeline.weight_grad import WeightGradStore, deferring
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
 _HEADER = 16  # int64s: dtype code, ndim, up to 14 dims
@@ -90,12 +90,10 @@ class PipelineExecutor:
     ``stages``: stage index -> module, for the stages on this rank.
     ``loss_fn(output, target)``: the sum of the loss over the micro-batch.
     ``device``: where this rank's stages are (receive buffers are made there).
-    ``on_grad(param)``: called for each contribution a parameter's
-    gradient receives during an action for which ``run``'s ``armed(action)``
-    is true (autograd's accumulations reach it through the trainer's
-    post-accumulate-grad hooks and ``notify_grad``; W jobs call
-    ``notify_grad`` themselves). The trainer arms the last backward actions
-    of each stage and so learns when each gradient is final.
+    ``run``'s ``tracker`` (the trainer's GradReducer), if given, is told
+    when each compute action begins and ends (``begin_action(a)``,
+    ``end_action(a)``): that is all the executor knows of gradients; which
+    actions make a gradient final is the reducer's rule.
     """
 
     def __init__(
@@ -108,7 +106,6 @@ class PipelineExecutor:
         pp: int,
         group=None,
         loss_fn: Callable | None = None,
-        on_grad: Callable[[torch.Tensor], None] | None = None,
         device: torch.device | str = "cpu",
     ):
         self.stages = stages
@@ -119,7 +116,6 @@ class PipelineExecutor:
         self.pp = pp
         self.group = group
         self.loss_fn = loss_fn
-        self.on_grad = on_grad
         self.device = torch.device(device)
         # The group's own send/recv (ranks within the group): the same
         # operations as dist.isend/irecv without their Python checks, which
@@ -128,7 +124,6 @@ class PipelineExecutor:
         self._in_meta: dict[int, tuple[torch.dtype, tuple[int, ...]]] = {}  # stage -> input
         self._sent_header: set[int] = set()
         self._head_recv: dict[int, tuple] = {}  # stage -> (work, header) in flight
-        self._armed = False
         # Before compute action k, post the receives listed here (the ones
         # that sit between k and the next compute action).
         self._prefetch: dict[int, list[int]] = {}
@@ -146,11 +141,11 @@ class PipelineExecutor:
         inputs: list[torch.Tensor] | None = None,
         targets: list | None = None,
         loss_scale: float = 1.0,
-        armed: Callable[[Action], bool] | None = None,
+        tracker=None,
     ) -> RunStats:
         """Runs the list once over ``microbatches`` micro-batches: ``inputs``
         on the rank that holds stage 0, ``targets`` on the one that holds the
-        last stage."""
+        last stage; ``tracker`` hears each compute action begin and end."""
         self._inputs_data, self._targets = inputs, targets
         self._scale = loss_scale
         self._x: dict = {}  # (stage, mb) -> the stage's input
@@ -168,7 +163,7 @@ class PipelineExecutor:
             for j in self._prefetch.get(k, ()):
                 self._post_recv(self.actions[j], early=True)
             if a.is_compute:
-                self._compute(a, k, armed)
+                self._compute(a, tracker)
             elif a.kind in (RECV_F, RECV_B):
                 self._post_recv(a, early=False)
             elif a.kind == SEND_F:
@@ -195,7 +190,7 @@ class PipelineExecutor:
 
     # ---- compute -----------------------------------------------------------------
 
-    def _compute(self, a: Action, k: int, armed) -> None:
+    def _compute(self, a: Action, tracker) -> None:
         s, mb = a.stage, a.microbatch
         waited = self._stats.recv_wait
         grad = None
@@ -203,21 +198,22 @@ class PipelineExecutor:
             x = self._input_of(s, mb)
         elif a.kind in (B, I):
             grad = None if s == self.num_stages - 1 else self._grad_of(s, mb)
-        self._armed = bool(armed and armed(a))
         t0 = time.perf_counter()
         self._stats.host += (t0 - self._last_end) - (self._stats.recv_wait - waited)
-        if a.kind == F:
-            self._forward(s, mb, x)
-        elif self.on_grad is None:
-            self._backward_pass(a, grad)
-        else:
-            with listening(self._final_grad):
+        if tracker is not None:
+            tracker.begin_action(a)
+        try:
+            if a.kind == F:
+                self._forward(s, mb, x)
+            else:
                 self._backward_pass(a, grad)
+        finally:
+            if tracker is not None:
+                tracker.end_action(a)
         if self.device.type == "cuda":  # the action's time on the GPU, not its queueing
             torch.cuda.current_stream(self.device).synchronize()
         self._last_end = time.perf_counter()
         self._stats.timeline.append((a, t0, self._last_end))
-        self._armed = False
 
     def _backward_pass(self, a: Action, grad) -> None:
         if a.kind == W:
@@ -252,15 +248,6 @@ class PipelineExecutor:
                 self._handoff_grad[(s - 1, mb)] = x.grad
             else:
                 self._gin[(s, mb)] = x.grad
-
-    def _final_grad(self, param: torch.Tensor) -> None:
-        if self._armed and self.on_grad is not None:
-            self.on_grad(param)
-
-    @property
-    def armed(self) -> bool:
-        """Whether the action running now is one the trainer armed."""
-        return self._armed
 
     def _input_of(self, s: int, mb: int) -> torch.Tensor:
         if s == 0:

@@ -65,16 +65,11 @@ def current_store() -> WeightGradStore | None:
     return getattr(_current, "store", None)
 
 
-@contextlib.contextmanager
-def listening(on_grad: Callable[[torch.Tensor], None]):
-    """Inside, ``notify_grad(param)`` calls ``on_grad(param)``: the executor
-    listens during backward passes, to learn when a gradient is final."""
-    old = getattr(_current, "listener", None)
+def set_listener(on_grad: Callable[[torch.Tensor], None] | None) -> None:
+    """From now on (on this thread), ``notify_grad(param)`` calls
+    ``on_grad(param)``; None stops it. The GradReducer listens while an
+    action that makes gradients final runs."""
     _current.listener = on_grad
-    try:
-        yield
-    finally:
-        _current.listener = old
 
 
 def notify_grad(param: torch.Tensor) -> None:

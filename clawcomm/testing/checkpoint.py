@@ -10,7 +10,7 @@ import clawcomm
 _SAVER = """
 import sys
 from clawcomm.train.config import TrainConfig
-from clawcomm.train.cli import build
+from clawcomm.train.models import build
 from clawcomm.train.trainer import Trainer
 cfg = TrainConfig(model="gpt", dim=64, layers=2, steps=10**6, quiet=True)
 model, loss, opt, _, _, _ = build(cfg)
@@ -33,8 +33,8 @@ def kill_mid_save_trial(root: str, delay_s: float) -> tuple[int, int]:
     import sys
     import time
 
-    from clawcomm.train.cli import build
     from clawcomm.train.config import TrainConfig
+    from clawcomm.train.models import build
     from clawcomm.train.trainer import Trainer
 
     here = os.path.dirname(os.path.dirname(os.path.abspath(clawcomm.__file__)))

@@ -204,14 +204,7 @@ def state_dict(trainer) -> dict:
     r = trainer.reducer
     # Dicts travel pickled: DCP would flatten them into one key per field.
     sd[f"trainer/rank{rank}"] = pickle.dumps(
-        {
-            "layout": _layout(trainer),
-            "learned": trainer._learned,
-            "expected": list(r.expected) if r is not None else None,
-            "order": [i for b in r.buckets for i in b.params] if r is not None else None,
-            "compression_step": r.compression_state.step if r is not None else 0,
-            "calls": dict(r.compression_state.calls) if r is not None else {},
-        }
+        {"layout": _layout(trainer), "reducer": r.state_dict() if r is not None else None}
     )
     if rank == 0:
         sd["meta"] = pickle.dumps(
@@ -416,15 +409,11 @@ def load(trainer, path: str) -> int:
     for key, (p, k) in optim_keys.items():
         trainer.optimizer.state.setdefault(p, {})[k] = request[key]
     state = pickle.loads(head[own]) if head.get(own) is not None else None
-    if r is not None and same_layout and state is not None and state["learned"]:
-        r.expected = list(state["expected"])
-        r.rebuild(state["order"])
-        r.overlap = trainer.cfg.overlap
-        trainer._learned = True
-        r.reset()
-    if r is not None and state is not None and same_layout:
-        r.compression_state.step = int(state["compression_step"])
-        r.compression_state.calls = dict(state["calls"])
+    # What the reducer learned holds at this layout only. Checkpoints written
+    # before the reducer had a state_dict kept the same fields at the top.
+    learned = state and state.get("reducer", state if "learned" in state else None)
+    if r is not None and same_layout and learned:
+        r.load_state_dict(learned)
     if r is not None and r.compressor is not None:
         for name, i, _p in _local(trainer):
             keys = residual_keys.get(name)

@@ -37,40 +37,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     config_mod.add_arguments(p)
 
 
-def build(cfg: TrainConfig):
-    """The model (built from cfg.seed), its loss, the optimizer factory, the
-    data set, items per sample for tokens/s, and a sample micro-batch."""
-    import torch
-
-    from clawcomm.train import data, models
-
-    torch.manual_seed(cfg.seed)
-    if cfg.model == "gpt":
-        text = data.default_text() if not cfg.text else open(cfg.text, encoding="utf-8").read()
-        ds = data.CharText(text, cfg.seq_len)
-        model = models.gpt(ds.vocab, cfg.dim, cfg.layers, cfg.heads, cfg.seq_len)
-        loss, tokens = models.gpt_loss, cfg.seq_len
-    elif cfg.model == "mlp":
-        ds = data.Digits(cfg.seed)
-        model = models.mlp(64, cfg.hidden, cfg.layers, 10)
-        loss, tokens = models.classification_loss, 0
-    else:
-        f, i, w = cfg.wait_times()
-        ds = data.Noise(16)
-        model = models.waiting(cfg.layers, cfg.wait_width, f, i, w)
-        loss, tokens = models.waiting_loss, 0
-
-    def optimizer(params):
-        if cfg.optimizer == "sgd":
-            return torch.optim.SGD(
-                params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
-            )
-        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-
-    sample = ds.batch(torch.arange(cfg.micro_batch_size))[0]
-    return model, loss, optimizer, ds, tokens, sample
-
-
 class Events:
     """Recovery events as JSON lines in ``<checkpoint_dir>/events.jsonl``
     (every rank appends; one clock, the host's): what examples/recovery.py
@@ -103,13 +69,14 @@ def train_rank(cfg: TrainConfig, announce: bool = True) -> list[dict]:
 
     import torch.distributed as dist
 
+    from clawcomm.train import models
     from clawcomm.train.data import global_batches
     from clawcomm.train.trainer import Trainer
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     events = Events(cfg, rank)
     events.log("group_ready")
-    model, loss, optimizer, ds, tokens, sample = build(cfg)
+    model, loss, optimizer, ds, tokens, sample = models.build(cfg)
     trainer = Trainer(model, loss, optimizer, cfg, tokens_per_sample=tokens, sample=sample)
     if rank == 0 and announce:
         params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from dataclasses import dataclass, field, fields
 
 from clawcomm.pipeline.schedules import SCHEDULES, check_schedule_args
@@ -106,6 +107,28 @@ class TrainConfig:
         except ValueError:
             raise ValueError(f"wait_ms {self.wait_ms!r} is not three numbers F,I,W") from None
         return f, i, w
+
+    def lr_factor(self, step: int) -> float:
+        """The LR multiplier at ``step`` (0-based): batch scaling x warm-up x decay."""
+        cfg = self
+        scale = self.batch_scale()
+        if step < cfg.warmup_steps:
+            return scale * (step + 1) / cfg.warmup_steps
+        span = max(1, cfg.steps - cfg.warmup_steps)
+        progress = min(1.0, (step - cfg.warmup_steps) / span)
+        lo = cfg.min_lr_ratio
+        decay = {
+            "none": 1.0,
+            "linear": 1.0 - (1.0 - lo) * progress,
+            "cosine": lo + (1.0 - lo) * 0.5 * (1.0 + math.cos(math.pi * progress)),
+        }[cfg.lr_decay]
+        return scale * decay
+
+    def batch_scale(self) -> float:
+        """The LR multiplier for the effective batch against ``base_batch``."""
+        cfg = self
+        ratio = cfg.effective_batch / (cfg.base_batch or cfg.effective_batch)
+        return {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[cfg.lr_scaling]
 
     def check(self, world_size: int | None = None) -> None:
         """Raises ValueError naming the first setting that is wrong."""

@@ -13,18 +13,26 @@ stages cut between:
 
 A model's loss returns the sum over the micro-batch (the trainer divides by
 the number of items in the effective batch).
+
+``build(cfg)`` makes the model a config names, its loss, optimizer and data;
+``cut_into_stages`` cuts an ``nn.Sequential`` into pipeline stages of
+balanced cost, and ``parameter_names`` names every parameter as the whole
+model does (what checkpoints key on).
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from clawcomm.pipeline.weight_grad import defer_weight_grad, notify_grad
+from clawcomm.train.layout import balanced_cuts, measured_costs, parameter_costs
 
 # ---- GPT ------------------------------------------------------------------------
 
@@ -182,3 +190,99 @@ def waiting(
 
 def waiting_loss(out, targets):
     return out.sum() * 0.0 + targets.float().sum() * 0.0
+
+
+# ---- building from a config, and cutting into stages ---------------------------
+
+
+def build(cfg):
+    """The model (built from cfg.seed), its loss, the optimizer factory, the
+    data set, items per sample for tokens/s, and a sample micro-batch."""
+    from clawcomm.train import data
+
+    torch.manual_seed(cfg.seed)
+    if cfg.model == "gpt":
+        text = data.default_text() if not cfg.text else open(cfg.text, encoding="utf-8").read()
+        ds = data.CharText(text, cfg.seq_len)
+        model = gpt(ds.vocab, cfg.dim, cfg.layers, cfg.heads, cfg.seq_len)
+        loss, tokens = gpt_loss, cfg.seq_len
+    elif cfg.model == "mlp":
+        ds = data.Digits(cfg.seed)
+        model = mlp(64, cfg.hidden, cfg.layers, 10)
+        loss, tokens = classification_loss, 0
+    else:
+        f, i, w = cfg.wait_times()
+        ds = data.Noise(16)
+        model = waiting(cfg.layers, cfg.wait_width, f, i, w)
+        loss, tokens = waiting_loss, 0
+
+    def optimizer(params):
+        if cfg.optimizer == "sgd":
+            return torch.optim.SGD(
+                params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+            )
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+    sample = ds.batch(torch.arange(cfg.micro_batch_size))[0]
+    return model, loss, optimizer, ds, tokens, sample
+
+
+def unique_params(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    seen, out = set(), []
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def cut_into_stages(
+    model, num_stages: int, balance: str, sample
+) -> tuple[list[nn.Module], list[int]]:
+    if isinstance(model, nn.Sequential):
+        layers = list(model)
+        if num_stages > len(layers):
+            raise ValueError(
+                f"clawcomm.train: {num_stages} stages (pp x v) but the model has only "
+                f"{len(layers)} layers; use fewer stages or more layers"
+            )
+        if balance == "time":
+            if sample is None:
+                raise ValueError("clawcomm.train: balance='time' needs a sample micro-batch")
+            costs = measured_costs(layers, sample)
+            if dist.is_initialized():  # timings differ: every rank takes rank 0's
+                t = torch.tensor(costs, dtype=torch.float64)
+                dist.broadcast(t, 0)
+                costs = t.tolist()
+        else:
+            costs = parameter_costs(layers)
+        cuts = balanced_cuts(costs, num_stages)
+        return [nn.Sequential(*layers[cuts[s] : cuts[s + 1]]) for s in range(num_stages)], cuts
+    stages = list(model)
+    if len(stages) != num_stages:
+        raise ValueError(
+            f"clawcomm.train: {len(stages)} stage modules given for {num_stages} stages (pp x v)"
+        )
+    return stages, list(range(num_stages + 1))
+
+
+def parameter_shapes(model, stages) -> dict[str, list[int]]:
+    """Every parameter's shape, by its name in the whole model."""
+    params = {id(p): p for p in (model.parameters() if isinstance(model, nn.Sequential) else ())}
+    for s in stages:
+        params.update({id(p): p for p in s.parameters()})
+    names = parameter_names(model, stages)
+    return {names[i]: list(p.shape) for i, p in params.items()}
+
+
+def parameter_names(model, stages) -> dict[int, str]:
+    """id(param) -> its name in the whole model (what checkpoints key on)."""
+    pairs = (
+        model.named_parameters(remove_duplicate=False)
+        if isinstance(model, nn.Sequential)
+        else ((f"{s}.{n}", p) for s, m in enumerate(stages) for n, p in m.named_parameters())
+    )
+    names: dict[int, str] = {}
+    for n, p in pairs:
+        names.setdefault(id(p), n)  # a tied parameter keeps its first name
+    return names

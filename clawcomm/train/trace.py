@@ -56,6 +56,34 @@ class StepRecorder:
         return out
 
 
+def run_events(stats, accumulation_round: int | None = None) -> list[Event]:
+    """A pipeline run's compute actions and waits (the executor's RunStats);
+    ``accumulation_round`` is noted on each action when there are several."""
+    out = []
+    for act, s0, s1 in stats.timeline:
+        args = {"kind": act.kind, "stage": act.stage, "mb": act.microbatch}
+        if accumulation_round is not None:
+            args["round"] = accumulation_round
+        out.append((COMPUTE, f"{act.kind}{act.microbatch} s{act.stage}", s0, s1, args))
+    out += [(COMM, what, s0, s1, {}) for what, s0, s1 in stats.waits]
+    return out
+
+
+def engine_events(named_engines: dict, t0: float, t1: float) -> list[Event]:
+    """The dp group's collectives and the pp group's sends and receives
+    that ran in [t0, t1], from the engines' flight records."""
+    out = []
+    for label, eng in named_engines.items():
+        for op in json.loads(eng.flight_record())["ops"]:
+            s0, s1 = op["start_us"] / 1e6, op["end_us"] / 1e6
+            p2p = op["op"] in ("send", "recv")
+            if op["state"] != "done" or s1 < t0 or s0 > t1 or (label == "dp") == p2p:
+                continue
+            name = f"{label} {op['op']}" + (f" #{op['seq']}" if "seq" in op else "")
+            out.append((ENGINE, name, s0, s1, {"group": label, "bytes": op["bytes"]}))
+    return out
+
+
 def write_chrome_trace(path: str, ranks: list) -> None:
     """ranks: [(rank, label, steps)] from StepRecorder.gather."""
     origin = min((e[2] for _, _, steps in ranks for s in steps for e in s), default=0.0)

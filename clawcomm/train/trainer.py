@@ -40,7 +40,6 @@ One step (every rank):
 from __future__ import annotations
 
 import math
-import resource
 import time
 from collections.abc import Callable, Iterable
 
@@ -48,20 +47,29 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from clawcomm._torch_names import all_gather_single
 from clawcomm.compression import get_compressor
 from clawcomm.parallel.reducer import GradReducer
-from clawcomm.pipeline.actions import Action, B, F, I, W
+from clawcomm.pipeline.actions import B, I, W
 from clawcomm.pipeline.executor import PipelineExecutor
 from clawcomm.pipeline.schedules import build, stage_to_rank
 from clawcomm.pipeline.validate import SimulationPlan, validate
-from clawcomm.pipeline.weight_grad import notify_grad, split_linear_backward
+from clawcomm.pipeline.weight_grad import split_linear_backward
+from clawcomm.train import trace
 from clawcomm.train.config import TrainConfig
 from clawcomm.train.device import for_rank as device_for_rank
 from clawcomm.train.device import peak_mb, reset_peak
-from clawcomm.train.layout import Grid, balanced_cuts, measured_costs, parameter_costs
-
-_KINDS = (F, B, I, W)
+from clawcomm.train.layout import Grid
+from clawcomm.train.metrics import (
+    MetricsSink,
+    PipelineTotals,
+    RankSample,
+    Traffic,
+    gather,
+    measure_p2p_latency,
+    step_metrics,
+    summarise,
+)
+from clawcomm.train.models import cut_into_stages, parameter_names, parameter_shapes, unique_params
 
 
 class Trainer:
@@ -98,9 +106,9 @@ class Trainer:
             )
         self.loss_fn = loss_fn
         S = cfg.num_stages
-        stages, self.cuts = _cut(model, S, cfg.balance, sample)
-        self.names = _full_names(model, stages)
-        self.shapes = _full_shapes(model, stages)
+        stages, self.cuts = cut_into_stages(model, S, cfg.balance, sample)
+        self.names = parameter_names(model, stages)
+        self.shapes = parameter_shapes(model, stages)
         self.schedule = build(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages)
         validate(self.schedule, cfg.pp, S, cfg.microbatches)
         self._plan = SimulationPlan(self.schedule, S)
@@ -118,7 +126,7 @@ class Trainer:
             self.grid.make_groups() if dist.is_initialized() else (None, None)
         )
         self._ties = self._make_ties(stages)
-        self.params = _unique(
+        self.params = unique_params(
             p
             for s in sorted(self.local, reverse=True)
             for p in reversed(list(self.local[s].parameters()))
@@ -135,14 +143,8 @@ class Trainer:
             cfg.pp,
             self.pp_group,
             loss_fn,
-            on_grad=self._final_grad,
             device=self.device,
         )
-        last = {}
-        for a in self.schedule[me]:
-            if a.kind in (B, I, W):
-                last[(a.stage, a.kind)] = a
-        self._final_actions = set(last.values())
         self.reducer = None
         if cfg.dp > 1:
             compressor = get_compressor(cfg.compression) if cfg.compression else None
@@ -154,32 +156,25 @@ class Trainer:
                 compressor=compressor,
                 compression_warmup_steps=cfg.compression_warmup,
                 overlap=cfg.overlap,
+                names=[self.names.get(id(p), str(i)) for i, p in enumerate(self.params)],
             )
-            self.reducer.overlap = False  # step 1 learns when gradients are final
+            # A gradient is final after the last backward actions of its
+            # stage on this rank; the reducer counts their contributions in
+            # step 1 and launches on that count from step 2.
+            last = {(a.stage, a.kind): a for a in self.schedule[me] if a.kind in (B, I, W)}
+            self.reducer.track_final_grads(last.values())
             self.reducer.attach_grads()
-        self._counts = [0] * len(self.params)
-        self._learned = False
-        self._ready_order: list[int] = []
-        # Autograd's accumulations count toward final gradients only where
-        # there is a data-parallel reduction to launch.
-        self._hooks = (
-            [p.register_post_accumulate_grad_hook(notify_grad) for p in self.params]
-            if self.reducer is not None
-            else []
-        )
-        self.p2p_latency = self._measure_p2p_latency()
+        self.p2p_latency = measure_p2p_latency(self.pp_group, self.grid.pp_rank, cfg.pp)
         self.optimizer = optimizer(self.params)
         self._peak_lr = [g["lr"] for g in self.optimizer.param_groups]
         self.step_index = 0
-        self._engines = None  # for bytes_sent, found on first use
+        self.traffic = Traffic(self.pp_group, self.dp_group, (t[1] for t in self._ties))
         self._pending_save = None
         self._checkpoint_group = None
         # Per-step events for --trace/--timeline (clawcomm.train.trace), or None.
         self.recorder = None
         if cfg.trace or cfg.timeline:
-            from clawcomm.train.trace import StepRecorder
-
-            self.recorder = StepRecorder()
+            self.recorder = trace.StepRecorder()
 
     # ---- setup ----------------------------------------------------------------------
 
@@ -226,61 +221,7 @@ class Trainer:
             for p, group, _ in self._ties:
                 dist.broadcast(p, dist.get_global_rank(group, 0), group=group)
 
-    def _measure_p2p_latency(self, rounds: int = 20) -> float:
-        """One-way latency of a small message between the first two stages'
-        ranks (the median of ``rounds`` round trips, halved): the link cost
-        the bubble prediction charges per transfer. 0 where pp == 1."""
-        if self.pp_group is None:
-            return 0.0
-        # The other ranks wait for the end in a blocking receive, so that
-        # neither their start-up nor a spinning barrier slows the ping-pong
-        # down (two cores, four ranks).
-        dist.barrier()
-        pp = self.grid.pp_rank
-        done = torch.zeros(1)
-        if pp > 1:
-            self.pp_group.recv([done], 0, 999_999).wait()
-            return 0.0
-        peer = 1 - pp
-        buf = torch.zeros(256)
-        times = []
-        for i in range(rounds):
-            t0 = time.perf_counter()
-            if pp == 0:
-                self.pp_group.send([buf], peer, 1_000_000 + i).wait()
-                self.pp_group.recv([buf], peer, 1_000_000 + i).wait()
-            else:
-                self.pp_group.recv([buf], peer, 1_000_000 + i).wait()
-                self.pp_group.send([buf], peer, 1_000_000 + i).wait()
-            times.append(time.perf_counter() - t0)
-        if pp == 0:
-            for r in range(2, self.cfg.pp):
-                self.pp_group.send([done], r, 999_999).wait()
-        return sorted(times)[rounds // 2] / 2  # the median round trip, halved
-
     # ---- the step ---------------------------------------------------------------------
-
-    def lr_factor(self, step: int) -> float:
-        """The LR multiplier at ``step`` (0-based): batch scaling x warm-up x decay."""
-        cfg = self.cfg
-        scale = self.batch_scale()
-        if step < cfg.warmup_steps:
-            return scale * (step + 1) / cfg.warmup_steps
-        span = max(1, cfg.steps - cfg.warmup_steps)
-        progress = min(1.0, (step - cfg.warmup_steps) / span)
-        lo = cfg.min_lr_ratio
-        decay = {
-            "none": 1.0,
-            "linear": 1.0 - (1.0 - lo) * progress,
-            "cosine": lo + (1.0 - lo) * 0.5 * (1.0 + math.cos(math.pi * progress)),
-        }[cfg.lr_decay]
-        return scale * decay
-
-    def batch_scale(self) -> float:
-        """The LR multiplier for the effective batch against ``base_batch``."""
-        cfg = self.cfg
-        ratio = cfg.effective_batch / (cfg.base_batch or cfg.effective_batch)
-        return {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[cfg.lr_scaling]
 
     def describe(self) -> str:
         """What rank 0 prints at start: the effective batch, the scaled LR,
@@ -293,7 +234,7 @@ class Trainer:
         return (
             f"effective batch {cfg.effective_batch} = micro-batch {cfg.micro_batch_size} x "
             f"{cfg.microbatches} micro-batches x {cfg.accumulation} accumulation x dp {cfg.dp}\n"
-            f"lr {self._peak_lr[0] * self.batch_scale():.4g} = {self._peak_lr[0]:.4g} at base "
+            f"lr {self._peak_lr[0] * cfg.batch_scale():.4g} = {self._peak_lr[0]:.4g} at base "
             f"batch {base}, {cfg.lr_scaling} scaling; {cfg.warmup_steps} warm-up steps, "
             f"{cfg.lr_decay} decay\n"
             f"layout dp {cfg.dp} x pp {cfg.pp}, schedule {cfg.schedule}"
@@ -304,7 +245,51 @@ class Trainer:
     def step(self, batch) -> dict:
         """One optimizer step on ``batch`` = (inputs, targets), the whole
         effective batch (every rank passes the same). Returns the metrics."""
-        cfg, grid = self.cfg, self.grid
+        cfg = self.cfg
+        x, y = self._check_batch(batch)
+        count = float(self.count_fn(y))
+        for i, g in enumerate(self.optimizer.param_groups):
+            g["lr"] = self._peak_lr[i] * cfg.lr_factor(self.step_index)
+        bytes_before = self.traffic.sent()
+        reset_peak(self.device)
+        if self.pp_group is not None:
+            dist.barrier(group=self.pp_group)
+        t0 = time.perf_counter()
+        totals, events = self._run_pipeline(x, y, loss_scale=cfg.dp / count)
+        t_pipe = time.perf_counter()
+        dp_wait = self.reducer.finish() if self.reducer is not None else 0.0
+        for p, group, _ in self._ties:
+            dist.all_reduce(p.grad, group=group)
+        sent = [a - b for a, b in zip(self.traffic.sent(), bytes_before, strict=True)]
+        sample = RankSample(
+            loss=float(sum(float(v) for v in totals.losses)),
+            sumsq=self._owned_sumsq(),
+            bytes_sent=sent[0], bytes_pp=sent[1], bytes_dp=sent[2],
+            busy=totals.busy, span=t_pipe - t0, recv_wait=totals.recv_wait, dp_wait=dp_wait,
+            host=totals.host / max(1, totals.computes), gpu_mb=peak_mb(self.device),
+            costs=totals.mean_costs(sorted(self.local)),
+        )  # fmt: skip
+        rows = gather(sample)
+        grad_norm = math.sqrt(sum(r.sumsq for r in rows) / cfg.dp)
+        loss = sum(r.loss for r in rows) / count
+        self._check_finite(loss, grad_norm)
+        self._clip(grad_norm)
+        t_opt = time.perf_counter()
+        self.optimizer.step()
+        self._zero_grads()
+        step_s = time.perf_counter() - t0
+        if self.recorder is not None:
+            self._record(events, t0, t_pipe, dp_wait, t_opt, t0 + step_s)
+        self.step_index += 1
+        lr = self.optimizer.param_groups[0]["lr"]
+        out = step_metrics(self.step_index, loss, lr, grad_norm, step_s, cfg.effective_batch)
+        if self.tokens_per_sample:
+            out["tokens_per_s"] = cfg.effective_batch * self.tokens_per_sample / step_s
+        cuda = self.device.type == "cuda"
+        return out | summarise(rows, cfg, self.grid, self._plan, self.p2p_latency, cuda)
+
+    def _check_batch(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
         x, y = batch
         n = cfg.effective_batch
         if x.shape[0] != n or y.shape[0] != n:
@@ -313,190 +298,70 @@ class Trainer:
                 f"({cfg.micro_batch_size} x {cfg.microbatches} x {cfg.accumulation} x dp "
                 f"{cfg.dp}); got inputs {tuple(x.shape)} and targets {tuple(y.shape)}"
             )
-        count = float(self.count_fn(y))
-        scale = (cfg.dp if self.reducer is not None else 1.0) / count
-        per_replica = n // cfg.dp
-        lo = grid.dp_rank * per_replica
-        for i, g in enumerate(self.optimizer.param_groups):
-            g["lr"] = self._peak_lr[i] * self.lr_factor(self.step_index)
-        bytes_before = self._bytes_sent()
-        reset_peak(self.device)
-        if self.pp_group is not None:
-            dist.barrier(group=self.pp_group)
-        t0 = time.perf_counter()
-        busy = recv_wait = host = 0.0
-        computes = 0
-        losses = []
-        costs: dict = {}
-        has_first = 0 in self.local
-        has_last = cfg.num_stages - 1 in self.local
-        events: list = []
+        return x, y
+
+    def _run_pipeline(self, x, y, loss_scale: float) -> tuple[PipelineTotals, list]:
+        """This replica's slice of the batch through the schedule, once per
+        accumulation round; in the last round the reducer hears the actions
+        run, and launches each bucket when its gradients are final."""
+        cfg, dev = self.cfg, self.device
+        per_replica = cfg.effective_batch // cfg.dp
+        lo = self.grid.dp_rank * per_replica
+        has_first, has_last = 0 in self.local, cfg.num_stages - 1 in self.local
+        totals, events = PipelineTotals(), []
         for a in range(cfg.accumulation):
             rows = slice(
                 lo + a * per_replica // cfg.accumulation,
                 lo + (a + 1) * per_replica // cfg.accumulation,
             )
-            dev = self.device
             inputs = list(x[rows].to(dev).chunk(cfg.microbatches)) if has_first else None
             targets = list(y[rows].to(dev).chunk(cfg.microbatches)) if has_last else None
-            last_round = a == cfg.accumulation - 1
-            armed = self._armed if (last_round and self.reducer is not None) else None
-            stats = self.executor.run(inputs, targets, loss_scale=scale, armed=armed)
+            tracker = self.reducer if a == cfg.accumulation - 1 else None
+            stats = self.executor.run(inputs, targets, loss_scale=loss_scale, tracker=tracker)
+            totals.add(stats)
             if self.recorder is not None:
-                events += self._events_of(stats, a)
-            busy += stats.busy
-            recv_wait += stats.recv_wait
-            host += stats.host
-            computes += len(stats.timeline)
-            losses += stats.losses
-            for act, s0, s1 in stats.timeline:
-                c = costs.setdefault((act.stage, act.kind), [0.0, 0])
-                c[0] += s1 - s0
-                c[1] += 1
-        t_pipe = time.perf_counter()
-        dp_wait = self._finish_reduction()
-        for p, group, _ in self._ties:
-            dist.all_reduce(p.grad, group=group)
-        local_loss = float(sum(float(v) for v in losses)) if has_last else 0.0
-        sumsq = self._owned_sumsq()
-        summary = self._gather(
-            local_loss, sumsq, bytes_before, busy, t_pipe - t0, recv_wait, dp_wait,
-            host / max(1, computes), costs,
-        )  # fmt: skip
-        grad_norm = math.sqrt(summary["sumsq"] / cfg.dp)
-        loss = summary["loss"] / count
+                events += trace.run_events(stats, a if cfg.accumulation > 1 else None)
+        return totals, events
+
+    def _check_finite(self, loss: float, grad_norm: float) -> None:
         if not (math.isfinite(grad_norm) and math.isfinite(loss)):
             raise FloatingPointError(
                 f"clawcomm.train: stopped at step {self.step_index}: the loss is {loss} and the "
                 f"gradient norm {grad_norm} (every rank stops here)"
             )
-        if cfg.clip > 0 and grad_norm > cfg.clip:
-            factor = cfg.clip / (grad_norm + 1e-6)
+
+    def _clip(self, grad_norm: float) -> None:
+        if self.cfg.clip > 0 and grad_norm > self.cfg.clip:
+            factor = self.cfg.clip / (grad_norm + 1e-6)
             for p in self.params:
                 if p.grad is not None:
                     p.grad.mul_(factor)
-        t_opt = time.perf_counter()
-        self.optimizer.step()
-        self._zero_grads()
-        step_s = time.perf_counter() - t0
-        if self.recorder is not None:
-            from clawcomm.train.trace import COMM, COMPUTE, STEP
 
-            t_end = t0 + step_s
-            events.append((COMM, "dp reduction (exposed)", t_pipe, t_pipe + dp_wait, {}))
-            events.append((COMPUTE, "optimizer", t_opt, t_end, {"kind": "opt"}))
-            events.append((STEP, f"step {self.step_index + 1}", t0, t_end, {}))
-            events += self._engine_events(t0, t_end)
-            self.recorder.add_step(events)
-        self.step_index += 1
-        out = {
-            "step": self.step_index,
-            "loss": loss,
-            "lr": self.optimizer.param_groups[0]["lr"],
-            "grad_norm": grad_norm,
-            "step_ms": step_s * 1e3,
-            "samples_per_s": n / step_s,
-        }
-        if self.tokens_per_sample:
-            out["tokens_per_s"] = n * self.tokens_per_sample / step_s
-        out.update(summary["metrics"])
-        return out
+    def _record(self, events, t0, t_pipe, dp_wait, t_opt, t_end) -> None:
+        events.append((trace.COMM, "dp reduction (exposed)", t_pipe, t_pipe + dp_wait, {}))
+        events.append((trace.COMPUTE, "optimizer", t_opt, t_end, {"kind": "opt"}))
+        events.append((trace.STEP, f"step {self.step_index + 1}", t0, t_end, {}))
+        events += trace.engine_events(self.traffic.engines()[1], t0, t_end)
+        self.recorder.add_step(events)
 
-    def _events_of(self, stats, accumulation_round: int) -> list:
-        from clawcomm.train.trace import COMM, COMPUTE
-
-        out = []
-        for act, s0, s1 in stats.timeline:
-            args = {"kind": act.kind, "stage": act.stage, "mb": act.microbatch}
-            if self.cfg.accumulation > 1:
-                args["round"] = accumulation_round
-            out.append((COMPUTE, f"{act.kind}{act.microbatch} s{act.stage}", s0, s1, args))
-        out += [(COMM, what, s0, s1, {}) for what, s0, s1 in stats.waits]
-        return out
-
-    def _engine_events(self, t0: float, t1: float) -> list:
-        """The dp group's collectives and the pp group's sends and receives
-        that ran in [t0, t1], from the engines' flight records."""
-        import json
-
-        from clawcomm.train.trace import ENGINE
-
-        if not dist.is_initialized() or dist.get_backend() != "clawcomm":
-            return []
-        self._bytes_sent()  # finds the engines
-        out = []
-        for label, eng in self._engines[1].items():
-            for op in json.loads(eng.flight_record())["ops"]:
-                s0, s1 = op["start_us"] / 1e6, op["end_us"] / 1e6
-                p2p = op["op"] in ("send", "recv")
-                if op["state"] != "done" or s1 < t0 or s0 > t1 or (label == "dp") == p2p:
-                    continue
-                name = f"{label} {op['op']}" + (f" #{op['seq']}" if "seq" in op else "")
-                out.append((ENGINE, name, s0, s1, {"group": label, "bytes": op["bytes"]}))
-        return out
-
-    def write_trace(self, trace: str | None, timeline: str | None) -> None:
+    def write_trace(self, trace_path: str | None, timeline_path: str | None) -> None:
         """Gathers every rank's recorded steps on rank 0 and writes the
         Chrome trace and/or the timeline picture (collective)."""
-        from clawcomm.train import trace as tr
-
         if self.recorder is None:
             return
         g = self.grid
         ranks = self.recorder.gather(g.rank, f"rank {g.rank} (dp {g.dp_rank}, pp {g.pp_rank})")
         if g.rank != 0:
             return
-        if trace:
-            tr.write_chrome_trace(trace, ranks)
-        if timeline:
+        if trace_path:
+            trace.write_chrome_trace(trace_path, ranks)
+        if timeline_path:
             cfg = self.cfg
             title = (
                 f"step {self.step_index}: dp {cfg.dp} x pp {cfg.pp}, {cfg.schedule}, "
                 f"{cfg.microbatches} micro-batches"
             )
-            tr.draw_timeline(timeline, ranks, -1, title)
-
-    def _armed(self, a: Action) -> bool:
-        return a in self._final_actions
-
-    def _final_grad(self, param: torch.Tensor) -> None:
-        i = self._index.get(id(param))
-        if i is None:
-            return
-        self._counts[i] += 1
-        if not self._learned:
-            if self._counts[i] == 1:
-                self._ready_order.append(i)
-            return
-        if self._counts[i] > self.reducer.expected[i]:
-            raise RuntimeError(
-                f"clawcomm.train: parameter {self.names.get(id(param), i)!r} received more final "
-                f"gradient contributions ({self._counts[i]}) than in the first step "
-                f"({self.reducer.expected[i]}): its stage's control flow changed; train with "
-                "overlap=False"
-            )
-        self.reducer.ready(i)
-
-    def _finish_reduction(self) -> float:
-        if self.reducer is None:
-            return 0.0
-        t0 = time.perf_counter()
-        self.reducer.launch_all()
-        self.reducer.wait()
-        waited = time.perf_counter() - t0
-        self.reducer.end_step()
-        if not self._learned:
-            self._learned = True
-            self.reducer.expected = list(self._counts)
-            seen = set(self._ready_order)
-            order = self._ready_order + [i for i in range(len(self.params)) if i not in seen]
-            t = torch.tensor(order, dtype=torch.int64)
-            dist.broadcast(t, dist.get_global_rank(self.dp_group, 0), group=self.dp_group)
-            self.reducer.rebuild(t.tolist())
-            self.reducer.overlap = self.cfg.overlap
-        self.reducer.reset()
-        self._counts = [0] * len(self.params)
-        return waited
+            trace.draw_timeline(timeline_path, ranks, -1, title)
 
     def _zero_grads(self) -> None:
         if self.reducer is not None:
@@ -519,113 +384,6 @@ class Trainer:
             return float(total(grads, 2.0)) ** 2
         norms = torch.stack([torch.linalg.vector_norm(g) for g in grads]).double()
         return float(norms.square().sum())
-
-    def _bytes_sent(self) -> list[int]:
-        """Bytes this rank sent so far: [every group, the pipeline group, the
-        data-parallel group]."""
-        if not dist.is_initialized() or dist.get_backend() != "clawcomm":
-            return [0, 0, 0]
-        if self._engines is None:
-            import clawcomm
-
-            named = {"pp": self.pp_group, "dp": self.dp_group}
-            groups = (None, self.pp_group, self.dp_group, *(t[1] for t in self._ties))
-            engines = {id(g): clawcomm.engine_of(g) for g in groups}
-            # a group of one rank is None: nothing sent there
-            self._engines = (
-                list(engines.values()),
-                {k: engines[id(g)] for k, g in named.items() if g is not None},
-            )
-        every, named = self._engines
-
-        def sent(e) -> int:
-            return sum(v["bytes_sent"] for v in e.comm_stats().values())
-
-        return [sum(sent(e) for e in every)] + [
-            sent(named[k]) if k in named else 0 for k in ("pp", "dp")
-        ]
-
-    def _gather(
-        self, loss, sumsq, bytes_before, busy, span, recv_wait, dp_wait, host, costs
-    ) -> dict:
-        """One all-gather: [loss, sumsq, bytes, busy, span, recv wait, dp wait,
-        rss MB, host overhead per compute action, pp bytes, dp bytes, peak GPU
-        MB, then the F/B/I/W mean cost of each local stage]."""
-        cfg = self.cfg
-        v = cfg.virtual_stages
-        sent = [float(a - b) for a, b in zip(self._bytes_sent(), bytes_before, strict=True)]
-        own = [
-            loss,
-            sumsq,
-            sent[0],
-            busy,
-            span,
-            recv_wait,
-            dp_wait,
-            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
-            host,
-            sent[1],
-            sent[2],
-            peak_mb(self.device),
-        ]
-        for s in sorted(self.local):
-            for k in _KINDS:
-                tot, cnt = costs.get((s, k), (0.0, 0))
-                own.append(tot / cnt if cnt else 0.0)
-        width = 12 + 4 * v
-        mine = torch.tensor(own, dtype=torch.float64)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            everyone = torch.zeros(dist.get_world_size() * width, dtype=torch.float64)
-            all_gather_single(everyone, mine)
-            rows = everyone.view(-1, width).tolist()
-        else:
-            rows = [own]
-        grid = self.grid
-        replica0 = [grid.rank_of(0, p) for p in range(cfg.pp)]
-        bubble = []
-        for d in range(cfg.dp):
-            ranks = [grid.rank_of(d, p) for p in range(cfg.pp)]
-            span_max = max(rows[r][4] for r in ranks)
-            busy_sum = sum(rows[r][3] for r in ranks)
-            bubble.append(1.0 - busy_sum / (cfg.pp * span_max) if span_max > 0 else 0.0)
-        metrics = {
-            "bubble": sum(bubble) / len(bubble),
-            "bytes_sent": int(sum(row[2] for row in rows)),
-            "dp_wait_ms": max(row[6] for row in rows) * 1e3,
-            "recv_wait_ms": max(row[5] for row in rows) * 1e3,
-            "max_rss_mb": max(row[7] for row in rows),
-            # the busiest rank's compute, and the longest exposed
-            # communication (waits for tensors + the reduction's tail)
-            "compute_ms": max(row[3] for row in rows) * 1e3,
-            "exposed_comm_ms": max(row[5] + row[6] for row in rows) * 1e3,
-            "bytes_sent_pp": int(sum(row[9] for row in rows)),
-            "bytes_sent_dp": int(sum(row[10] for row in rows)),
-        }
-        if self.device.type == "cuda":
-            metrics["max_gpu_mem_mb"] = max(row[11] for row in rows)
-        if grid.rank == 0:
-            cost = {}
-            for p_rank, r in enumerate(replica0):
-                for j in range(v):
-                    s = j * cfg.pp + p_rank
-                    for k_i, k in enumerate(_KINDS):
-                        cost[(s, k)] = rows[r][12 + 4 * j + k_i]
-            host = [rows[r][8] for r in replica0]
-
-            def costs_of(a):
-                return cost.get((a.stage, a.kind), 0.0)
-
-            # The prediction charges what was measured besides compute: the
-            # p2p latency per transfer and each rank's host time per action.
-            sim = self._plan.run(costs_of, latency=self.p2p_latency, overhead=host.__getitem__)
-            metrics["bubble_predicted"] = sim.bubble
-            metrics["bubble_ideal"] = self._plan.run(costs_of).bubble
-            metrics["host_us_per_action"] = sum(host) / len(host) * 1e6
-        return {
-            "loss": sum(row[0] for row in rows),
-            "sumsq": sum(row[1] for row in rows),
-            "metrics": metrics,
-        }
 
     # ---- the loop -------------------------------------------------------------------------
 
@@ -677,27 +435,15 @@ class Trainer:
         checkpoint is saved every that many steps and after the last; the
         step's metrics then carry ``checkpoint_ms``. Returns the metrics of
         every step."""
-        import json
-
         steps = self.cfg.steps - self.step_index if steps is None else steps
-        rank0 = self.grid.rank == 0
-        bar = None
-        if rank0 and progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=steps, unit="step", leave=False)
         out = []
-        mode = "a" if self.step_index else "w"
-        sink = open(metrics_file, mode) if (rank0 and metrics_file) else None  # noqa: SIM115
-        board = None
-        if rank0 and self.cfg.tensorboard:
-            from clawcomm._optional import require
-
-            require("tensorboard", "clawcomm train --tensorboard")
-            from torch.utils.tensorboard import SummaryWriter
-
-            board = SummaryWriter(self.cfg.tensorboard)
-        try:
+        rank0 = self.grid.rank == 0
+        with MetricsSink(
+            metrics_file if rank0 else None,
+            self.cfg.tensorboard if rank0 else "",
+            steps if rank0 and progress else 0,
+            append=self.step_index > 0,
+        ) as sink:
             for k, batch in zip(range(steps), batches, strict=False):
                 m = self.step(batch)
                 if (
@@ -711,25 +457,9 @@ class Trainer:
                     )
                     m["checkpoint_ms"] = 1e3 * (time.perf_counter() - t0)
                 out.append(m)
-                if sink is not None:
-                    sink.write(json.dumps(m) + "\n")
-                    sink.flush()
-                if board is not None:
-                    for key, value in m.items():
-                        if key != "step" and isinstance(value, int | float):
-                            board.add_scalar(f"train/{key}", value, m["step"])
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{m['loss']:.4f}", bubble=f"{m['bubble']:.2f}")
+                sink.write(m)
                 if log is not None:
                     log(m)
-        finally:
-            if bar is not None:
-                bar.close()
-            if sink is not None:
-                sink.close()
-            if board is not None:
-                board.close()
         self.wait_checkpoint()
         self.write_trace(self.cfg.trace or None, self.cfg.timeline or None)
         return out
@@ -738,64 +468,3 @@ class Trainer:
         self.wait_checkpoint()
         if self.reducer is not None:
             self.reducer.close()
-        for h in self._hooks:
-            h.remove()
-
-
-def _unique(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    seen, out = set(), []
-    for p in params:
-        if id(p) not in seen:
-            seen.add(id(p))
-            out.append(p)
-    return out
-
-
-def _cut(model, num_stages: int, balance: str, sample) -> tuple[list[nn.Module], list[int]]:
-    if isinstance(model, nn.Sequential):
-        layers = list(model)
-        if num_stages > len(layers):
-            raise ValueError(
-                f"clawcomm.train: {num_stages} stages (pp x v) but the model has only "
-                f"{len(layers)} layers; use fewer stages or more layers"
-            )
-        if balance == "time":
-            if sample is None:
-                raise ValueError("clawcomm.train: balance='time' needs a sample micro-batch")
-            costs = measured_costs(layers, sample)
-            if dist.is_initialized():  # timings differ: every rank takes rank 0's
-                t = torch.tensor(costs, dtype=torch.float64)
-                dist.broadcast(t, 0)
-                costs = t.tolist()
-        else:
-            costs = parameter_costs(layers)
-        cuts = balanced_cuts(costs, num_stages)
-        return [nn.Sequential(*layers[cuts[s] : cuts[s + 1]]) for s in range(num_stages)], cuts
-    stages = list(model)
-    if len(stages) != num_stages:
-        raise ValueError(
-            f"clawcomm.train: {len(stages)} stage modules given for {num_stages} stages (pp x v)"
-        )
-    return stages, list(range(num_stages + 1))
-
-
-def _full_shapes(model, stages) -> dict[str, list[int]]:
-    """Every parameter's shape, by its name in the whole model."""
-    params = {id(p): p for p in (model.parameters() if isinstance(model, nn.Sequential) else ())}
-    for s in stages:
-        params.update({id(p): p for p in s.parameters()})
-    names = _full_names(model, stages)
-    return {names[i]: list(p.shape) for i, p in params.items()}
-
-
-def _full_names(model, stages) -> dict[int, str]:
-    """id(param) -> its name in the whole model (what checkpoints key on)."""
-    pairs = (
-        model.named_parameters(remove_duplicate=False)
-        if isinstance(model, nn.Sequential)
-        else ((f"{s}.{n}", p) for s, m in enumerate(stages) for n, p in m.named_parameters())
-    )
-    names: dict[int, str] = {}
-    for n, p in pairs:
-        names.setdefault(id(p), n)  # a tied parameter keeps its first name
-    return names

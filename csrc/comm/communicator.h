@@ -196,8 +196,16 @@ class Communicator {
   Algorithm algorithmFor(OpType op, size_t bytes) const;
   void checkRoot(OpType op, int root) const;
   void checkCounts(OpType op, const std::vector<size_t>& counts, const char* what) const;
+  // The scheduler (scheduler.cc): the progress thread's loop and its steps.
   void progressLoop();
+  bool nextWork(std::unique_ptr<Op>& op, std::string& abortNow, Clock::time_point& stopDeadline);
+  void idleSpin(std::unique_lock<std::mutex>& lock);
   void runCollective(Op& op);
+  void startPointToPoint(std::unique_ptr<Op> op);
+  void progressPointToPoint(bool startedOne, Clock::time_point& idleSince,
+                            Clock::time_point stopDeadline);
+  bool completeIfBroken(Op& op);
+  std::exception_ptr withFlightRecord(std::exception_ptr error);
   void fail(std::exception_ptr error);
   void notifyFailure(const std::string& reason);
   std::string dumpFlightRecord(const std::string& why) noexcept;

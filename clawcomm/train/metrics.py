@@ -1,0 +1,265 @@
+"""What a trainer step measures, by name: each rank's figures
+(:class:`RankSample`), one all-gather of them, and the step's metrics made
+from every rank's (:func:`summarise`), the bubble predicted by the schedule's
+simulation included.
+
+    sample = RankSample(loss=..., sumsq=..., costs=totals.mean_costs(stages))
+    everyone = gather(sample)                      # one collective
+    metrics = summarise(everyone, cfg, grid, ...)  # the dict a step returns
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from dataclasses import astuple, dataclass, field, fields
+
+import torch
+import torch.distributed as dist
+
+from clawcomm._torch_names import all_gather_single
+from clawcomm.pipeline.actions import B, F, I, W
+
+KINDS = (F, B, I, W)
+
+
+@dataclass
+class RankSample:
+    """One rank's figures for one step (seconds, bytes, MB)."""
+
+    loss: float = 0.0  # the loss summed over its micro-batches (last stage's rank)
+    sumsq: float = 0.0  # squared norm of the gradients it owns
+    bytes_sent: float = 0.0  # every group
+    busy: float = 0.0  # in compute actions
+    span: float = 0.0  # the pipeline runs, from barrier to drain
+    recv_wait: float = 0.0  # waiting for activations and gradients
+    dp_wait: float = 0.0  # the data-parallel reduction's exposed tail
+    rss_mb: float = 0.0  # peak resident set
+    host: float = 0.0  # host time per compute action
+    bytes_pp: float = 0.0
+    bytes_dp: float = 0.0
+    gpu_mb: float = 0.0  # peak GPU memory
+    # The mean time of F, B, I and W of each local stage, stage by stage.
+    costs: list[float] = field(default_factory=list)
+
+    def cost(self, local_stage: int, kind: str) -> float:
+        return self.costs[4 * local_stage + KINDS.index(kind)]
+
+
+_SCALARS = len(fields(RankSample)) - 1
+
+
+def gather(sample: RankSample) -> list[RankSample]:
+    """Every rank's sample, in rank order (one all-gather of float64s)."""
+    sample.rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    own = [*astuple(sample)[:_SCALARS], *sample.costs]
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [sample]
+    mine = torch.tensor(own, dtype=torch.float64)
+    everyone = torch.zeros(dist.get_world_size() * len(own), dtype=torch.float64)
+    all_gather_single(everyone, mine)
+    rows = everyone.view(-1, len(own)).tolist()
+    return [RankSample(*row[:_SCALARS], costs=row[_SCALARS:]) for row in rows]
+
+
+class PipelineTotals:
+    """A step's pipeline runs (one per accumulation round) added up."""
+
+    def __init__(self):
+        self.busy = self.recv_wait = self.host = 0.0
+        self.computes = 0
+        self.losses: list = []
+        self._costs: dict = {}  # (stage, kind) -> [seconds, count]
+
+    def add(self, stats) -> None:
+        self.busy += stats.busy
+        self.recv_wait += stats.recv_wait
+        self.host += stats.host
+        self.computes += len(stats.timeline)
+        self.losses += stats.losses
+        for act, s0, s1 in stats.timeline:
+            c = self._costs.setdefault((act.stage, act.kind), [0.0, 0])
+            c[0] += s1 - s0
+            c[1] += 1
+
+    def mean_costs(self, stages) -> list[float]:
+        """The mean cost of each kind of action, for ``stages`` in order."""
+        out = []
+        for s in stages:
+            for k in KINDS:
+                total, count = self._costs.get((s, k), (0.0, 0))
+                out.append(total / count if count else 0.0)
+        return out
+
+
+def summarise(rows: list[RankSample], cfg, grid, plan, p2p_latency: float, cuda: bool) -> dict:
+    """The step's metrics from every rank's sample. Rank 0 also gets the
+    bubble the schedule predicts with the measured costs (``plan.run``)."""
+    bubble = []
+    for d in range(cfg.dp):
+        replica = [rows[grid.rank_of(d, p)] for p in range(cfg.pp)]
+        span = max(r.span for r in replica)
+        busy = sum(r.busy for r in replica)
+        bubble.append(1.0 - busy / (cfg.pp * span) if span > 0 else 0.0)
+    metrics = {
+        "bubble": sum(bubble) / len(bubble),
+        "bytes_sent": int(sum(r.bytes_sent for r in rows)),
+        "dp_wait_ms": max(r.dp_wait for r in rows) * 1e3,
+        "recv_wait_ms": max(r.recv_wait for r in rows) * 1e3,
+        "max_rss_mb": max(r.rss_mb for r in rows),
+        # the busiest rank's compute, and the longest exposed communication
+        # (waits for tensors + the reduction's tail)
+        "compute_ms": max(r.busy for r in rows) * 1e3,
+        "exposed_comm_ms": max(r.recv_wait + r.dp_wait for r in rows) * 1e3,
+        "bytes_sent_pp": int(sum(r.bytes_pp for r in rows)),
+        "bytes_sent_dp": int(sum(r.bytes_dp for r in rows)),
+    }
+    if cuda:
+        metrics["max_gpu_mem_mb"] = max(r.gpu_mb for r in rows)
+    if grid.rank == 0:
+        metrics.update(_predicted_bubble(rows, cfg, grid, plan, p2p_latency))
+    return metrics
+
+
+def _predicted_bubble(rows, cfg, grid, plan, p2p_latency: float) -> dict:
+    replica0 = [rows[grid.rank_of(0, p)] for p in range(cfg.pp)]
+    cost = {}
+    for p_rank, row in enumerate(replica0):
+        for j in range(cfg.virtual_stages):
+            for k in KINDS:
+                cost[(j * cfg.pp + p_rank, k)] = row.cost(j, k)
+    host = [row.host for row in replica0]
+
+    def costs_of(a):
+        return cost.get((a.stage, a.kind), 0.0)
+
+    # The prediction charges what was measured besides compute: the p2p
+    # latency per transfer and each rank's host time per action.
+    return {
+        "bubble_predicted": plan.run(
+            costs_of, latency=p2p_latency, overhead=host.__getitem__
+        ).bubble,
+        "bubble_ideal": plan.run(costs_of).bubble,
+        "host_us_per_action": sum(host) / len(host) * 1e6,
+    }
+
+
+class Traffic:
+    """Bytes this rank sent through its groups' engines: every group, the
+    pipeline group and the data-parallel group (clawcomm groups only)."""
+
+    def __init__(self, pp_group, dp_group, other_groups=()):
+        self._groups = (pp_group, dp_group, tuple(other_groups))
+        self._engines = None  # found on first use (after every group exists)
+
+    def engines(self) -> tuple[list, dict]:
+        """(every group's engine, {"pp"/"dp": engine}); empty off clawcomm."""
+        if not dist.is_initialized() or dist.get_backend() != "clawcomm":
+            return [], {}
+        if self._engines is None:
+            import clawcomm
+
+            pp, dp, others = self._groups
+            groups = (None, pp, dp, *others)
+            engines = {id(g): clawcomm.engine_of(g) for g in groups}
+            named = {k: engines[id(g)] for k, g in (("pp", pp), ("dp", dp)) if g is not None}
+            self._engines = (list(engines.values()), named)
+        return self._engines
+
+    def sent(self) -> list[int]:
+        """[every group, pp, dp] bytes sent so far."""
+        every, named = self.engines()
+
+        def total(e) -> int:
+            return sum(v["bytes_sent"] for v in e.comm_stats().values())
+
+        return [sum(total(e) for e in every)] + [
+            total(named[k]) if k in named else 0 for k in ("pp", "dp")
+        ]
+
+
+def measure_p2p_latency(pp_group, pp_rank: int, pp: int, rounds: int = 20) -> float:
+    """One-way latency of a small message between the first two stages'
+    ranks (the median of ``rounds`` round trips, halved): the link cost
+    the bubble prediction charges per transfer. 0 where pp == 1."""
+    if pp_group is None:
+        return 0.0
+    # The other ranks wait for the end in a blocking receive, so that
+    # neither their start-up nor a spinning barrier slows the ping-pong
+    # down (two cores, four ranks).
+    dist.barrier()
+    done = torch.zeros(1)
+    if pp_rank > 1:
+        pp_group.recv([done], 0, 999_999).wait()
+        return 0.0
+    peer = 1 - pp_rank
+    buf = torch.zeros(256)
+    times = []
+    for i in range(rounds):
+        t0 = time.perf_counter()
+        if pp_rank == 0:
+            pp_group.send([buf], peer, 1_000_000 + i).wait()
+            pp_group.recv([buf], peer, 1_000_000 + i).wait()
+        else:
+            pp_group.recv([buf], peer, 1_000_000 + i).wait()
+            pp_group.send([buf], peer, 1_000_000 + i).wait()
+        times.append(time.perf_counter() - t0)
+    if pp_rank == 0:
+        for r in range(2, pp):
+            pp_group.send([done], r, 999_999).wait()
+    return sorted(times)[rounds // 2] / 2  # the median round trip, halved
+
+
+def step_metrics(step: int, loss, lr, grad_norm, step_s: float, samples: int) -> dict:
+    """The metrics every rank has without the all-gather."""
+    return {
+        "step": step,
+        "loss": loss,
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "step_ms": step_s * 1e3,
+        "samples_per_s": samples / step_s,
+    }
+
+
+class MetricsSink:
+    """Where rank 0's step metrics go: a JSON-lines file (appended to when
+    resuming), TensorBoard scalars (``train/<metric>``) and a tqdm progress
+    bar over ``steps``; each is off when its argument is empty."""
+
+    def __init__(self, path: str | None, tensorboard: str, steps: int, append: bool = False):
+        self.file = open(path, "a" if append else "w") if path else None  # noqa: SIM115
+        self.board = None
+        if tensorboard:
+            from clawcomm._optional import require
+
+            require("tensorboard", "clawcomm train --tensorboard")
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.board = SummaryWriter(tensorboard)
+        self.bar = None
+        if steps:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=steps, unit="step", leave=False)
+
+    def write(self, m: dict) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps(m) + "\n")
+            self.file.flush()
+        if self.board is not None:
+            for key, value in m.items():
+                if key != "step" and isinstance(value, int | float):
+                    self.board.add_scalar(f"train/{key}", value, m["step"])
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{m['loss']:.4f}", bubble=f"{m['bubble']:.2f}")
+
+    def __enter__(self) -> MetricsSink:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for thing in (self.bar, self.file, self.board):
+            if thing is not None:
+                thing.close()

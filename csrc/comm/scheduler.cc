@@ -1,0 +1,185 @@
+// The communicator's scheduler: the progress thread that takes queued
+// operations in issue order and runs them. A collective runs to its end on
+// this thread; a send or receive is started and then progressed alongside
+// the others in flight until its transfer completes. Between operations the
+// thread spins briefly, then sleeps on the condition variable; with only
+// sends and receives in flight it hands waiting to the messenger's policy
+// (messenger/waits.cc).
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "algorithms/channel.h"
+#include "comm/communicator.h"
+#include "comm/op.h"
+
+namespace clawcomm {
+
+std::exception_ptr Communicator::withFlightRecord(std::exception_ptr error) {
+  // The first failure leaves a flight record, named in the error.
+  if (broken_) return error;
+  const std::string path = dumpFlightRecord(errorText(error));
+  if (path.empty()) return error;
+  return withSuffix(error, CLAWCOMM_CONCAT(" (flight record: ", path, ")"));
+}
+
+bool Communicator::completeIfBroken(Op& op) {
+  if (!broken_) return false;
+  recorder_.finished(op.record, false);
+  op.request->complete(
+      withContext(broken_, CLAWCOMM_CONCAT(opPrefix(op.sig.type),
+                                           "the communicator was aborted by an earlier error: ")));
+  return true;
+}
+
+void Communicator::runCollective(Op& op) {
+  if (completeIfBroken(op)) return;
+  std::exception_ptr error;
+  const Clock::time_point start = Clock::now();
+  recorder_.started(op.record, start);
+  try {
+    Channel ch(*messenger_, op.sig, start + this->timeout(), settings_, topology_, &scratch_);
+    op.run(ch);
+  } catch (const TimeoutError&) {
+    // "clawcomm::all_reduce: timeout after 5 s: rank 0 timed out waiting
+    // for rank 1 to send 16 bytes (0 received)"
+    error = withContext(std::current_exception(),
+                        CLAWCOMM_CONCAT(opPrefix(op.sig.type), "timeout after ",
+                                        timeoutMs_.load() / 1000.0, " s: rank ", rank_, " "));
+  } catch (...) {
+    error = withContext(std::current_exception(), opPrefix(op.sig.type));
+  }
+  recorder_.finished(op.record, !error);
+  if (error) {
+    error = withFlightRecord(error);
+    fail(error);
+  }
+  op.request->complete(error);
+}
+
+void Communicator::idleSpin(std::unique_lock<std::mutex>& lock) {
+  // Poll for the next operation a while before sleeping: waking this thread
+  // from the condition variable costs tens of microseconds, which a run of
+  // point-to-point calls would pay every time. Only the counter is read
+  // meanwhile; an inline collective may run.
+  if (settings_.spinMicros <= 0 || stopping_ || abortRequested_) return;
+  const uint64_t seen = enqueued_.load(std::memory_order_acquire);
+  lock.unlock();
+  const auto until = Clock::now() + std::chrono::microseconds(settings_.spinMicros);
+  while (enqueued_.load(std::memory_order_acquire) == seen && Clock::now() < until) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+  }
+  lock.lock();
+}
+
+bool Communicator::nextWork(std::unique_ptr<Op>& op, std::string& abortNow,
+                            Clock::time_point& stopDeadline) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (queue_.empty() && pointToPoint_.empty()) {
+    threadBusy_ = false;
+    idleSpin(lock);
+    cv_.wait(lock, [&] {
+      return !inlineBusy_ && (stopping_ || !queue_.empty() || (abortRequested_ && !abortHandled_));
+    });
+  }
+  // Here this thread drives the messenger (no inline op can run: it waited
+  // for none, or it has point-to-point work, which keeps threadBusy_ set).
+  if (abortRequested_ && !abortHandled_) {
+    abortHandled_ = true;
+    abortNow = abortReason_;
+  }
+  if (!queue_.empty()) {
+    op = std::move(queue_.front());
+    queue_.pop_front();
+    threadBusy_ = true;
+  } else if (stopping_) {
+    if (pointToPoint_.empty()) return false;
+    // Give in-flight sends and receives a grace period, then fail them.
+    if (stopDeadline == Clock::time_point::max()) {
+      stopDeadline =
+          Clock::now() + std::min<Clock::duration>(this->timeout(), std::chrono::seconds(5));
+    }
+  }
+  return true;
+}
+
+void Communicator::startPointToPoint(std::unique_ptr<Op> op) {
+  const Clock::time_point start = Clock::now();
+  op->deadline = start + this->timeout();
+  recorder_.started(op->record, start);
+  if (completeIfBroken(*op)) return;
+  try {
+    op->transfer = op->isSend ? messenger_->sendPointToPoint(op->peer, op->tag, op->buf, op->bytes)
+                              : messenger_->recvPointToPoint(op->peer, op->tag, op->buf, op->bytes);
+    pointToPoint_.push_back(std::move(op));
+  } catch (...) {
+    std::exception_ptr error = withContext(std::current_exception(), opPrefix(op->sig.type));
+    fail(error);
+    op->request->complete(error);
+  }
+}
+
+void Communicator::progressPointToPoint(bool startedOne, Clock::time_point& idleSince,
+                                        Clock::time_point stopDeadline) {
+  try {
+    const bool moved = messenger_->progress();
+    for (size_t i = 0; i < pointToPoint_.size();) {
+      Op& p = *pointToPoint_[i];
+      if (p.transfer->complete) {
+        recorder_.finished(p.record, true);
+        p.request->complete(nullptr, p.transfer->peer);
+        pointToPoint_.erase(pointToPoint_.begin() + long(i));
+      } else {
+        ++i;
+      }
+    }
+    if (moved || startedOne) {
+      idleSince = Clock::now();
+    } else if (!pointToPoint_.empty()) {
+      std::vector<TransferPtr> waiting;
+      Clock::time_point deadline = stopDeadline;
+      for (auto& p : pointToPoint_) {
+        waiting.push_back(p->transfer);
+        deadline = std::min(deadline, p->deadline);
+      }
+      bool empty;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        empty = queue_.empty();
+      }
+      if (empty) messenger_->pause(idleSince, deadline, waiting);
+    }
+  } catch (...) {
+    const Op& first = *pointToPoint_.front();
+    fail(withFlightRecord(withContext(std::current_exception(), opPrefix(first.sig.type))));
+  }
+}
+
+void Communicator::progressLoop() {
+  if (settings_.progressNice > 0) {
+    // This thread only: on Linux a thread id names one thread here.
+    setpriority(PRIO_PROCESS, id_t(syscall(SYS_gettid)), settings_.progressNice);
+  }
+  Clock::time_point idleSince = Clock::now();
+  Clock::time_point stopDeadline = Clock::time_point::max();
+  while (true) {
+    std::unique_ptr<Op> op;
+    std::string abortNow;
+    if (!nextWork(op, abortNow, stopDeadline)) break;
+    if (!abortNow.empty()) fail(std::make_exception_ptr(PeerError(abortNow)));
+    const bool started = op != nullptr;
+    if (op) {
+      idleSince = Clock::now();
+      if (op->pointToPoint) {
+        startPointToPoint(std::move(op));
+      } else {
+        runCollective(*op);
+      }
+    }
+    if (!pointToPoint_.empty()) progressPointToPoint(started, idleSince, stopDeadline);
+  }
+}
+
+}  // namespace clawcomm
