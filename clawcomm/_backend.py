@@ -34,7 +34,7 @@ def register() -> None:
     import torch
 
     # CUDA tensors are staged through pinned host memory (csrc/torch/
-    # process_group.cc). torch calls the creator once per device type, so a
+    # backend.h). torch calls the creator once per device type, so a
     # CUDA machine gets a second communicator for its CUDA tensors; a CPU
     # machine registers for cpu only and keeps one.
     # device_count() asks NVML, so the CUDA driver stays uninitialised here

@@ -1,0 +1,245 @@
+// ClawcommBackend: the c10d::Backend over clawcomm::Communicator. Each
+// override checks its tensors (one shared set of helpers, every message
+// naming the op), lays them out as flat contiguous buffers (staging copies
+// for non-contiguous or list arguments, pinned host mirrors for CUDA
+// tensors), queues one engine operation (launch) and returns a Work whose
+// future completes on the engine's progress thread, after the results have
+// been copied back into the caller's tensors. Eligible CUDA collectives on
+// one host go through CUDA IPC kernels on the communicator's stream instead
+// (device_path.h).
+//
+// The collectives are defined in collectives.cc; the rest (construction,
+// coalescing, send/recv, barrier, launch) here; the Python module in
+// process_group.cc.
+#pragma once
+
+#include <map>
+#include <optional>
+#include <thread>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <utility>
+
+#include "torch/adapter_helpers.h"
+#include "torch/device_path.h"
+#include "torch/work.h"
+
+namespace clawcomm {
+namespace adapter {
+
+class ClawcommBackend : public c10d::Backend {
+ public:
+  ClawcommBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                  std::chrono::milliseconds timeout)
+      : Backend(rank, size) {
+    try {
+      store_ = std::make_shared<StoreAdapter>(store);
+      comm_ = Communicator::create(store_, rank, size, timeout);
+      device_ = std::make_unique<DevicePath>(comm_, rank);
+    } catch (...) {
+      rethrowForTorch(std::current_exception());
+    }
+  }
+
+  const std::string getBackendName() const override { return "clawcomm"; }
+  bool supportsCoalescing() const override { return true; }
+  void setTimeout(std::chrono::milliseconds timeout) override { comm_->setTimeout(timeout); }
+  // torch's _abort_process_group() and elastic agents: from any thread,
+  // fails what is pending (through the Works' futures) and tells the peers.
+  void abort() override { comm_->abort("abort() was called on its process group"); }
+  // Collectives are numbered from 0 in issue order on every rank, so the
+  // group's sequence number needs no agreement step.
+  void setSequenceNumberForGroup() override {}
+  uint64_t getSequenceNumberForGroup() override { return comm_->collectivesIssued(); }
+  Communicator& communicator() { return *comm_; }
+  // Per CUDA device used so far: "ok" where collectives go through CUDA
+  // IPC, else why not (they are staged through host memory).
+  std::map<int, std::string> cudaIpcStatus() const { return device_->status(); }
+  std::shared_ptr<Communicator> sharedCommunicator() { return comm_; }
+
+  void startCoalescing() override {
+    TORCH_CHECK(!coalescing_, "clawcomm: startCoalescing called twice without endCoalescing");
+    coalescing_ = true;
+    coalesced_.clear();
+  }
+
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override {
+    TORCH_CHECK(coalescing_, "clawcomm: endCoalescing without startCoalescing");
+    coalescing_ = false;
+    return c10::make_intrusive<CoalescedWork>(getRank(), std::move(coalesced_));
+  }
+
+  c10::intrusive_ptr<c10d::Work> allreduce(TensorList& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
+
+  c10::intrusive_ptr<c10d::Work> allreduceSparse(at::Tensor& t, const c10d::AllreduceOptions& opts);
+
+  // Waits for an engine operation issued on this thread (setup steps of
+  // composite ops); its errors become torch's.
+  static void blockOn(const RequestPtr& request) {
+    request->waitFor(std::chrono::milliseconds(-1));
+    if (auto error = request->exception()) rethrowForTorch(error);
+  }
+
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      TensorList& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
+
+  c10::intrusive_ptr<c10d::Work> reduce(TensorList& tensors,
+                                        const c10d::ReduceOptions& opts) override;
+
+  c10::intrusive_ptr<c10d::Work> broadcast(TensorList& tensors,
+                                           const c10d::BroadcastOptions& opts) override;
+
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<TensorList>& outputs, TensorList& inputs,
+                                           const c10d::AllgatherOptions&) override;
+
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      TensorList& outputs, TensorList& inputs, const c10d::AllgatherOptions&) override;
+
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<TensorList>& outputLists,
+                                                     TensorList& inputs,
+                                                     const c10d::AllgatherOptions&) override;
+
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<TensorList>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override;
+
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      TensorList& outputs, TensorList& inputs, const c10d::ReduceScatterOptions& opts) override;
+
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& outputSplits,
+                                               std::vector<int64_t>& inputSplits,
+                                               const c10d::AllToAllOptions& opts) override;
+
+  c10::intrusive_ptr<c10d::Work> alltoall(TensorList& outputs, TensorList& inputs,
+                                          const c10d::AllToAllOptions&) override;
+
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<TensorList>& outputs, TensorList& inputs,
+                                        const c10d::GatherOptions& opts) override;
+
+  c10::intrusive_ptr<c10d::Work> scatter(TensorList& outputs, std::vector<TensorList>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+
+  c10::intrusive_ptr<c10d::Work> send(TensorList& tensors, int dstRank, int tag) override {
+    const char* op = "send";
+    checkTensors(op, tensors);
+    const at::Tensor& t = single(op, tensors);
+    at::Tensor buf = flat(t);
+    return launch(OpType::SEND, {t}, {reads(buf)}, nullptr, [&](auto cb) {
+      return comm_->send(buf.data_ptr(), size_t(buf.nbytes()), dstRank, uint64_t(tag), cb);
+    });
+  }
+
+  c10::intrusive_ptr<c10d::Work> recv(TensorList& tensors, int srcRank, int tag) override {
+    return receive("recv", OpType::RECV, tensors, srcRank, tag);
+  }
+
+  c10::intrusive_ptr<c10d::Work> recvAnysource(TensorList& tensors, int tag) override {
+    return receive("recv_anysource", OpType::RECVANYSOURCE, tensors, -1, tag);
+  }
+
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions&) override {
+    return launch(OpType::BARRIER, {}, {}, nullptr, [&](auto cb) { return comm_->barrier(cb); });
+  }
+
+ private:
+  static std::function<void()> copyBack(const at::Tensor& buf, const at::Tensor& target) {
+    if (buf.data_ptr() == target.data_ptr() && target.is_contiguous()) return nullptr;
+    return [buf, target] { target.copy_(buf.view(target.sizes())); };
+  }
+
+  c10::intrusive_ptr<c10d::Work> receive(const char* op, OpType type, TensorList& tensors,
+                                         int srcRank, int tag) {
+    checkTensors(op, tensors);
+    const at::Tensor& t = single(op, tensors);
+    at::Tensor buf = flat(t);
+    return launch(type, {t}, {writes(buf)}, copyBack(buf, t), [&](auto cb) {
+      return comm_->recv(buf.data_ptr(), size_t(buf.nbytes()), srcRank, uint64_t(tag), cb);
+    });
+  }
+
+  // The root as an int, checked before narrowing: torch passes an int64,
+  // and 2**32 + 1 must not become rank 1.
+  int rootOf(const char* op, int64_t root) const {
+    TORCH_CHECK_VALUE(root >= 0 && root < getSize(), "clawcomm::", op, ": root ", root,
+                      " is out of range for a group of ", getSize(), " ranks");
+    return int(root);
+  }
+
+  // Coalescing collects the Works issued meanwhile.
+  c10::intrusive_ptr<c10d::Work> track(c10::intrusive_ptr<c10d::Work> work) {
+    if (coalescing_) coalesced_.push_back(work);
+    return work;
+  }
+
+  // Queues one engine operation. `outputs` is what the future yields,
+  // `buffers` the tensors the engine reads and writes (replaced by pinned
+  // host mirrors when they live on a GPU: the `issue` callback reads them
+  // after that), `finalize` runs on success before the future completes.
+  template <typename Issue>
+  c10::intrusive_ptr<c10d::Work> launch(OpType type, TensorList outputs,
+                                        std::vector<EngineBuffer> buffers,
+                                        std::function<void()> finalize, Issue issue) {
+    auto completion = std::make_shared<Completion>();
+    std::vector<c10::Device> devices;
+    for (const auto& b : buffers) {
+      if (b.tensor->device().is_cuda()) {
+        devices = {b.tensor->device()};
+        break;
+      }
+    }
+    completion->future = makeFuture(devices);
+    if (!devices.empty()) {
+      auto staging = std::make_shared<DeviceStaging>(devices[0], device_->streamFor(devices[0]));
+      for (auto& b : buffers) *b.tensor = staging->mirror(*b.tensor, b.access);
+      for (const auto& t : outputs) staging->touches(t);
+      staging->fetch();
+      completion->staging = std::move(staging);
+    }
+    completion->outputs = std::move(outputs);
+    for (const auto& b : buffers) completion->keepAlive.push_back(*b.tensor);
+    completion->finalize = std::move(finalize);
+    auto work = c10::make_intrusive<ClawcommWork>(getRank(), type, completion, completion->outputs);
+    completion->profilingEnd = work->takeProfilingEnd();
+    Request::Callback cb = [completion](std::exception_ptr error) {
+      std::optional<c10::StreamGuard> onStream;
+      if (completion->staging) onStream.emplace(completion->staging->stream());
+      try {
+        if (!error && completion->staging) completion->staging->store();
+        if (!error && completion->finalize) completion->finalize();
+      } catch (...) {
+        error = std::current_exception();
+      }
+      if (completion->staging) completion->staging->release();
+      completion->keepAlive.clear();
+      if (completion->profilingEnd) std::exchange(completion->profilingEnd, nullptr)();
+      if (error) {
+        completion->future->setError(error);
+        std::rethrow_exception(error);
+      }
+      completion->future->markCompleted(c10::IValue(completion->outputs));
+    };
+    try {
+      work->attach(issue(std::move(cb)));
+    } catch (...) {
+      rethrowForTorch(std::current_exception());
+    }
+    if (coalescing_) coalesced_.push_back(work);
+    return work;
+  }
+
+  std::shared_ptr<StoreAdapter> store_;
+  std::shared_ptr<Communicator> comm_;
+  std::unique_ptr<DevicePath> device_;  // after comm_: destroyed before it
+  bool coalescing_ = false;
+  std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;
+};
+
+}  // namespace adapter
+}  // namespace clawcomm
