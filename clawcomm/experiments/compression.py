@@ -2,7 +2,7 @@
 compressor, on local ranks, with wire traffic measured by clawcomm.
 
     clawcomm experiment compression                     # 2 ranks, the default compressors
-    clawcomm experiment compression --nproc 4 -c none,topk:0.01,topk:0.001 \
+    clawcomm experiment compression --nproc 4 -c none,topk:0.01,topk:0.001 \\
         --json out.json --plot out.png
     clawcomm experiment compression --model gpt         # the trainer's GPT
 
