@@ -43,15 +43,21 @@ def _split(events_path: str) -> dict[str, float]:
     events = [json.loads(line) for line in open(events_path)]
     kill = next(e for e in events if e["event"] == "killed")
     failed = [e for e in events if e["event"] == "failed" and e["attempt"] == 0]
+    # Ranks torchrun ended (SIGTERM, 0.1 s after it saw the death) before
+    # they reached a collective and heard of it themselves.
+    ended = [e for e in events if e["event"] == "terminated" and e["attempt"] == 0]
+    stopped = {e["rank"]: e["time"] for e in ended}
+    stopped.update({e["rank"]: e["time"] for e in failed})
     ready = [e for e in events if e["event"] == "group_ready" and e["attempt"] == 1]
     loaded = [e for e in events if e["event"] == "resumed" and e["attempt"] == 1]
     first = [e for e in events if e["event"] == "first_step" and e["attempt"] == 1]
     t0 = kill["time"]
-    detected = max((e["time"] for e in failed), default=float("nan"))
+    detected = max(stopped.values(), default=float("nan"))
     restarted = max(e["time"] for e in ready)
     return {
         "detection_s": detected - t0,
-        "survivors_failed": len(failed),
+        "survivors_failed": len(failed),  # with the engine's error
+        "survivors_stopped": len(stopped),  # with it, or ended by torchrun first
         "restart_s": restarted - detected,
         "load_s": max(e["load_s"] for e in loaded),
         "to_first_step_s": max(e["time"] for e in first) - t0,
@@ -133,7 +139,8 @@ def main(argv=None) -> int:
         f"{'identical' if same else 'DIFFERENT'}; the torchrun job took {time.time() - t:.1f} s"
     )
     print(
-        f"   kill -> every survivor failed ({split['survivors_failed']}): "
+        f"   kill -> every survivor stopped ({split['survivors_stopped']}; "
+        f"{split['survivors_failed']} with the engine's error, the rest ended by torchrun): "
         f"{split['detection_s']:.2f} s detection\n"
         f"   -> every new rank's group up: {split['restart_s']:.2f} s restart\n"
         f"   checkpoint of step {split['resumed_from_step']} loaded in {split['load_s']:.2f} s\n"

@@ -1,5 +1,5 @@
 """Recovery under torchrun (examples/recovery.py): a rank SIGKILLed mid-training
-makes every survivor fail at once, torchrun restarts the group, and the job
+makes every survivor stop at once, torchrun restarts the group, and the job
 resumes from its last checkpoint and ends with the uninterrupted run's loss."""
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ def test_a_killed_rank_is_recovered_and_the_final_loss_is_the_same(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     fig = json.loads(out.read_text())
     assert fig["identical"], fig
-    assert fig["survivors_failed"] == 3, fig  # every survivor failed, none hung
+    # Every survivor stopped, none hung: with the engine's error, or ended by
+    # torchrun (SIGTERM 0.1 s after it saw the death) before it reached a
+    # collective; which of the two wins is a race on a loaded machine.
+    assert fig["survivors_stopped"] == 3, fig
     assert fig["detection_s"] < 5.0, fig
     assert fig["resumed_from_step"] == 4, fig

@@ -66,6 +66,7 @@ def train_rank(cfg: TrainConfig, announce: bool = True) -> list[dict]:
     """Runs the training on this rank (the process group is up); returns
     the metrics of every step (rank 0's carry the bubble prediction)."""
     import signal
+    import threading
 
     import torch.distributed as dist
 
@@ -107,6 +108,18 @@ def train_rank(cfg: TrainConfig, announce: bool = True) -> list[dict]:
             events.log("killed", step=m["step"])
             os.kill(os.getpid(), signal.SIGKILL)
 
+    # torchrun ends the other ranks (SIGTERM) as soon as it sees one die,
+    # which can be before a rank busy computing reaches its next collective
+    # and hears of the death itself: the events then say it was ended.
+    old_term = None
+    if events.path and threading.current_thread() is threading.main_thread():
+
+        def on_term(signum, frame):
+            events.log("terminated")
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        old_term = signal.signal(signal.SIGTERM, on_term)
     try:
         return trainer.fit(
             global_batches(ds, cfg.effective_batch, cfg.seed, start=start),
@@ -121,6 +134,8 @@ def train_rank(cfg: TrainConfig, announce: bool = True) -> list[dict]:
         events.log("failed", error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
         raise
     finally:
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
         trainer.close()
 
 
