@@ -9,7 +9,9 @@ and the best of every case is kept::
     python3 bench/engine_ab.py --a /tmp/base --b . --json bench/results/engine_ab.json
 
 Cases: dense all-reduce (auto: tree below the crossover, ring above), the
-bfloat16-wire all-reduce, all-gather; 8 B to 64 MiB per rank.
+bfloat16-wire all-reduce, all-gather; 8 B to 64 MiB per rank. Then the same
+engine under torch: all-reduce through torch.distributed (the adapter), and
+the median step of ``clawcomm train``'s MLP at dp 2 and at pp 2 (1f1b).
 """
 
 from __future__ import annotations
@@ -50,6 +52,47 @@ def _work(rank, n):
                     fn()
                 best = min(best, (time.perf_counter() - t) / iters)
             out[f"{name} {nbytes}"] = best
+    out.update(_torch_cases())
+    return out
+
+
+def _torch_cases() -> dict[str, float]:
+    """The same engine under torch: all-reduce through torch.distributed
+    (the adapter), and the trainer's median step (mlp, dp 2 and pp 2)."""
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    out = {}
+    for nbytes in (8, 64 << 10, 16 << 20):
+        t = torch.ones(max(1, nbytes // 4))
+        iters = max(3, min(2000, (32 << 20) // nbytes))
+        best = float("inf")
+        for _ in range(5):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                dist.all_reduce(t)
+            best = min(best, (time.perf_counter() - t0) / iters)
+        out[f"torch all_reduce {nbytes}"] = best
+    try:
+        from clawcomm.train.models import build
+    except ImportError:  # checkouts from before the trainer's split
+        from clawcomm.train.cli import build
+    from clawcomm.train.config import TrainConfig
+    from clawcomm.train.data import global_batches
+    from clawcomm.train.trainer import Trainer
+
+    for layout in ({"dp": 2}, {"pp": 2, "schedule": "1f1b"}):
+        cfg = TrainConfig(model="mlp", steps=40, microbatches=4, micro_batch_size=8,
+                          quiet=True, **layout)  # fmt: skip
+        model, loss, opt, ds, _, _ = build(cfg)
+        trainer = Trainer(model, loss, opt, cfg)
+        steps = trainer.fit(global_batches(ds, cfg.effective_batch, cfg.seed), progress=False)
+        trainer.close()
+        name = "trainer step " + " ".join(f"{k}{v}" for k, v in layout.items() if k != "schedule")
+        out[name] = statistics.median(m["step_ms"] for m in steps[10:]) / 1e3
     return out
 
 

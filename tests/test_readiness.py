@@ -88,3 +88,24 @@ def test_the_reducer_learns_when_each_gradient_is_final():
         assert out["after c twice"] == [[2], [1], [0]]  # a expects nothing: it follows
         assert "parameter 'c' received more final gradient contributions (3)" in out["error"]
         assert out["restored"] == (True, [0, 1, 2], [2, 1, 0], True)
+
+
+def test_contributions_are_heard_from_autograd_device_threads():
+    # Autograd runs the post-accumulate hooks of CUDA tensors on its device
+    # thread, not on the thread that called backward: the listener the
+    # reducer sets must hear them there too.
+    import threading
+
+    from clawcomm.pipeline.weight_grad import set_listener
+
+    heard = []
+    p = torch.nn.Parameter(torch.zeros(1))
+    set_listener(heard.append)
+    try:
+        t = threading.Thread(target=notify_grad, args=(p,))
+        t.start()
+        t.join()
+    finally:
+        set_listener(None)
+    notify_grad(p)  # no listener: nobody hears
+    assert heard == [p]

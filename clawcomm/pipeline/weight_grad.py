@@ -65,18 +65,25 @@ def current_store() -> WeightGradStore | None:
     return getattr(_current, "store", None)
 
 
+# Who hears of gradient contributions: one per process, not per thread,
+# because autograd runs the post-accumulate hooks of CUDA tensors on its own
+# device thread, not on the thread that called backward.
+_listener: Callable[[torch.Tensor], None] | None = None
+
+
 def set_listener(on_grad: Callable[[torch.Tensor], None] | None) -> None:
-    """From now on (on this thread), ``notify_grad(param)`` calls
-    ``on_grad(param)``; None stops it. The GradReducer listens while an
-    action that makes gradients final runs."""
-    _current.listener = on_grad
+    """From now on, ``notify_grad(param)`` calls ``on_grad(param)``; None
+    stops it. The GradReducer listens while an action that makes gradients
+    final runs (one pipeline executor per process)."""
+    global _listener
+    _listener = on_grad
 
 
 def notify_grad(param: torch.Tensor) -> None:
-    """Says that ``param.grad`` just received a contribution outside autograd
-    (a W job) or without touching memory (a layer whose gradient another
-    device computed)."""
-    listener = getattr(_current, "listener", None)
+    """Says that ``param.grad`` just received a contribution: from
+    autograd's post-accumulate hook, from a W job, or without touching
+    memory (a layer whose gradient another device computed)."""
+    listener = _listener
     if listener is not None:
         listener(param)
 
