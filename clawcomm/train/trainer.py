@@ -21,16 +21,18 @@ One step (every rank):
 1. Barrier on the pipeline; the rank's slice of the effective batch
    (replica, then accumulation round, then micro-batch).
 2. ``accumulation`` runs of the schedule through ``PipelineExecutor``. In
-   the last run, the last backward actions of each stage are armed: as each
-   parameter's gradient becomes final, the GradReducer launches its bucket
+   the last run the executor tells the GradReducer each action it runs;
+   the reducer knows which are the last backward actions of each stage,
+   and as each parameter's gradient becomes final it launches its bucket
    (averaged over the stage's data-parallel group, compressed with error
    feedback if asked), while the rest of the pipeline drains. In step 1
-   the trainer only counts how many final contributions each gradient
+   the reducer only counts how many final contributions each gradient
    gets; from step 2 on it launches on that count.
 3. Wait for the reductions; sum tied gradients across the stages that share
    them (the GPT's embedding and output projection).
-4. One all-gather of a few numbers per rank: loss, squared gradient norm,
-   bytes sent, busy and elapsed time, per-stage action costs. Every rank
+4. One all-gather of each rank's figures (``metrics.RankSample``: loss,
+   squared gradient norm, bytes sent, busy and elapsed time, per-stage
+   action costs). Every rank
    gets the global gradient norm (clipping, NaN/inf stop) and the loss;
    rank 0 also the measured bubble and the schedule's predicted one
    (``simulate`` with the measured costs).
@@ -132,7 +134,6 @@ class Trainer:
             for p in reversed(list(self.local[s].parameters()))
             if p.requires_grad
         )
-        self._index = {id(p): i for i, p in enumerate(self.params)}
         self._sync_initial_weights()
         self.executor = PipelineExecutor(
             self.local,
