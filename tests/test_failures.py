@@ -545,3 +545,27 @@ def test_sockets_per_peer_must_match():
     for result in results:
         text = _error_text(result)
         assert "CLAWCOMM_SOCKETS_PER_PEER=" in text and "must match" in text, text
+
+
+# --- the harness itself: a hung rank says where it hangs ---------------------
+
+
+def _waits_in_a_named_function_forever(rank, ws):
+    if rank == 1:
+        _the_function_it_hangs_in()
+    return rank
+
+
+def _the_function_it_hangs_in():
+    while True:
+        time.sleep(0.05)
+
+
+def test_a_hung_rank_is_reported_with_its_threads_stacks():
+    results = run_ranks(
+        _waits_in_a_named_function_forever, 2, init=False, timeout=3, allow_failures=True
+    )
+    assert results[0] == 0
+    text = _error_text(results[1])
+    assert "rank hung for more than 3 s" in text, text
+    assert "_the_function_it_hangs_in" in text, text

@@ -180,6 +180,38 @@ def test_a_store_reused_by_a_group_of_another_size(tmp_path):
     assert got == [(3.0, 2.0), (3.0, 2.0), 3.0], got
 
 
+def _a_group_after_a_partial_setup(rank, ws, store_path):
+    """Rank 0 alone sets up a group of two, which times out; then both
+    ranks set up a group of two on the same store."""
+    from clawcomm import _C_torch
+
+    store = dist.FileStore(store_path, ws)
+    timeout = datetime.timedelta(seconds=TIMEOUT)
+    if rank == 0:
+        with pytest.raises(Exception, match="rank 1 never"):
+            _C_torch.ClawcommBackend(store, 0, ws, datetime.timedelta(seconds=0.5))
+        store.set("partial setup over", "1")
+    else:
+        store.wait(["partial setup over"], timeout)
+    start = time.monotonic()
+    backend = _C_torch.ClawcommBackend(store, rank, ws, timeout)
+    x = torch.full((4,), float(rank + 1))
+    backend.allreduce([x]).wait()
+    return x[0].item(), time.monotonic() - start
+
+
+def test_a_store_reused_after_a_setup_that_timed_out(tmp_path):
+    """The setup that timed out left the arrival count one short: the next
+    group's ranks landed in two generations and waited for each other until
+    the timeout, each naming the other as the one that never came."""
+    got = run_ranks(
+        _a_group_after_a_partial_setup, 2, str(tmp_path / "store"), init=False, timeout=60
+    )
+    for value, elapsed in got:
+        assert value == 3.0
+        assert elapsed < TIMEOUT, elapsed
+
+
 # --- an address that is not this host's -------------------------------------
 
 

@@ -13,15 +13,18 @@ Each rank is a forked process that joins a fresh process group (FileStore
 rendezvous in a temporary directory, so tests never fight over ports), runs
 ``fn(rank, world_size, *args)``, and sends back its return value. A rank that
 raises makes ``run_ranks`` raise ``RankFailure`` carrying every rank's
-traceback; a rank that outlives ``timeout`` is killed and reported as hung.
+traceback; a rank that outlives ``timeout`` is reported as hung, with the
+Python stacks of its threads at that moment (faulthandler), then killed.
 """
 
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import sys
 import tempfile
 import traceback
@@ -49,6 +52,10 @@ class RankFailure(AssertionError):
 
 
 def _child(fn, rank, world_size, args, backend, env, store_path, pg_timeout, init, conn):
+    # SIGUSR1 writes every thread's stack into a file the parent reads when
+    # this rank hangs.
+    dump = open(f"{store_path}.stacks.{rank}", "w")  # noqa: SIM115  (lives as long as the rank)
+    faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
     try:
         os.environ.update(env)
         os.environ["RANK"] = str(rank)
@@ -157,7 +164,7 @@ def run_ranks(
                 p.join(timeout=1)
                 if value is None:
                     value = (
-                        f"rank hung for more than {timeout} s"
+                        f"rank hung for more than {timeout} s{_stacks(p, store_path, rank)}"
                         if p.is_alive()
                         else f"rank died with exit code {p.exitcode}"
                     )
@@ -172,6 +179,53 @@ def run_ranks(
         for rank, text in errors.items():
             results[rank] = RankFailure({rank: text})
         return results
+
+
+def _stacks(p, store_path: str, rank: int) -> str:
+    """The Python stacks of a hung rank's threads, as faulthandler wrote them."""
+    path = f"{store_path}.stacks.{rank}"
+    try:
+        os.kill(p.pid, signal.SIGUSR1)
+    except OSError:
+        return ""
+    for _ in range(20):  # faulthandler writes from the signal handler, at once
+        p.join(timeout=0.1)
+        if os.path.exists(path) and os.path.getsize(path) > 0:
+            break
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        text = ""
+    native = _native_stacks(p.pid)
+    out = f"; its threads then:\n{text}" if text else ""
+    return out + (f"\nand in native code (gdb):\n{native}" if native else "")
+
+
+def _native_stacks(pid: int) -> str:
+    """Each thread's native frames inside clawcomm or c10d, when gdb is on
+    PATH (a hang inside the engine shows there, not in the Python stack)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("gdb") is None:
+        return ""
+    try:
+        out = subprocess.run(
+            ["gdb", "-p", str(pid), "-batch", "-nx", "-ex", "thread apply all bt 40"],
+            capture_output=True, text=True, timeout=60,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    keep = [
+        ln.strip()
+        for ln in out.splitlines()
+        if ln.startswith("Thread ") or ("clawcomm" in ln or "c10d" in ln)
+    ]
+    # A thread with no frame of ours is noise (torch's pools, Python's own).
+    lines = [ln for i, ln in enumerate(keep) if not ln.startswith("Thread ")
+             or (i + 1 < len(keep) and not keep[i + 1].startswith("Thread "))]  # fmt: skip
+    return "\n".join(lines)
 
 
 def _now() -> float:

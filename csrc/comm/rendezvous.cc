@@ -76,6 +76,23 @@ const std::string kFailed = "!failed: ";
 // post its failure for the ranks that wait on it.
 constexpr std::chrono::milliseconds kGrace(500);
 
+// Raises the arrival count to `end`, the first arrival of the next
+// generation, unless it is there already. A setup that timed out because a
+// rank never came leaves the count short of its generation's end; the next
+// group on this store would then straddle two generations and wait for
+// itself until the timeout. Compare-and-set, so that the ranks of one
+// generation that timed out raise it once between them. A rank that comes
+// after the close lands alone in the next generation, times out and closes
+// that one: the count heals itself.
+void closeGeneration(Store& store, const std::string& arrivals, int64_t end) {
+  for (;;) {
+    const int64_t count = store.add(arrivals, 0);
+    if (count >= end || store.compareSet(arrivals, std::to_string(count), std::to_string(end))) {
+      return;
+    }
+  }
+}
+
 // Connects this rank; `published` collects the keys it set (without the
 // prefix), for the failure notice.
 Connections connectAll(Store& store, const std::string& ns, int rank, int size,
@@ -256,9 +273,12 @@ Connections rendezvous(Store& store, int rank, int size, const Settings& setting
   //    its arrival among the groups of its size, and a group's keys live
   //    under the number of such groups that arrived before it, so nobody
   //    reads a predecessor's token. Counted per size: a group of another
-  //    size in between must not shift the count.
-  const int64_t arrival = store.add(CLAWCOMM_CONCAT("clawcomm/arrivals/", size), 1);
-  const std::string ns = CLAWCOMM_CONCAT("clawcomm/", size, "/", (arrival - 1) / size, "/");
+  //    size in between must not shift the count. A setup that timed out
+  //    closes its generation (below), so that the ranks it lacked do not
+  //    shift the count either.
+  const std::string arrivals = CLAWCOMM_CONCAT("clawcomm/arrivals/", size);
+  const int64_t generation = (store.add(arrivals, 1) - 1) / size;
+  const std::string ns = CLAWCOMM_CONCAT("clawcomm/", size, "/", generation, "/");
   std::vector<std::string> published;
   try {
     return connectAll(store, ns, rank, size, settings, deadline, published);
@@ -277,6 +297,15 @@ Connections rendezvous(Store& store, int rank, int size, const Settings& setting
         store.set(ns + key, bytesOf(why));
       } catch (...) {  // the store is gone too: the others time out instead
         break;
+      }
+    }
+    // A rank that timed out waiting closes the generation: by now everybody
+    // who will come has. One that failed on its own does not, since its
+    // peers may still be on their way to read its notice.
+    if (dynamic_cast<const TimeoutError*>(&e) != nullptr) {
+      try {
+        closeGeneration(store, arrivals, (generation + 1) * size);
+      } catch (...) {  // the store is gone: nobody can reuse it either
       }
     }
     throw;

@@ -69,6 +69,7 @@ class NoStore final : public Store {
   void set(const std::string&, const std::vector<uint8_t>&) override { unused(); }
   std::vector<uint8_t> get(const std::string&, Clock::time_point) override { unused(); }
   int64_t add(const std::string&, int64_t) override { unused(); }
+  bool compareSet(const std::string&, const std::string&, const std::string&) override { unused(); }
 
  private:
   [[noreturn]] static void unused() { throw Error("NoStore: a group of one has no store"); }

@@ -66,6 +66,12 @@ class StoreAdapter : public Store {
     return store_->get(key);
   }
   int64_t add(const std::string& key, int64_t delta) override { return store_->add(key, delta); }
+  bool compareSet(const std::string& key, const std::string& expected,
+                  const std::string& desired) override {
+    const std::vector<uint8_t> want(desired.begin(), desired.end());
+    return store_->compareSet(key, std::vector<uint8_t>(expected.begin(), expected.end()), want) ==
+           want;
+  }
 
  private:
   c10::intrusive_ptr<c10d::Store> store_;
