@@ -20,6 +20,7 @@ import torch.distributed as dist
 from clawcomm.testing import RankFailure, run_ranks
 from clawcomm.testing.chaos.endurance import listening_ports, tcp_hello
 from clawcomm.testing.chaos.harness import segments, slow_to_read_addresses
+from clawcomm.testing.stores import StoreServer, open_store
 
 TRANSPORTS = [{"CLAWCOMM_TRANSPORT": "shm"}, {"CLAWCOMM_TRANSPORT": "tcp"}]
 TIMEOUT = 3.0  # the group's timeout in these tests (s)
@@ -30,7 +31,7 @@ def _init(rank, ws, store_path):
 
     dist.init_process_group(
         "clawcomm",
-        store=dist.FileStore(store_path, ws),
+        store=open_store(store_path, ws),
         rank=rank,
         world_size=ws,
         timeout=datetime.timedelta(seconds=TIMEOUT),
@@ -61,14 +62,16 @@ def _killed_during_setup(rank, ws, store_path, kill_after):
 @pytest.mark.parametrize(
     "kill_after", [None, 0.0, 0.004, 0.02], ids=["never", "0ms", "4ms", "20ms"]
 )
-def test_a_rank_killed_during_setup_fails_every_survivor_in_time(env, kill_after, tmp_path):
+def test_a_rank_killed_during_setup_fails_every_survivor_in_time(env, kill_after):
     before = segments()
-    results = run_ranks(
-        _killed_during_setup, 3, str(tmp_path / "store"), kill_after,
-        env=env, init=False, timeout=60, allow_failures=True,
-    )  # fmt: skip
+    with StoreServer() as server:  # a FileStore hangs its readers if a writer dies mid-record
+        results = run_ranks(
+            _killed_during_setup, 3, server.address, kill_after,
+            env=env, init=False, timeout=60, allow_failures=True,
+        )  # fmt: skip
     assert isinstance(results[2], RankFailure)
     for rank in (0, 1):
+        assert not isinstance(results[rank], RankFailure), results[rank]
         error, elapsed = results[rank]
         assert "rank 2" in error, error
         assert elapsed < TIMEOUT + 1.0, (elapsed, error)
@@ -160,13 +163,16 @@ def _groups_of_two_sizes(rank, ws, store_path):
     from clawcomm import _C_torch
 
     timeout = datetime.timedelta(seconds=TIMEOUT)
-    backend = _C_torch.ClawcommBackend(dist.FileStore(store_path, 3), rank, 3, timeout)
+    # One FileStore for both groups: a second instance on the path races the
+    # first's deletion of the file when the others drop theirs.
+    store = dist.FileStore(store_path, 3)
+    backend = _C_torch.ClawcommBackend(store, rank, 3, timeout)
     x = torch.ones(4)
     backend.allreduce([x]).wait()
     del backend
     if rank == 2:
         return x[0].item()
-    backend = _C_torch.ClawcommBackend(dist.FileStore(store_path, 3), rank, 2, timeout)
+    backend = _C_torch.ClawcommBackend(store, rank, 2, timeout)
     y = torch.ones(4)
     backend.allreduce([y]).wait()
     return x[0].item(), y[0].item()

@@ -4,6 +4,9 @@ part of the communication API.
 - :mod:`clawcomm.testing.ranks`: ``run_ranks`` runs a function on N local
   ranks (the helper every multi-rank test uses, and the launcher of
   ``clawcomm bench`` / ``clawcomm train`` outside torchrun).
+- :mod:`clawcomm.testing.stores`: a ``TCPStore`` the test process serves,
+  for tests that kill ranks mid-setup (a ``FileStore`` hangs its readers
+  when a writer dies mid-record).
 - :mod:`clawcomm.testing.chaos`: the chaos families (kill, mismatch,
   settings, timeout, soak, storm) and their scores.
 - :mod:`clawcomm.testing.netns`: hosts as network namespaces with shaped

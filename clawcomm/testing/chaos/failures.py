@@ -137,7 +137,7 @@ def _settings_trial(rank, ws, store_path, cases):
     for i, (var, value) in enumerate(cases):
         os.environ[var] = value
         try:
-            join_group(rank, ws, f"{store_path}-{i}")
+            join_group(rank, ws, store_path, prefix=f"case-{i}/")
             dist.destroy_process_group()
             out.append((var, value, "accepted"))
         except Exception as e:  # noqa: BLE001

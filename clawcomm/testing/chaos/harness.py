@@ -84,12 +84,17 @@ def slow_to_read_addresses(store, seconds: float):
     return Slow()
 
 
-def join_group(rank: int, ws: int, store_path: str, expose_s: float = 0.0) -> None:
+def join_group(
+    rank: int, ws: int, store_path: str, expose_s: float = 0.0, prefix: str = ""
+) -> None:
     import torch.distributed as dist
 
     import clawcomm  # noqa: F401
+    from clawcomm.testing.stores import open_store
 
-    store = dist.FileStore(store_path, ws)
+    store = open_store(store_path, ws)
+    if prefix:  # one store, several groups one after another
+        store = dist.PrefixStore(prefix, store)
     if expose_s and rank > 0:
         store = slow_to_read_addresses(store, expose_s)
     dist.init_process_group(
@@ -102,14 +107,15 @@ def join_group(rank: int, ws: int, store_path: str, expose_s: float = 0.0) -> No
 
 
 def run_trial(fn, ws, *args, env=None, limit=60.0):
-    """run_ranks with a fresh store; returns (results, hung)."""
-    import tempfile
-
+    """run_ranks with a fresh store (a TCPStore served here: trials kill
+    ranks mid-setup, which hangs a FileStore's readers); returns (results,
+    hung)."""
     from clawcomm.testing import RankFailure, run_ranks
+    from clawcomm.testing.stores import StoreServer
 
-    with tempfile.TemporaryDirectory(prefix="clawcomm-chaos-") as tmp:
+    with StoreServer() as server:
         results = run_ranks(
-            fn, ws, os.path.join(tmp, "store"), *args,
+            fn, ws, server.address, *args,
             env=env, init=False, timeout=limit, allow_failures=True,
         )  # fmt: skip
     hung = any(
