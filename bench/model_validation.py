@@ -74,7 +74,7 @@ def compare(out: str) -> tuple[str, float, float]:
             algo = r["variant"].split("/")[-1] if coll == "all_reduce" else None
             # These files were measured before reduce-scatter and all-gather
             # had a hierarchical algorithm: theirs ran the flat ring.
-            algo = algo or {"broadcast": "binomial"}.get(coll, "ring")
+            algo = algo or {"broadcast": "tree"}.get(coll, "ring")
             measured = r["time_us"] / 1e6
             predicted = predict(coll, algo, r["size"], layout, model)
             simulated = simulate(coll, algo, r["size"], layout, model)

@@ -37,12 +37,19 @@ __all__ = [
 PIECE_BYTES = 4 << 20
 MAX_PIECES = 16
 
-# Which algorithms each collective has (the engine's names).
+# Mirrors csrc/algorithms/algorithms.h: direct reduce-scatter and all-gather
+# run on one host of at most this many ranks.
+DIRECT_MAX_RANKS = 16
+
+# Which algorithms each collective has: the engine's table
+# (csrc/algorithms/selection.cc), its names and its order (ties in cost go
+# to the later row).
 ALGORITHMS = {
     "all_reduce": ("ring", "tree", "hierarchical"),
-    "reduce_scatter": ("ring", "hierarchical"),
-    "all_gather": ("ring", "hierarchical"),
-    "broadcast": ("binomial",),
+    "reduce_scatter": ("ring", "hierarchical", "direct"),
+    "all_gather": ("ring", "hierarchical", "direct"),
+    "broadcast": ("scatter_allgather", "tree"),
+    "reduce": ("reducescatter_gather", "tree"),
 }
 
 
@@ -157,10 +164,10 @@ def ring_all_reduce(N: float, layout: Layout, m: CostModel) -> float:
 
 
 def ring_reduce_scatter(N: float, layout: Layout, m: CostModel) -> float:
+    """n-1 reducing steps, after a working copy of the input (the ring
+    reduces in place)."""
     n = layout.size
-    if n <= 1:
-        return 0.0
-    return _ring_steps(layout, m, N / n, n - 1, 0)
+    return _ring_steps(layout, m, N / n, n - 1, 0) + N * m.shm_beta
 
 
 def ring_all_gather(N: float, layout: Layout, m: CostModel) -> float:
@@ -231,9 +238,8 @@ def hierarchical_reduce_scatter(N: float, layout: Layout, m: CostModel) -> float
     if not layout.hierarchical:
         return math.inf
     k, hosts = layout.ranks_per_host, layout.hosts
-    return ring_reduce_scatter(N, Layout(1, k), m) + ring_reduce_scatter(
-        N / k, Layout(hosts, 1), _shared(m, k)
-    )
+    inside = _ring_steps(Layout(1, k), m, N / k, k - 1, 0)
+    return inside + _ring_steps(Layout(hosts, 1), _shared(m, k), N / (k * hosts), hosts - 1, 0)
 
 
 def hierarchical_all_gather(N: float, layout: Layout, m: CostModel) -> float:
@@ -246,11 +252,79 @@ def hierarchical_all_gather(N: float, layout: Layout, m: CostModel) -> float:
     )
 
 
+def _direct_layout(layout: Layout) -> bool:
+    return layout.hosts == 1 and layout.size <= DIRECT_MAX_RANKS
+
+
+def direct_reduce_scatter(N: float, layout: Layout, m: CostModel) -> float:
+    """Each rank reads its piece from the n-1 others and reduces it
+    (direct_gather_scatter.cc): one host only."""
+    if not _direct_layout(layout):
+        return math.inf
+    n = layout.size
+    return (n - 1) * (m.shm_alpha + N / n * (m.shm_beta + m.gamma))
+
+
+def direct_all_gather(N: float, layout: Layout, m: CostModel) -> float:
+    """Each rank copies the n-1 others' pieces in one step: one host only."""
+    if not _direct_layout(layout):
+        return math.inf
+    n = layout.size
+    return m.shm_alpha + (n - 1) * N / n * m.shm_beta
+
+
+def _layout_reduce_scatter(N: float, layout: Layout, m: CostModel) -> float:
+    """What the split algorithms run inside them: direct on one host,
+    hierarchical over hosts of several ranks, else the ring."""
+    if _direct_layout(layout):
+        return direct_reduce_scatter(N, layout, m)
+    if layout.hierarchical:
+        return hierarchical_reduce_scatter(N, layout, m)
+    return ring_reduce_scatter(N, layout, m)
+
+
+def _layout_all_gather(N: float, layout: Layout, m: CostModel) -> float:
+    if _direct_layout(layout):
+        return direct_all_gather(N, layout, m)
+    if layout.hierarchical:
+        return hierarchical_all_gather(N, layout, m)
+    return ring_all_gather(N, layout, m)
+
+
+def _root_cost(layout: Layout, m: CostModel, nbytes: float) -> float:
+    """The root (rank 0) exchanging `nbytes` with every other rank in turn."""
+    k = layout.ranks_per_host
+    local = min(k, layout.size) - 1
+    remote = layout.size - 1 - local
+    return local * (m.shm_alpha + nbytes * m.shm_beta) + remote * (
+        m.net_alpha + nbytes * m.net_beta
+    )
+
+
+def scatter_allgather_broadcast(N: float, layout: Layout, m: CostModel) -> float:
+    """split_broadcast_reduce.cc: the root sends piece p to rank p, then
+    the layout's all-gather, counted twice (the root sends and receives
+    inside it too; measured: bench/results/split_broadcast_reduce.txt)."""
+    return _root_cost(layout, m, N / layout.size) + 2 * _layout_all_gather(N, layout, m)
+
+
+def reducescatter_gather_reduce(N: float, layout: Layout, m: CostModel) -> float:
+    """The layout's reduce-scatter and its sends, counted twice (it runs at
+    about half the model's rate, as measured), then every rank sends its
+    piece to the root."""
+    n = layout.size
+    sent = N * (n - 1) / n * m.shm_beta
+    return 2 * (_layout_reduce_scatter(N, layout, m) + sent) + _root_cost(layout, m, N / n)
+
+
 def binomial_broadcast(N: float, layout: Layout, m: CostModel) -> float:
-    """Each rank receives from its parent (its number with the lowest set
-    bit cleared, root 0), then sends to all its children at once (the
-    cross-host ones sharing the link) and acknowledges to its parent with
-    an empty message; the time is when the last acknowledgement lands."""
+    """binomial_broadcast.cc: each rank receives from its parent (its number
+    with the lowest set bit cleared, root 0), which sends to its children
+    largest subtree first: the ones on its host one after another (its one
+    progress thread copies them), the cross-host ones queued on its link in
+    that order. Each child acknowledges with an empty message; the time is
+    when the last acknowledgement lands. On one host: ceil(log2 n) copies of
+    N and one acknowledgement."""
     n = layout.size
     if n <= 1:
         return 0.0
@@ -258,23 +332,38 @@ def binomial_broadcast(N: float, layout: Layout, m: CostModel) -> float:
     finish = 0.0
     for v in range(1, n):
         parent = v & (v - 1)
-        if layout.host_of(parent) == layout.host_of(v):
-            got[v] = got[parent] + m.shm_alpha + N * m.shm_beta
+        local = layout.host_of(parent) == layout.host_of(v)
+        # The parent's children sent up to v, largest subtree first, that
+        # share v's way out (the progress thread's copies, or the link).
+        low = (parent & -parent) if parent else 1 << n.bit_length()
+        mask, queued = 1 << n.bit_length(), 0
+        while mask >= v - parent:
+            child = parent + mask
+            if mask < low and child < n:
+                queued += (layout.host_of(child) == layout.host_of(parent)) == local
+            mask >>= 1
+        if local:
+            got[v] = got[parent] + queued * (m.shm_alpha + N * m.shm_beta)
             ack = m.shm_alpha
         else:
-            # The parent sends to its children largest subtree first, all
-            # at once: the cross-host ones queue on its link in that order.
-            low = (parent & -parent) if parent else 1 << n.bit_length()
-            mask, queued = 1 << n.bit_length(), 0
-            while mask >= v - parent:
-                child = parent + mask
-                if mask < low and child < n and layout.host_of(child) != layout.host_of(parent):
-                    queued += 1
-                mask >>= 1
             got[v] = got[parent] + m.net_alpha + queued * N * m.net_beta
             ack = m.net_alpha
         finish = max(finish, got[v] + ack)
     return finish
+
+
+def binomial_reduce(N: float, layout: Layout, m: CostModel) -> float:
+    """binomial_reduce.cc: ceil(log2 n) steps; in the step of `mask`, rank
+    r < mask takes N from r + mask and reduces it."""
+    n = layout.size
+    cost, mask = 0.0, 1
+    while mask < n:
+        cost += _step(
+            layout, m, N, lambda r, mask=mask: r + mask if r < mask and r + mask < n else None
+        )
+        cost += N * m.gamma
+        mask <<= 1
+    return cost
 
 
 _FORMULAS = {
@@ -285,7 +374,12 @@ _FORMULAS = {
     ("all_gather", "ring"): ring_all_gather,
     ("reduce_scatter", "hierarchical"): hierarchical_reduce_scatter,
     ("all_gather", "hierarchical"): hierarchical_all_gather,
-    ("broadcast", "binomial"): binomial_broadcast,
+    ("reduce_scatter", "direct"): direct_reduce_scatter,
+    ("all_gather", "direct"): direct_all_gather,
+    ("broadcast", "scatter_allgather"): scatter_allgather_broadcast,
+    ("broadcast", "tree"): binomial_broadcast,
+    ("reduce", "reducescatter_gather"): reducescatter_gather_reduce,
+    ("reduce", "tree"): binomial_reduce,
 }
 
 
@@ -303,12 +397,13 @@ def predict(collective: str, algo: str, nbytes: float, layout: Layout, model: Co
 
 
 def choose(collective: str, nbytes: float, layout: Layout, model: CostModel) -> str:
-    """What CLAWCOMM_ALGO=auto picks: for the all-reduce the cheapest, ties
-    to the later row (as the engine); reduce-scatter and all-gather go
-    hierarchical wherever the layout allows it."""
-    algos = ALGORITHMS[collective]
-    if collective in ("reduce_scatter", "all_gather"):
-        return "hierarchical" if layout.hierarchical else "ring"
+    """What CLAWCOMM_ALGO=auto picks, as the engine does: the cheapest of
+    the collective's algorithms, ties to the later row (one rank's
+    all-reduce: the tree, which returns at once)."""
+    try:
+        algos = ALGORITHMS[collective]
+    except KeyError:
+        raise ValueError(f"no collective {collective!r}: one of {', '.join(ALGORITHMS)}") from None
     if collective == "all_reduce" and layout.size <= 1:
         return "tree"
     best, best_cost = algos[0], math.inf

@@ -66,11 +66,11 @@ def _size(n: float) -> str:
 
 
 def table(collectives, sizes, layout: Layout, model: CostModel, check: bool) -> tuple[str, list]:
-    from clawcomm.simulator import simulate
+    from clawcomm.simulator import simulate, simulates
 
     n = layout.size
     lines, records = [], []
-    head = (f"#{'size':>11} {'collective':>15} {'algorithm':>13} {'time (us)':>12} "
+    head = (f"#{'size':>11} {'collective':>15} {'algorithm':>21} {'time (us)':>12} "
             f"{'algbw':>8} {'busbw':>8}")  # fmt: skip
     if check:
         head += f" {'simulated':>12} {'diff':>6}"
@@ -85,11 +85,11 @@ def table(collectives, sizes, layout: Layout, model: CostModel, check: bool) -> 
                 algbw = size / t / 1e9 if t > 0 else 0.0
                 busbw = algbw * busbw_factor(coll, n)
                 mark = "*" if algo == picked else " "
-                line = (f" {size:>11} {coll:>15} {algo + mark:>13} {t * 1e6:>12.1f} "
+                line = (f" {size:>11} {coll:>15} {algo + mark:>21} {t * 1e6:>12.1f} "
                         f"{algbw:>8.3f} {busbw:>8.3f}")  # fmt: skip
                 rec = {"collective": coll, "algo": algo, "size": size, "time_s": t,
                        "busbw": busbw, "auto": algo == picked}  # fmt: skip
-                if check and n <= 64:
+                if check and n <= 64 and simulates(coll, algo):
                     s = simulate(coll, algo, size, layout, model)
                     line += f" {s * 1e6:>12.1f} {(s / t - 1) * 100 if t else 0:>5.1f}%"
                     rec["simulated_s"] = s

@@ -7,7 +7,8 @@ and every message queues on the links it crosses.
     simulate("all_reduce", "hierarchical", 64 << 20, Layout(2, 4), CostModel())
 
 What it models, with the cost model's numbers (clawcomm.model):
-  * a message inside a host takes shm_alpha + bytes * shm_beta, alone;
+  * a message inside a host takes shm_alpha + bytes * shm_beta; a rank's
+    messages of one step inside its host are copied one after another;
   * a message between hosts waits net_alpha, then crosses the sender's
     host uplink and the receiver's host downlink, each a first-come,
     first-served queue moving 1 / net_beta bytes a second (cut-through: the
@@ -33,7 +34,21 @@ from dataclasses import dataclass, field
 
 from clawcomm.model import CostModel, Layout, hierarchical_pieces
 
-__all__ = ["simulate"]
+__all__ = ["simulate", "simulates"]
+
+# What the simulator runs message by message; the other rows of the
+# engine's table (direct, the split broadcast and reduce, the binomial
+# reduce) have closed forms only.
+SIMULATED = {
+    ("all_reduce", "ring"), ("all_reduce", "tree"), ("all_reduce", "hierarchical"),
+    ("reduce_scatter", "ring"), ("reduce_scatter", "hierarchical"),
+    ("all_gather", "ring"), ("all_gather", "hierarchical"), ("broadcast", "tree"),
+}  # fmt: skip
+
+
+def simulates(collective: str, algo: str) -> bool:
+    """Whether ``simulate`` runs ``algo`` for ``collective``."""
+    return (collective, algo) in SIMULATED
 
 
 @dataclass
@@ -42,6 +57,7 @@ class _Step:
     deps: list[int]
     sends: list[tuple[int, float, int]] = field(default_factory=list)  # (peer, bytes, seq)
     recvs: list[tuple[int, float, bool, int]] = field(default_factory=list)  # + reduce
+    work: float = 0.0  # seconds of local work (a copy) before it ends
     start: float = -1.0
     end: float = 0.0
     waiting: int = 0  # sends and receives not done yet
@@ -62,6 +78,12 @@ class _Program:
     def step(self, rank: int, deps: list[int | None]) -> int:
         self.steps.append(_Step(rank, [d for d in deps if d is not None]))
         return len(self.steps) - 1
+
+    def local(self, rank: int, seconds: float, deps: list[int | None]) -> int:
+        """A step of local work only (a copy), no messages."""
+        s = self.step(rank, deps)
+        self.steps[s].work = seconds
+        return s
 
     def send(self, s: int, peer: int, nbytes: float) -> None:
         key = (self.steps[s].rank, peer)
@@ -231,7 +253,9 @@ def _build(collective: str, algo: str, N: float, layout: Layout, model: CostMode
             raise ValueError(f"the hierarchical all-reduce needs 2+ hosts of 2+ ranks: {layout}")
         _hierarchical(prog, layout, N)
     elif (collective, algo) == ("reduce_scatter", "ring"):
-        _ring(prog, list(range(n)), N / n, n - 1, 0, everyone)
+        # The ring reduces in place, in a working copy of the input.
+        copied = {r: prog.local(r, N * model.shm_beta, []) for r in range(n)}
+        _ring(prog, list(range(n)), N / n, n - 1, 0, copied)
     elif (collective, algo) == ("all_gather", "ring"):
         _ring(prog, list(range(n)), N / n, 0, n - 1, everyone)
     elif algo == "hierarchical" and collective in ("reduce_scatter", "all_gather"):
@@ -251,7 +275,7 @@ def _build(collective: str, algo: str, N: float, layout: Layout, model: CostMode
                 last = _ring(prog, g, N / (k * hosts), 0, hosts - 1, last)
             for g in local:
                 last = _ring(prog, g, N / k, 0, k - 1, last)
-    elif (collective, algo) == ("broadcast", "binomial"):
+    elif (collective, algo) == ("broadcast", "tree"):
         _broadcast(prog, n, N)
     else:
         raise ValueError(f"the simulator has no {algo!r} algorithm for {collective}")
@@ -300,13 +324,15 @@ def simulate(collective: str, algo: str, nbytes: float, layout: Layout, model: C
         st = steps[i]
         st.start = st.end = t
         if st.waiting == 0:
-            push(t, "end", i)
+            st.end = t + st.work
+            push(st.end, "end", i)
             return
+        copied = t  # the rank's progress thread copies its local sends one at a time
         for peer, nbytes, seq in st.sends:
             if host(peer) == host(st.rank):
-                arrive = t + model.shm_alpha + nbytes * model.shm_beta
-                push(arrive, "sent", i)
-                push(arrive, "arrive", (st.rank, peer, seq), nbytes)
+                copied += model.shm_alpha + nbytes * model.shm_beta
+                push(copied, "sent", i)
+                push(copied, "arrive", (st.rank, peer, seq), nbytes)
             else:
                 push(t + model.net_alpha, "up", i, st.rank, peer, seq, nbytes)
         for peer, nbytes, reduce, seq in st.recvs:

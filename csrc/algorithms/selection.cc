@@ -15,12 +15,15 @@
 // The other collectives (N: the whole buffer; one host's costs shown):
 //   reduce-scatter  ring: n-1 reducing steps of N/n + a working copy of N;
 //                   direct: n-1 messages of N/n, each reduced;
-//                   hierarchical: half the hierarchical all-reduce
+//                   hierarchical: a ring inside each host over N, then one
+//                   across hosts over N/k with k streams per link
 //   all-gather      ring: n-1 copying steps of N/n; direct: one step of
-//                   n-1 messages of N/n; hierarchical: half, as above
-//   broadcast       tree: ceil(log2 n) steps of N; scatter_allgather: the
-//                   root's n-1 messages of N/n, then twice the layout's
-//                   all-gather (the root sends and receives)
+//                   n-1 messages of N/n; hierarchical: across, then inside
+//   broadcast       tree: ceil(log2 n) copies of N and an acknowledgement
+//                   (across hosts: each parent's children queue on its
+//                   link); scatter_allgather: the root's n-1 messages of
+//                   N/n, then twice the layout's all-gather (the root sends
+//                   and receives)
 //   reduce          tree: ceil(log2 n) steps of N, each reduced;
 //                   reducescatter_gather: twice the layout's reduce-scatter
 //                   and its sends, then the root's n-1 messages of N/n
@@ -161,18 +164,78 @@ double rootCost(const Topology& t, const CostModel& m, double bytes) {
   return cost;
 }
 
-// A binomial tree's ceil(log2 n) steps of N (each reduced, for the reduce).
-double binomialCost(double N, const Topology& t, const CostModel& m, bool reducing) {
+// binomial_reduce.cc: ceil(log2 n) steps; in the step of `mask`, rank
+// r < mask takes N from r + mask and reduces it.
+double binomialReduceCost(double N, const Topology& t, const CostModel& m) {
   const int n = t.size();
   double cost = 0;
   for (int mask = 1; mask < n; mask <<= 1) {
     cost += stepCost(t, m, N, [&](int r) { return r < mask && r + mask < n ? r + mask : -1; }) +
-            (reducing ? N * m.gamma : 0.0);
+            N * m.gamma;
   }
   return cost;
 }
 
+// binomial_broadcast.cc: rank v receives from its parent (v with its lowest
+// set bit cleared, root 0), which sends to its children largest subtree
+// first: the ones on its host one after another (its one progress thread
+// copies them), the cross-host ones queued on its link in that order. Each
+// child acknowledges with an empty message; done when the last
+// acknowledgement lands. On one host: ceil(log2 n) copies of N and one
+// acknowledgement. (clawcomm.simulator runs the same message by message.)
+double binomialBroadcastCost(double N, const Topology& t, const CostModel& m) {
+  const int n = t.size();
+  if (n <= 1) return 0;
+  int bits = 0;
+  while ((1 << bits) <= n) ++bits;  // n's bit length
+  std::vector<double> got(size_t(n), 0.0);
+  double finish = 0;
+  for (int v = 1; v < n; ++v) {
+    const int parent = v & (v - 1);
+    const bool local = t.hostOf(parent) == t.hostOf(v);
+    // The parent's children sent up to v that share v's way out.
+    const int low = parent ? (parent & -parent) : (1 << bits);
+    int queued = 0;
+    for (int mask = 1 << bits; mask >= v - parent; mask >>= 1) {
+      const int child = parent + mask;
+      if (mask < low && child < n && (t.hostOf(child) == t.hostOf(parent)) == local) ++queued;
+    }
+    double ack;
+    if (local) {
+      got[size_t(v)] = got[size_t(parent)] + queued * (m.shmAlpha + N * m.shmBeta);
+      ack = m.shmAlpha;
+    } else {
+      got[size_t(v)] = got[size_t(parent)] + m.netAlpha + queued * N * m.netBeta;
+      ack = m.netAlpha;
+    }
+    finish = std::max(finish, got[size_t(v)] + ack);
+  }
+  return finish;
+}
+
 constexpr double kNever = std::numeric_limits<double>::infinity();
+
+// hierarchical_gather_scatter.cc: rings inside each host over the whole
+// buffer and rings across hosts over the N/k each rank owns, k streams
+// sharing each link; the reduce-scatter inside first, the all-gather
+// across first. Not pipelined.
+double hierarchicalGatherScatterCost(double N, const Topology& t, const CostModel& m,
+                                     bool reducing) {
+  if (!t.hierarchical()) return kNever;
+  const int k = t.ranksPerHost();
+  const int hosts = t.hosts();
+  const Topology inside(std::vector<int>(size_t(k), 0));
+  std::vector<int> hostOf(static_cast<size_t>(hosts));
+  for (int h = 0; h < hosts; ++h) hostOf[size_t(h)] = h;
+  const Topology across(hostOf);
+  CostModel shared = m;
+  shared.netBeta *= k;
+  const double shard = N / (double(k) * hosts);
+  if (reducing) {
+    return ringSteps(inside, m, N / k, k - 1, 0) + ringSteps(across, shared, shard, hosts - 1, 0);
+  }
+  return ringSteps(across, shared, shard, 0, hosts - 1) + ringSteps(inside, m, N / k, 0, k - 1);
+}
 
 double reduceScatterCost(Algorithm a, double N, const Topology& t, const CostModel& m) {
   const int n = t.size();
@@ -181,7 +244,7 @@ double reduceScatterCost(Algorithm a, double N, const Topology& t, const CostMod
     case Algorithm::kRing: return ringSteps(t, m, chunk, n - 1, 0) + N * m.shmBeta;
     case Algorithm::kDirect:
       return directLayout(t) ? (n - 1) * (m.shmAlpha + chunk * (m.shmBeta + m.gamma)) : kNever;
-    case Algorithm::kHierarchical: return hierarchicalCost(N, t, m) / 2;
+    case Algorithm::kHierarchical: return hierarchicalGatherScatterCost(N, t, m, true);
     default: return kNever;
   }
 }
@@ -193,7 +256,7 @@ double allGatherCost(Algorithm a, double N, const Topology& t, const CostModel& 
     case Algorithm::kRing: return ringSteps(t, m, chunk, 0, n - 1);
     case Algorithm::kDirect:
       return directLayout(t) ? m.shmAlpha + (n - 1) * chunk * m.shmBeta : kNever;
-    case Algorithm::kHierarchical: return hierarchicalCost(N, t, m) / 2;
+    case Algorithm::kHierarchical: return hierarchicalGatherScatterCost(N, t, m, false);
     default: return kNever;
   }
 }
@@ -294,14 +357,14 @@ double collectiveCost(OpType op, Algorithm algo, double bytes, const Topology& t
     // (bench/results/split_broadcast_reduce.txt). Hence the trees up to 4
     // ranks and the split from 8, for large messages.
     case OpType::kBroadcast:
-      if (algo == Algorithm::kTree) return binomialCost(bytes, topo, model, false);
+      if (algo == Algorithm::kTree) return binomialBroadcastCost(bytes, topo, model);
       if (algo == Algorithm::kScatterAllGather) {
         return rootCost(topo, model, bytes / topo.size()) +
                2 * allGatherCost(layoutAlgorithm(topo), bytes, topo, model);
       }
       return kNever;
     case OpType::kReduce:
-      if (algo == Algorithm::kTree) return binomialCost(bytes, topo, model, true);
+      if (algo == Algorithm::kTree) return binomialReduceCost(bytes, topo, model);
       if (algo == Algorithm::kReduceScatterGather) {
         const double sent = bytes * (topo.size() - 1) / topo.size() * model.shmBeta;
         return 2 * (reduceScatterCost(layoutAlgorithm(topo), bytes, topo, model) + sent) +

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -118,8 +119,10 @@ def run_trial(fn, ws, *args, env=None, limit=60.0):
             fn, ws, server.address, *args,
             env=env, init=False, timeout=limit, allow_failures=True,
         )  # fmt: skip
-    hung = any(
-        isinstance(r, RankFailure) and any("hung for more than" in e for e in r.errors.values())
-        for r in results
-    )
-    return results, hung
+    stuck = [
+        e for r in results if isinstance(r, RankFailure)
+        for e in r.errors.values() if "hung for more than" in e
+    ]  # fmt: skip
+    if stuck:  # where it hung (pytest shows it with the failing score)
+        print(f"chaos: {fn.__name__} hung; its first hung rank:\n{stuck[0]}", file=sys.stderr)
+    return results, bool(stuck)
