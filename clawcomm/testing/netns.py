@@ -200,10 +200,26 @@ class Cluster:
         _ip("-n", self.switch, "link", "set", f"p{host}", "up")
 
     def kill(self, host: int) -> None:
-        """SIGKILLs every process of the host (its torchrun and ranks)."""
-        for pid in _ip("netns", "pids", self.names[host], check=False).stdout.split():
+        """SIGKILLs every process of the host (its torchrun and ranks) at
+        once, as a host that dies: all are stopped first, so that none sees
+        another die and reports it (one by one, a rank killed last had time
+        to notice its neighbour's death and write its error: 1 run in 20)."""
+        stopped: set[int] = set()
+        while True:  # until no new process appears (torchrun may start one)
+            pids = {
+                int(p) for p in _ip("netns", "pids", self.names[host], check=False).stdout.split()
+            }
+            if pids <= stopped:
+                break
+            for pid in pids - stopped:
+                try:
+                    os.kill(pid, signal.SIGSTOP)
+                except ProcessLookupError:
+                    pass
+            stopped |= pids
+        for pid in stopped:
             try:
-                os.kill(int(pid), signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
 
