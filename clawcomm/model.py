@@ -273,22 +273,13 @@ def direct_all_gather(N: float, layout: Layout, m: CostModel) -> float:
     return m.shm_alpha + (n - 1) * N / n * m.shm_beta
 
 
-def _layout_reduce_scatter(N: float, layout: Layout, m: CostModel) -> float:
-    """What the split algorithms run inside them: direct on one host,
-    hierarchical over hosts of several ranks, else the ring."""
+def _layout_algorithm(layout: Layout) -> str:
+    """What the split algorithms run inside them (selection.cc's
+    layoutAlgorithm): direct on one host, hierarchical over hosts of several
+    ranks, else the ring."""
     if _direct_layout(layout):
-        return direct_reduce_scatter(N, layout, m)
-    if layout.hierarchical:
-        return hierarchical_reduce_scatter(N, layout, m)
-    return ring_reduce_scatter(N, layout, m)
-
-
-def _layout_all_gather(N: float, layout: Layout, m: CostModel) -> float:
-    if _direct_layout(layout):
-        return direct_all_gather(N, layout, m)
-    if layout.hierarchical:
-        return hierarchical_all_gather(N, layout, m)
-    return ring_all_gather(N, layout, m)
+        return "direct"
+    return "hierarchical" if layout.hierarchical else "ring"
 
 
 def _root_cost(layout: Layout, m: CostModel, nbytes: float) -> float:
@@ -305,7 +296,9 @@ def scatter_allgather_broadcast(N: float, layout: Layout, m: CostModel) -> float
     """split_broadcast_reduce.cc: the root sends piece p to rank p, then
     the layout's all-gather, counted twice (the root sends and receives
     inside it too; measured: bench/results/split_broadcast_reduce.txt)."""
-    return _root_cost(layout, m, N / layout.size) + 2 * _layout_all_gather(N, layout, m)
+    return _root_cost(layout, m, N / layout.size) + 2 * _FORMULAS[
+        ("all_gather", _layout_algorithm(layout))
+    ](N, layout, m)
 
 
 def reducescatter_gather_reduce(N: float, layout: Layout, m: CostModel) -> float:
@@ -314,7 +307,9 @@ def reducescatter_gather_reduce(N: float, layout: Layout, m: CostModel) -> float
     piece to the root."""
     n = layout.size
     sent = N * (n - 1) / n * m.shm_beta
-    return 2 * (_layout_reduce_scatter(N, layout, m) + sent) + _root_cost(layout, m, N / n)
+    return 2 * (
+        _FORMULAS[("reduce_scatter", _layout_algorithm(layout))](N, layout, m) + sent
+    ) + _root_cost(layout, m, N / n)
 
 
 def binomial_broadcast(N: float, layout: Layout, m: CostModel) -> float:
