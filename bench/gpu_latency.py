@@ -61,11 +61,14 @@ def _host_breakdown(x, calls):
         for _ in range(calls):
             dist.all_reduce(x)
         torch.cuda.synchronize()
-    per = {}
+    per, ops = {}, {}
     for e in prof.key_averages():
         if e.key.startswith("cuda") and e.key != "cudaDeviceSynchronize":
             per[e.key] = (e.count / calls, e.cpu_time_total / calls)
-    return dict(sorted(per.items(), key=lambda kv: -kv[1][1]))
+        elif e.self_cpu_time_total > 0 and e.key != "cudaDeviceSynchronize":
+            ops[e.key] = (e.count / calls, e.self_cpu_time_total / calls)
+    top = sorted(ops.items(), key=lambda kv: -kv[1][1])[:8]
+    return dict(sorted(per.items(), key=lambda kv: -kv[1][1])), dict(top)
 
 
 def _fake_group():
@@ -101,11 +104,12 @@ def _worker(rank, n, calls):
             }
         )
     x = torch.ones(262144 // 4, device=dev)
-    breakdown = _host_breakdown(x, min(calls, 500))
+    breakdown, ops = _host_breakdown(x, min(calls, 500))
     status = clawcomm.backend_of(device="cuda").cuda_ipc_status()
     return {
         "rows": rows,
         "breakdown_256k": breakdown,
+        "cpu_ops_256k": ops,
         "status": status,
         "gpu": torch.cuda.get_device_name(dev),
     }
@@ -128,6 +132,9 @@ def main() -> None:
     print("# CUDA runtime calls per 256 KiB all_reduce on the host: calls, us")
     for name, (count, us) in out["breakdown_256k"].items():
         print(f"  {name:<34} {count:>5.1f} {us:>8.2f}")
+    print("# other host work per 256 KiB all_reduce (profiler's CPU ops, self time): calls, us")
+    for name, (count, us) in out["cpu_ops_256k"].items():
+        print(f"  {name[:34]:<34} {count:>5.1f} {us:>8.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"nproc": args.nproc, **out}, f, indent=1)
