@@ -12,20 +12,23 @@
 //      exact:   radix-select the k-th largest |residual|: four passes of
 //               8-bit digits, each a histogram then a pick     (read 4 x 4)
 //   3. candidates: every entry with |residual| >= threshold, in index order,
-//      taken out of the residual (ordered compaction)         (read 4)
+//      taken out of the residual (ordered compaction, cuda/compaction.cuh:
+//      a counting pass, then an emitting one)                 (read 4 x 2)
+//      With a sampled threshold, step 1 is done by the counting pass (the
+//      sample reads grad + residual where it samples), so the gradient and
+//      the residual are read once:                (read 8, write 8; read 4)
 //   4. if more than k: radix-select the k-th largest candidate, keep those
 //      above it and the lowest-index ties, put the rest back.
 // The threshold and every count stay in device memory, so the whole
 // selection is queued on the stream with no host round trip.
 #include <cuda_runtime.h>
 
-#include <cub/block/block_scan.cuh>
 #include <cub/device/device_radix_sort.cuh>
-#include <cub/device/device_scan.cuh>
 
 #include "common/errors.h"
 #include "compress/sampling.h"
 #include "cuda/check.h"
+#include "cuda/compaction.cuh"
 #include "cuda/kernels.h"
 #include "reduce/ops.h"
 
@@ -33,10 +36,11 @@ namespace clawcomm {
 namespace cuda {
 namespace {
 
+using compaction::kItems;
+using compaction::Workspace;
+
 constexpr int kThreads = 256;
-constexpr int kItems = 16;                 // per thread in the ordered compaction
-constexpr int kChunk = kThreads * kItems;  // entries per compaction block
-constexpr int kDigits = 256;               // radix select: 8-bit digits
+constexpr int kDigits = 256;  // radix select: 8-bit digits
 
 // The device-resident state of one selection.
 struct SelectState {
@@ -77,14 +81,16 @@ __global__ void foldKernel(float* __restrict__ grad, float* __restrict__ residua
   }
 }
 
-// The CPU's sample: run j is acc[start_j .. start_j + 16).
-__global__ void sampleKernel(const float* __restrict__ acc, size_t n, uint64_t seed, size_t runs,
-                             float* __restrict__ out) {
+// The CPU's sample: run j is acc[start_j .. start_j + 16), where acc is
+// residual + grad (the fold to come), or the residual alone (grad null:
+// folded already).
+__global__ void sampleKernel(const float* __restrict__ residual, const float* __restrict__ grad,
+                             size_t n, uint64_t seed, size_t runs, float* __restrict__ out) {
   const size_t stride = size_t(gridDim.x) * blockDim.x;
   for (size_t t = size_t(blockIdx.x) * blockDim.x + threadIdx.x; t < runs * kSampleRun;
        t += stride) {
-    const size_t j = t / kSampleRun;
-    out[t] = fabsf(acc[sampleStart(seed, j, n) + t % kSampleRun]);
+    const size_t i = sampleStart(seed, t / kSampleRun, n) + t % kSampleRun;
+    out[t] = fabsf(grad ? residual[i] + grad[i] : residual[i]);
   }
 }
 
@@ -134,107 +140,6 @@ __global__ void pickKernel(int shift, SelectState* st) {
   for (int i = 0; i < kDigits; ++i) st->histogram[i] = 0;
 }
 
-// Ordered compaction, pass 1: how many entries of each chunk pass. The
-// grid covers the bound n; with the count on the device (candidates, far
-// fewer), the blocks past it leave at once.
-template <typename Pred>
-__global__ void chunkCountKernel(size_t n, const uint32_t* nOnDevice, Pred pred,
-                                 uint32_t* __restrict__ counts) {
-  using Scan = cub::BlockScan<uint32_t, kThreads>;
-  __shared__ typename Scan::TempStorage temp;
-  const size_t count = nOnDevice ? *nOnDevice : n;
-  if (size_t(blockIdx.x) * kChunk >= count) {  // the same for the whole block
-    if (threadIdx.x == 0) counts[blockIdx.x] = 0;
-    return;
-  }
-  const size_t base = size_t(blockIdx.x) * kChunk + size_t(threadIdx.x) * kItems;
-  uint32_t mine = 0;
-#pragma unroll
-  for (int j = 0; j < kItems; ++j) mine += base + j < count && pred(base + j);
-  uint32_t total;
-  Scan(temp).ExclusiveSum(mine, mine, total);
-  if (threadIdx.x == 0) counts[blockIdx.x] = total;
-}
-
-// Pass 2 (after an exclusive scan of the counts): each passing entry is
-// handed its rank among all passing entries, in index order.
-template <typename Pred, typename Emit>
-__global__ void chunkEmitKernel(size_t n, const uint32_t* nOnDevice, Pred pred,
-                                const uint32_t* __restrict__ offsets, Emit emit) {
-  using Scan = cub::BlockScan<uint32_t, kThreads>;
-  __shared__ typename Scan::TempStorage temp;
-  const size_t count = nOnDevice ? *nOnDevice : n;
-  if (size_t(blockIdx.x) * kChunk >= count) return;  // the same for the whole block
-  const size_t base = size_t(blockIdx.x) * kChunk + size_t(threadIdx.x) * kItems;
-  bool pass[kItems];
-  uint32_t mine = 0;
-#pragma unroll
-  for (int j = 0; j < kItems; ++j) {
-    pass[j] = base + j < count && pred(base + j);
-    mine += pass[j];
-  }
-  uint32_t rank;
-  Scan(temp).ExclusiveSum(mine, rank);
-  rank += offsets[blockIdx.x];
-#pragma unroll
-  for (int j = 0; j < kItems; ++j) {
-    if (pass[j]) emit(base + j, rank++);
-  }
-}
-
-// total = offsets[last] + counts[last]
-__global__ void totalKernel(const uint32_t* counts, const uint32_t* offsets, size_t blocks,
-                            uint32_t* out) {
-  if (threadIdx.x == 0 && blockIdx.x == 0) *out = offsets[blocks - 1] + counts[blocks - 1];
-}
-
-// Workspace carving: everything 256-byte aligned.
-struct Workspace {
-  char* at;
-  template <typename T>
-  T* take(size_t count) {
-    T* p = reinterpret_cast<T*>(at);
-    at += (count * sizeof(T) + 255) & ~size_t(255);
-    return p;
-  }
-};
-
-size_t scanTempBytes(size_t blocks) {
-  size_t bytes = 0;
-  CLAWCOMM_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(nullptr, bytes, (uint32_t*)nullptr,
-                                                    (uint32_t*)nullptr, int(blocks)));
-  return bytes;
-}
-
-size_t chunksOf(size_t n) {
-  return n == 0 ? 1 : (n + kChunk - 1) / kChunk;
-}
-
-// An ordered compaction over [0, n) (or [0, *nOnDevice) with n as the bound):
-// emit(i, rank) for every i that passes, and *total = how many did.
-template <typename Pred, typename Emit>
-void orderedSelect(size_t n, const uint32_t* nOnDevice, Pred pred, Emit emit, uint32_t* total,
-                   Workspace ws, cudaStream_t s) {
-  const size_t blocks = chunksOf(n);
-  uint32_t* counts = ws.take<uint32_t>(blocks);
-  uint32_t* offsets = ws.take<uint32_t>(blocks);
-  size_t tempBytes = scanTempBytes(blocks);
-  void* temp = ws.take<char>(tempBytes);
-  chunkCountKernel<<<blocks, kThreads, 0, s>>>(n, nOnDevice, pred, counts);
-  CLAWCOMM_CUDA_LAUNCHED();
-  CLAWCOMM_CUDA_CHECK(
-      cub::DeviceScan::ExclusiveSum(temp, tempBytes, counts, offsets, int(blocks), s));
-  chunkEmitKernel<<<blocks, kThreads, 0, s>>>(n, nOnDevice, pred, offsets, emit);
-  CLAWCOMM_CUDA_LAUNCHED();
-  totalKernel<<<1, 1, 0, s>>>(counts, offsets, blocks, total);
-  CLAWCOMM_CUDA_LAUNCHED();
-}
-
-size_t orderedSelectBytes(size_t n) {
-  const size_t blocks = chunksOf(n);
-  return 2 * ((blocks * 4 + 255) & ~size_t(255)) + ((scanTempBytes(blocks) + 255) & ~size_t(255));
-}
-
 // Radix select: st->prefix becomes the bits of the k-th largest magnitude
 // of v[0 .. n) (or [0, *nOnDevice)).
 void radixSelect(const float* v, size_t n, const uint32_t* nOnDevice, uint32_t k, SelectState* st,
@@ -253,6 +158,36 @@ struct AtOrAbove {  // |residual[i]| >= the selected threshold
   const float* v;
   const SelectState* st;
   __device__ bool operator()(size_t i) const { return magnitudeBits(v[i]) >= st->prefix; }
+};
+
+// The fold (residual += grad, grad = 0) and AtOrAbove's verdict, in one
+// read of both arrays: a compaction test (cuda/compaction.cuh) that loads
+// all its entries before it stores any.
+struct FoldAtOrAbove {
+  float* grad;
+  float* residual;
+  const SelectState* st;
+  __device__ void operator()(size_t base, size_t count, bool (&pass)[kItems]) const {
+    const uint32_t threshold = st->prefix;
+    float r[kItems], g[kItems];
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) {
+      const size_t i = base + size_t(j) * 32;
+      r[j] = i < count ? residual[i] : 0.0f;
+      g[j] = i < count ? grad[i] : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) {
+      const size_t i = base + size_t(j) * 32;
+      pass[j] = false;
+      if (i < count) {
+        const float acc = r[j] + g[j];
+        residual[i] = acc;
+        grad[i] = 0.0f;
+        pass[j] = magnitudeBits(acc) >= threshold;
+      }
+    }
+  }
 };
 
 struct TakeCandidate {  // moves residual[i] into the candidate list
@@ -398,7 +333,7 @@ size_t topkWorkspaceBytes(size_t n) {
   auto round = [](size_t b) { return (b + 255) & ~size_t(255); };
   const size_t sample = sampleRuns(n) * kSampleRun;
   return round(sizeof(SelectState)) + round(sample * 4) + 2 * round(n * 4) + round(n * 4) +
-         3 * orderedSelectBytes(n);
+         3 * compaction::selectBytes(n);
 }
 
 void topkWithFeedback(float* grad, float* residual, size_t n, size_t k, TopkMethod method,
@@ -412,8 +347,11 @@ void topkWithFeedback(float* grad, float* residual, size_t n, size_t k, TopkMeth
   auto* st = ws.take<SelectState>(1);
   zeroKernel<<<1, 1, 0, s>>>(st);
   CLAWCOMM_CUDA_LAUNCHED();
-  // 1. fold the gradient into the residual
-  if (grad && n) {
+  // 1. fold the gradient into the residual: here, or in step 3's counting
+  // pass when the threshold comes from a sample (which reads grad + residual)
+  const bool sampled = method == TopkMethod::kSampled && sampleSize(n) < n;
+  const bool foldInSelect = grad && n && k > 0 && sampled;
+  if (grad && n && !foldInSelect) {
     foldKernel<<<gridFor(n, kThreads), kThreads, 0, s>>>(grad, residual, n);
     CLAWCOMM_CUDA_LAUNCHED();
   }
@@ -425,9 +363,9 @@ void topkWithFeedback(float* grad, float* residual, size_t n, size_t k, TopkMeth
   // 2. the threshold, into st->prefix
   const size_t runs = sampleRuns(n);
   float* sample = ws.take<float>(runs * kSampleRun);
-  if (method == TopkMethod::kSampled && sampleSize(n) < n) {
-    sampleKernel<<<gridFor(runs * kSampleRun, kThreads), kThreads, 0, s>>>(residual, n, seed, runs,
-                                                                           sample);
+  if (sampled) {
+    sampleKernel<<<gridFor(runs * kSampleRun, kThreads), kThreads, 0, s>>>(
+        residual, foldInSelect ? grad : nullptr, n, seed, runs, sample);
     CLAWCOMM_CUDA_LAUNCHED();
     const size_t drawn = runs * kSampleRun;
     radixSelect(sample, drawn, nullptr, uint32_t(sampleRank(k, drawn, n)), st, s);
@@ -438,23 +376,30 @@ void topkWithFeedback(float* grad, float* residual, size_t n, size_t k, TopkMeth
   int32_t* candIdx = ws.take<int32_t>(n);
   float* candVal = ws.take<float>(n);
   uint32_t* tieRank = ws.take<uint32_t>(n);
-  const size_t selectBytes = orderedSelectBytes(n);
+  const size_t selectBytes = compaction::selectBytes(n);
   Workspace scratch{ws.at};
-  orderedSelect(n, nullptr, AtOrAbove{residual, st}, TakeCandidate{residual, candIdx, candVal},
-                &st->candidates, scratch, s);
+  const auto atOrAbove = compaction::each(AtOrAbove{residual, st});
+  const TakeCandidate take{residual, candIdx, candVal};
+  if (foldInSelect) {
+    compaction::select(n, nullptr, FoldAtOrAbove{grad, residual, st}, atOrAbove, take,
+                       &st->candidates, scratch, s);
+  } else {
+    compaction::select(n, nullptr, atOrAbove, atOrAbove, take, &st->candidates, scratch, s);
+  }
   // 4. the k largest candidates (ties: lower index first); the rest go back
   radixSelect(candVal, n, &st->candidates, uint32_t(k), st, s);
   countAboveKernel<<<gridFor(n, kThreads), kThreads, 0, s>>>(candVal, st);
   CLAWCOMM_CUDA_LAUNCHED();
   uint32_t* ties = reinterpret_cast<uint32_t*>(sample);  // reused: the sample is done with
   Workspace scratch2{ws.at + selectBytes};
-  orderedSelect(n, &st->candidates, IsTie{candVal, st}, RecordTieRank{tieRank}, ties, scratch2, s);
+  compaction::select(n, &st->candidates, IsTie{candVal, st}, RecordTieRank{tieRank}, ties, scratch2,
+                     s);
   const Kept kept{candVal, tieRank, st, uint32_t(k)};
   putBackKernel<<<gridFor(n, kThreads), kThreads, 0, s>>>(kept, candIdx, candVal, residual, st);
   CLAWCOMM_CUDA_LAUNCHED();
   Workspace scratch3{ws.at + 2 * selectBytes};
-  orderedSelect(n, &st->candidates, kept, EmitKept{candIdx, candVal, idx, val}, &st->kept, scratch3,
-                s);
+  compaction::select(n, &st->candidates, kept, EmitKept{candIdx, candVal, idx, val}, &st->kept,
+                     scratch3, s);
   copyCountKernel<<<1, 1, 0, s>>>(st, count);
   CLAWCOMM_CUDA_LAUNCHED();
 }
