@@ -40,12 +40,31 @@ def _time(fn, repeats: int) -> float:
     return best
 
 
+def _profile_topk(call) -> None:
+    """Each kernel of one sampled top-k call and its GPU time (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_time > 0]
+    print(f"# sampled top-k, one call: {len(events)} kernels, GPU time in us")
+    for e in events:
+        print(f"#   {e.device_time:9.1f}  {e.name[:90]}")
+    print(f"#   {sum(e.device_time for e in events):9.1f}  total")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("-n", type=int, default=100_000_000, help="elements (100M)")
     p.add_argument("--k", type=float, default=0.01, help="top-k fraction (0.01)")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--json", metavar="FILE")
+    p.add_argument(
+        "--profile", action="store_true", help="also list the sampled top-k's kernels and times"
+    )
     args = p.parse_args()
     from clawcomm import _C
 
@@ -114,6 +133,11 @@ def main() -> int:
             ),  # fmt: skip
             20,
         )
+    if args.profile:
+        _profile_topk(lambda: K.topk_feedback(
+            g.data_ptr(), r.data_ptr(), n, k, idx.data_ptr(), val.data_ptr(),
+            count.data_ptr(), ws.data_ptr(), "sampled", 1, s(),
+        ))  # fmt: skip
     row("torch.topk(|x|) (reference)", lambda: torch.topk(a.abs(), k, sorted=False), 4)
     m = 8 * k
     sidx = torch.randint(0, n, (m,), dtype=torch.int32, device="cuda")
