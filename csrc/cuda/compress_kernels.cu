@@ -13,16 +13,18 @@
 //               8-bit digits, each a histogram then a pick     (read 4 x 4)
 //   3. candidates: every entry with |residual| >= threshold, in index order,
 //      taken out of the residual (ordered compaction, cuda/compaction.cuh:
-//      a counting pass, then an emitting one)                 (read 4 x 2)
+//      a counting pass over the data, an emitting pass over its verdict
+//      bits)                                                   (read 4)
 //      With a sampled threshold, step 1 is done by the counting pass (the
 //      sample reads grad + residual where it samples), so the gradient and
-//      the residual are read once:                (read 8, write 8; read 4)
+//      the residual are read once: steps 1-3 read 8 and write 8.
 //   4. if more than k: radix-select the k-th largest candidate, keep those
 //      above it and the lowest-index ties, put the rest back.
 // The threshold and every count stay in device memory, so the whole
 // selection is queued on the stream with no host round trip.
 #include <cuda_runtime.h>
 
+#include <cub/block/block_scan.cuh>
 #include <cub/device/device_radix_sort.cuh>
 
 #include "common/errors.h"
@@ -124,20 +126,26 @@ __global__ void histogramKernel(const float* __restrict__ v, size_t n, const uin
 }
 
 // Fixes the digit at `shift`: the one whose bucket holds the kLeft-th
-// largest, counting from the top digit down. One thread; 256 steps.
+// largest, counting from the top digit down (digit 0 if the buckets above
+// it hold fewer). One thread per digit: thread t holds digit 255 - t, and a
+// scan gives the entries in the digits above it; the one thread whose
+// bucket the kLeft-th falls in (or digit 255 when kLeft is 0) writes.
 __global__ void pickKernel(int shift, SelectState* st) {
-  if (threadIdx.x != 0) return;
-  uint32_t kLeft = st->kLeft;
-  int d = kDigits - 1;
-  for (; d > 0; --d) {
-    const uint32_t c = st->histogram[d];
-    if (kLeft <= c) break;
-    kLeft -= c;
+  using Scan = cub::BlockScan<uint32_t, kDigits>;
+  __shared__ typename Scan::TempStorage temp;
+  const int d = kDigits - 1 - int(threadIdx.x);
+  const uint32_t kLeft = st->kLeft;
+  const uint32_t here = st->histogram[d];
+  st->histogram[d] = 0;  // for the next pass
+  uint32_t above;
+  Scan(temp).ExclusiveSum(here, above);
+  const bool notYet = threadIdx.x == 0 || kLeft > above;  // no digit above stopped
+  const bool stops = d == 0 || kLeft <= above + here;
+  if (notYet && stops) {
+    st->kLeft = kLeft - above;
+    st->prefix |= uint32_t(d) << shift;
+    st->mask |= uint32_t(kDigits - 1) << shift;
   }
-  st->kLeft = kLeft;
-  st->prefix |= uint32_t(d) << shift;
-  st->mask |= uint32_t(kDigits - 1) << shift;
-  for (int i = 0; i < kDigits; ++i) st->histogram[i] = 0;
 }
 
 // Radix select: st->prefix becomes the bits of the k-th largest magnitude
@@ -149,7 +157,7 @@ void radixSelect(const float* v, size_t n, const uint32_t* nOnDevice, uint32_t k
   for (int shift = 24; shift >= 0; shift -= 8) {
     histogramKernel<<<gridFor(n, kThreads), kThreads, 0, s>>>(v, n, nOnDevice, shift, st);
     CLAWCOMM_CUDA_LAUNCHED();
-    pickKernel<<<1, 1, 0, s>>>(shift, st);
+    pickKernel<<<1, kDigits, 0, s>>>(shift, st);
     CLAWCOMM_CUDA_LAUNCHED();
   }
 }
@@ -378,13 +386,12 @@ void topkWithFeedback(float* grad, float* residual, size_t n, size_t k, TopkMeth
   uint32_t* tieRank = ws.take<uint32_t>(n);
   const size_t selectBytes = compaction::selectBytes(n);
   Workspace scratch{ws.at};
-  const auto atOrAbove = compaction::each(AtOrAbove{residual, st});
   const TakeCandidate take{residual, candIdx, candVal};
   if (foldInSelect) {
-    compaction::select(n, nullptr, FoldAtOrAbove{grad, residual, st}, atOrAbove, take,
-                       &st->candidates, scratch, s);
+    compaction::selectWith(n, nullptr, FoldAtOrAbove{grad, residual, st}, take, &st->candidates,
+                           scratch, s);
   } else {
-    compaction::select(n, nullptr, atOrAbove, atOrAbove, take, &st->candidates, scratch, s);
+    compaction::select(n, nullptr, AtOrAbove{residual, st}, take, &st->candidates, scratch, s);
   }
   // 4. the k largest candidates (ties: lower index first); the rest go back
   radixSelect(candVal, n, &st->candidates, uint32_t(k), st, s);
