@@ -29,6 +29,8 @@ def test_python_is_ruff_clean():
 def test_cpp_is_clang_formatted():
     if not shutil.which("clang-format"):
         pytest.skip("clang-format is not installed (bash .ci/setup installs it)")
-    files = _run("git", "ls-files", "csrc/*.h", "csrc/*.cc", "csrc/*.cu", "csrc/*.cuh").stdout.split()
+    files = _run(
+        "git", "ls-files", "csrc/*.h", "csrc/*.cc", "csrc/*.cu", "csrc/*.cuh"
+    ).stdout.split()
     proc = _run("clang-format", "--dry-run", "-Werror", *files)
     assert proc.returncode == 0, proc.stderr[-3000:]
