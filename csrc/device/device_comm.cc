@@ -1,5 +1,6 @@
 #include "device/device_comm.h"
 
+#include <algorithm>
 #include <atomic>
 #include <limits>
 
@@ -61,9 +62,14 @@ IpcKernel kernelOf(Algorithm a) {
 }  // namespace
 
 struct DeviceFlight {
-  DeviceFlight(std::shared_ptr<DeviceRuntime> rt, DeviceRuntime::Event e,
+  DeviceFlight(std::shared_ptr<DeviceRuntime> rt, DeviceRuntime::Event e, Stream s,
                std::weak_ptr<Communicator> c, uint64_t r, std::shared_ptr<IpcMapping> m)
-      : runtime(std::move(rt)), event(e), comm(std::move(c)), record(r), mapping(std::move(m)) {}
+      : runtime(std::move(rt)),
+        event(e),
+        stream(s),
+        comm(std::move(c)),
+        record(r),
+        mapping(std::move(m)) {}
   ~DeviceFlight() { runtime->release(event); }
 
   // The flight record's entry ends once, ok unless a launch gave up.
@@ -79,6 +85,7 @@ struct DeviceFlight {
 
   std::shared_ptr<DeviceRuntime> runtime;
   DeviceRuntime::Event event;
+  Stream stream;  // the call ran on it
   std::weak_ptr<Communicator> comm;
   uint64_t record;
   std::shared_ptr<IpcMapping> mapping;
@@ -239,15 +246,24 @@ void DeviceComm::checkHealthy(OpType op) {
 void DeviceComm::reap(bool wait) {
   if (inFlight_.empty()) return;
   if (wait) {
-    runtime_->waitHost(inFlight_.back()->event);
+    for (auto& f : inFlight_) runtime_->waitHost(f->event);
   } else if (inFlight_.size() < kReapEvery) {
     return;
-  } else if (!inFlight_.back()->done()) {
-    // Behind: settle the oldest that are done.
-    while (!inFlight_.empty() && inFlight_.front()->done()) inFlight_.pop_front();
-    return;
+  } else {
+    const Stream newest = inFlight_.back()->stream;
+    const bool oneStream = std::all_of(inFlight_.begin(), inFlight_.end(),
+                                       [&](const auto& f) { return f->stream == newest; });
+    if (!oneStream || !inFlight_.back()->done()) {
+      // Behind, or calls on several streams (sends and receives run on
+      // their own): settle those that are done.
+      inFlight_.erase(std::remove_if(inFlight_.begin(), inFlight_.end(),
+                                     [](const auto& f) { return f->done(); }),
+                      inFlight_.end());
+      return;
+    }
   }
-  for (auto& f : inFlight_) f->end();  // the newest is done: so is every older one
+  // Waited for, or on one stream whose newest is done: every one is done.
+  for (auto& f : inFlight_) f->end();
   inFlight_.clear();
 }
 
@@ -279,8 +295,8 @@ TicketPtr DeviceComm::issue(OpSignature sig, uint64_t bytes, uint64_t sent, uint
     comm_->endExternal(record, true);
     return std::make_shared<DeviceTicket>(runtime_, mapping, nullptr, sig.type, comm_);
   }
-  auto flight =
-      std::make_shared<DeviceFlight>(runtime_, runtime_->record(s.run), comm_, record, mapping);
+  auto flight = std::make_shared<DeviceFlight>(runtime_, runtime_->record(s.run), s.run, comm_,
+                                               record, mapping);
   inFlight_.push_back(flight);
   return std::make_shared<DeviceTicket>(runtime_, mapping, flight, sig.type, comm_);
 }

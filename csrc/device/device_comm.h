@@ -135,9 +135,9 @@ class DeviceComm {
   // the communicator, so every rank learns).
   void checkHealthy(OpType op);
   // Marks finished the calls in flight whose stream got past them: all of
-  // them when waiting, else once eight are pending (eager calls share one
-  // stream and finish in order, so one query of the newest usually settles
-  // them all).
+  // them when waiting, else once eight are pending (eager collectives share
+  // one stream and finish in order, so one query of the newest usually
+  // settles them all; sends and receives have streams of their own).
   void reap(bool wait);
   template <typename Issue>
   TicketPtr issue(OpSignature sig, uint64_t bytes, uint64_t sent, uint64_t received, Streams s,
