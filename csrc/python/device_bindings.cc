@@ -15,6 +15,7 @@
 #include "device/host_runtime.h"
 #include "python/buffers.h"
 #include "python/engine_bindings.h"
+#include "python/gil.h"
 
 namespace py = pybind11;
 
@@ -30,6 +31,12 @@ class HostDeviceComm {
       : comm_(std::move(comm)),
         runtime_(std::make_shared<HostRuntime>(device, device::hostFaultNamed(fault))),
         dev_(std::make_unique<DeviceComm>(comm_, runtime_)) {}
+  // Python may drop the last reference while holding the GIL: the device
+  // calls in flight and the communicator go without it (python/gil.h).
+  ~HostDeviceComm() {
+    releaseWithoutGil(dev_);
+    releaseWithoutGil(comm_);
+  }
 
   // "one-shot", "two-shot", "ipc" or "staged": how a call of `op` moving
   // `bytes` per rank goes (sets the IPC group up at the first call).

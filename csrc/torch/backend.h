@@ -13,6 +13,8 @@
 // process_group.cc.
 #pragma once
 
+#include <pybind11/pybind11.h>
+
 #include <map>
 #include <optional>
 #include <thread>
@@ -37,6 +39,19 @@ class ClawcommBackend : public c10d::Backend {
       device_ = std::make_unique<DevicePath>(comm_, rank);
     } catch (...) {
       rethrowForTorch(std::current_exception());
+    }
+  }
+
+  // torch may destroy a backend from Python, holding the GIL. The last
+  // reference to the communicator joins its progress thread, which may be
+  // finishing an operation's callback and freeing a tensor whose Python
+  // object only its C++ side still holds (torch takes the GIL for that):
+  // the device calls and the communicator go without the GIL.
+  ~ClawcommBackend() override {
+    if (PyGILState_Check()) {
+      pybind11::gil_scoped_release nogil;
+      device_.reset();
+      comm_.reset();
     }
   }
 
