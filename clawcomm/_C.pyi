@@ -406,10 +406,24 @@ class HostDeviceComm:
         op: str = "sum",
         dtype: typing.Any = None,
     ) -> str: ...
+    def recv(
+        self,
+        buf: typing_extensions.Buffer,
+        peer: typing.SupportsInt | typing.SupportsIndex,
+        tag: typing.SupportsInt | typing.SupportsIndex = 0,
+        dtype: typing.Any = None,
+    ) -> str: ...
     def route(self, op: str, nbytes: typing.SupportsInt | typing.SupportsIndex) -> str:
         """
         'one-shot', 'two-shot', 'ipc' or 'staged' for `op` moving `nbytes` per rank.
         """
+    def send(
+        self,
+        buf: typing_extensions.Buffer,
+        peer: typing.SupportsInt | typing.SupportsIndex,
+        tag: typing.SupportsInt | typing.SupportsIndex = 0,
+        dtype: typing.Any = None,
+    ) -> str: ...
     @property
     def devices(self) -> list[int]:
         """

@@ -228,6 +228,7 @@ def test_a_setup_that_fails_on_one_rank_stages_every_rank(fault):
         ("CLAWCOMM_CUDA_IPC", ("auto", "0")),
         ("CLAWCOMM_CUDA_IPC_BYTES", ("65536", "131072")),
         ("CLAWCOMM_CUDA_ONESHOT_BYTES", ("auto", "4096")),
+        ("CLAWCOMM_CUDA_P2P_BYTES", ("0", "65536")),
     ],
 )
 def test_mismatched_cuda_settings_are_named_at_setup(name, values):

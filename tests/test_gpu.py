@@ -374,6 +374,46 @@ def test_data_parallel_on_cuda_matches_single_process_training(compression, atol
         assert err < atol, err
 
 
+def _sends_and_receives(rank, n):
+    """Each rank sends to the next and receives from the one before, in one
+    batch (crossed on 2 ranks), then into a non-contiguous tensor."""
+    import clawcomm
+
+    dev = _device(rank)
+    to, frm = (rank + 1) % n, (rank - 1) % n
+    ok = []
+    for i, count in enumerate([0, 1, 1001, 3 << 20, 20 << 20]):  # the last fits no ring: staged
+        x = _inputs(10 * rank + i, count, torch.float32).to(dev)
+        y = torch.full((count,), -1.0, device=dev)
+        ops = [dist.P2POp(dist.isend, x, to, tag=i), dist.P2POp(dist.irecv, y, frm, tag=i)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        ok.append(torch.equal(y.cpu(), _inputs(10 * frm + i, count, torch.float32)))
+    z = torch.zeros(64, 8, device=dev).t()  # non-contiguous
+    x = torch.arange(512.0, device=dev) + rank
+    if rank % 2 == 0:
+        dist.send(x, to, tag=99)
+        dist.recv(z, frm, tag=99)
+    else:
+        dist.recv(z, frm, tag=99)
+        dist.send(x, to, tag=99)
+    want = (torch.arange(512.0) + frm).view(8, 64)
+    ok.append(torch.equal(z.cpu(), want))
+    torch.cuda.synchronize()
+    sends = clawcomm.engine_of(device="cuda").comm_stats()["send"]
+    return ok, sends["payload_bytes_sent"]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("p2p_bytes", ["0", str(64 << 20)])
+def test_cuda_sends_and_receives_arrive_whole(world_size, p2p_bytes):
+    """Through the CUDA IPC rings (CLAWCOMM_CUDA_P2P_BYTES) or staged."""
+    env = {"CLAWCOMM_CUDA_P2P_BYTES": p2p_bytes}
+    for ok, sent in run_ranks(_sends_and_receives, world_size, env=env, timeout=300):
+        assert all(ok), ok
+        assert sent >= 4 * (1001 + (3 << 20) + (20 << 20)), sent
+
+
 def _train_on(rank, n, cfg):
     from clawcomm.train.cli import train_rank
 
@@ -392,6 +432,8 @@ TRAIN = dict(model="gpt", dim=32, heads=2, layers=2, seq_len=16, lr=3e-3, lr_dec
         (dict(dp=1, pp=2, schedule="1f1b"), {}),
         (dict(dp=2, pp=2, schedule="zb1", compression="fp16"), {}),
         (dict(dp=2, pp=1), {"CLAWCOMM_CUDA_IPC": "0"}),
+        (dict(dp=1, pp=2, schedule="interleaved", virtual_stages=2), {}),
+        (dict(dp=1, pp=2, schedule="1f1b"), {"CLAWCOMM_CUDA_P2P_BYTES": "0"}),
     ],
 )
 def test_the_trainer_on_cuda_follows_the_cpu_run(layout, env):

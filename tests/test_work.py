@@ -1,5 +1,6 @@
 """Work and future semantics through torch.distributed: a completed future
-means a completed Work, and waits keep to the timeout they are given."""
+means a completed Work, waits keep to the timeout they are given, and the
+last reference to a communicator never waits on the GIL it holds."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 import torch
 import torch.distributed as dist
 
+import clawcomm
 from clawcomm.testing import run_ranks
 
 
@@ -58,3 +60,26 @@ def test_a_coalesced_wait_keeps_to_its_timeout():
     got = run_ranks(_coalesced_wait, 2, timeout=60)[0]
     assert got[0] != "returned" and got[1] == 1, got
     assert got[2] < 1.6, got
+
+
+def _last_reference_from_python(rank, ws):
+    dist.all_reduce(torch.ones(4))
+    engine = clawcomm.engine_of()
+    if rank == 0:
+        buf = torch.empty(1 << 16)
+        work = dist.irecv(buf, src=1)  # never sent: pending until the shutdown
+        del buf, work  # only the engine's request holds the tensor (and its Python object)
+    time.sleep(0.5)
+    dist.destroy_process_group()
+    t0 = time.monotonic()
+    del engine  # the last reference: the communicator shuts down here
+    return time.monotonic() - t0
+
+
+def test_the_last_reference_dropped_from_python_never_waits_on_the_gil():
+    """Shutting the communicator down joins its progress thread, which frees
+    the pending receive's tensor, whose Python object torch frees under the
+    GIL: Python dropping the last reference must not hold the GIL meanwhile
+    (it did, and the rank hung at exit)."""
+    for took in run_ranks(_last_reference_from_python, 2, timeout=60):
+        assert took < 5, took

@@ -47,13 +47,23 @@ def check(spec: str) -> str:
     return "cuda"
 
 
+# The rings that carry pipeline sends and receives of CUDA tensors between
+# ranks of one host through CUDA IPC (CLAWCOMM_CUDA_P2P_BYTES, docs/gpu.md):
+# per rank and group, split among its peers; larger messages are staged.
+P2P_BYTES = 64 << 20
+
+
 def for_rank(spec: str, rank: int = 0) -> torch.device:
-    """This rank's device for ``spec``, made current when it is a GPU."""
+    """This rank's device for ``spec``, made current when it is a GPU. On a
+    GPU, the groups made after this call send and receive through CUDA IPC
+    unless CLAWCOMM_CUDA_P2P_BYTES says otherwise (every rank calls this
+    alike, so the setting matches across ranks)."""
     if check(spec) == "cpu":
         return torch.device("cpu")
     local = int(os.environ.get("LOCAL_RANK", rank))
     dev = torch.device("cuda", local % _gpus())
     torch.cuda.set_device(dev)
+    os.environ.setdefault("CLAWCOMM_CUDA_P2P_BYTES", str(P2P_BYTES))
     return dev
 
 

@@ -279,7 +279,7 @@ std::string Communicator::setupNamespace(const std::string& what) {
   return CLAWCOMM_CONCAT(storeNamespace_, what, "/", setups_++, "/");
 }
 
-uint64_t Communicator::beginExternal(OpSignature& sig, uint64_t bytes) {
+uint64_t Communicator::beginExternal(OpSignature& sig, uint64_t bytes, int peer) {
   Traffic::add(messenger_->traffic().of(sig.type).calls, 1);
   std::lock_guard<std::mutex> lock(mutex_);
   CLAWCOMM_ARG_CHECK(!stopping_, opPrefix(sig.type), "the communicator is shutting down");
@@ -287,8 +287,8 @@ uint64_t Communicator::beginExternal(OpSignature& sig, uint64_t bytes) {
     throw PeerError(CLAWCOMM_CONCAT(
         opPrefix(sig.type), "the communicator was aborted by an earlier error: ", failure_));
   }
-  sig.seq = nextSeq_++;
-  const uint64_t id = recorder_.queued(sig, -1, bytes);
+  if (sig.type != OpType::kSend && sig.type != OpType::kRecv) sig.seq = nextSeq_++;
+  const uint64_t id = recorder_.queued(sig, peer, bytes);
   recorder_.started(id, Clock::now());
   return id;
 }

@@ -125,11 +125,12 @@ class Communicator {
   // of an attempt that failed.
   Store& store() { return *store_; }
   std::string setupNamespace(const std::string& what);
-  // Gives `sig` the next sequence number and records it in the flight
-  // recorder, started, with this rank's `bytes`; returns the record's id.
-  // Throws PeerError naming why if the communicator has failed or aborted,
-  // InvalidArgument if it is shutting down.
-  uint64_t beginExternal(OpSignature& sig, uint64_t bytes);
+  // Gives `sig` the next sequence number (a collective; sends and receives
+  // take none, as the messenger's do) and records it in the flight
+  // recorder, started, with this rank's `bytes` and `peer`; returns the
+  // record's id. Throws PeerError naming why if the communicator has failed
+  // or aborted, InvalidArgument if it is shutting down.
+  uint64_t beginExternal(OpSignature& sig, uint64_t bytes, int peer = -1);
   void endExternal(uint64_t record, bool ok);
   // Why this communicator can run no more operations (abort(), or its first
   // failure), or "" while it can; failed() is the quick check.

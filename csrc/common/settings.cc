@@ -91,6 +91,7 @@ Settings Settings::fromEnv() {
   }
   s.cudaIpcBytes = envNumber("CLAWCOMM_CUDA_IPC_BYTES", s.cudaIpcBytes, 4096, 64 * kGiB);
   s.cudaGraphBytes = envNumber("CLAWCOMM_CUDA_GRAPH_BYTES", s.cudaGraphBytes, 4096, 64 * kGiB);
+  s.cudaP2pBytes = envNumber("CLAWCOMM_CUDA_P2P_BYTES", s.cudaP2pBytes, 0, 64 * kGiB);
   const char* oneShot = env("CLAWCOMM_CUDA_ONESHOT_BYTES");
   if (oneShot && std::string(oneShot) != "auto") {
     s.cudaOneShotMaxBytes = envNumber("CLAWCOMM_CUDA_ONESHOT_BYTES", 0, 0, 64 * kGiB);
@@ -105,7 +106,7 @@ std::string Settings::mustMatch() const {
       "CLAWCOMM_TRANSPORT=", transport, "|CLAWCOMM_SHM_RING_BYTES=", shmRingBytes,
       "|CLAWCOMM_SOCKETS_PER_PEER=", socketsPerPeer, "|CLAWCOMM_CUDA_IPC=", cudaIpc ? "auto" : "0",
       "|CLAWCOMM_CUDA_IPC_BYTES=", cudaIpcBytes, "|CLAWCOMM_CUDA_GRAPH_BYTES=", cudaGraphBytes,
-      "|CLAWCOMM_CUDA_ONESHOT_BYTES=", oneShot);
+      "|CLAWCOMM_CUDA_P2P_BYTES=", cudaP2pBytes, "|CLAWCOMM_CUDA_ONESHOT_BYTES=", oneShot);
 }
 
 }  // namespace clawcomm

@@ -135,6 +135,16 @@ struct Settings {
   // may run beside eager calls). A captured call that does not fit is an
   // error (all-reduces go in pieces and always fit).
   size_t cudaGraphBytes = size_t(8) << 20;
+  // CLAWCOMM_CUDA_P2P_BYTES: rings for sends and receives of CUDA tensors
+  // between ranks of one host through CUDA IPC, this many bytes in all per
+  // rank, split among its peers (device/protocol.h). 0 (the default): they
+  // are staged through host memory and matched by tag. Otherwise a message
+  // whose size fits a ring goes through it, and the sends and receives of a
+  // pair match in the order they are issued, as NCCL's do (a receive that
+  // meets another tag or size is an error on both ranks); the first CUDA
+  // call of any kind sets the IPC group up, so every rank must reach its
+  // first one without waiting for another rank's message.
+  size_t cudaP2pBytes = 0;
   // CLAWCOMM_CUDA_ONESHOT_BYTES=auto|N: CUDA IPC all-reduces up to this size
   // use the one-shot kernel (every rank reads every input), larger ones the
   // two-shot (reduce-scatter + all-gather). auto: by the world size, as

@@ -1,5 +1,6 @@
 #include "device/device_comm.h"
 
+#include <algorithm>
 #include <atomic>
 #include <limits>
 
@@ -15,6 +16,8 @@ const char* phaseName(int phase) {
     case kIpcStart: return "start";
     case kIpcMiddle: return "middle";
     case kIpcEnd: return "end";
+    case kIpcPhaseSpace: return "send, waiting for room in its ring";
+    case kIpcPhaseData: return "receive, waiting for its message";
   }
   return "?";
 }
@@ -22,6 +25,15 @@ const char* phaseName(int phase) {
 // "rank 0's CUDA IPC kernel gave up after 5000 ms waiting for rank 1 (block 3,
 // phase start, epoch 12, eager launch): ..."
 std::string describe(const IpcStatus& s, int rank) {
+  if (s.state == kIpcMismatch) {
+    return CLAWCOMM_CONCAT(
+        "rank ", rank, "'s CUDA IPC receive of message ", s.epoch, " from rank ", s.waitedFor,
+        " expected tag ", s.expected.tag, " (", s.expected.bytes, " bytes) and found tag ",
+        s.found.tag, " (", s.found.bytes,
+        " bytes): through CUDA IPC (CLAWCOMM_CUDA_P2P_BYTES), the sends and receives between two "
+        "ranks match in the order they are issued, with the same tag and size; set "
+        "CLAWCOMM_CUDA_P2P_BYTES=0 to stage them, matched by tag");
+  }
   const std::string where = CLAWCOMM_CONCAT(
       "rank ", rank, "'s CUDA IPC kernel ", "%s", " rank ", s.waitedFor, " (block ", s.block,
       ", phase ", phaseName(s.phase), ", epoch ", s.epoch, ", ",
@@ -50,9 +62,14 @@ IpcKernel kernelOf(Algorithm a) {
 }  // namespace
 
 struct DeviceFlight {
-  DeviceFlight(std::shared_ptr<DeviceRuntime> rt, DeviceRuntime::Event e,
+  DeviceFlight(std::shared_ptr<DeviceRuntime> rt, DeviceRuntime::Event e, Stream s,
                std::weak_ptr<Communicator> c, uint64_t r, std::shared_ptr<IpcMapping> m)
-      : runtime(std::move(rt)), event(e), comm(std::move(c)), record(r), mapping(std::move(m)) {}
+      : runtime(std::move(rt)),
+        event(e),
+        stream(s),
+        comm(std::move(c)),
+        record(r),
+        mapping(std::move(m)) {}
   ~DeviceFlight() { runtime->release(event); }
 
   // The flight record's entry ends once, ok unless a launch gave up.
@@ -68,6 +85,7 @@ struct DeviceFlight {
 
   std::shared_ptr<DeviceRuntime> runtime;
   DeviceRuntime::Event event;
+  Stream stream;  // the call ran on it
   std::weak_ptr<Communicator> comm;
   uint64_t record;
   std::shared_ptr<IpcMapping> mapping;
@@ -139,6 +157,7 @@ bool DeviceComm::ipc(OpType op, size_t bytesPerRank, const Streams& s) {
       throw PeerError(opPrefix(op) + "the communicator was aborted by an earlier error: " + failed);
     }
     const Settings& settings = comm_->settings();
+    if ((op == OpType::kSend || op == OpType::kRecv) && settings.cudaP2pBytes == 0) return false;
     std::string why;
     if (!settings.cudaIpc) {
       why = "CLAWCOMM_CUDA_IPC=0";
@@ -150,7 +169,8 @@ bool DeviceComm::ipc(OpType op, size_t bytesPerRank, const Streams& s) {
     if (why.empty()) {
       group = std::make_shared<IpcGroup>(runtime_, comm_->store(), comm_->setupNamespace("ipc"),
                                          comm_->rank(), comm_->size(), settings.cudaIpcBytes,
-                                         settings.cudaGraphBytes, Clock::now() + comm_->timeout());
+                                         settings.cudaGraphBytes, settings.cudaP2pBytes,
+                                         Clock::now() + comm_->timeout());
       if (!group->usable()) why = group->whyNot();
     }
     bool abortNow;
@@ -177,6 +197,11 @@ bool DeviceComm::ipc(OpType op, size_t bytesPerRank, const Streams& s) {
     case OpType::kAllToAll:
       fits = IpcGroup::areaBytes(bytesPerRank, comm_->size()) <= capacity;
       break;
+    case OpType::kSend:
+    case OpType::kRecv:
+      // Staged, like any send under capture (a graph would replay one
+      // message's place in the ring).
+      return !captured && P2pRing::footprint(bytesPerRank) <= group_->ringBytes();
     default: fits = false;
   }
   // Staging waits on the host, which a CUDA graph cannot capture.
@@ -221,21 +246,30 @@ void DeviceComm::checkHealthy(OpType op) {
 void DeviceComm::reap(bool wait) {
   if (inFlight_.empty()) return;
   if (wait) {
-    runtime_->waitHost(inFlight_.back()->event);
+    for (auto& f : inFlight_) runtime_->waitHost(f->event);
   } else if (inFlight_.size() < kReapEvery) {
     return;
-  } else if (!inFlight_.back()->done()) {
-    // Behind: settle the oldest that are done.
-    while (!inFlight_.empty() && inFlight_.front()->done()) inFlight_.pop_front();
-    return;
+  } else {
+    const Stream newest = inFlight_.back()->stream;
+    const bool oneStream = std::all_of(inFlight_.begin(), inFlight_.end(),
+                                       [&](const auto& f) { return f->stream == newest; });
+    if (!oneStream || !inFlight_.back()->done()) {
+      // Behind, or calls on several streams (sends and receives run on
+      // their own): settle those that are done.
+      inFlight_.erase(std::remove_if(inFlight_.begin(), inFlight_.end(),
+                                     [](const auto& f) { return f->done(); }),
+                      inFlight_.end());
+      return;
+    }
   }
-  for (auto& f : inFlight_) f->end();  // the newest is done: so is every older one
+  // Waited for, or on one stream whose newest is done: every one is done.
+  for (auto& f : inFlight_) f->end();
   inFlight_.clear();
 }
 
 template <typename Run>
 TicketPtr DeviceComm::issue(OpSignature sig, uint64_t bytes, uint64_t sent, uint64_t received,
-                            Streams s, Run run) {
+                            Streams s, Run run, int peer) {
   checkHealthy(sig.type);
   const bool captured = s.captured;
   // Querying an event is not allowed while a stream captures (torch's
@@ -243,7 +277,7 @@ TicketPtr DeviceComm::issue(OpSignature sig, uint64_t bytes, uint64_t sent, uint
   if (!captured) reap(/*wait=*/false);
   const IpcGroup::Launch how{captured ? s.caller : s.run, captured ? kIpcGraph : kIpcEager,
                              uint64_t(comm_->timeout().count()) * 1000000};
-  const uint64_t record = comm_->beginExternal(sig, bytes);
+  const uint64_t record = comm_->beginExternal(sig, bytes, peer);
   try {
     if (s.run != s.caller) runtime_->streamWaitStream(s.run, s.caller);
     run(how);
@@ -261,8 +295,8 @@ TicketPtr DeviceComm::issue(OpSignature sig, uint64_t bytes, uint64_t sent, uint
     comm_->endExternal(record, true);
     return std::make_shared<DeviceTicket>(runtime_, mapping, nullptr, sig.type, comm_);
   }
-  auto flight =
-      std::make_shared<DeviceFlight>(runtime_, runtime_->record(s.run), comm_, record, mapping);
+  auto flight = std::make_shared<DeviceFlight>(runtime_, runtime_->record(s.run), s.run, comm_,
+                                               record, mapping);
   inFlight_.push_back(flight);
   return std::make_shared<DeviceTicket>(runtime_, mapping, flight, sig.type, comm_);
 }
@@ -326,6 +360,31 @@ TicketPtr DeviceComm::allToAll(const void* in, void* out, size_t countPerRank, D
   const uint64_t moved = bytes * (n - 1);
   return issue(sig, bytes * n, moved, moved, s,
                [&](const IpcGroup::Launch& how) { group_->allToAll(in, out, bytes, how); });
+}
+
+void DeviceComm::checkPeer(OpType op, int peer) const {
+  CLAWCOMM_ARG_CHECK(peer >= 0 && peer < comm_->size(), opPrefix(op), "rank ", peer,
+                     " is out of range for a group of ", comm_->size(), " ranks");
+  CLAWCOMM_ARG_CHECK(peer != comm_->rank(), opPrefix(op), "rank ", peer,
+                     " cannot send to or receive from itself");
+}
+
+TicketPtr DeviceComm::send(const void* buf, size_t bytes, int peer, uint64_t tag, Streams s) {
+  checkPeer(OpType::kSend, peer);
+  OpSignature sig{OpType::kSend, DataType::kUInt8, ReduceOp::kSum, -1, bytes};
+  sig.algo = Algorithm::kIpc;
+  return issue(
+      sig, bytes, bytes, 0, s,
+      [&](const IpcGroup::Launch& how) { group_->send(buf, bytes, peer, tag, how); }, peer);
+}
+
+TicketPtr DeviceComm::recv(void* buf, size_t bytes, int peer, uint64_t tag, Streams s) {
+  checkPeer(OpType::kRecv, peer);
+  OpSignature sig{OpType::kRecv, DataType::kUInt8, ReduceOp::kSum, -1, bytes};
+  sig.algo = Algorithm::kIpc;
+  return issue(
+      sig, bytes, 0, bytes, s,
+      [&](const IpcGroup::Launch& how) { group_->recv(buf, bytes, peer, tag, how); }, peer);
 }
 
 void DeviceComm::abort() {

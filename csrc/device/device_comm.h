@@ -94,11 +94,12 @@ class DeviceComm {
     std::function<void()> then;
   };
   // Whether a call of `op` moving `bytesPerRank` (all-reduce and broadcast:
-  // the message) from `s.caller` goes through IPC; if not, the caller
-  // stages it through the communicator. A call too large for the graph
-  // channel while `s.caller` is being captured is an InvalidArgument (staging
-  // cannot be captured). Sets the IPC group up at the first call that could
-  // use it.
+  // the message; send and receive: theirs) from `s.caller` goes through
+  // IPC; if not, the caller stages it through the communicator. Sends and
+  // receives go through IPC only with CLAWCOMM_CUDA_P2P_BYTES set, when the
+  // message fits a ring and the caller's stream is not being captured. A call too large for the
+  // graph channel while `s.caller` is being captured is an InvalidArgument (staging cannot be
+  // captured). Sets the IPC group up at the first call that could use it.
   bool ipc(OpType op, size_t bytesPerRank, const Streams& s);
   // The all-reduce algorithm for `bytes`: one-shot up to a threshold that
   // depends on the world size (CLAWCOMM_CUDA_ONESHOT_BYTES overrides it),
@@ -113,6 +114,10 @@ class DeviceComm {
                           ReduceOp op, Streams s);
   TicketPtr broadcast(void* buf, size_t count, DataType type, int root, Streams s);
   TicketPtr allToAll(const void* in, void* out, size_t countPerRank, DataType type, Streams s);
+  // Point-to-point (ipc() said yes for kSend / kRecv and `bytes`): matched in
+  // the order each pair issues them, with the same tag and size.
+  TicketPtr send(const void* buf, size_t bytes, int peer, uint64_t tag, Streams s);
+  TicketPtr recv(void* buf, size_t bytes, int peer, uint64_t tag, Streams s);
 
   // Stops this rank's spinning blocks and tells peers' blocks (the
   // communicator's failure listener calls it); later calls are refused.
@@ -130,13 +135,14 @@ class DeviceComm {
   // the communicator, so every rank learns).
   void checkHealthy(OpType op);
   // Marks finished the calls in flight whose stream got past them: all of
-  // them when waiting, else once eight are pending (eager calls share one
-  // stream and finish in order, so one query of the newest usually settles
-  // them all).
+  // them when waiting, else once eight are pending (eager collectives share
+  // one stream and finish in order, so one query of the newest usually
+  // settles them all; sends and receives have streams of their own).
   void reap(bool wait);
   template <typename Issue>
   TicketPtr issue(OpSignature sig, uint64_t bytes, uint64_t sent, uint64_t received, Streams s,
-                  Issue run);
+                  Issue run, int peer = -1);
+  void checkPeer(OpType op, int peer) const;
 
   std::shared_ptr<Communicator> comm_;
   std::shared_ptr<DeviceRuntime> runtime_;

@@ -240,6 +240,62 @@ CLAWCOMM_DEVICE void probe(const X& x, const IpcLaunch& L) {
   X::fenceSystem();
 }
 
+// Point-to-point (device/protocol.h): one thread of one block each; the
+// stream copies the bytes between them.
+
+// The header of message `L.p2p` in `from`'s ring for `to`.
+CLAWCOMM_HD Pack* headerAt(const IpcPeers& P, int from, int to, uint64_t offset) {
+  return reinterpret_cast<Pack*>(P.rings[from] + uint64_t(to) * P.ringBytes + offset);
+}
+
+// A send, before its copy: the receiver has taken the messages this one overwrites.
+template <class X>
+CLAWCOMM_DEVICE void p2pSpace(const X& x, const IpcLaunch& L) {
+  const IpcPeers& P = L.peers;
+  if (x.thread() != 0) return;
+  waitAtLeast(x, P, &P.signals[P.rank]->taken[L.p2p.peer], L.p2p.count, L.p2p.peer, kIpcPhaseSpace);
+}
+
+// A send, after its copy: the header, then the message announced.
+template <class X>
+CLAWCOMM_DEVICE void p2pPost(const X& x, const IpcLaunch& L) {
+  const IpcPeers& P = L.peers;
+  if (x.thread() != 0) return;
+  Pack h;
+  memcpy(&h, &L.p2p.header, sizeof(h));
+  X::store(headerAt(P, P.rank, L.p2p.peer, L.p2p.offset), h);
+  X::fenceSystem();
+  X::storeRelease(&P.signals[L.p2p.peer]->posted[P.rank], L.p2p.count);
+}
+
+// A receive, before its copy: the message has arrived, with the tag and
+// size this receive expects.
+template <class X>
+CLAWCOMM_DEVICE void p2pArrive(const X& x, const IpcLaunch& L) {
+  const IpcPeers& P = L.peers;
+  if (x.thread() != 0) return;
+  const int from = L.p2p.peer;
+  if (waitAtLeast(x, P, &P.signals[P.rank]->posted[from], L.p2p.count, from, kIpcPhaseData) !=
+      kIpcOk) {
+    return;
+  }
+  const Pack h = X::loadPeer(headerAt(P, from, P.rank, L.p2p.offset));
+  IpcMessageHeader found;
+  memcpy(&found, &h, sizeof(found));
+  if (found.tag != L.p2p.header.tag || found.bytes != L.p2p.header.bytes) {
+    giveUp(x, P, kIpcMismatch, from, kIpcPhaseData, L.p2p.count, 0, &L.p2p.header, &found);
+  }
+}
+
+// A receive, after its copy: the sender may reuse the message's place.
+template <class X>
+CLAWCOMM_DEVICE void p2pTake(const X& x, const IpcLaunch& L) {
+  const IpcPeers& P = L.peers;
+  if (x.thread() != 0) return;
+  X::fenceSystem();
+  X::storeRelease(&P.signals[L.p2p.peer]->taken[P.rank], L.p2p.count);
+}
+
 // ---------------------------------------------------------------------------
 // Host side: the element type and operator of a reducing launch.
 
@@ -309,6 +365,10 @@ void dispatchKernel(const IpcLaunch& L, Run&& run) {
     case IpcKernel::kBroadcast: return run(BodyNumber<5>(), bytes, ops::Sum());
     case IpcKernel::kAllToAll: return run(BodyNumber<6>(), bytes, ops::Sum());
     case IpcKernel::kProbe: return run(BodyNumber<7>(), bytes, ops::Sum());
+    case IpcKernel::kP2pSpace: return run(BodyNumber<8>(), bytes, ops::Sum());
+    case IpcKernel::kP2pPost: return run(BodyNumber<9>(), bytes, ops::Sum());
+    case IpcKernel::kP2pArrive: return run(BodyNumber<10>(), bytes, ops::Sum());
+    case IpcKernel::kP2pTake: return run(BodyNumber<11>(), bytes, ops::Sum());
   }
 }
 
@@ -323,6 +383,10 @@ CLAWCOMM_DEVICE void runBody(const X& x, const IpcLaunch& L) {
   if constexpr (K == 5) broadcast(x, L);
   if constexpr (K == 6) allToAll(x, L);
   if constexpr (K == 7) probe(x, L);
+  if constexpr (K == 8) p2pSpace(x, L);
+  if constexpr (K == 9) p2pPost(x, L);
+  if constexpr (K == 10) p2pArrive(x, L);
+  if constexpr (K == 11) p2pTake(x, L);
 }
 
 }  // namespace device

@@ -29,8 +29,9 @@ size_t packsOf(size_t bytes) {
 
 }  // namespace
 
-IpcMapping::IpcMapping(std::shared_ptr<DeviceRuntime> rt, size_t eagerBytes, size_t graphBytes)
-    : runtime(std::move(rt)), capacity{eagerBytes, graphBytes} {
+IpcMapping::IpcMapping(std::shared_ptr<DeviceRuntime> rt, size_t eagerBytes, size_t graphBytes,
+                       size_t rings, int n)
+    : runtime(std::move(rt)), capacity{eagerBytes, graphBytes}, ringBytes(rings), ranks(n) {
   void* onDevice = nullptr;
   hostWords = runtime->allocMapped(kHostWordBytes, &onDevice);
   for (int c = 0; c < kIpcChannels; ++c) {
@@ -38,6 +39,7 @@ IpcMapping::IpcMapping(std::shared_ptr<DeviceRuntime> rt, size_t eagerBytes, siz
     peers[c].abortFlag = static_cast<const volatile uint32_t*>(onDevice);
     peers[c].status = reinterpret_cast<IpcStatus*>(static_cast<char*>(onDevice) + kStatusOffset);
     peers[c].channel = c;
+    peers[c].ringBytes = ringBytes;
   }
 }
 
@@ -48,7 +50,7 @@ IpcMapping::~IpcMapping() {
 }
 
 size_t IpcMapping::bufferBytes() const {
-  return kSignalBytes + 2 * (capacity[kIpcEager] + capacity[kIpcGraph]);
+  return kSignalBytes + 2 * (capacity[kIpcEager] + capacity[kIpcGraph]) + ringBytes * size_t(ranks);
 }
 
 void IpcMapping::map(int rank, void* buffer) {
@@ -59,6 +61,7 @@ void IpcMapping::map(int rank, void* buffer) {
     peers[c].result[rank] = at + capacity[c];
     at += 2 * capacity[c];
   }
+  for (int c = 0; c < kIpcChannels; ++c) peers[c].rings[rank] = ringBytes ? at : nullptr;
 }
 
 IpcStatus* IpcMapping::status() const {
@@ -66,12 +69,15 @@ IpcStatus* IpcMapping::status() const {
 }
 
 IpcGroup::IpcGroup(std::shared_ptr<DeviceRuntime> runtime, Store& store, const std::string& prefix,
-                   int rank, int size, size_t eagerBytes, size_t graphBytes,
+                   int rank, int size, size_t eagerBytes, size_t graphBytes, size_t p2pBytes,
                    Clock::time_point deadline)
     : runtime_(std::move(runtime)),
       rank_(rank),
       size_(size),
       capacity_{(eagerBytes + 255) & ~size_t(255), (graphBytes + 255) & ~size_t(255)},
+      ringBytes_(size > 1 ? (p2pBytes / size_t(size - 1)) & ~size_t(255) : 0),
+      sent_(size_t(size)),
+      received_(size_t(size)),
       devices_(size_t(size), -1) {
   devices_[rank] = runtime_->device();
   if (size > kIpcMaxRanks) {
@@ -96,7 +102,8 @@ void IpcGroup::setUp(Store& store, const std::string& prefix, Clock::time_point 
   // 1. Our buffer and its handle, posted as "<device>|<handle>" or "!<why>".
   std::vector<uint8_t> handle;
   try {
-    map_ = std::make_shared<IpcMapping>(runtime_, capacity_[kIpcEager], capacity_[kIpcGraph]);
+    map_ = std::make_shared<IpcMapping>(runtime_, capacity_[kIpcEager], capacity_[kIpcGraph],
+                                        ringBytes_, size_);
     for (IpcPeers& p : map_->peers) {
       p.rank = rank_;
       p.size = size_;
@@ -241,6 +248,21 @@ IpcLaunch IpcGroup::launchOf(IpcKernel kernel, const void* in, void* out, size_t
   return L;
 }
 
+void IpcGroup::launchP2p(IpcKernel kernel, int peer, uint32_t count, uint64_t tag, uint64_t bytes,
+                         uint64_t offset, const Launch& how) const {
+  IpcLaunch L = launchOf(kernel, nullptr, nullptr, 0, how, false);
+  L.blocks = 1;
+  L.p2p.peer = peer;
+  L.p2p.count = count;
+  L.p2p.header = IpcMessageHeader{tag, bytes};
+  L.p2p.offset = offset;
+  runtime_->launch(L, how.stream);
+}
+
+char* IpcGroup::ringFor(int from, int to) const {
+  return map_->peers[kIpcEager].rings[from] + size_t(to) * ringBytes_;
+}
+
 void IpcGroup::copy(void* dst, const void* src, size_t bytes, Stream s) const {
   if (bytes) runtime_->copy(dst, src, bytes, s);
 }
@@ -320,6 +342,24 @@ void IpcGroup::allToAll(const void* in, void* out, size_t bytes, const Launch& h
   runtime_->launch(launchOf(IpcKernel::kAllToAll, in, out, packsOf(bytes), how, direct),
                    how.stream);
   if (!direct) piecesOut(out, bytes, how);
+}
+
+void IpcGroup::send(const void* in, size_t bytes, int peer, uint64_t tag, const Launch& how) {
+  CLAWCOMM_CHECK(how.channel == kIpcEager && ringBytes_ >= P2pRing::footprint(bytes),
+                 "IpcGroup::send outside its rings");
+  const P2pRing::Slot at = sent_[size_t(peer)].place(bytes, ringBytes_);
+  if (at.need) launchP2p(IpcKernel::kP2pSpace, peer, at.need, tag, bytes, at.offset, how);
+  copy(ringFor(rank_, peer) + at.offset + 16, in, bytes, how.stream);
+  launchP2p(IpcKernel::kP2pPost, peer, at.count, tag, bytes, at.offset, how);
+}
+
+void IpcGroup::recv(void* out, size_t bytes, int peer, uint64_t tag, const Launch& how) {
+  CLAWCOMM_CHECK(how.channel == kIpcEager && ringBytes_ >= P2pRing::footprint(bytes),
+                 "IpcGroup::recv outside its rings");
+  const P2pRing::Slot at = received_[size_t(peer)].place(bytes, ringBytes_);
+  launchP2p(IpcKernel::kP2pArrive, peer, at.count, tag, bytes, at.offset, how);
+  copy(out, ringFor(peer, rank_) + at.offset + 16, bytes, how.stream);
+  launchP2p(IpcKernel::kP2pTake, peer, at.count, tag, bytes, at.offset, how);
 }
 
 }  // namespace device

@@ -28,6 +28,7 @@
 
 #include "common/clock.h"
 #include "common/store.h"
+#include "device/p2p_ring.h"
 #include "device/runtime.h"
 
 namespace clawcomm {
@@ -38,17 +39,22 @@ namespace device {
 // captured a launch over it, so a replay never reads freed memory.
 //
 // Each rank's buffer: the signals, then for each channel (eager, graph) an
-// input area and a result area of that channel's capacity. Eager calls and
-// graph replays have flags and areas of their own, so a graph replayed on
-// one stream and an eager call on another can run at the same time.
+// input area and a result area of that channel's capacity, then a ring of
+// `ringBytes` per rank of the group for point-to-point messages to it (none
+// when ringBytes is 0). Eager calls and graph replays have flags and areas
+// of their own, so a graph replayed on one stream and an eager call on
+// another can run at the same time.
 struct IpcMapping {
-  IpcMapping(std::shared_ptr<DeviceRuntime> runtime, size_t eagerBytes, size_t graphBytes);
+  IpcMapping(std::shared_ptr<DeviceRuntime> runtime, size_t eagerBytes, size_t graphBytes,
+             size_t ringBytes, int ranks);
   ~IpcMapping();
   IpcMapping(const IpcMapping&) = delete;
   IpcMapping& operator=(const IpcMapping&) = delete;
 
   std::shared_ptr<DeviceRuntime> runtime;
   size_t capacity[kIpcChannels];
+  size_t ringBytes;
+  int ranks;
   void* base = nullptr;  // this rank's buffer
   std::vector<void*> opened;
   void* hostWords = nullptr;  // abort flag, then the status
@@ -63,14 +69,19 @@ struct IpcMapping {
 class IpcGroup {
  public:
   // `eagerBytes` and `graphBytes`: each channel's input and result areas
-  // (the largest piece one launch moves).
+  // (the largest piece one launch moves); `p2pBytes`: the rings for
+  // point-to-point messages, split among the peers (0: none).
   IpcGroup(std::shared_ptr<DeviceRuntime> runtime, Store& store, const std::string& prefix,
-           int rank, int size, size_t eagerBytes, size_t graphBytes, Clock::time_point deadline);
+           int rank, int size, size_t eagerBytes, size_t graphBytes, size_t p2pBytes,
+           Clock::time_point deadline);
 
   bool usable() const { return why_.empty(); }
   // Why the group is not usable: every rank's problem, the same text on every rank.
   const std::string& whyNot() const { return why_; }
   size_t capacity(int channel) const { return capacity_[channel]; }
+  // Each ring's bytes: a message goes through IPC if P2pRing::footprint of
+  // its size fits.
+  size_t ringBytes() const { return ringBytes_; }
   // Each rank's device index, as it posted it.
   const std::vector<int>& devices() const { return devices_; }
   std::shared_ptr<IpcMapping> mapping() const { return map_; }
@@ -97,6 +108,11 @@ class IpcGroup {
                      const Launch& how);
   void broadcast(void* buf, size_t bytes, int root, const Launch& how);
   void allToAll(const void* in, void* out, size_t bytesPerRank, const Launch& how);
+  // Point-to-point, eager channel only; both ends issue the pair's messages
+  // in the same order with the same sizes and tags (a receive that meets
+  // another tag or size reports kIpcMismatch).
+  void send(const void* in, size_t bytes, int peer, uint64_t tag, const Launch& how);
+  void recv(void* out, size_t bytes, int peer, uint64_t tag, const Launch& how);
 
   // The bytes of the areas a piece of `bytesPerRank` per rank takes.
   static size_t areaBytes(size_t bytesPerRank, int size) { return roundUp(bytesPerRank) * size; }
@@ -106,6 +122,9 @@ class IpcGroup {
   void setUp(Store& store, const std::string& prefix, Clock::time_point deadline);
   IpcLaunch launchOf(IpcKernel kernel, const void* in, void* out, size_t packs, const Launch& how,
                      bool direct) const;
+  void launchP2p(IpcKernel kernel, int peer, uint32_t count, uint64_t tag, uint64_t bytes,
+                 uint64_t offset, const Launch& how) const;
+  char* ringFor(int from, int to) const;
   const IpcPeers& peers(const Launch& how) const { return map_->peers[how.channel]; }
   void copy(void* dst, const void* src, size_t bytes, Stream s) const;
   // The size pieces of `bytesPerRank` between a caller's buffer (packed) and
@@ -117,7 +136,10 @@ class IpcGroup {
   int rank_;
   int size_;
   size_t capacity_[kIpcChannels];
+  size_t ringBytes_;
   std::shared_ptr<IpcMapping> map_;
+  std::vector<P2pRing> sent_;      // per peer: where this rank's messages to it go
+  std::vector<P2pRing> received_;  // per peer: where its messages to this rank are
   std::vector<int> devices_;
   std::string why_;
 };

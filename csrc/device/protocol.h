@@ -23,6 +23,18 @@
 //   on. Eager launches and graph-captured ones use separate counters and
 //   slots (channels), so a graph replayed on one stream never shares a slot
 //   with an eager call on another.
+// Point-to-point (sends and receives between two ranks, in the order each
+// pair issues them). Rank s keeps a ring for each peer d in its buffer; its
+// k-th message to d goes at an offset both ranks compute alike on the host
+// (device/p2p_ring.h), behind a 16-byte header (tag, bytes). The bytes are
+// copied by the stream (a copy engine) between one-thread kernels:
+//   send: [space: wait until d took the messages this one overwrites]
+//         copy in; post: the header, a system fence, then posted[s] = k + 1
+//         in d's signals
+//   recv: arrive: wait until posted[s] reaches k + 1, check the header
+//         against this receive's tag and size; copy out; take: taken[d] =
+//         k + 1 in s's signals
+// A send waits only when its ring is full of messages d has not taken.
 // Giving up. A waiting block stops when its wait outlives the group's
 // timeout, when the host sets this rank's abort flag (host-mapped memory),
 // or when the peer it waits for, or another block of its own rank, has
@@ -58,7 +70,13 @@ enum IpcFailure : uint32_t {
   kIpcTimedOut = 1,    // the peer never came
   kIpcAborted = 2,     // this rank's host called abort()
   kIpcPeerFailed = 3,  // the peer (or another block of this rank) gave up first
+  kIpcMismatch = 4,    // a receive met a message of another tag or size
 };
+
+// The waits of point-to-point calls, as a status's phase names them (after
+// the collectives' IpcPhase values).
+constexpr int kIpcPhaseSpace = 3;  // a send waiting for room in its ring
+constexpr int kIpcPhaseData = 4;   // a receive waiting for its message
 
 struct alignas(16) Pack {
   uint32_t w[4];
@@ -75,7 +93,16 @@ struct IpcSignals {
   uint32_t loaded[kIpcMaxRanks];  // what this rank's probe loaded from rank p's hello
   uint32_t failed;                // non-zero once a block of this rank gave up
   uint32_t failClaim;             // the first block to give up reports the status
+  uint32_t posted[kIpcMaxRanks];  // messages rank [from] has posted to this rank
+  uint32_t taken[kIpcMaxRanks];   // messages of this rank's that rank [from] has taken
 };
+
+// What heads each message in a ring (one Pack).
+struct IpcMessageHeader {
+  uint64_t tag;
+  uint64_t bytes;
+};
+static_assert(sizeof(IpcMessageHeader) == 16, "a header is one Pack");
 
 // What a launch reports when it gives up: in host-mapped memory, read by the
 // host after (or while) the kernel runs. `state` is written last.
@@ -87,6 +114,8 @@ struct IpcStatus {
   uint32_t epoch;
   uint32_t channel;
   uint64_t waitedNs;
+  IpcMessageHeader expected;  // kIpcMismatch: what the receive expected,
+  IpcMessageHeader found;     // and the header it found
 };
 
 // Every rank's buffer as this rank maps it, and the launch's settings.
@@ -94,6 +123,8 @@ struct IpcPeers {
   IpcSignals* signals[kIpcMaxRanks];
   char* input[kIpcMaxRanks];
   char* result[kIpcMaxRanks];
+  char* rings[kIpcMaxRanks];           // rank r's rings, one per peer: rings[r] + peer * ringBytes
+  uint64_t ringBytes;                  // 0: no point-to-point through IPC
   const volatile uint32_t* abortFlag;  // host-mapped: this rank's host aborted
   IpcStatus* status;                   // host-mapped
   int rank;
@@ -109,7 +140,20 @@ enum class IpcKernel {
   kAllGather,
   kBroadcast,
   kAllToAll,
-  kProbe
+  kProbe,
+  kP2pSpace,  // point-to-point, one thread each (see above)
+  kP2pPost,
+  kP2pArrive,
+  kP2pTake
+};
+
+// A point-to-point launch: the peer, the message count the wait is for or
+// the post announces, and the message's header and place in the ring.
+struct IpcP2p {
+  int peer = -1;
+  uint32_t count = 0;
+  IpcMessageHeader header{};
+  uint64_t offset = 0;
 };
 
 // One launch. `in`/`out` are the caller's buffers when `direct` (16-byte
@@ -125,6 +169,7 @@ struct IpcLaunch {
   ReduceOp op = ReduceOp::kSum;
   int root = 0;
   int blocks = 1;
+  IpcP2p p2p{};
 };
 
 CLAWCOMM_HD uint32_t probeValue(int from, int to) {
@@ -156,7 +201,9 @@ inline int blocksFor(size_t packs, int maxBlocks) {
 
 template <class X>
 CLAWCOMM_DEVICE void giveUp(const X& x, const IpcPeers& P, uint32_t why, int peer, int phase,
-                            uint32_t epoch, uint64_t waited) {
+                            uint32_t epoch, uint64_t waited,
+                            const IpcMessageHeader* expected = nullptr,
+                            const IpcMessageHeader* found = nullptr) {
   X::storeRelease(&P.signals[P.rank]->failed, 1);
   if (X::claim(&P.signals[P.rank]->failClaim)) {
     P.status->block = x.block();
@@ -165,6 +212,8 @@ CLAWCOMM_DEVICE void giveUp(const X& x, const IpcPeers& P, uint32_t why, int pee
     P.status->epoch = epoch;
     P.status->channel = uint32_t(P.channel);
     P.status->waitedNs = waited;
+    if (expected) P.status->expected = *expected;
+    if (found) P.status->found = *found;
     X::fenceSystem();
     P.status->state = why;
     X::fenceSystem();
@@ -182,6 +231,35 @@ CLAWCOMM_DEVICE uint32_t beginOp(const X& x, const IpcPeers& P) {
   return x.shared()[0];
 }
 
+// One thread's wait until `*word` reaches `target` (wrap-safe), which `peer`
+// stores. Returns kIpcOk, or why it stopped after giving up (status written,
+// this rank marked failed): an abort, a failed rank, or the timeout.
+template <class X>
+CLAWCOMM_DEVICE uint32_t waitAtLeast(const X& x, const IpcPeers& P, const uint32_t* word,
+                                     uint32_t target, int peer, int phase) {
+  const uint64_t start = x.nowNs();
+  for (uint32_t spins = 1; int32_t(X::loadAcquire(word) - target) < 0; ++spins) {
+    if ((spins & 63) == 0) {  // the rarer reasons to stop, every 64 polls
+      uint32_t why = kIpcOk;
+      const uint64_t waited = x.nowNs() - start;
+      if (*P.abortFlag) {
+        why = kIpcAborted;
+      } else if (X::loadAcquire(&P.signals[peer]->failed) ||
+                 X::loadAcquire(&P.signals[P.rank]->failed)) {
+        why = kIpcPeerFailed;
+      } else if (waited > P.timeoutNs) {
+        why = kIpcTimedOut;
+      }
+      if (why != kIpcOk) {
+        giveUp(x, P, why, peer, phase, target, waited);
+        return why;
+      }
+    }
+    x.pause(spins);
+  }
+  return kIpcOk;
+}
+
 // See the header. Returns false when this block gave up (the kernel returns).
 template <class X>
 CLAWCOMM_DEVICE bool barrier(const X& x, const IpcPeers& P, int phase, uint32_t epoch) {
@@ -193,26 +271,9 @@ CLAWCOMM_DEVICE bool barrier(const X& x, const IpcPeers& P, int phase, uint32_t 
   }
   for (int p = x.thread(); p < P.size; p += x.threads()) {
     const uint32_t* heard = &P.signals[P.rank]->channel[P.channel].slot[phase][b][p];
-    const uint64_t start = x.nowNs();
-    for (uint32_t spins = 1; int32_t(X::loadAcquire(heard) - epoch) < 0; ++spins) {
-      if ((spins & 63) == 0) {  // the rarer reasons to stop, every 64 polls
-        uint32_t why = kIpcOk;
-        const uint64_t waited = x.nowNs() - start;
-        if (*P.abortFlag) {
-          why = kIpcAborted;
-        } else if (X::loadAcquire(&P.signals[p]->failed) ||
-                   X::loadAcquire(&P.signals[P.rank]->failed)) {
-          why = kIpcPeerFailed;
-        } else if (waited > P.timeoutNs) {
-          why = kIpcTimedOut;
-        }
-        if (why != kIpcOk) {
-          giveUp(x, P, why, p, phase, epoch, waited);
-          x.shared()[1] = 1;
-          break;
-        }
-      }
-      x.pause(spins);
+    if (waitAtLeast(x, P, heard, epoch, p, phase) != kIpcOk) {
+      x.shared()[1] = 1;
+      break;
     }
   }
   x.sync();

@@ -15,6 +15,7 @@
 #include "device/host_runtime.h"
 #include "python/buffers.h"
 #include "python/engine_bindings.h"
+#include "python/gil.h"
 
 namespace py = pybind11;
 
@@ -30,6 +31,12 @@ class HostDeviceComm {
       : comm_(std::move(comm)),
         runtime_(std::make_shared<HostRuntime>(device, device::hostFaultNamed(fault))),
         dev_(std::make_unique<DeviceComm>(comm_, runtime_)) {}
+  // Python may drop the last reference while holding the GIL: the device
+  // calls in flight and the communicator go without it (python/gil.h).
+  ~HostDeviceComm() {
+    releaseWithoutGil(dev_);
+    releaseWithoutGil(comm_);
+  }
 
   // "one-shot", "two-shot", "ipc" or "staged": how a call of `op` moving
   // `bytes` per rank goes (sets the IPC group up at the first call).
@@ -110,6 +117,25 @@ class HostDeviceComm {
         });
   }
 
+  // Point-to-point: through the IPC rings with CLAWCOMM_CUDA_P2P_BYTES set,
+  // else staged through the engine (matched by tag).
+  std::string send(const py::buffer& b, int peer, uint64_t tag, const py::object& dtype) {
+    Buffer buf = takeBuffer("send", "buf", b, false, dtype);
+    const size_t bytes = buf.count * elementSize(buf.dtype);
+    return call(
+        OpType::kSend, bytes,
+        [&](DeviceComm::Streams s) { return live().send(buf.data, bytes, peer, tag, s); },
+        [&] { return comm_->send(buf.data, bytes, peer, tag); });
+  }
+  std::string recv(const py::buffer& b, int peer, uint64_t tag, const py::object& dtype) {
+    Buffer buf = takeBuffer("recv", "buf", b, true, dtype);
+    const size_t bytes = buf.count * elementSize(buf.dtype);
+    return call(
+        OpType::kRecv, bytes,
+        [&](DeviceComm::Streams s) { return live().recv(buf.data, bytes, peer, tag, s); },
+        [&] { return comm_->recv(buf.data, bytes, peer, tag); });
+  }
+
   std::string status() { return dev_ ? dev_->status() : "closed"; }
   std::vector<int> devices() { return live().devices(); }
   void abort() { live().abort(); }
@@ -146,12 +172,13 @@ class HostDeviceComm {
 
   static OpType opNamed(const std::string& name) {
     for (OpType t : {OpType::kAllReduce, OpType::kAllGather, OpType::kReduceScatter,
-                     OpType::kBroadcast, OpType::kAllToAll}) {
+                     OpType::kBroadcast, OpType::kAllToAll, OpType::kSend, OpType::kRecv}) {
       if (name == opTypeName(t)) return t;
     }
     throw InvalidArgument(CLAWCOMM_CONCAT("clawcomm: '", name,
-                                          "' is not a device collective (all_reduce, "
-                                          "all_gather, reduce_scatter, broadcast, all_to_all)"));
+                                          "' is not a device operation (all_reduce, "
+                                          "all_gather, reduce_scatter, broadcast, all_to_all, "
+                                          "send, recv)"));
   }
   static void checkCount(const char* op, size_t got, size_t want) {
     CLAWCOMM_ARG_CHECK(got == want, "clawcomm::", op, ": ", got, " elements where ", want,
@@ -216,6 +243,10 @@ void bindDevice(py::module_& m) {
       .def("broadcast", &HostDeviceComm::broadcast, py::arg("buf"), py::arg("root") = 0,
            py::arg("dtype") = py::none())
       .def("all_to_all", &HostDeviceComm::allToAll, py::arg("input"), py::arg("output"),
+           py::arg("dtype") = py::none())
+      .def("send", &HostDeviceComm::send, py::arg("buf"), py::arg("peer"), py::arg("tag") = 0,
+           py::arg("dtype") = py::none())
+      .def("recv", &HostDeviceComm::recv, py::arg("buf"), py::arg("peer"), py::arg("tag") = 0,
            py::arg("dtype") = py::none())
       .def_property_readonly("status", &HostDeviceComm::status)
       .def_property_readonly("devices", &HostDeviceComm::devices,

@@ -7,6 +7,7 @@
 
 #include "comm/communicator.h"
 #include "python/engine_bindings.h"
+#include "python/gil.h"
 
 namespace {
 
@@ -30,12 +31,13 @@ PYBIND11_MODULE(_C, m) {
       "_engine_from_handle",
       [](py::capsule handle) {
         // The adapter hands over a heap-allocated shared_ptr; copy it, so the
-        // capsule keeps its own reference until Python frees it.
+        // capsule keeps its own reference until Python frees it. Python's
+        // reference is dropped without the GIL (python/gil.h).
         auto* p = handle.get_pointer<std::shared_ptr<clawcomm::Communicator>>();
         if (std::string(handle.name()) != kEngineHandle || p == nullptr) {
           throw py::value_error("clawcomm._C._engine_from_handle: not an engine handle");
         }
-        return *p;
+        return clawcomm::heldWithoutGil(*p);
       },
       py::arg("handle"), "The Engine behind a handle from ClawcommBackend._engine_handle().");
   m.def("_shutdown_all", &clawcomm::Communicator::shutdownAll,

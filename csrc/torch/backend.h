@@ -13,6 +13,8 @@
 // process_group.cc.
 #pragma once
 
+#include <pybind11/pybind11.h>
+
 #include <map>
 #include <optional>
 #include <thread>
@@ -37,6 +39,19 @@ class ClawcommBackend : public c10d::Backend {
       device_ = std::make_unique<DevicePath>(comm_, rank);
     } catch (...) {
       rethrowForTorch(std::current_exception());
+    }
+  }
+
+  // torch may destroy a backend from Python, holding the GIL. The last
+  // reference to the communicator joins its progress thread, which may be
+  // finishing an operation's callback and freeing a tensor whose Python
+  // object only its C++ side still holds (torch takes the GIL for that):
+  // the device calls and the communicator go without the GIL.
+  ~ClawcommBackend() override {
+    if (PyGILState_Check()) {
+      pybind11::gil_scoped_release nogil;
+      device_.reset();
+      comm_.reset();
     }
   }
 
@@ -130,6 +145,7 @@ class ClawcommBackend : public c10d::Backend {
     const char* op = "send";
     checkTensors(op, tensors);
     const at::Tensor& t = single(op, tensors);
+    if (auto work = device_->send(t, dstRank, uint64_t(tag))) return track(work);
     at::Tensor buf = flat(t);
     return launch(OpType::SEND, {t}, {reads(buf)}, nullptr, [&](auto cb) {
       return comm_->send(buf.data_ptr(), size_t(buf.nbytes()), dstRank, uint64_t(tag), cb);
@@ -158,6 +174,9 @@ class ClawcommBackend : public c10d::Backend {
                                          int srcRank, int tag) {
     checkTensors(op, tensors);
     const at::Tensor& t = single(op, tensors);
+    if (srcRank >= 0) {
+      if (auto work = device_->recv(t, srcRank, uint64_t(tag))) return track(work);
+    }
     at::Tensor buf = flat(t);
     return launch(type, {t}, {writes(buf)}, copyBack(buf, t), [&](auto cb) {
       return comm_->recv(buf.data_ptr(), size_t(buf.nbytes()), srcRank, uint64_t(tag), cb);

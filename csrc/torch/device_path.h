@@ -13,6 +13,10 @@
 //      it at once), and one issued while the caller's stream is being
 //      captured into a CUDA graph, run on the caller's stream itself, as
 //      NCCL does: no events between streams, no allocator records.
+//      Sends and receives through CUDA IPC (CLAWCOMM_CUDA_P2P_BYTES) run on a
+//      stream of their own for each peer and direction, so a receive that
+//      waits for its message never holds up a send, nor a message from
+//      another rank.
 //   3. Work::wait() makes the caller's current stream wait (the host does
 //      not; nothing to do when the call ran on that stream); synchronize()
 //      makes the host wait. Both, and isSuccess() and
@@ -24,6 +28,8 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <tuple>
 
 #include "cuda/kernels.h"
 #include "device/device_comm.h"
@@ -140,6 +146,26 @@ class DevicePath {
     });
   }
 
+  // Point-to-point through the IPC rings (c10d's send and recv are
+  // asynchronous): the tensor is sent, or received into, as a flat
+  // contiguous buffer.
+  WorkPtr send(const at::Tensor& t, int peer, uint64_t tag) {
+    Route r = route(t, OpType::SEND, size_t(t.nbytes()), true, p2pStream(t, peer, true));
+    if (!r.dev) return {};
+    at::Tensor buf = t.contiguous();
+    return launch(r, OpType::SEND, {t}, {buf}, nullptr, [&](auto s) {
+      return r.dev->send(buf.data_ptr(), size_t(buf.nbytes()), peer, tag, s);
+    });
+  }
+  WorkPtr recv(const at::Tensor& t, int peer, uint64_t tag) {
+    Route r = route(t, OpType::RECV, size_t(t.nbytes()), true, p2pStream(t, peer, false));
+    if (!r.dev) return {};
+    at::Tensor buf = contiguousOutput(t);
+    return launch(r, OpType::RECV, {t}, {buf}, copiesBack(buf, t), [&](auto s) {
+      return r.dev->recv(buf.data_ptr(), size_t(buf.nbytes()), peer, tag, s);
+    });
+  }
+
   // Per CUDA device used so far: "ok", why its calls are staged, or the
   // failure that stopped them.
   std::map<int, std::string> status() const {
@@ -165,12 +191,28 @@ class DevicePath {
     device::DeviceComm* dev = nullptr;  // null: staged
     device::DeviceComm::Streams streams;
     c10::Stream caller{c10::Stream::DEFAULT, c10::Device(c10::kCPU)};
+    c10::Stream ranOn{c10::Stream::DEFAULT, c10::Device(c10::kCPU)};
   };
 
+  // The stream of the sends to `peer` (or receives from it) on t's device.
+  std::optional<c10::Stream> p2pStream(const at::Tensor& t, int peer, bool sending) {
+    if (!t.is_cuda() || !cuda::built() || comm_->settings().cudaP2pBytes == 0) return {};
+    std::lock_guard<std::mutex> lock(streamsMutex_);
+    const auto key = std::make_tuple(t.device().index(), peer, sending);
+    auto it = p2pStreams_.find(key);
+    if (it == p2pStreams_.end()) {
+      c10::impl::VirtualGuardImpl impl(t.device().type());
+      it = p2pStreams_.emplace(key, impl.getStreamFromGlobalPool(t.device())).first;
+    }
+    return it->second;
+  }
+
   // `t`'s device collectives, when this call goes through CUDA IPC, and the
-  // stream it runs on (rule 2). The first call on a device sets its IPC
-  // group up (collective: every rank issues the same calls in the same order).
-  Route route(const at::Tensor& t, OpType type, size_t bytesPerRank, bool async) {
+  // stream it runs on (rule 2; `own`: a send's or receive's). The first call
+  // on a device sets its IPC group up (collective: every rank issues the
+  // same calls in the same order).
+  Route route(const at::Tensor& t, OpType type, size_t bytesPerRank, bool async,
+              std::optional<c10::Stream> own = {}) {
     Route r;
     if (!t.is_cuda() || !cuda::built()) return r;
     r.caller = c10::impl::VirtualGuardImpl(t.device().type()).getStream(t.device());
@@ -191,8 +233,8 @@ class DevicePath {
     device::DeviceComm& dev = *it->second;
     void* caller = r.caller.native_handle();
     const bool captured = dev.runtime().capturing(caller);
-    r.streams = {caller, async && !captured ? streamFor(t.device()).native_handle() : caller,
-                 captured};
+    r.ranOn = !async || captured ? r.caller : own ? *own : streamFor(t.device());
+    r.streams = {caller, r.ranOn.native_handle(), captured};
     bool ipc = false;
     try {
       ipc = dev.ipc(engineOp(type), bytesPerRank, r.streams);
@@ -212,6 +254,8 @@ class DevicePath {
       case OpType::BROADCAST: return clawcomm::OpType::kBroadcast;
       case OpType::_ALLGATHER_BASE: return clawcomm::OpType::kAllGather;
       case OpType::_REDUCE_SCATTER_BASE: return clawcomm::OpType::kReduceScatter;
+      case OpType::SEND: return clawcomm::OpType::kSend;
+      case OpType::RECV: return clawcomm::OpType::kRecv;
       default: return clawcomm::OpType::kAllToAll;
     }
   }
@@ -235,7 +279,7 @@ class DevicePath {
     const c10::impl::VirtualGuardImpl impl(device.type());
     const c10::Stream caller = r.caller;
     device::TicketPtr ticket;
-    const c10::Stream ranOn = r.streams.run == caller.native_handle() ? caller : streamFor(device);
+    const c10::Stream ranOn = r.ranOn;
     try {
       if (after) {
         r.streams.then = [&] {
@@ -269,6 +313,7 @@ class DevicePath {
   std::map<int, std::unique_ptr<device::DeviceComm>> devices_;
   std::mutex streamsMutex_;
   std::map<c10::DeviceIndex, c10::Stream> streams_;
+  std::map<std::tuple<c10::DeviceIndex, int, bool>, c10::Stream> p2pStreams_;
 };
 
 }  // namespace adapter

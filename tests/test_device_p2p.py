@@ -1,0 +1,183 @@
+"""Sends and receives of the CUDA IPC path on the CPU: device/protocol.h's
+point-to-point rings (CLAWCOMM_CUDA_P2P_BYTES) over the host runtime, through
+``clawcomm._C.HostDeviceComm``, as tests/test_device_collectives.py runs the
+collectives. The host runtime runs each stream's work at once, so a receive
+returns when its message has arrived and a send returns once its bytes are in
+the ring (it waits only while the ring is full).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+
+import clawcomm
+from clawcomm import _C
+from clawcomm.testing import run_ranks
+
+RINGS = {"CLAWCOMM_CUDA_P2P_BYTES": str(64 << 10)}  # 64 KiB per rank, split among its peers
+
+
+def _dev(rank, layout):
+    device = {"own": rank, "shared": 0}[layout]
+    return _C.HostDeviceComm(clawcomm.engine_of(), device=device)
+
+
+def _message(src, dst, i, count, dtype):
+    rng = np.random.default_rng(1000 * src + 10 * dst + i)
+    return (rng.random(count) * 100).astype(dtype)
+
+
+# Sizes around the 16-byte packs, one larger than a ring (staged), and
+# enough bytes in all that every ring wraps several times.
+SIZES = [(1, np.uint8), (3, np.float32), (4, np.float32), (1001, np.int64), (4096, np.float32)]
+SIZES += [(9000, np.float64), (1, np.float64), (2500, np.int32)]
+
+
+def _exchange(rank, n, layout, rounds):
+    """Every rank sends each message to every peer, then receives each
+    peer's, round after round: the routes taken and the mismatches."""
+    dev = _dev(rank, layout)
+    bad, routes = [], []
+    for i in range(rounds):
+        count, dtype = SIZES[i % len(SIZES)]
+        for step in range(1, n):
+            to, frm = (rank + step) % n, (rank - step) % n
+            routes.append(dev.send(_message(rank, to, i, count, dtype), to, tag=i))
+            got = np.zeros(count, dtype)
+            routes.append(dev.recv(got, frm, tag=i))
+            if not np.array_equal(got, _message(frm, rank, i, count, dtype)):
+                bad.append((i, frm, count, np.dtype(dtype).name))
+    stats = clawcomm.engine_of().comm_stats()
+    dev.close()
+    return bad, routes, stats["send"], stats["recv"]
+
+
+@pytest.mark.parametrize("n,layout", [(2, "own"), (3, "shared"), (4, "own")])
+def test_messages_through_the_rings_arrive_whole_and_in_order(n, layout):
+    rounds = 3 * len(SIZES)
+    results = run_ranks(_exchange, n, layout, rounds, env=RINGS, timeout=300, pg_timeout=60)
+    for rank, (bad, routes, sent, received) in enumerate(results):
+        assert not bad, (rank, bad[:5])
+        # A 9000-float64 message (72 KB) fits no ring: staged, by tag.
+        assert set(routes) == {"ipc", "staged"}, set(routes)
+        assert sent["calls"] >= rounds * (n - 1) and received["calls"] >= rounds * (n - 1)
+    # Both ends of every message took the same route.
+    assert all(r[1] == results[0][1] for r in results)
+
+
+def test_without_rings_sends_and_receives_are_staged():
+    results = run_ranks(_exchange, 2, "own", 4, timeout=120)
+    for bad, routes, _, _ in results:
+        assert not bad and set(routes) == {"staged"}, (bad, routes)
+
+
+def _fill_the_ring(rank, n):
+    """Rank 0 sends six 20 KB messages into a 64 KiB ring while rank 1 is
+    still asleep: its fourth send waits until rank 1 takes the first."""
+    dev = _dev(rank, "own")
+    dev.all_reduce(np.ones(4, np.float32))  # the group is up on both ranks
+    out = []
+    if rank == 0:
+        t0 = time.perf_counter()
+        for i in range(6):
+            dev.send(np.full(5000, i, np.float32), 1, tag=i)
+            out.append(time.perf_counter() - t0)
+    else:
+        time.sleep(1.0)
+        for i in range(6):
+            got = np.zeros(5000, np.float32)
+            dev.recv(got, 0, tag=i)
+            out.append(bool((got == i).all()))
+    record = json.loads(clawcomm.engine_of().flight_record())["ops"]
+    dev.close()
+    return out, record
+
+
+def test_a_send_waits_for_room_in_a_full_ring():
+    (times, record0), (ok, record1) = run_ranks(_fill_the_ring, 2, env=RINGS, timeout=120)
+    assert ok == [True] * 6, ok
+    assert times[2] < 0.5 and times[3] > 0.8, times  # three fit; the fourth waited for rank 1
+    sends = [op for op in record0 if op["op"] == "send"]
+    assert len(sends) == 6 and all(op["state"] == "done" for op in sends), sends
+    assert all(op["peer"] == 1 and op["algo"] == "CUDA IPC" for op in sends), sends
+    assert [op["op"] for op in record1[-6:]] == ["recv"] * 6, record1[-6:]
+
+
+def _mismatch(rank, n):
+    dev = _dev(rank, "own")
+    out = None
+    try:
+        if rank == 0:
+            dev.send(np.ones(16, np.float32), 1, tag=7)
+            time.sleep(2)
+            dev.all_reduce(np.ones(16, np.float32))  # refused: rank 1 failed the group
+        else:
+            dev.recv(np.zeros(16, np.float32), 0, tag=8)
+        out = "no error"
+    except RuntimeError as e:
+        out = str(e)
+    dev.close()
+    return out
+
+
+def test_a_receive_that_meets_another_tag_is_an_error_on_both_ranks():
+    out = run_ranks(_mismatch, 2, env=RINGS, timeout=120, pg_timeout=10)
+    assert "expected tag 8 (64 bytes) and found tag 7 (64 bytes)" in out[1], out[1]
+    assert "in the order they are issued" in out[1], out[1]
+    assert out[0] != "no error", out[0]
+
+
+def _never_sent(rank, n):
+    dev = _dev(rank, "own")
+    out = "no error"
+    dev.all_reduce(np.ones(4, np.float32))  # the group is up on both ranks
+    if rank == 1:
+        try:
+            dev.recv(np.zeros(4, np.float32), 0, tag=1)  # rank 0 never sends
+        except RuntimeError as e:
+            out = str(e)
+    else:
+        time.sleep(4)
+        try:
+            dev.all_reduce(np.ones(4, np.float32))
+        except RuntimeError as e:
+            out = str(e)
+    dev.close()
+    return out
+
+
+def test_a_receive_whose_message_never_comes_gives_up_at_the_timeout():
+    out = run_ranks(_never_sent, 2, env=RINGS, timeout=60, pg_timeout=2)
+    assert "gave up waiting for rank 0" in out[1] and "waiting for its message" in out[1], out[1]
+    assert out[0] != "no error" and "rank 1" in out[0], out[0]
+
+
+def _bad_peer(rank, n):
+    dev = _dev(rank, "own")
+    errors = []
+    for call in (
+        lambda: dev.send(np.ones(4, np.float32), rank),
+        lambda: dev.send(np.ones(4, np.float32), n),
+        lambda: dev.recv(np.zeros(4, np.float32), -1),
+    ):
+        try:
+            call()
+            errors.append(None)
+        except (ValueError, RuntimeError) as e:
+            errors.append(str(e))
+    # The group still works: nothing moved.
+    x = np.ones(4, np.float32)
+    dev.all_reduce(x)
+    dev.close()
+    return errors, x.tolist()
+
+
+def test_a_bad_peer_is_refused_before_anything_moves():
+    for errors, x in run_ranks(_bad_peer, 2, env=RINGS, timeout=60):
+        assert all(e is not None for e in errors), errors
+        assert "itself" in errors[0] and "out of range" in errors[1], errors
+        assert x == [2.0] * 4
