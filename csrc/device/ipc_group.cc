@@ -223,6 +223,8 @@ IpcStatus IpcGroup::status() const {
     s.epoch = live->epoch;
     s.channel = live->channel;
     s.waitedNs = live->waitedNs;
+    s.expected = live->expected;
+    s.found = live->found;
   }
   return s;
 }

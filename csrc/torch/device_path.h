@@ -150,6 +150,7 @@ class DevicePath {
   // asynchronous): the tensor is sent, or received into, as a flat
   // contiguous buffer.
   WorkPtr send(const at::Tensor& t, int peer, uint64_t tag) {
+    if (comm_->settings().cudaP2pBytes == 0) return {};
     Route r = route(t, OpType::SEND, size_t(t.nbytes()), true, p2pStream(t, peer, true));
     if (!r.dev) return {};
     at::Tensor buf = t.contiguous();
@@ -158,6 +159,7 @@ class DevicePath {
     });
   }
   WorkPtr recv(const at::Tensor& t, int peer, uint64_t tag) {
+    if (comm_->settings().cudaP2pBytes == 0) return {};
     Route r = route(t, OpType::RECV, size_t(t.nbytes()), true, p2pStream(t, peer, false));
     if (!r.dev) return {};
     at::Tensor buf = contiguousOutput(t);
@@ -241,8 +243,9 @@ class DevicePath {
     } catch (...) {
       rethrowForTorch(std::current_exception());
     }
-    if (first && dev.status() != "ok" && comm_->settings().cudaIpc) {
-      TORCH_WARN("clawcomm: CUDA IPC is not used on ", t.device(), ": ", dev.status());
+    const std::string status = dev.status();
+    if (first && status != "ok" && status != "not set up" && comm_->settings().cudaIpc) {
+      TORCH_WARN("clawcomm: CUDA IPC is not used on ", t.device(), ": ", status);
     }
     if (ipc) r.dev = &dev;
     return r;
