@@ -59,7 +59,7 @@ gpu_tests() {
 
 benchmarks() {
   mps_on
-  python3 bench/gpu_kernels_bench.py --json "$OUT/gpu_kernels.json" | tee "$OUT/gpu_kernels.txt"
+  python3 bench/gpu_kernels_bench.py --profile --json "$OUT/gpu_kernels.json" | tee "$OUT/gpu_kernels.txt"
   latency
   clawcomm bench --device cuda --nproc 2 --compare gloo -b 8 -e 64M -f 4 --quiet \
     --json "$OUT/cuda_2ranks.json" --plot "$OUT/cuda_2ranks.png" | tee "$OUT/cuda_2ranks.txt"
