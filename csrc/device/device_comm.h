@@ -97,9 +97,10 @@ class DeviceComm {
   // the message; send and receive: theirs) from `s.caller` goes through
   // IPC; if not, the caller stages it through the communicator. Sends and
   // receives go through IPC only with CLAWCOMM_CUDA_P2P_BYTES set, when the
-  // message fits a ring and the caller's stream is not being captured. A call too large for the
-  // graph channel while `s.caller` is being captured is an InvalidArgument (staging cannot be
-  // captured). Sets the IPC group up at the first call that could use it.
+  // message fits a ring and the caller's stream is not being captured. A
+  // collective too large for the graph channel while `s.caller` is being
+  // captured is an InvalidArgument (staging cannot be captured). Sets the
+  // IPC group up at the first call that could use it.
   bool ipc(OpType op, size_t bytesPerRank, const Streams& s);
   // The all-reduce algorithm for `bytes`: one-shot up to a threshold that
   // depends on the world size (CLAWCOMM_CUDA_ONESHOT_BYTES overrides it),

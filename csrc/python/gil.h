@@ -4,8 +4,9 @@
 // side still holds; torch takes the GIL to free that object. A thread that
 // holds the GIL while it joins would wait forever (seen as a rank hung at exit
 // after an abort, one run in twenty). Every path that may drop such a last
-// reference from Python (an object's deallocation, a capsule's destructor)
-// goes through releaseWithoutGil.
+// reference from Python (an object's deallocation, a capsule's destructor,
+// torch destroying the c10d backend) goes through releaseWithoutGil; the
+// torch adapter includes this header too.
 #pragma once
 
 #include <pybind11/pybind11.h>

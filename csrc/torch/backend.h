@@ -13,14 +13,13 @@
 // process_group.cc.
 #pragma once
 
-#include <pybind11/pybind11.h>
-
 #include <map>
 #include <optional>
 #include <thread>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <utility>
 
+#include "python/gil.h"
 #include "torch/adapter_helpers.h"
 #include "torch/device_path.h"
 #include "torch/work.h"
@@ -42,17 +41,11 @@ class ClawcommBackend : public c10d::Backend {
     }
   }
 
-  // torch may destroy a backend from Python, holding the GIL. The last
-  // reference to the communicator joins its progress thread, which may be
-  // finishing an operation's callback and freeing a tensor whose Python
-  // object only its C++ side still holds (torch takes the GIL for that):
-  // the device calls and the communicator go without the GIL.
+  // torch may destroy a backend from Python, holding the GIL: the device
+  // calls and the communicator go without it (python/gil.h says why).
   ~ClawcommBackend() override {
-    if (PyGILState_Check()) {
-      pybind11::gil_scoped_release nogil;
-      device_.reset();
-      comm_.reset();
-    }
+    releaseWithoutGil(device_);
+    releaseWithoutGil(comm_);
   }
 
   const std::string getBackendName() const override { return "clawcomm"; }

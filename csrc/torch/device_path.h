@@ -198,7 +198,7 @@ class DevicePath {
 
   // The stream of the sends to `peer` (or receives from it) on t's device.
   std::optional<c10::Stream> p2pStream(const at::Tensor& t, int peer, bool sending) {
-    if (!t.is_cuda() || !cuda::built() || comm_->settings().cudaP2pBytes == 0) return {};
+    if (!t.is_cuda() || !cuda::built()) return {};
     std::lock_guard<std::mutex> lock(streamsMutex_);
     const auto key = std::make_tuple(t.device().index(), peer, sending);
     auto it = p2pStreams_.find(key);

@@ -39,13 +39,10 @@ PYBIND11_MODULE(_C_torch, m) {
             // with different pybind11 copies, which need not share types.
             auto* p = new std::shared_ptr<clawcomm::Communicator>(b.sharedCommunicator());
             return py::capsule(p, "clawcomm.Engine", [](void* q) {
-              // Maybe the last reference: dropped without the GIL (backend.h).
+              // Maybe the last reference: dropped without the GIL.
               std::unique_ptr<std::shared_ptr<clawcomm::Communicator>> owned(
                   static_cast<std::shared_ptr<clawcomm::Communicator>*>(q));
-              if (PyGILState_Check()) {
-                py::gil_scoped_release nogil;
-                owned.reset();
-              }
+              clawcomm::releaseWithoutGil(owned);
             });
           },
           "A handle for clawcomm._C._engine_from_handle (use clawcomm.engine_of()).");
