@@ -141,6 +141,8 @@ void Communicator::countExternal(OpType type, uint64_t sent, uint64_t received) 
 // ---------------------------------------------------------------------------
 // Queue and progress thread.
 
+thread_local bool Communicator::Blocking::active_ = false;
+
 RequestPtr Communicator::enqueueCollective(const OpSignature& sig, size_t bytes,
                                            std::function<void(Channel&)> run, Callback cb) {
   auto op = std::make_unique<Op>();
@@ -158,7 +160,8 @@ RequestPtr Communicator::enqueueCollective(const OpSignature& sig, size_t bytes,
     // Small and nothing ahead of it: run it right here. The progress thread
     // stays parked until it is done (inlineBusy_), so one thread at a time
     // drives the messenger and issue order is kept.
-    runHere = bytes <= settings_.inlineMaxBytes && queue_.empty() && !threadBusy_ && !inlineBusy_;
+    runHere = (bytes <= settings_.inlineMaxBytes || Blocking::active()) && queue_.empty() &&
+              !threadBusy_ && !inlineBusy_;
     if (runHere) {
       inlineBusy_ = true;
       inlineThread_ = std::this_thread::get_id();

@@ -47,6 +47,26 @@ class Communicator {
  public:
   using Callback = Request::Callback;
 
+  // A scope in which the calling thread waits for each collective it issues
+  // (torch's async_op=False, the engine's Python calls). There a collective
+  // of any size runs on the calling thread when nothing is queued ahead of
+  // it, as small ones always do (CLAWCOMM_INLINE_BYTES), instead of going
+  // to the progress thread and back: on 2 ranks of a 2-core host the two
+  // hand-offs cost 20-40 us a call, and the woken threads can land on the
+  // core where the peer's copy runs. Scopes nest; the innermost one counts.
+  class Blocking {
+   public:
+    explicit Blocking(bool on = true) : saved_(active_) { active_ = on; }
+    ~Blocking() { active_ = saved_; }
+    Blocking(const Blocking&) = delete;
+    Blocking& operator=(const Blocking&) = delete;
+    static bool active() { return active_; }
+
+   private:
+    bool saved_;
+    static thread_local bool active_;
+  };
+
   // Connects to every rank of the group through `store` (blocking).
   Communicator(std::shared_ptr<Store> store, int rank, int size, std::chrono::milliseconds timeout,
                Settings settings = Settings::fromEnv());
@@ -203,6 +223,7 @@ class Communicator {
   void idleSpin(std::unique_lock<std::mutex>& lock);
   void runCollective(Op& op);
   void startPointToPoint(std::unique_ptr<Op> op);
+  void startQueuedPointToPoint();
   void progressPointToPoint(bool startedOne, Clock::time_point& idleSince,
                             Clock::time_point stopDeadline);
   bool completeIfBroken(Op& op);

@@ -121,6 +121,25 @@ void Communicator::startPointToPoint(std::unique_ptr<Op> op) {
   }
 }
 
+void Communicator::startQueuedPointToPoint() {
+  // Every send and receive queued behind the one just started starts before
+  // the messenger's next pass: a send/recv pair issued as receive then send
+  // must post its send (a single-copy reference the peer reads meanwhile)
+  // before this thread spends a pass reading the peer's payload. Posted one
+  // per pass, the two ranks' reads ran one after the other (a 4 MiB pair:
+  // 400 us against 160 for the reads at once).
+  while (true) {
+    std::unique_ptr<Op> next;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (queue_.empty() || !queue_.front()->pointToPoint) return;
+      next = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    startPointToPoint(std::move(next));
+  }
+}
+
 void Communicator::progressPointToPoint(bool startedOne, Clock::time_point& idleSince,
                                         Clock::time_point stopDeadline) {
   try {
@@ -174,6 +193,7 @@ void Communicator::progressLoop() {
       idleSince = Clock::now();
       if (op->pointToPoint) {
         startPointToPoint(std::move(op));
+        startQueuedPointToPoint();
       } else {
         runCollective(*op);
       }

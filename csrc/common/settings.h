@@ -62,10 +62,12 @@ struct Settings {
   enum class SingleCopy { kAuto, kCma, kAll, kOff };
   SingleCopy singleCopy = SingleCopy::kAuto;
   // CLAWCOMM_SINGLE_COPY_BYTES: frames of at least this many payload bytes
-  // go by single copy (smaller ones stay in the ring: their copies hit the
-  // cache, while the kernel pins every page it reads, which here makes a
-  // 1 MiB read from 4 KiB pages take 130 us against memcpy's 20 us).
-  size_t singleCopyMinBytes = size_t(4) << 20;
+  // go by single copy. Smaller ones stay in the ring: their copies hit the
+  // cache, while the kernel pins every page it reads (a 256 KiB read from
+  // 4 KiB pages costs more than the ring's two copies). From 1 MiB one copy
+  // wins (2 ranks, 2 MiB frames of an all-gather: 149 us against the ring's
+  // 232; a 2 MiB send/recv pair 155 against 342; docs/benchmarks.md).
+  size_t singleCopyMinBytes = size_t(1) << 20;
   // CLAWCOMM_SEGMENT_BYTES: ring algorithms pipeline each chunk in segments of
   // at most this many bytes.
   size_t segmentBytes = size_t(1) << 20;

@@ -195,12 +195,19 @@ void Messenger::deliver(Transfer& stash, Transfer& recv) {
 }
 
 bool Messenger::progress() {
+  // Sends to every peer first: a receive's pass may read a whole chunk of
+  // a peer's payload by single copy, and a send (or reference) posted after
+  // it would leave its reader idle that long.
   bool moved = false;
   for (int p = 0; p < size_; ++p) {
     if (p == rank_) continue;
     PeerState& ps = peers_[p];
     moved |= settleReferences(ps);
     moved |= progressSend(ps);
+  }
+  for (int p = 0; p < size_; ++p) {
+    if (p == rank_) continue;
+    PeerState& ps = peers_[p];
     moved |= progressRecv(p, ps);
     moved |= progressParked(ps);
   }

@@ -7,6 +7,7 @@
 
 #include <string>
 
+#include "comm/communicator.h"
 #include "comm/request.h"
 #include "common/dtype.h"
 
@@ -38,13 +39,15 @@ void checkSameType(const std::string& op, const Buffer& a, const Buffer& b);
 int finish(const RequestPtr& request);
 
 // Issues one operation and waits for it, all in one release of the GIL
-// (small collectives run inline, so this is the whole call).
+// (a collective runs inline, Communicator::Blocking, so this is the whole
+// call).
 template <typename Issue>
 int run(Issue issue) {
   namespace py = pybind11;
   RequestPtr request;
   {
     py::gil_scoped_release release;
+    Communicator::Blocking blocking;
     request = issue();
     request->waitFor(std::chrono::milliseconds(-1));
   }

@@ -378,8 +378,10 @@ void bindEngine(py::module_& m) {
             RequestPtr sent, received;
             {
               py::gil_scoped_release release;
-              received = c.recv(r.data, r.count, src, tag);
+              // The send first: its reference (single copy) or first bytes
+              // reach the peer while this rank's receive is being posted.
               sent = c.send(s.data, s.count, dst, tag);
+              received = c.recv(r.data, r.count, src, tag);
             }
             finish(sent);
             finish(received);

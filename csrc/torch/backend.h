@@ -190,6 +190,13 @@ class ClawcommBackend : public c10d::Backend {
     return work;
   }
 
+  // The caller waits for the operation it issues now (async_op=False): a
+  // CPU collective may then run on its thread (Communicator::Blocking).
+  template <typename Opts>
+  static Communicator::Blocking blockingIf(const Opts& opts) {
+    return Communicator::Blocking(!isAsync(opts));
+  }
+
   // Queues one engine operation. `outputs` is what the future yields,
   // `buffers` the tensors the engine reads and writes (replaced by pinned
   // host mirrors when they live on a GPU: the `issue` callback reads them
@@ -207,6 +214,10 @@ class ClawcommBackend : public c10d::Backend {
       }
     }
     completion->future = makeFuture(devices);
+    // Inline only on the CPU and outside a coalesced group: a staged CUDA
+    // collective leaves the host free while it runs, as before.
+    const Communicator::Blocking blocking(Communicator::Blocking::active() && devices.empty() &&
+                                          !coalescing_);
     if (!devices.empty()) {
       auto staging = std::make_shared<DeviceStaging>(devices[0], device_->streamFor(devices[0]));
       for (auto& b : buffers) *b.tensor = staging->mirror(*b.tensor, b.access);

@@ -8,6 +8,7 @@ namespace adapter {
 c10::intrusive_ptr<c10d::Work> ClawcommBackend::allreduce(TensorList& tensors,
                                                           const c10d::AllreduceOptions& opts) {
   const char* op = "allreduce";
+  const auto blocking = blockingIf(opts);
   if (tensors.size() == 1 && tensors[0].defined() && tensors[0].is_sparse()) {
     return allreduceSparse(tensors[0], opts);
   }
@@ -92,6 +93,7 @@ c10::intrusive_ptr<c10d::Work> ClawcommBackend::allreduceSparse(
 c10::intrusive_ptr<c10d::Work> ClawcommBackend::allreduce_coalesced(
     TensorList& tensors, const c10d::AllreduceCoalescedOptions& opts) {
   const char* op = "allreduce_coalesced";
+  const auto blocking = blockingIf(opts);
   const DataType dt = checkTensors(op, tensors);
   const ReduceOp redop = toReduceOp(op, opts.reduceOp);
   at::Tensor buf = concat(tensors);
@@ -106,6 +108,7 @@ c10::intrusive_ptr<c10d::Work> ClawcommBackend::allreduce_coalesced(
 c10::intrusive_ptr<c10d::Work> ClawcommBackend::reduce(TensorList& tensors,
                                                        const c10d::ReduceOptions& opts) {
   const char* op = "reduce";
+  const auto blocking = blockingIf(opts);
   const DataType dt = checkTensors(op, tensors);
   const at::Tensor& t = single(op, tensors);
   const ReduceOp redop = toReduceOp(op, opts.reduceOp);
@@ -119,6 +122,7 @@ c10::intrusive_ptr<c10d::Work> ClawcommBackend::reduce(TensorList& tensors,
 c10::intrusive_ptr<c10d::Work> ClawcommBackend::broadcast(TensorList& tensors,
                                                           const c10d::BroadcastOptions& opts) {
   const char* op = "broadcast";
+  const auto blocking = blockingIf(opts);
   const DataType dt = checkTensors(op, tensors);
   const at::Tensor& t = single(op, tensors);
   const int root = rootOf(op, opts.rootRank);
@@ -131,8 +135,9 @@ c10::intrusive_ptr<c10d::Work> ClawcommBackend::broadcast(TensorList& tensors,
 
 c10::intrusive_ptr<c10d::Work> ClawcommBackend::allgather(std::vector<TensorList>& outputs,
                                                           TensorList& inputs,
-                                                          const c10d::AllgatherOptions&) {
+                                                          const c10d::AllgatherOptions& opts) {
   const char* op = "allgather";
+  const auto blocking = blockingIf(opts);
   const DataType dt = checkTensors(op, inputs);
   const at::Tensor& in = single(op, inputs);
   TORCH_CHECK_VALUE(outputs.size() == 1, "clawcomm::allgather: expects one output list, got ",
@@ -155,6 +160,7 @@ c10::intrusive_ptr<c10d::Work> ClawcommBackend::allgather(std::vector<TensorList
 c10::intrusive_ptr<c10d::Work> ClawcommBackend::_allgather_base(
     at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
   const char* op = "all_gather_into_tensor";
+  const auto blocking = blockingIf(opts);
   const DataType dt = checkTensors(op, {input, output});
   checkNumel(op, "the output", output.numel(), input.numel() * getSize());
   if (auto work = device_->allGather(output, input, dt, isAsync(opts))) return track(work);
@@ -167,8 +173,9 @@ c10::intrusive_ptr<c10d::Work> ClawcommBackend::_allgather_base(
 }
 
 c10::intrusive_ptr<c10d::Work> ClawcommBackend::allgather_into_tensor_coalesced(
-    TensorList& outputs, TensorList& inputs, const c10d::AllgatherOptions&) {
+    TensorList& outputs, TensorList& inputs, const c10d::AllgatherOptions& opts) {
   const char* op = "allgather_into_tensor_coalesced";
+  const auto blocking = blockingIf(opts);
   TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "clawcomm::", op, ": ", outputs.size(),
                     " outputs for ", inputs.size(), " inputs");
   TensorList all = inputs;
@@ -200,8 +207,9 @@ c10::intrusive_ptr<c10d::Work> ClawcommBackend::allgather_into_tensor_coalesced(
 }
 
 c10::intrusive_ptr<c10d::Work> ClawcommBackend::allgather_coalesced(
-    std::vector<TensorList>& outputLists, TensorList& inputs, const c10d::AllgatherOptions&) {
+    std::vector<TensorList>& outputLists, TensorList& inputs, const c10d::AllgatherOptions& opts) {
   const char* op = "allgather_coalesced";
+  const auto blocking = blockingIf(opts);
   const DataType dt = checkTensors(op, inputs);
   // outputLists[r][i] receives rank r's inputs[i].
   TORCH_CHECK_VALUE(int(outputLists.size()) == getSize(), "clawcomm::", op, ": ",
@@ -228,6 +236,7 @@ c10::intrusive_ptr<c10d::Work> ClawcommBackend::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<TensorList>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   const char* op = "reduce_scatter";
+  const auto blocking = blockingIf(opts);
   const DataType dt = checkTensors(op, outputs);
   const at::Tensor& out = single(op, outputs);
   TORCH_CHECK_VALUE(inputs.size() == 1, "clawcomm::", op, ": expects one input list, got ",
@@ -250,6 +259,7 @@ c10::intrusive_ptr<c10d::Work> ClawcommBackend::reduce_scatter(
 c10::intrusive_ptr<c10d::Work> ClawcommBackend::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
   const char* op = "reduce_scatter_tensor";
+  const auto blocking = blockingIf(opts);
   const DataType dt = checkTensors(op, {input, output});
   checkNumel(op, "the input", input.numel(), output.numel() * getSize());
   const ReduceOp redop = toReduceOp(op, opts.reduceOp);
@@ -268,6 +278,7 @@ c10::intrusive_ptr<c10d::Work> ClawcommBackend::_reduce_scatter_base(
 c10::intrusive_ptr<c10d::Work> ClawcommBackend::reduce_scatter_tensor_coalesced(
     TensorList& outputs, TensorList& inputs, const c10d::ReduceScatterOptions& opts) {
   const char* op = "reduce_scatter_tensor_coalesced";
+  const auto blocking = blockingIf(opts);
   TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "clawcomm::", op, ": ", outputs.size(),
                     " outputs for ", inputs.size(), " inputs");
   TensorList all = inputs;
@@ -304,6 +315,7 @@ c10::intrusive_ptr<c10d::Work> ClawcommBackend::alltoall_base(at::Tensor& output
                                                               std::vector<int64_t>& inputSplits,
                                                               const c10d::AllToAllOptions& opts) {
   const char* op = "alltoall_base";
+  const auto blocking = blockingIf(opts);
   const DataType dt = checkTensors(op, {input, output});
   const int n = getSize();
   auto countsOf = [&](const at::Tensor& t, const std::vector<int64_t>& splits, const char* what) {
@@ -347,8 +359,9 @@ c10::intrusive_ptr<c10d::Work> ClawcommBackend::alltoall_base(at::Tensor& output
 }
 
 c10::intrusive_ptr<c10d::Work> ClawcommBackend::alltoall(TensorList& outputs, TensorList& inputs,
-                                                         const c10d::AllToAllOptions&) {
+                                                         const c10d::AllToAllOptions& opts) {
   const char* op = "alltoall";
+  const auto blocking = blockingIf(opts);
   TORCH_CHECK_VALUE(int(outputs.size()) == getSize() && int(inputs.size()) == getSize(),
                     "clawcomm::", op, ": expects ", getSize(), " inputs and outputs, got ",
                     inputs.size(), " and ", outputs.size());
@@ -372,6 +385,7 @@ c10::intrusive_ptr<c10d::Work> ClawcommBackend::gather(std::vector<TensorList>& 
                                                        TensorList& inputs,
                                                        const c10d::GatherOptions& opts) {
   const char* op = "gather";
+  const auto blocking = blockingIf(opts);
   const DataType dt = checkTensors(op, inputs);
   const at::Tensor& in = single(op, inputs);
   const int root = rootOf(op, opts.rootRank);
@@ -403,6 +417,7 @@ c10::intrusive_ptr<c10d::Work> ClawcommBackend::scatter(TensorList& outputs,
                                                         std::vector<TensorList>& inputs,
                                                         const c10d::ScatterOptions& opts) {
   const char* op = "scatter";
+  const auto blocking = blockingIf(opts);
   const DataType dt = checkTensors(op, outputs);
   const at::Tensor& out = single(op, outputs);
   const int root = rootOf(op, opts.rootRank);

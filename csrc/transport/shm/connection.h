@@ -32,10 +32,10 @@ namespace clawcomm {
 class ShmMapping;
 
 struct SingleCopyPolicy {
-  bool probe = true;     // try cross-memory attach with every peer (auto, cma)
-  bool required = true;  // a failed probe is an error (cma, all)
-  bool everyOp = false;  // reductions and broadcast by reference too (all)
-  size_t minBytes = size_t(4) << 20;
+  bool probe = true;                  // try cross-memory attach with every peer (auto, cma)
+  bool required = true;               // a failed probe is an error (cma, all)
+  bool everyOp = false;               // reductions and broadcast by reference too (all)
+  size_t minBytes = size_t(1) << 20;  // Settings::singleCopyMinBytes
 };
 
 class ShmEndpoint : public Endpoint {
