@@ -83,3 +83,36 @@ def test_the_last_reference_dropped_from_python_never_waits_on_the_gil():
     (it did, and the rank hung at exit)."""
     for took in run_ranks(_last_reference_from_python, 2, timeout=60):
         assert took < 5, took
+
+
+# --- blocking calls run where they are waited for ---------------------------
+
+BIG = 1 << 20  # 4 MiB of float32: above CLAWCOMM_INLINE_BYTES
+
+
+def _async_returns_at_once(rank, ws):
+    a = torch.full((BIG,), float(rank + 1))
+    b = torch.full((BIG,), float(rank + 10))
+    if rank == 1:
+        time.sleep(1.0)  # rank 0's calls find no partner for a second
+    start = time.monotonic()
+    work = dist.all_reduce(a, async_op=True)
+    returned = time.monotonic() - start
+    pending = not work.is_completed()
+    dist.all_reduce(b)  # blocking, queued behind `a`: runs after it
+    work.wait()
+    return returned, pending, a[::4096].tolist(), b[::4096].tolist()
+
+
+def test_an_async_collective_returns_at_once_and_a_blocking_one_keeps_its_place():
+    """A blocking collective (async_op=False) runs on the caller's thread at
+    any size; an asynchronous one must still return at once, its bytes
+    moved by the progress thread while the caller goes on (what overlap in
+    DDP and the trainer rests on), and a blocking call queued behind it
+    must wait its turn."""
+    results = run_ranks(_async_returns_at_once, 2)
+    returned, pending, a, b = results[0]
+    assert returned < 0.5, f"all_reduce(async_op=True) took {returned:.2f} s to return"
+    assert pending, "the async all_reduce completed before its peer joined"
+    for _, _, a, b in results:
+        assert a == [3.0] * len(a) and b == [21.0] * len(b)

@@ -160,8 +160,11 @@ RequestPtr Communicator::enqueueCollective(const OpSignature& sig, size_t bytes,
     // Small and nothing ahead of it: run it right here. The progress thread
     // stays parked until it is done (inlineBusy_), so one thread at a time
     // drives the messenger and issue order is kept.
-    runHere = (bytes <= settings_.inlineMaxBytes || Blocking::active()) && queue_.empty() &&
-              !threadBusy_ && !inlineBusy_;
+    // CLAWCOMM_INLINE_BYTES=0 keeps every collective off the caller's
+    // thread, a blocking call's too.
+    const bool inlineAllowed =
+        bytes <= settings_.inlineMaxBytes || (Blocking::active() && settings_.inlineMaxBytes > 0);
+    runHere = inlineAllowed && queue_.empty() && !threadBusy_ && !inlineBusy_;
     if (runHere) {
       inlineBusy_ = true;
       inlineThread_ = std::this_thread::get_id();

@@ -87,8 +87,9 @@ struct Settings {
   // CLAWCOMM_INLINE_BYTES: a collective of at most this many bytes, issued
   // while nothing else is queued, runs on the calling thread instead of
   // being handed to the progress thread, which saves two thread wake-ups.
-  // Larger ones always run on the progress thread, so that the caller can
-  // compute while they move. 0 disables.
+  // Larger ones run on the progress thread, so that the caller can compute
+  // while they move, unless the caller waits for them anyway (a blocking
+  // call: Communicator::Blocking). 0 disables both.
   size_t inlineMaxBytes = size_t(1) << 20;
   // CLAWCOMM_PROGRESS_NICE (0..19): the nice value of each communicator's
   // progress thread. A higher value makes the thread give way to the
