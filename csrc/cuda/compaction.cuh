@@ -98,8 +98,11 @@ __global__ void countKernel(size_t chunks, size_t n, const uint32_t* nOnDevice, 
   }
 }
 
-// Pass 2, after an exclusive scan of the counts into offsets: emit(i, rank)
-// for every passing entry, from the bits alone.
+// Pass 2, after an exclusive scan of the counts into offsets: for every
+// passing entry i, emit.put(i, rank, emit.fetch(i)), from the bits alone.
+// A thread fetches for all its entries before it puts any (a put stores,
+// and the compiler would not move a later fetch above it), so its loads are
+// in flight together rather than one latency each.
 template <typename Emit>
 __global__ void emitKernel(size_t chunks, size_t n, const uint32_t* nOnDevice,
                            const uint32_t* __restrict__ bits, const uint32_t* __restrict__ offsets,
@@ -114,16 +117,23 @@ __global__ void emitKernel(size_t chunks, size_t n, const uint32_t* nOnDevice,
     uint32_t mine = __popc(word);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) mine += __shfl_xor_sync(0xffffffffu, mine, o);
+    const size_t base = firstOf(c);
+    uint32_t mask[kItems];
+    typename Emit::Value got[kItems];
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) {
+      mask[j] = __shfl_sync(0xffffffffu, word, j);
+      got[j] = mask[j] >> lane & 1 ? emit.fetch(base + size_t(j) * 32) : typename Emit::Value{};
+    }
     if (lane == 0) warpTotal[warp] = mine;
     __syncthreads();
     uint32_t rank = offsets[c];
     for (int w = 0; w < warp; ++w) rank += warpTotal[w];
-    const size_t base = firstOf(c);
 #pragma unroll
     for (int j = 0; j < kItems; ++j) {
-      const uint32_t mask = __shfl_sync(0xffffffffu, word, j);
-      if (mask >> lane & 1) emit(base + size_t(j) * 32, rank + __popc(mask & before));
-      rank += __popc(mask);
+      if (mask[j] >> lane & 1)
+        emit.put(base + size_t(j) * 32, rank + __popc(mask[j] & before), got[j]);
+      rank += __popc(mask[j]);
     }
     __syncthreads();  // warpTotal is the next chunk's
   }

@@ -198,13 +198,17 @@ struct FoldAtOrAbove {
   }
 };
 
+// The emitters of the compactions (cuda/compaction.cuh): fetch what an
+// entry carries, then put it at its rank.
 struct TakeCandidate {  // moves residual[i] into the candidate list
   float* residual;
   int32_t* idx;
   float* val;
-  __device__ void operator()(size_t i, uint32_t rank) const {
+  using Value = float;
+  __device__ float fetch(size_t i) const { return residual[i]; }
+  __device__ void put(size_t i, uint32_t rank, float v) const {
     idx[rank] = int32_t(i);
-    val[rank] = residual[i];
+    val[rank] = v;
     residual[i] = 0.0f;
   }
 };
@@ -229,7 +233,9 @@ struct IsTie {  // a candidate equal to the k-th largest
 
 struct RecordTieRank {
   uint32_t* tieRank;
-  __device__ void operator()(size_t j, uint32_t rank) const { tieRank[j] = rank; }
+  using Value = uint8_t;  // nothing to fetch
+  __device__ uint8_t fetch(size_t) const { return 0; }
+  __device__ void put(size_t j, uint32_t rank, uint8_t) const { tieRank[j] = rank; }
 };
 
 // Kept: everything when there are at most k candidates; else the ones above
@@ -251,9 +257,14 @@ struct EmitKept {
   const float* candVal;
   int32_t* idx;
   float* val;
-  __device__ void operator()(size_t j, uint32_t rank) const {
-    idx[rank] = candIdx[j];
-    val[rank] = candVal[j];
+  struct Value {
+    int32_t idx;
+    float val;
+  };
+  __device__ Value fetch(size_t j) const { return {candIdx[j], candVal[j]}; }
+  __device__ void put(size_t, uint32_t rank, Value v) const {
+    idx[rank] = v.idx;
+    val[rank] = v.val;
   }
 };
 
