@@ -9,6 +9,7 @@
 #   bash bench/gpu_session.sh bench     # kernels vs copy, host/kernel split, clawcomm bench --device cuda
 #   bash bench/gpu_session.sh sanitize  # compute-sanitizer memcheck and racecheck: kernels and IPC
 #   bash bench/gpu_session.sh latency   # where a small all-reduce's time goes (host, kernel, floor)
+#   bash bench/gpu_session.sh kernels   # the kernels alone against the copy, top-k profiled
 #   bash bench/gpu_session.sh train     # clawcomm train on CUDA: through CUDA IPC against staged
 #   bash bench/gpu_session.sh all       # build, test, bench, sanitize, train
 #
@@ -96,11 +97,11 @@ sanitize() {
       tests/test_gpu_kernels.py -k "1000 and not 100003" 2>&1 | tail -4 | tee -a "$OUT/sanitizer.log"
   done
   # The IPC kernels, in both ranks' processes: one-shot and two-shot
-  # all-reduce, and a graph replay.
+  # all-reduce, a graph replay, and sends and receives through the rings.
   for tool in memcheck racecheck; do
     compute-sanitizer --tool $tool --target-processes all --error-exitcode 9 \
       python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
-      -k "(match_the_cpu_engine and 2-ipc and dtype0 and (1001- or 262144-)) or cuda_graph and 2" \
+      -k "(match_the_cpu_engine and 2-ipc and dtype0 and (1001- or 262144-)) or cuda_graph and 2 or arrive_whole and 67108864-2" \
       2>&1 | tail -4 | tee -a "$OUT/sanitizer.log"
   done
 }
@@ -111,10 +112,11 @@ case "${1:-build}" in
   bench) build && benchmarks ;;
   sanitize) build && sanitize ;;
   latency) build && mps_on && latency && mps_off ;;
+  kernels) build && python3 bench/gpu_kernels_bench.py --profile --json "$OUT/gpu_kernels.json" | tee "$OUT/gpu_kernels.txt" ;;
   train) build && train_runs ;;
   all) build && gpu_tests && benchmarks && sanitize && train_runs ;;
   *)
-    echo "usage: $0 build|test|bench|sanitize|latency|train|all" >&2
+    echo "usage: $0 build|test|bench|sanitize|latency|kernels|train|all" >&2
     exit 2
     ;;
 esac
