@@ -361,6 +361,15 @@ class HostGraph:
     """
     def replay(self) -> None: ...
 
+class HostReceive:
+    """
+    A receive HostDeviceComm.irecv() posted.
+    """
+    def wait(self) -> str:
+        """
+        Waits for the message and copies it into the buffer; returns the route it took.
+        """
+
 class HostDeviceComm:
     """
     The device collectives of an Engine over the host runtime: the CUDA IPC path's setup, routing, kernels' protocol, abort and failure reports, run on the CPU. `device` is the device index this rank claims; `fault` ('none', 'alloc', 'open', 'probe') fails this rank's IPC setup on purpose. Each call returns the route it took ('ipc' or 'staged').
@@ -399,6 +408,16 @@ class HostDeviceComm:
     ) -> str: ...
     def close(self) -> None: ...
     def end_capture(self) -> HostGraph: ...
+    def irecv(
+        self,
+        buf: typing_extensions.Buffer,
+        peer: typing.SupportsInt | typing.SupportsIndex,
+        tag: typing.SupportsInt | typing.SupportsIndex = 0,
+        dtype: typing.Any = None,
+    ) -> HostReceive:
+        """
+        Posts a receive and returns at once: a HostReceive whose wait() delivers it.
+        """
     def reduce_scatter(
         self,
         input: typing_extensions.Buffer,

@@ -181,3 +181,95 @@ def test_a_bad_peer_is_refused_before_anything_moves():
         assert all(e is not None for e in errors), errors
         assert "itself" in errors[0] and "out of range" in errors[1], errors
         assert x == [2.0] * 4
+
+
+def _posted_early(rank, n):
+    """Every rank posts its receive before the send its peer waits for (a
+    pipeline's prefetched receive): rank r receives from r-1 and sends to
+    r+1. Launched when posted, each receive would wait for a message whose
+    send is issued after it (the host runtime runs a stream's work at once,
+    as a GPU queue that holds later work behind a waiting kernel does)."""
+    dev = _dev(rank, "own")
+    to, frm = (rank + 1) % n, (rank - 1) % n
+    got = np.zeros(1001, np.float32)
+    handle = dev.irecv(got, frm, tag=3)
+    dev.send(_message(rank, to, 0, 1001, np.float32), to, tag=3)
+    route = handle.wait()
+    ok = np.array_equal(got, _message(frm, rank, 0, 1001, np.float32))
+    dev.close()
+    return ok, route
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_receive_posted_before_the_send_its_peer_waits_for_does_not_block_it(n):
+    for ok, route in run_ranks(_posted_early, n, env=RINGS, timeout=60, pg_timeout=5):
+        assert ok and route == "ipc", (ok, route)
+
+
+def _pipeline(rank, n):
+    """Two stages, as 1f1b runs them: stage 1 posts its receives for both
+    activations before it computes, waits for the second first, and sends
+    the first gradient before the second activation exists on stage 0."""
+    dev = _dev(rank, "own")
+    act = [np.full(700, 10.0 + i, np.float32) for i in range(2)]
+    grad = [np.full(300, 20.0 + i, np.float32) for i in range(2)]
+    if rank == 0:
+        g0, g1 = np.zeros(300, np.float32), np.zeros(300, np.float32)
+        h0 = dev.irecv(g0, 1, tag=20)  # posted before the forward, as 1f1b does
+        dev.send(act[0], 1, tag=10)
+        h0.wait()  # rank 1's gradient of micro-batch 0
+        dev.send(act[1], 1, tag=11)  # only now: it "needs" the gradient
+        h1 = dev.irecv(g1, 1, tag=21)
+        h1.wait()
+        return [bool((g0 == grad[0]).all()), bool((g1 == grad[1]).all())]
+    a0, a1 = np.zeros(700, np.float32), np.zeros(700, np.float32)
+    h0, h1 = dev.irecv(a0, 0, tag=10), dev.irecv(a1, 0, tag=11)
+    out = []
+    dev.send(grad[0], 0, tag=20)  # sent while both receives are posted
+    out.append(h1.wait() == "ipc")  # the second first: the first is launched before it
+    out.append(h0.wait() == "ipc")
+    dev.send(grad[1], 0, tag=21)
+    out += [bool((a0 == act[0]).all()), bool((a1 == act[1]).all())]
+    dev.close()
+    return out
+
+
+def test_receives_posted_early_are_launched_in_order_when_first_waited_for():
+    first, second = run_ranks(_pipeline, 2, env=RINGS, timeout=60, pg_timeout=5)
+    assert first == [True, True] and second == [True] * 4, (first, second)
+
+
+def _never_waited(rank, n):
+    """A receive posted and dropped unwaited: a later one from the same peer
+    still gets its own message (the dropped one is launched before it), and
+    closing the group with a receive still unwaited neither hangs nor
+    leaves the handle a success."""
+    dev = _dev(rank, "own")
+    if rank == 0:
+        for i in range(3):
+            dev.send(np.full(64, float(i), np.float32), 1, tag=i)
+        dev.all_reduce(np.ones(4, np.float32))  # rank 1 has what it needs
+        dev.close()
+        return None
+    dropped = np.zeros(64, np.float32)
+    dev.irecv(dropped, 0, tag=0)  # the handle goes at once
+    got = np.zeros(64, np.float32)
+    dev.irecv(got, 0, tag=1).wait()
+    unwaited = dev.irecv(np.zeros(64, np.float32), 0, tag=2)
+    dev.all_reduce(np.ones(4, np.float32))
+    dev.close()
+    try:
+        unwaited.wait()
+        late = "no error"
+    except RuntimeError as e:
+        late = str(e)
+    record = json.loads(clawcomm.engine_of().flight_record())["ops"]
+    recvs = [op["state"] for op in record if op["op"] == "recv"]
+    return bool((got == 1.0).all()), late, recvs
+
+
+def test_a_receive_never_waited_for_keeps_the_order_and_ends_with_the_group():
+    _, (ok, late, recvs) = run_ranks(_never_waited, 2, env=RINGS, timeout=60, pg_timeout=5)
+    assert ok
+    assert "destroyed before this receive was waited for" in late, late
+    assert len(recvs) == 3 and recvs[:2] == ["done", "done"] and recvs[2] != "done", recvs

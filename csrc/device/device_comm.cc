@@ -1,59 +1,14 @@
 #include "device/device_comm.h"
 
 #include <algorithm>
-#include <atomic>
 #include <limits>
 
 #include "common/errors.h"
+#include "device/tickets.h"
 
 namespace clawcomm {
 namespace device {
 namespace {
-
-// The kernels' phases, as an error names them.
-const char* phaseName(int phase) {
-  switch (phase) {
-    case kIpcStart: return "start";
-    case kIpcMiddle: return "middle";
-    case kIpcEnd: return "end";
-    case kIpcPhaseSpace: return "send, waiting for room in its ring";
-    case kIpcPhaseData: return "receive, waiting for its message";
-  }
-  return "?";
-}
-
-// "rank 0's CUDA IPC kernel gave up after 5000 ms waiting for rank 1 (block 3,
-// phase start, epoch 12, eager launch): ..."
-std::string describe(const IpcStatus& s, int rank) {
-  if (s.state == kIpcMismatch) {
-    return CLAWCOMM_CONCAT(
-        "rank ", rank, "'s CUDA IPC receive of message ", s.epoch, " from rank ", s.waitedFor,
-        " expected tag ", s.expected.tag, " (", s.expected.bytes, " bytes) and found tag ",
-        s.found.tag, " (", s.found.bytes,
-        " bytes): through CUDA IPC (CLAWCOMM_CUDA_P2P_BYTES), the sends and receives between two "
-        "ranks match in the order they are issued, with the same tag and size; set "
-        "CLAWCOMM_CUDA_P2P_BYTES=0 to stage them, matched by tag");
-  }
-  const std::string where = CLAWCOMM_CONCAT(
-      "rank ", rank, "'s CUDA IPC kernel ", "%s", " rank ", s.waitedFor, " (block ", s.block,
-      ", phase ", phaseName(s.phase), ", epoch ", s.epoch, ", ",
-      s.channel == kIpcGraph ? "graph" : "eager", " launch, after ", s.waitedNs / 1000000, " ms)");
-  auto with = [&](const char* verb, const char* why) {
-    std::string out = where;
-    out.replace(out.find("%s"), 2, verb);
-    return out + why;
-  };
-  switch (s.state) {
-    case kIpcTimedOut:
-      return with("gave up waiting for",
-                  ": the group's timeout passed; the peer died, hangs, or stopped calling "
-                  "collectives");
-    case kIpcAborted: return with("was stopped by abort() while waiting for", "");
-    case kIpcPeerFailed:
-      return with("stopped waiting for", ": a rank of the group gave up first (see its error)");
-  }
-  return CLAWCOMM_CONCAT("rank ", rank, "'s CUDA IPC kernel reported state ", s.state);
-}
 
 IpcKernel kernelOf(Algorithm a) {
   return a == Algorithm::kIpcOneShot ? IpcKernel::kOneShot : IpcKernel::kTwoShot;
@@ -61,84 +16,34 @@ IpcKernel kernelOf(Algorithm a) {
 
 }  // namespace
 
-struct DeviceFlight {
-  DeviceFlight(std::shared_ptr<DeviceRuntime> rt, DeviceRuntime::Event e, Stream s,
-               std::weak_ptr<Communicator> c, uint64_t r, std::shared_ptr<IpcMapping> m)
-      : runtime(std::move(rt)),
-        event(e),
-        stream(s),
-        comm(std::move(c)),
-        record(r),
-        mapping(std::move(m)) {}
-  ~DeviceFlight() { runtime->release(event); }
-
-  // The flight record's entry ends once, ok unless a launch gave up.
-  void end() {
-    if (ended.exchange(true)) return;
-    if (auto c = comm.lock()) c->endExternal(record, mapping->status()->state == kIpcOk);
-  }
-  bool done() {
-    if (!runtime->done(event)) return false;
-    end();
-    return true;
-  }
-
-  std::shared_ptr<DeviceRuntime> runtime;
-  DeviceRuntime::Event event;
-  Stream stream;  // the call ran on it
-  std::weak_ptr<Communicator> comm;
-  uint64_t record;
-  std::shared_ptr<IpcMapping> mapping;
-  std::atomic<bool> ended{false};
-};
-
-// ---------------------------------------------------------------------------
-// DeviceTicket
-
-DeviceTicket::DeviceTicket(std::shared_ptr<DeviceRuntime> runtime,
-                           std::shared_ptr<IpcMapping> mapping,
-                           std::shared_ptr<DeviceFlight> flight, OpType type,
-                           std::weak_ptr<Communicator> comm)
-    : runtime_(std::move(runtime)),
-      mapping_(std::move(mapping)),
-      flight_(std::move(flight)),
-      type_(type),
-      comm_(std::move(comm)) {}
-
-bool DeviceTicket::done() {
-  return !flight_ || flight_->done();
-}
-
-void DeviceTicket::waitOn(Stream s) {
-  if (flight_) runtime_->streamWait(s, flight_->event);
-}
-
-void DeviceTicket::waitHost() {
-  if (!flight_) return;
-  runtime_->waitHost(flight_->event);
-  flight_->end();
-}
-
-std::exception_ptr DeviceTicket::error() const {
-  const IpcStatus* live = mapping_->status();
-  if (live->state == kIpcOk) return nullptr;
-  __atomic_thread_fence(__ATOMIC_ACQUIRE);
-  const std::string why = describe(*live, mapping_->peers[kIpcEager].rank);
-  if (auto comm = comm_.lock()) comm->abort(why);  // so that every rank learns
-  return std::make_exception_ptr(PeerError(opPrefix(type_) + why));
-}
-
 // ---------------------------------------------------------------------------
 // DeviceComm
 
 DeviceComm::DeviceComm(std::shared_ptr<Communicator> comm, std::shared_ptr<DeviceRuntime> runtime)
-    : comm_(std::move(comm)), runtime_(std::move(runtime)) {
+    : comm_(std::move(comm)), runtime_(std::move(runtime)), recvs_(std::make_shared<RecvQueue>()) {
+  recvs_->launch = [this](PendingRecv& p) { launchRecv(p); };
   listener_ = comm_->addFailureListener([this](const std::string&) { abort(); });
 }
 
 DeviceComm::~DeviceComm() {
   comm_->removeFailureListener(listener_);
   if (!comm_->failure().empty()) abort();
+  {
+    // Receives never waited for are never launched: their messages stay
+    // in the peers' rings, which go with the group.
+    std::lock_guard<std::mutex> lock(recvs_->mutex);
+    recvs_->launch = nullptr;
+    for (auto& [peer, queue] : recvs_->byPeer) {
+      for (auto& p : queue) {
+        p->started = true;
+        p->notRun = "the group was destroyed before this receive was waited for";
+        comm_->endExternal(p->record, false);
+        if (p->callerDone) runtime_->release(p->callerDone);
+        p->callerDone = nullptr;
+      }
+    }
+    recvs_->byPeer.clear();
+  }
   try {
     reap(/*wait=*/true);
   } catch (...) {  // a destructor reports nothing; the calls' Works report their errors
@@ -244,25 +149,30 @@ void DeviceComm::checkHealthy(OpType op) {
 }
 
 void DeviceComm::reap(bool wait) {
-  if (inFlight_.empty()) return;
   if (wait) {
-    for (auto& f : inFlight_) runtime_->waitHost(f->event);
-  } else if (inFlight_.size() < kReapEvery) {
-    return;
-  } else {
-    const Stream newest = inFlight_.back()->stream;
-    const bool oneStream = std::all_of(inFlight_.begin(), inFlight_.end(),
-                                       [&](const auto& f) { return f->stream == newest; });
-    if (!oneStream || !inFlight_.back()->done()) {
-      // Behind, or calls on several streams (sends and receives run on
-      // their own): settle those that are done.
-      inFlight_.erase(std::remove_if(inFlight_.begin(), inFlight_.end(),
-                                     [](const auto& f) { return f->done(); }),
-                      inFlight_.end());
-      return;
+    std::deque<std::shared_ptr<DeviceFlight>> all;
+    {
+      std::lock_guard<std::mutex> lock(recvs_->mutex);
+      all.swap(inFlight_);
     }
+    for (auto& f : all) runtime_->waitHost(f->event);
+    for (auto& f : all) f->end();
+    return;
   }
-  // Waited for, or on one stream whose newest is done: every one is done.
+  // Not waiting: the caller holds recvs_->mutex.
+  if (inFlight_.size() < kReapEvery) return;
+  const Stream newest = inFlight_.back()->stream;
+  const bool oneStream = std::all_of(inFlight_.begin(), inFlight_.end(),
+                                     [&](const auto& f) { return f->stream == newest; });
+  if (!oneStream || !inFlight_.back()->done()) {
+    // Behind, or calls on several streams (sends and receives run on
+    // their own): settle those that are done.
+    inFlight_.erase(
+        std::remove_if(inFlight_.begin(), inFlight_.end(), [](const auto& f) { return f->done(); }),
+        inFlight_.end());
+    return;
+  }
+  // On one stream whose newest is done: every one is done.
   for (auto& f : inFlight_) f->end();
   inFlight_.clear();
 }
@@ -274,7 +184,10 @@ TicketPtr DeviceComm::issue(OpSignature sig, uint64_t bytes, uint64_t sent, uint
   const bool captured = s.captured;
   // Querying an event is not allowed while a stream captures (torch's
   // default capture mode invalidates the graph): reap on eager calls only.
-  if (!captured) reap(/*wait=*/false);
+  if (!captured) {
+    std::lock_guard<std::mutex> lock(recvs_->mutex);
+    reap(/*wait=*/false);
+  }
   const IpcGroup::Launch how{captured ? s.caller : s.run, captured ? kIpcGraph : kIpcEager,
                              uint64_t(comm_->timeout().count()) * 1000000};
   const uint64_t record = comm_->beginExternal(sig, bytes, peer);
@@ -297,7 +210,10 @@ TicketPtr DeviceComm::issue(OpSignature sig, uint64_t bytes, uint64_t sent, uint
   }
   auto flight = std::make_shared<DeviceFlight>(runtime_, runtime_->record(s.run), s.run, comm_,
                                                record, mapping);
-  inFlight_.push_back(flight);
+  {
+    std::lock_guard<std::mutex> lock(recvs_->mutex);
+    inFlight_.push_back(flight);
+  }
   return std::make_shared<DeviceTicket>(runtime_, mapping, flight, sig.type, comm_);
 }
 
@@ -380,11 +296,63 @@ TicketPtr DeviceComm::send(const void* buf, size_t bytes, int peer, uint64_t tag
 
 TicketPtr DeviceComm::recv(void* buf, size_t bytes, int peer, uint64_t tag, Streams s) {
   checkPeer(OpType::kRecv, peer);
+  checkHealthy(OpType::kRecv);
+  CLAWCOMM_CHECK(!s.captured, opPrefix(OpType::kRecv), "a receive cannot be captured");
   OpSignature sig{OpType::kRecv, DataType::kUInt8, ReduceOp::kSum, -1, bytes};
   sig.algo = Algorithm::kIpc;
-  return issue(
-      sig, bytes, 0, bytes, s,
-      [&](const IpcGroup::Launch& how) { group_->recv(buf, bytes, peer, tag, how); }, peer);
+  auto p = std::make_shared<PendingRecv>();
+  p->peer = peer;
+  p->out = buf;
+  p->bytes = bytes;
+  p->tag = tag;
+  p->run = s.run;
+  p->then = std::move(s.then);
+  p->keep = std::move(s.keep);
+  {
+    std::lock_guard<std::mutex> lock(recvs_->mutex);
+    reap(/*wait=*/false);
+    p->slot = group_->placeRecv(bytes, peer);
+    p->record = comm_->beginExternal(sig, bytes, peer);
+    // What the caller issued before it (the buffer's allocation) comes first.
+    if (s.run != s.caller) p->callerDone = runtime_->record(s.caller);
+    recvs_->byPeer[peer].push_back(p);
+  }
+  comm_->countExternal(OpType::kRecv, 0, bytes);
+  return std::make_shared<DeviceTicket>(runtime_, group_->mapping(), nullptr, OpType::kRecv, comm_,
+                                        p, recvs_);
+}
+
+void DeviceComm::launchRecv(PendingRecv& p) {
+  std::shared_ptr<IpcGroup> group;
+  bool aborted;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    group = group_;
+    aborted = aborted_;
+  }
+  const IpcStatus status = group->status();
+  if (comm_->failed()) {
+    p.notRun = "the communicator was aborted by an earlier error: " + comm_->failure();
+  } else if (aborted) {
+    p.notRun = "the device collectives were aborted before this receive was waited for";
+  } else if (status.state != kIpcOk) {
+    p.notRun = describe(status, comm_->rank());
+  } else {
+    try {
+      if (p.callerDone) runtime_->streamWait(p.run, p.callerDone);
+      const IpcGroup::Launch how{p.run, kIpcEager, uint64_t(comm_->timeout().count()) * 1000000};
+      group->recv(p.slot, p.out, p.bytes, p.peer, p.tag, how);
+      if (p.then) p.then();
+      p.flight = std::make_shared<DeviceFlight>(runtime_, runtime_->record(p.run), p.run, comm_,
+                                                p.record, group->mapping());
+      inFlight_.push_back(p.flight);
+    } catch (const std::exception& e) {
+      p.notRun = e.what();
+    }
+  }
+  if (!p.notRun.empty()) comm_->endExternal(p.record, false);
+  if (p.callerDone) runtime_->release(p.callerDone);
+  p.callerDone = nullptr;
 }
 
 void DeviceComm::abort() {

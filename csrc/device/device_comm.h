@@ -41,14 +41,23 @@ namespace device {
 // A call's completion (device_comm.cc): its pooled event and its flight
 // record, ended by whoever sees the event done first.
 struct DeviceFlight;
+// A receive through the rings that is placed but not launched yet, and the
+// queue of them that a DeviceComm shares with its tickets (device_comm.cc).
+struct PendingRecv;
+struct RecvQueue;
 
 // One IPC call in flight: what a Work waits on.
 class DeviceTicket {
  public:
   // `flight`: null for a captured call, which runs when its graph is replayed.
   DeviceTicket(std::shared_ptr<DeviceRuntime> runtime, std::shared_ptr<IpcMapping> mapping,
-               std::shared_ptr<DeviceFlight> flight, OpType type, std::weak_ptr<Communicator> comm);
+               std::shared_ptr<DeviceFlight> flight, OpType type, std::weak_ptr<Communicator> comm,
+               std::shared_ptr<PendingRecv> pending = nullptr, std::weak_ptr<RecvQueue> queue = {});
 
+  // A receive through the rings is launched here, or by any of the calls
+  // below, or when a later receive from the same peer is (see
+  // DeviceComm::recv); anything else was launched when it was issued.
+  void start();
   // Whether its stream got past it.
   bool done();
   // `s` waits for it; the host does not.
@@ -61,11 +70,17 @@ class DeviceTicket {
   std::exception_ptr error() const;
 
  private:
+  // The call's completion once launched (null: a captured call, or a
+  // receive that was never launched).
+  DeviceFlight* flight();
+
   std::shared_ptr<DeviceRuntime> runtime_;
   std::shared_ptr<IpcMapping> mapping_;
   std::shared_ptr<DeviceFlight> flight_;
   OpType type_;
   std::weak_ptr<Communicator> comm_;
+  std::shared_ptr<PendingRecv> pending_;
+  std::weak_ptr<RecvQueue> queue_;
 };
 using TicketPtr = std::shared_ptr<DeviceTicket>;
 
@@ -87,11 +102,13 @@ class DeviceComm {
   // own flags and areas. `then`, if set, is enqueued on the stream the call ran on after
   // the collective and before its completion is recorded, so waiting for the call waits for it too
   // (the adapter's copy back into a non-contiguous tensor).
+  // `keep`: held until the call is launched (a receive's buffer).
   struct Streams {
     Stream caller;
     Stream run;
     bool captured;
     std::function<void()> then;
+    std::shared_ptr<void> keep;
   };
   // Whether a call of `op` moving `bytesPerRank` (all-reduce and broadcast:
   // the message; send and receive: theirs) from `s.caller` goes through
@@ -117,6 +134,18 @@ class DeviceComm {
   TicketPtr allToAll(const void* in, void* out, size_t countPerRank, DataType type, Streams s);
   // Point-to-point (ipc() said yes for kSend / kRecv and `bytes`): matched in
   // the order each pair issues them, with the same tag and size.
+  //
+  // A send is launched at once. A receive takes its place in the pair's
+  // order at once but is launched only when its ticket is first asked
+  // about (waited for, polled), or when a later receive from the same peer
+  // is launched: its launch is a kernel that waits for the peer's message,
+  // and launched early (a pipeline posts a receive before the compute whose
+  // results the peer needs before it sends) it sits in the device's work
+  // queues ahead of this rank's later kernels and copies, which the
+  // hardware may hold behind it (streams share a few queues): a cycle
+  // through both ranks that hung the trainer's 1f1b schedule on an H200.
+  // Launched when it is needed, everything the peer could be waiting for
+  // was issued before it.
   TicketPtr send(const void* buf, size_t bytes, int peer, uint64_t tag, Streams s);
   TicketPtr recv(void* buf, size_t bytes, int peer, uint64_t tag, Streams s);
 
@@ -139,7 +168,10 @@ class DeviceComm {
   // them when waiting, else once eight are pending (eager collectives share
   // one stream and finish in order, so one query of the newest usually
   // settles them all; sends and receives have streams of their own).
+  // Not waiting, the caller holds recvs_->mutex.
   void reap(bool wait);
+  // Launches a placed receive (RecvQueue::launch; under its lock).
+  void launchRecv(PendingRecv& p);
   template <typename Issue>
   TicketPtr issue(OpSignature sig, uint64_t bytes, uint64_t sent, uint64_t received, Streams s,
                   Issue run, int peer = -1);
@@ -153,7 +185,10 @@ class DeviceComm {
   bool aborted_ = false;
   std::string why_;  // why calls are staged, when they are
   static constexpr size_t kReapEvery = 8;
-  std::deque<std::shared_ptr<DeviceFlight>> inFlight_;  // the caller's thread only
+  // Receives placed and not launched yet; its lock also guards inFlight_
+  // (a receive may be launched from whichever thread waits for it).
+  std::shared_ptr<RecvQueue> recvs_;
+  std::deque<std::shared_ptr<DeviceFlight>> inFlight_;
 };
 
 }  // namespace device

@@ -355,10 +355,14 @@ void IpcGroup::send(const void* in, size_t bytes, int peer, uint64_t tag, const 
   launchP2p(IpcKernel::kP2pPost, peer, at.count, tag, bytes, at.offset, how);
 }
 
-void IpcGroup::recv(void* out, size_t bytes, int peer, uint64_t tag, const Launch& how) {
-  CLAWCOMM_CHECK(how.channel == kIpcEager && ringBytes_ >= P2pRing::footprint(bytes),
-                 "IpcGroup::recv outside its rings");
-  const P2pRing::Slot at = received_[size_t(peer)].place(bytes, ringBytes_);
+P2pRing::Slot IpcGroup::placeRecv(size_t bytes, int peer) {
+  CLAWCOMM_CHECK(ringBytes_ >= P2pRing::footprint(bytes), "IpcGroup::recv outside its rings");
+  return received_[size_t(peer)].place(bytes, ringBytes_);
+}
+
+void IpcGroup::recv(const P2pRing::Slot& at, void* out, size_t bytes, int peer, uint64_t tag,
+                    const Launch& how) {
+  CLAWCOMM_CHECK(how.channel == kIpcEager, "IpcGroup::recv outside its rings");
   launchP2p(IpcKernel::kP2pArrive, peer, at.count, tag, bytes, at.offset, how);
   copy(out, ringFor(peer, rank_) + at.offset + 16, bytes, how.stream);
   launchP2p(IpcKernel::kP2pTake, peer, at.count, tag, bytes, at.offset, how);

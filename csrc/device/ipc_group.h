@@ -112,7 +112,12 @@ class IpcGroup {
   // in the same order with the same sizes and tags (a receive that meets
   // another tag or size reports kIpcMismatch).
   void send(const void* in, size_t bytes, int peer, uint64_t tag, const Launch& how);
-  void recv(void* out, size_t bytes, int peer, uint64_t tag, const Launch& how);
+  // A receive takes its place among the pair's messages when it is issued
+  // (placeRecv, in issue order) and may be launched later (recv), each
+  // peer's in the order they were placed.
+  P2pRing::Slot placeRecv(size_t bytes, int peer);
+  void recv(const P2pRing::Slot& at, void* out, size_t bytes, int peer, uint64_t tag,
+            const Launch& how);
 
   // The bytes of the areas a piece of `bytesPerRank` per rank takes.
   static size_t areaBytes(size_t bytesPerRank, int size) { return roundUp(bytesPerRank) * size; }

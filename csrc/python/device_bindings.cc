@@ -6,8 +6,10 @@
 // torch adapter stages CUDA tensors. Each rank may claim any device index.
 #include <pybind11/stl.h>
 
+#include <cstring>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "comm/communicator.h"
 #include "common/errors.h"
@@ -24,6 +26,40 @@ namespace {
 
 using device::DeviceComm;
 using device::HostRuntime;
+
+// A receive that returns before its message arrives (HostDeviceComm.irecv):
+// the bytes land in a buffer of its own, copied into the caller's at wait(),
+// so a handle dropped unwaited leaves nothing pointing at freed memory.
+class HostReceive {
+ public:
+  HostReceive(py::buffer target, void* data, size_t bytes)
+      : target_(std::move(target)),
+        data_(data),
+        scratch_(std::make_shared<std::vector<char>>(bytes)) {}
+
+  // Waits for the message, copies it into the buffer; the route it took.
+  std::string wait() {
+    {
+      py::gil_scoped_release release;
+      if (ticket_) {
+        ticket_->waitHost();
+        if (auto e = ticket_->error()) std::rethrow_exception(e);
+      } else {
+        request_->waitFor(std::chrono::milliseconds(-1));
+        if (auto e = request_->exception()) std::rethrow_exception(e);
+      }
+      if (!scratch_->empty()) std::memcpy(data_, scratch_->data(), scratch_->size());
+    }
+    return route_;
+  }
+
+  py::buffer target_;
+  void* data_;
+  std::shared_ptr<std::vector<char>> scratch_;
+  device::TicketPtr ticket_;
+  RequestPtr request_;
+  std::string route_;
+};
 
 class HostDeviceComm {
  public:
@@ -136,6 +172,29 @@ class HostDeviceComm {
         [&] { return comm_->recv(buf.data, bytes, peer, tag); });
   }
 
+  // Returns at once; the message arrives by the handle's wait(). Through the
+  // rings the receive takes its place in the pair's order now and is
+  // launched when waited for (DeviceComm::recv).
+  std::unique_ptr<HostReceive> irecv(const py::buffer& b, int peer, uint64_t tag,
+                                     const py::object& dtype) {
+    Buffer buf = takeBuffer("recv", "buf", b, true, dtype);
+    const size_t bytes = buf.count * elementSize(buf.dtype);
+    auto handle = std::make_unique<HostReceive>(b, buf.data, bytes);
+    py::gil_scoped_release release;
+    if (live().ipc(OpType::kRecv, bytes, streams())) {
+      DeviceComm::Streams s = streams();
+      s.keep = handle->scratch_;
+      handle->ticket_ = live().recv(handle->scratch_->data(), bytes, peer, tag, s);
+      handle->route_ = "ipc";
+    } else {
+      CLAWCOMM_ARG_CHECK(!capturing_,
+                         "clawcomm::recv: a staged call cannot be captured into a graph");
+      handle->request_ = comm_->recv(handle->scratch_->data(), bytes, peer, tag);
+      handle->route_ = "staged";
+    }
+    return handle;
+  }
+
   std::string status() { return dev_ ? dev_->status() : "closed"; }
   std::vector<int> devices() { return live().devices(); }
   void abort() { live().abort(); }
@@ -223,6 +282,9 @@ void bindDevice(py::module_& m) {
   py::class_<device::HostGraph, std::shared_ptr<device::HostGraph>>(
       m, "HostGraph", "Calls captured by HostDeviceComm.begin_capture(), replayed in order.")
       .def("replay", &device::HostGraph::replay, py::call_guard<py::gil_scoped_release>());
+  py::class_<HostReceive>(m, "HostReceive", "A receive HostDeviceComm.irecv() posted.")
+      .def("wait", &HostReceive::wait,
+           "Waits for the message and copies it into the buffer; returns the route it took.");
   py::class_<HostDeviceComm>(
       m, "HostDeviceComm",
       "The device collectives of an Engine over the host runtime: the CUDA IPC path's setup, "
@@ -248,6 +310,9 @@ void bindDevice(py::module_& m) {
            py::arg("dtype") = py::none())
       .def("recv", &HostDeviceComm::recv, py::arg("buf"), py::arg("peer"), py::arg("tag") = 0,
            py::arg("dtype") = py::none())
+      .def("irecv", &HostDeviceComm::irecv, py::arg("buf"), py::arg("peer"), py::arg("tag") = 0,
+           py::arg("dtype") = py::none(),
+           "Posts a receive and returns at once: a HostReceive whose wait() delivers it.")
       .def_property_readonly("status", &HostDeviceComm::status)
       .def_property_readonly("devices", &HostDeviceComm::devices,
                              "Each rank's device index, as the IPC setup exchanged them.")

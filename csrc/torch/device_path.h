@@ -58,6 +58,7 @@ class DeviceWork : public c10d::Work {
     throwIfFailed();
   }
   bool wait(std::chrono::milliseconds) override {
+    ticket_->start();  // a receive through the rings launches when it is needed
     throwIfFailed();
     c10::impl::VirtualGuardImpl impl(device_.type());
     const c10::Stream current = impl.getStream(device_);
@@ -68,6 +69,7 @@ class DeviceWork : public c10d::Work {
   // future records an event of its own.
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
     if (!future_) {
+      ticket_->start();
       future_ = makeFuture({device_});
       if (auto e = ticket_->error()) {
         future_->setError(e);
@@ -163,6 +165,9 @@ class DevicePath {
     Route r = route(t, OpType::RECV, size_t(t.nbytes()), true, p2pStream(t, peer, false));
     if (!r.dev) return {};
     at::Tensor buf = contiguousOutput(t);
+    // Launched when it is first waited for (DeviceComm::recv): its tensors
+    // live until then.
+    r.streams.keep = std::make_shared<TensorList>(TensorList{t, buf});
     return launch(r, OpType::RECV, {t}, {buf}, copiesBack(buf, t), [&](auto s) {
       return r.dev->recv(buf.data_ptr(), size_t(buf.nbytes()), peer, tag, s);
     });
@@ -285,7 +290,8 @@ class DevicePath {
     const c10::Stream ranOn = r.ranOn;
     try {
       if (after) {
-        r.streams.then = [&] {
+        // By value: a receive runs it when it is launched, after this returns.
+        r.streams.then = [ranOn, after = std::move(after)] {
           c10::StreamGuard onStream(ranOn);
           after();
         };
