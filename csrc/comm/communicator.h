@@ -219,11 +219,13 @@ class Communicator {
   void checkCounts(OpType op, const std::vector<size_t>& counts, const char* what) const;
   // The scheduler (scheduler.cc): the progress thread's loop and its steps.
   void progressLoop();
-  bool nextWork(std::unique_ptr<Op>& op, std::string& abortNow, Clock::time_point& stopDeadline);
+  // The next work under one lock: a collective, or the sends and receives
+  // at the queue's head; false once stopping with nothing in flight.
+  bool nextWork(std::vector<std::unique_ptr<Op>>& ops, std::string& abortNow,
+                Clock::time_point& stopDeadline);
   void idleSpin(std::unique_lock<std::mutex>& lock);
   void runCollective(Op& op);
   void startPointToPoint(std::unique_ptr<Op> op);
-  void startQueuedPointToPoint();
   void progressPointToPoint(bool startedOne, Clock::time_point& idleSince,
                             Clock::time_point stopDeadline);
   bool completeIfBroken(Op& op);

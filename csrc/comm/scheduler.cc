@@ -74,7 +74,7 @@ void Communicator::idleSpin(std::unique_lock<std::mutex>& lock) {
   lock.lock();
 }
 
-bool Communicator::nextWork(std::unique_ptr<Op>& op, std::string& abortNow,
+bool Communicator::nextWork(std::vector<std::unique_ptr<Op>>& ops, std::string& abortNow,
                             Clock::time_point& stopDeadline) {
   std::unique_lock<std::mutex> lock(mutex_);
   if (queue_.empty() && pointToPoint_.empty()) {
@@ -91,8 +91,18 @@ bool Communicator::nextWork(std::unique_ptr<Op>& op, std::string& abortNow,
     abortNow = abortReason_;
   }
   if (!queue_.empty()) {
-    op = std::move(queue_.front());
-    queue_.pop_front();
+    // One collective, or every send and receive at the queue's head: they
+    // all start before the messenger's next pass, so a send/recv pair
+    // issued as receive then send posts its send (a single-copy reference
+    // the peer reads meanwhile) before this thread spends a pass reading
+    // the peer's payload. Posted one per pass, the two ranks' reads ran one
+    // after the other (a 4 MiB pair: 400 us, against 210 with the reads at
+    // once and 160 for the bare copy).
+    const bool pointToPoint = queue_.front()->pointToPoint;
+    do {
+      ops.push_back(std::move(queue_.front()));
+      queue_.pop_front();
+    } while (pointToPoint && !queue_.empty() && queue_.front()->pointToPoint);
     threadBusy_ = true;
   } else if (stopping_) {
     if (pointToPoint_.empty()) return false;
@@ -118,25 +128,6 @@ void Communicator::startPointToPoint(std::unique_ptr<Op> op) {
     std::exception_ptr error = withContext(std::current_exception(), opPrefix(op->sig.type));
     fail(error);
     op->request->complete(error);
-  }
-}
-
-void Communicator::startQueuedPointToPoint() {
-  // Every send and receive queued behind the one just started starts before
-  // the messenger's next pass: a send/recv pair issued as receive then send
-  // must post its send (a single-copy reference the peer reads meanwhile)
-  // before this thread spends a pass reading the peer's payload. Posted one
-  // per pass, the two ranks' reads ran one after the other (a 4 MiB pair:
-  // 400 us against 160 for the reads at once).
-  while (true) {
-    std::unique_ptr<Op> next;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (queue_.empty() || !queue_.front()->pointToPoint) return;
-      next = std::move(queue_.front());
-      queue_.pop_front();
-    }
-    startPointToPoint(std::move(next));
   }
 }
 
@@ -183,17 +174,17 @@ void Communicator::progressLoop() {
   }
   Clock::time_point idleSince = Clock::now();
   Clock::time_point stopDeadline = Clock::time_point::max();
+  std::vector<std::unique_ptr<Op>> ops;
   while (true) {
-    std::unique_ptr<Op> op;
+    ops.clear();
     std::string abortNow;
-    if (!nextWork(op, abortNow, stopDeadline)) break;
+    if (!nextWork(ops, abortNow, stopDeadline)) break;
     if (!abortNow.empty()) fail(std::make_exception_ptr(PeerError(abortNow)));
-    const bool started = op != nullptr;
-    if (op) {
-      idleSince = Clock::now();
+    const bool started = !ops.empty();
+    if (started) idleSince = Clock::now();
+    for (auto& op : ops) {
       if (op->pointToPoint) {
         startPointToPoint(std::move(op));
-        startQueuedPointToPoint();
       } else {
         runCollective(*op);
       }
