@@ -273,3 +273,39 @@ def test_a_receive_never_waited_for_keeps_the_order_and_ends_with_the_group():
     assert ok
     assert "destroyed before this receive was waited for" in late, late
     assert len(recvs) == 3 and recvs[:2] == ["done", "done"] and recvs[2] != "done", recvs
+
+
+def _shuffled(rank, n, rounds):
+    """Round after round: every rank posts all its receives first, sends its
+    messages (1 to 3 per peer, 1 to 1024 floats, the rings wrapping many
+    times), then waits for the receives in a random order."""
+    dev = _dev(rank, "shared")
+    rng = np.random.default_rng(rank)
+
+    def plan(i, src, dst):
+        r = np.random.default_rng(10_000 * i + 100 * src + dst)
+        return [int(c) for c in r.integers(1, 1025, size=int(r.integers(1, 4)))]
+
+    bad = 0
+    for i in range(rounds):
+        posted = []
+        for frm in range(n):
+            if frm != rank:
+                for k, count in enumerate(plan(i, frm, rank)):
+                    got = np.zeros(count, np.float32)
+                    posted.append((dev.irecv(got, frm, tag=k), got, frm, k, count))
+        for to in range(n):
+            if to != rank:
+                for k, count in enumerate(plan(i, rank, to)):
+                    dev.send(_message(rank, to, 100 * i + k, count, np.float32), to, tag=k)
+        for j in rng.permutation(len(posted)):
+            handle, got, frm, k, count = posted[j]
+            handle.wait()
+            bad += not np.array_equal(got, _message(frm, rank, 100 * i + k, count, np.float32))
+    dev.close()
+    return bad
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_receives_posted_in_bulk_and_waited_in_any_order_get_their_messages(n):
+    assert run_ranks(_shuffled, n, 30, env=RINGS, timeout=120, pg_timeout=10) == [0] * n
