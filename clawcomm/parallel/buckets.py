@@ -15,13 +15,19 @@ class GradBucket:
     ``flat`` shaped like the parameter.
     """
 
-    def __init__(self, index: int, params: list[int], tensors: list[torch.Tensor]):
+    def __init__(self, index: int, params: list[int], tensors: list[torch.Tensor], shards: int = 0):
         self.index = index
         self.params = params
         dtype, device = tensors[0].dtype, tensors[0].device
         self.numel = sum(t.numel() for t in tensors)
         self.element_size = tensors[0].element_size()
-        self.flat = torch.zeros(self.numel, dtype=dtype, device=device)
+        # Sharded over `shards` ranks (ZeRO): `flat` is padded with zeros to
+        # a multiple of it, and rank k owns flat[k * shard : (k + 1) * shard].
+        self.shards = shards
+        self.padded = -(-self.numel // shards) * shards if shards else self.numel
+        self.shard = self.padded // shards if shards else 0
+        self.shard_grad: torch.Tensor | None = None  # this rank's averaged shard
+        self.flat = torch.zeros(self.padded, dtype=dtype, device=device)
         self.offsets: list[int] = []  # where each parameter starts in `flat`
         self.views: list[torch.Tensor] = []
         offset = 0
@@ -46,14 +52,18 @@ class GradBucket:
 
 
 def assign_buckets(
-    order: list[int], tensors: list[torch.Tensor], cap_bytes: int, first_cap_bytes: int
+    order: list[int],
+    tensors: list[torch.Tensor],
+    cap_bytes: int,
+    first_cap_bytes: int,
+    kind=lambda i: None,
 ) -> list[list[int]]:
     """Groups parameter indices, taken in ``order``, into buckets of at most
     ``cap_bytes`` (the first at most ``first_cap_bytes``, so the first
     all-reduce starts early in backward). A parameter of at least half the
     cap gets a bucket of its own (so a replaced gradient can become the
     bucket's buffer without a copy: GradReducer.take_grad); a bucket holds
-    one dtype and device."""
+    one dtype and device, and one ``kind(i)`` (sharded or not)."""
     buckets: list[list[int]] = []
     current: list[int] = []
     size = 0
@@ -62,7 +72,9 @@ def assign_buckets(
         t = tensors[i]
         nbytes = t.numel() * t.element_size()
         same_kind = not current or (
-            tensors[current[0]].dtype == t.dtype and tensors[current[0]].device == t.device
+            tensors[current[0]].dtype == t.dtype
+            and tensors[current[0]].device == t.device
+            and kind(current[0]) == kind(i)
         )
         alone = 2 * nbytes >= cap
         if current and (size + nbytes > cap or not same_kind or alone):

@@ -19,6 +19,13 @@ How a bucket is averaged:
   thread. Its error-feedback residuals are kept per bucket in
   ``compression_state``.
 
+Sharded buckets (``zero=True``, ZeRO-1): each bucket's flat buffer is
+padded to a multiple of the group's size, and once the layout is learned
+each bucket is reduce-scattered (AVG) into ``bucket.shard_grad``, this
+rank's part: ``clawcomm.parallel.zero.ZeroShards`` steps the optimizer on
+those parts and all-gathers the parameters. The first step, which learns
+the layout, all-reduces and keeps each rank's part of the result.
+
 Gradients that were replaced (``zero_grad(set_to_none=True)`` makes autograd
 hand over a fresh tensor) are put back in their bucket by ``take_grad``: a
 bucket that holds one parameter adopts the new tensor as its buffer, so no
@@ -34,6 +41,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from clawcomm._torch_names import reduce_scatter_single
 from clawcomm.compression import Compressor, CompressorState
 from clawcomm.parallel.buckets import GradBucket, assign_buckets
 from clawcomm.parallel.worker import ReductionThread
@@ -70,8 +78,17 @@ class GradReducer:
         overlap: bool = True,
         order: list[int] | None = None,
         names: list[str] | None = None,
+        zero: bool = False,
+        replicated: set[int] | None = None,
     ):
+        if zero and compressor is not None:
+            raise ValueError("GradReducer: zero (sharded gradients) takes no compressor yet")
         self.params = params
+        # ZeRO-1 (see "sharded buckets" below): every parameter but those in
+        # `replicated` sits in a bucket sharded over the group.
+        self.zero = zero
+        self.replicated = set(replicated or ())
+        self.layout_version = 0
         self.names = names or [str(i) for i in range(len(params))]
         self.group = group
         self.cap_bytes = int(bucket_cap_mb * MB)
@@ -102,11 +119,23 @@ class GradReducer:
 
     # ---- layout ---------------------------------------------------------------
 
+    def sharded(self, i: int) -> bool:
+        """Whether parameter i's gradient and optimizer state are sharded."""
+        return self.zero and i not in self.replicated
+
     def build(self, order: list[int]) -> None:
-        groups = assign_buckets(order, self.params, self.cap_bytes, self.first_cap_bytes)
+        groups = assign_buckets(
+            order, self.params, self.cap_bytes, self.first_cap_bytes, kind=self.sharded
+        )
+        n = self.world_size
         self.buckets = [
-            GradBucket(b, idx, [self.params[i] for i in idx]) for b, idx in enumerate(groups)
+            GradBucket(b, idx, [self.params[i] for i in idx], n if self.sharded(idx[0]) else 0)
+            for b, idx in enumerate(groups)
         ]
+        for bucket in self.buckets:
+            if bucket.shards:
+                bucket.shard_grad = bucket.flat.new_zeros(bucket.shard)
+        self.layout_version += 1
         self.slot: dict[int, tuple[GradBucket, int]] = {}
         for bucket in self.buckets:
             for s, i in enumerate(bucket.params):
@@ -183,7 +212,7 @@ class GradReducer:
             return False
         if g.data_ptr() == view.data_ptr():
             return True
-        if len(bucket.params) == 1 and _adoptable(g, p):
+        if len(bucket.params) == 1 and not bucket.shards and _adoptable(g, p):
             bucket.flat = g.view(-1)
             bucket.views[0] = g
         else:
@@ -207,7 +236,10 @@ class GradReducer:
         self._to_release = [
             b
             for b in self.buckets
-            if len(b.params) == 1 and b.flat is not None and self.params[b.params[0]].grad is None
+            if len(b.params) == 1
+            and not b.shards
+            and b.flat is not None
+            and self.params[b.params[0]].grad is None
         ]
         self._release_next()
 
@@ -245,12 +277,12 @@ class GradReducer:
         """Blocks until every launched bucket is averaged."""
         works, self._works = self._works, []
         error = None
-        for work, bucket in works:
+        for work, summed in works:
             try:
                 if work is not None:
                     work.wait()
-                if bucket is not None and not self._average_op:
-                    bucket.flat.div_(self.world_size)
+                if summed is not None and not self._average_op:
+                    summed.div_(self.world_size)
             except BaseException as e:  # wait for the rest before raising
                 error = error or e
         if self._thread is not None:
@@ -330,6 +362,11 @@ class GradReducer:
         waited = time.perf_counter() - t0
         if not self.learned:
             self.learn()  # from this step's marks, before end_step clears them
+            if self.zero:  # this step all-reduced: each rank keeps its shard
+                k = dist.get_rank(self.group)
+                for b in self.buckets:
+                    if b.shards:
+                        b.shard_grad.copy_(b.flat[k * b.shard : (k + 1) * b.shard])
         self.end_step()
         return waited
 
@@ -395,8 +432,14 @@ class GradReducer:
                 self._thread.submit(job)
             else:
                 job()  # without overlap, on the caller's thread
+        elif bucket.shards and self.learned:
+            op = dist.ReduceOp.AVG if self._average_op else dist.ReduceOp.SUM
+            work = reduce_scatter_single(
+                bucket.shard_grad, bucket.flat, op=op, group=self.group, async_op=True
+            )
+            self._works.append((work, bucket.shard_grad))
         else:
-            self._works.append((self._dense(bucket, async_op=True), bucket))
+            self._works.append((self._dense(bucket, async_op=True), bucket.flat))
 
     def _dense(self, bucket: GradBucket, async_op: bool):
         op = dist.ReduceOp.AVG if self._average_op else dist.ReduceOp.SUM

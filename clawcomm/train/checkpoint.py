@@ -193,9 +193,10 @@ def state_dict(trainer) -> dict:
     """This rank's part of the checkpoint (see the module docstring)."""
     rank, d = _rank(), trainer.grid.dp_rank
     sd: dict = {}
+    optim = trainer.optimizer_state()  # whole per parameter, whatever the ZeRO stage
     for name, _, p in _local(trainer):
         sd[f"model/{name}"] = p.detach()
-        for k, v in trainer.optimizer.state.get(p, {}).items():
+        for k, v in optim.get(p, {}).items():
             if isinstance(v, torch.Tensor):
                 sd[f"optim/{name}/{k}"] = v
     for name, seg in _residual_segments(trainer).items():
@@ -406,8 +407,10 @@ def load(trainer, path: str) -> int:
         request[rng_key] = None
     dcp.load(request, storage_reader=reader)
 
+    optim: dict = {}
     for key, (p, k) in optim_keys.items():
-        trainer.optimizer.state.setdefault(p, {})[k] = request[key]
+        optim.setdefault(p, {})[k] = request[key]
+    trainer.load_optimizer_state(optim)
     state = pickle.loads(head[own]) if head.get(own) is not None else None
     # What the reducer learned holds at this layout only. Checkpoints written
     # before the reducer had a state_dict kept the same fields at the top.

@@ -68,6 +68,12 @@ class TrainConfig:
     compression_warmup: int = _opt(0, "dense steps before compressing")
     bucket_cap_mb: float = _opt(25.0, "gradient bucket size")
     overlap: bool = _opt(True, "reduce buckets while the pipeline drains")
+    zero: int = _opt(
+        0,
+        "ZeRO stage: 0 (every dp replica holds all the optimizer state) or 1 (each holds "
+        "1/dp of it: gradients reduce-scattered, parameters all-gathered)",
+        (0, 1),
+    )
     # checkpoints
     checkpoint_dir: str = _opt(
         "", "save atomic checkpoints here (DCP; a `latest` file names the last)"
@@ -167,6 +173,11 @@ class TrainConfig:
         for name in ("lr", "bucket_cap_mb"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.zero and self.compression:
+            raise ValueError(
+                f"zero {self.zero} with compression {self.compression!r} is not supported yet "
+                "(the sharded reduction is dense); use zero 0 or no compression"
+            )
         if not self.clip >= 0:
             raise ValueError(f"clip must be >= 0, got {self.clip}")
         if not 0 <= self.min_lr_ratio <= 1:

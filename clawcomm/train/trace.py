@@ -156,3 +156,20 @@ def draw_timeline(path: str, ranks: list, step: int = -1, title: str = "") -> No
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def write_recorded(trainer, trace_path: str | None, timeline_path: str | None) -> None:
+    """Gathers every rank's recorded steps (``trainer.recorder``) on rank 0
+    and writes the Chrome trace and/or the timeline picture (collective)."""
+    g, cfg = trainer.grid, trainer.cfg
+    ranks = trainer.recorder.gather(g.rank, f"rank {g.rank} (dp {g.dp_rank}, pp {g.pp_rank})")
+    if g.rank != 0:
+        return
+    if trace_path:
+        write_chrome_trace(trace_path, ranks)
+    if timeline_path:
+        title = (
+            f"step {trainer.step_index}: dp {cfg.dp} x pp {cfg.pp}, {cfg.schedule}, "
+            f"{cfg.microbatches} micro-batches"
+        )
+        draw_timeline(timeline_path, ranks, -1, title)

@@ -51,6 +51,7 @@ from torch import nn
 
 from clawcomm.compression import get_compressor
 from clawcomm.parallel.reducer import GradReducer
+from clawcomm.parallel.zero import ZeroShards
 from clawcomm.pipeline.actions import B, I, W
 from clawcomm.pipeline.executor import PipelineExecutor
 from clawcomm.pipeline.schedules import build, stage_to_rank
@@ -147,6 +148,7 @@ class Trainer:
             device=self.device,
         )
         self.reducer = None
+        tied = {id(p) for p, _, _ in self._ties}
         if cfg.dp > 1:
             compressor = get_compressor(cfg.compression) if cfg.compression else None
             self.reducer = GradReducer(
@@ -158,6 +160,11 @@ class Trainer:
                 compression_warmup_steps=cfg.compression_warmup,
                 overlap=cfg.overlap,
                 names=[self.names.get(id(p), str(i)) for i, p in enumerate(self.params)],
+                # ZeRO-1 shards all but the parameters tied across pipeline
+                # ranks, whose gradients are summed over them after the
+                # reduction (see clawcomm.parallel.zero).
+                zero=cfg.zero >= 1,
+                replicated={i for i, p in enumerate(self.params) if id(p) in tied},
             )
             # A gradient is final after the last backward actions of its
             # stage on this rank; the reducer counts their contributions in
@@ -166,8 +173,12 @@ class Trainer:
             self.reducer.track_final_grads(last.values())
             self.reducer.attach_grads()
         self.p2p_latency = measure_p2p_latency(self.pp_group, self.grid.pp_rank, cfg.pp)
+        self._make_optimizer = optimizer
         self.optimizer = optimizer(self.params)
         self._peak_lr = [g["lr"] for g in self.optimizer.param_groups]
+        # Under ZeRO the optimizer is rebuilt over the shards once the
+        # reducer's layout is learned (the first step), or after a load.
+        self.zero = ZeroShards(self.reducer) if self.reducer and self.reducer.zero else None
         self.step_index = 0
         self.traffic = Traffic(self.pp_group, self.dp_group, (t[1] for t in self._ties))
         self._pending_save = None
@@ -238,7 +249,9 @@ class Trainer:
             f"lr {self._peak_lr[0] * cfg.batch_scale():.4g} = {self._peak_lr[0]:.4g} at base "
             f"batch {base}, {cfg.lr_scaling} scaling; {cfg.warmup_steps} warm-up steps, "
             f"{cfg.lr_decay} decay\n"
-            f"layout dp {cfg.dp} x pp {cfg.pp}, schedule {cfg.schedule}"
+            f"layout dp {cfg.dp} x pp {cfg.pp}"
+            + (f" (ZeRO-{cfg.zero})" if self.zero is not None else "")
+            + f", schedule {cfg.schedule}"
             + (f" (v={cfg.virtual_stages})" if cfg.virtual_stages > 1 else "")
             + f", {cfg.num_stages} stages ({stages})"
         )
@@ -261,6 +274,8 @@ class Trainer:
         dp_wait = self.reducer.finish() if self.reducer is not None else 0.0
         for p, group, _ in self._ties:
             dist.all_reduce(p.grad, group=group)
+        if self.zero is not None:  # a new layout (the first step, a load): new shards
+            self.optimizer = self.zero.ready(self.optimizer, self._make_optimizer)
         sent = [a - b for a, b in zip(self.traffic.sent(), bytes_before, strict=True)]
         sample = RankSample(
             loss=float(sum(float(v) for v in totals.losses)),
@@ -277,6 +292,8 @@ class Trainer:
         self._clip(grad_norm)
         t_opt = time.perf_counter()
         self.optimizer.step()
+        if self.zero is not None:
+            self.zero.all_gather()
         self._zero_grads()
         step_s = time.perf_counter() - t0
         if self.recorder is not None:
@@ -334,9 +351,25 @@ class Trainer:
     def _clip(self, grad_norm: float) -> None:
         if self.cfg.clip > 0 and grad_norm > self.cfg.clip:
             factor = self.cfg.clip / (grad_norm + 1e-6)
-            for p in self.params:
+            for p in self.zero.tensors() if self.zero is not None else self.params:
                 if p.grad is not None:
                     p.grad.mul_(factor)
+
+    def optimizer_state(self) -> dict:
+        """{parameter: {key: tensor}}: the optimizer's state by this rank's
+        parameters, whole at any ZeRO stage (under ZeRO a collective over
+        the data-parallel group: every rank calls it)."""
+        if self.zero is not None:
+            return self.zero.state(self.optimizer)
+        return {p: dict(s) for p, s in self.optimizer.state.items()}
+
+    def load_optimizer_state(self, state: dict) -> None:
+        """The inverse of ``optimizer_state``."""
+        if self.zero is not None:
+            self.zero.load(state)  # laid out over the shards at the next step
+            return
+        for p, s in state.items():
+            self.optimizer.state.setdefault(p, {}).update(s)
 
     def _record(self, events, t0, t_pipe, dp_wait, t_opt, t_end) -> None:
         events.append((trace.COMM, "dp reduction (exposed)", t_pipe, t_pipe + dp_wait, {}))
@@ -348,21 +381,8 @@ class Trainer:
     def write_trace(self, trace_path: str | None, timeline_path: str | None) -> None:
         """Gathers every rank's recorded steps on rank 0 and writes the
         Chrome trace and/or the timeline picture (collective)."""
-        if self.recorder is None:
-            return
-        g = self.grid
-        ranks = self.recorder.gather(g.rank, f"rank {g.rank} (dp {g.dp_rank}, pp {g.pp_rank})")
-        if g.rank != 0:
-            return
-        if trace_path:
-            trace.write_chrome_trace(trace_path, ranks)
-        if timeline_path:
-            cfg = self.cfg
-            title = (
-                f"step {self.step_index}: dp {cfg.dp} x pp {cfg.pp}, {cfg.schedule}, "
-                f"{cfg.microbatches} micro-batches"
-            )
-            trace.draw_timeline(timeline_path, ranks, -1, title)
+        if self.recorder is not None:
+            trace.write_recorded(self, trace_path, timeline_path)
 
     def _zero_grads(self) -> None:
         if self.reducer is not None:
@@ -375,6 +395,8 @@ class Trainer:
         """Squared norm of this rank's gradients; a tied parameter counts on
         its first stage's rank only."""
         shared_elsewhere = {id(p) for p, _, owner in self._ties if not owner}
+        if self.zero is not None:
+            return self.zero.sumsq(shared_elsewhere)
         grads = [
             p.grad for p in self.params if p.grad is not None and id(p) not in shared_elsewhere
         ]

@@ -1,0 +1,69 @@
+"""Training against single-process training, shared by the trainer's tests:
+the same seed and effective batch in one process (``_reference``) and on
+ranks (``_train``), compared loss by loss, norm by norm and weight by
+weight (``_check_against_reference``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from clawcomm.train import TrainConfig, Trainer
+from clawcomm.train import models as train_models
+from clawcomm.train.data import global_batches
+
+STEPS = 3
+GPT = dict(model="gpt", dim=32, heads=2, layers=2, seq_len=16, lr=3e-3, lr_decay="none",
+           clip=0.5, steps=STEPS, quiet=True)  # fmt: skip
+
+
+def _config(**kw) -> TrainConfig:
+    return TrainConfig(**{**GPT, **kw})
+
+
+def _reference(cfg: TrainConfig):
+    """Plain single-process training on the whole effective batch: mean
+    loss over every item, torch's clip_grad_norm_, the optimizer."""
+    model, loss_fn, make_opt, ds, _, _ = train_models.build(cfg)
+    params = list({id(p): p for p in model.parameters()}.values())
+    opt = make_opt(params)
+    losses, norms = [], []
+    for _, (x, y) in zip(
+        range(cfg.steps), global_batches(ds, cfg.effective_batch, cfg.seed), strict=False
+    ):
+        loss = loss_fn(model(x), y) / y.numel()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip if cfg.clip > 0 else float("inf"))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        norms.append(float(norm))
+    first = {}  # a tied parameter goes by its first name, as in Trainer.names
+    for n, p in model.named_parameters():
+        first[n] = p.detach().clone()
+    return losses, norms, first
+
+
+def _train(rank, world, cfg):
+    model, loss_fn, make_opt, ds, tokens, sample = train_models.build(cfg)
+    trainer = Trainer(model, loss_fn, make_opt, cfg, tokens_per_sample=tokens, sample=sample)
+    metrics = trainer.fit(global_batches(ds, cfg.effective_batch, cfg.seed), progress=False)
+    params = {trainer.names[id(p)]: p.detach().clone() for p in trainer.params}
+    trainer.close()
+    return metrics, params
+
+
+def _check_against_reference(results, cfg, atol=2e-5):
+    losses, norms, want = _reference(cfg)
+    for metrics, _ in results:
+        assert [m["loss"] for m in metrics] == pytest.approx(losses, rel=1e-5, abs=1e-6)
+        assert [m["grad_norm"] for m in metrics] == pytest.approx(norms, rel=1e-4)
+    got = {}
+    for _, params in results:
+        for n, p in params.items():
+            if n in got:  # held by several ranks (replicas, tied stages): all equal
+                torch.testing.assert_close(p, got[n], atol=atol, rtol=0, msg=n)
+            got[n] = p
+    assert sorted(got) == sorted(want)
+    for n, p in got.items():
+        torch.testing.assert_close(p, want[n], atol=atol, rtol=0, msg=n)
