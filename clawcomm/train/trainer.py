@@ -181,6 +181,7 @@ class Trainer:
         self.zero = ZeroShards(self.reducer) if self.reducer and self.reducer.zero else None
         self.step_index = 0
         self.traffic = Traffic(self.pp_group, self.dp_group, (t[1] for t in self._ties))
+        self._carried = [0, 0, 0]  # bytes sent after the last step's figures (ZeRO's gather)
         self._pending_save = None
         self._checkpoint_group = None
         # Per-step events for --trace/--timeline (clawcomm.train.trace), or None.
@@ -276,7 +277,8 @@ class Trainer:
             dist.all_reduce(p.grad, group=group)
         if self.zero is not None:  # a new layout (the first step, a load): new shards
             self.optimizer = self.zero.ready(self.optimizer, self._make_optimizer)
-        sent = [a - b for a, b in zip(self.traffic.sent(), bytes_before, strict=True)]
+        now = self.traffic.sent()
+        sent = [a - b + c for a, b, c in zip(now, bytes_before, self._carried, strict=True)]
         sample = RankSample(
             loss=float(sum(float(v) for v in totals.losses)),
             sumsq=self._owned_sumsq(),
@@ -292,8 +294,10 @@ class Trainer:
         self._clip(grad_norm)
         t_opt = time.perf_counter()
         self.optimizer.step()
-        if self.zero is not None:
+        if self.zero is not None:  # its bytes count in the next step's figures
+            before = self.traffic.sent()
             self.zero.all_gather()
+            self._carried = [a - b for a, b in zip(self.traffic.sent(), before, strict=True)]
         self._zero_grads()
         step_s = time.perf_counter() - t0
         if self.recorder is not None:
