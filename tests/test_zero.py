@@ -47,13 +47,13 @@ def _state_sizes(rank, world, cfg):
 
     model, loss_fn, make_opt, ds, tokens, sample = models.build(cfg)
     trainer = Trainer(model, loss_fn, make_opt, cfg, tokens_per_sample=tokens, sample=sample)
-    trainer.fit(global_batches(ds, cfg.effective_batch, cfg.seed), progress=False)
+    metrics = trainer.fit(global_batches(ds, cfg.effective_batch, cfg.seed), progress=False)
     held = sum(
         v.numel() for s in trainer.optimizer.state.values() for v in s.values() if v.dim() > 0
     )
     params = sum(p.numel() for p in trainer.params)
     trainer.close()
-    return held, params
+    return held, params, metrics[-1]["optim_bytes"]
 
 
 @pytest.mark.parametrize("dp", [2, 4])
@@ -62,11 +62,16 @@ def test_each_rank_holds_one_dp_th_of_the_optimizer_state(dp):
     2/dp of them (within the padding of each bucket to a multiple of dp)."""
     cfg = _config(model="mlp", hidden=64, dp=dp, microbatches=2, micro_batch_size=4,
                   steps=2, zero=1)  # fmt: skip
-    for held, params in run_ranks(_state_sizes, dp, cfg):
+    sharded = run_ranks(_state_sizes, dp, cfg)
+    for held, params, _ in sharded:
         assert 2 * params / dp <= held <= 2 * params / dp + 2 * 16 * dp, (held, params, dp)
-    cfg0 = dataclasses.replace(cfg, zero=0)
-    for held, params in run_ranks(_state_sizes, dp, cfg0):
+    whole = run_ranks(_state_sizes, dp, dataclasses.replace(cfg, zero=0))
+    for held, params, _ in whole:
         assert held == 2 * params, (held, params)
+    # The step's metrics say so too (optim_bytes: the rank that holds the
+    # most; Adam's step counts, one per tensor, make the difference).
+    ratio = sharded[0][2] / whole[0][2]
+    assert abs(ratio - 1 / dp) <= 0.01, (ratio, dp)
 
 
 def _run(rank, n, cfg, stop, resume):

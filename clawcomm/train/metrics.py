@@ -40,6 +40,11 @@ class RankSample:
     bytes_pp: float = 0.0
     bytes_dp: float = 0.0
     gpu_mb: float = 0.0  # peak GPU memory
+    # Tensor bytes held at the step's start: parameters, gradient buffers,
+    # optimizer state (see held_bytes).
+    param_bytes: float = 0.0
+    grad_bytes: float = 0.0
+    optim_bytes: float = 0.0
     # The mean time of F, B, I and W of each local stage, stage by stage.
     costs: list[float] = field(default_factory=list)
 
@@ -61,6 +66,26 @@ def gather(sample: RankSample) -> list[RankSample]:
     all_gather_single(everyone, mine)
     rows = everyone.view(-1, len(own)).tolist()
     return [RankSample(*row[:_SCALARS], costs=row[_SCALARS:]) for row in rows]
+
+
+def held_bytes(params, reducer, optimizer) -> dict:
+    """The bytes of the tensors a rank holds for training: its parameters,
+    its gradient buffers (the reducer's buckets and, under ZeRO, their
+    shards; else the parameters' gradients) and its optimizer's state."""
+
+    def nbytes(tensors) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    if reducer is not None:
+        grads = [t for b in reducer.buckets for t in (b.flat, b.shard_grad)]
+    else:
+        grads = [p.grad for p in params]
+    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    return {
+        "param_bytes": nbytes(params),
+        "grad_bytes": nbytes(grads),
+        "optim_bytes": nbytes(state),
+    }
 
 
 class PipelineTotals:
@@ -114,6 +139,10 @@ def summarise(rows: list[RankSample], cfg, grid, plan, p2p_latency: float, cuda:
         "exposed_comm_ms": max(r.recv_wait + r.dp_wait for r in rows) * 1e3,
         "bytes_sent_pp": int(sum(r.bytes_pp for r in rows)),
         "bytes_sent_dp": int(sum(r.bytes_dp for r in rows)),
+        # the rank that holds the most of each
+        "param_bytes": int(max(r.param_bytes for r in rows)),
+        "grad_bytes": int(max(r.grad_bytes for r in rows)),
+        "optim_bytes": int(max(r.optim_bytes for r in rows)),
     }
     if cuda:
         metrics["max_gpu_mem_mb"] = max(r.gpu_mb for r in rows)

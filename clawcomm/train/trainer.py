@@ -68,6 +68,7 @@ from clawcomm.train.metrics import (
     RankSample,
     Traffic,
     gather,
+    held_bytes,
     measure_p2p_latency,
     step_metrics,
     summarise,
@@ -286,6 +287,7 @@ class Trainer:
             busy=totals.busy, span=t_pipe - t0, recv_wait=totals.recv_wait, dp_wait=dp_wait,
             host=totals.host / max(1, totals.computes), gpu_mb=peak_mb(self.device),
             costs=totals.mean_costs(sorted(self.local)),
+            **held_bytes(self.params, self.reducer, self.optimizer),
         )  # fmt: skip
         rows = gather(sample)
         grad_norm = math.sqrt(sum(r.sumsq for r in rows) / cfg.dp)
