@@ -414,6 +414,34 @@ def test_cuda_sends_and_receives_arrive_whole(world_size, p2p_bytes):
         assert sent >= 4 * (1001 + (3 << 20) + (20 << 20)), sent
 
 
+def _posted_before_the_send(rank, n):
+    """1f1b's pattern: each rank posts its receive, then computes what its
+    peer waits for, then sends it. A receive launched when posted waits in
+    the GPU's queues, and the compute queued after it may be held behind
+    it on both ranks (the 1f1b hang seen on an H200)."""
+    dev = _device(rank)
+    peer = 1 - rank
+    got = torch.full((1 << 18,), -1.0, device=dev)
+    ok = []
+    for step in range(20):
+        recv = dist.irecv(got, peer, tag=step)
+        mine = torch.full((1 << 18,), float(rank + 1), device=dev)
+        for _ in range(8):  # compute queued after the receive was posted
+            mine = mine * 2.0 - mine
+        send = dist.isend(mine, peer, tag=step)
+        recv.wait()
+        send.wait()
+        ok.append(bool((got == float(peer + 1)).all()))
+    torch.cuda.synchronize()
+    return ok
+
+
+def test_a_receive_posted_before_the_compute_its_peer_needs_does_not_hang():
+    env = {"CLAWCOMM_CUDA_P2P_BYTES": str(64 << 20)}
+    for ok in run_ranks(_posted_before_the_send, 2, env=env, timeout=120, pg_timeout=60):
+        assert all(ok), ok
+
+
 def _train_on(rank, n, cfg):
     from clawcomm.train.cli import train_rank
 
