@@ -176,7 +176,6 @@ void Communicator::progressLoop() {
   Clock::time_point stopDeadline = Clock::time_point::max();
   std::vector<std::unique_ptr<Op>> ops;
   while (true) {
-    ops.clear();
     std::string abortNow;
     if (!nextWork(ops, abortNow, stopDeadline)) break;
     if (!abortNow.empty()) fail(std::make_exception_ptr(PeerError(abortNow)));
@@ -190,6 +189,10 @@ void Communicator::progressLoop() {
       }
     }
     if (!pointToPoint_.empty()) progressPointToPoint(started, idleSince, stopDeadline);
+    // A collective's op (its buffers, its callback's captures) goes now,
+    // not when the next work wakes this thread: held until then, the last
+    // call's tensors outlived it (the chaos soak saw its memory floor rise).
+    ops.clear();
   }
 }
 
