@@ -67,3 +67,25 @@ def _check_against_reference(results, cfg, atol=2e-5):
     assert sorted(got) == sorted(want)
     for n, p in got.items():
         torch.testing.assert_close(p, want[n], atol=atol, rtol=0, msg=n)
+
+
+def _run(rank, n, cfg, stop, resume):
+    """Trains to step `stop` (resuming from cfg.checkpoint_dir if asked);
+    returns the losses and this rank's parameters by name."""
+    from clawcomm.train.data import global_batches
+    from clawcomm.train.models import build
+    from clawcomm.train.trainer import Trainer
+
+    model, loss, opt, ds, tokens, sample = build(cfg)
+    tr = Trainer(model, loss, opt, cfg, tokens_per_sample=tokens, sample=sample)
+    start = tr.load_checkpoint(cfg.checkpoint_dir) if resume else 0
+    metrics = tr.fit(
+        global_batches(ds, cfg.effective_batch, cfg.seed, start=start),
+        steps=stop - start,
+        progress=False,
+        checkpoint_dir=cfg.checkpoint_dir or None,
+        checkpoint_every=cfg.checkpoint_every,
+    )
+    params = {tr.names[id(p)]: p.detach().clone() for p in tr.params}
+    tr.close()
+    return [m["loss"] for m in metrics], params

@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from _training import _run
 
 from clawcomm.testing import run_ranks
 from clawcomm.testing.checkpoint import kill_mid_save_trial
@@ -20,28 +21,6 @@ def _config(**kw) -> TrainConfig:
     base = dict(model="mlp", hidden=32, steps=6, microbatches=2, micro_batch_size=4, quiet=True)
     base.update(kw)
     return TrainConfig(**base)
-
-
-def _run(rank, n, cfg, stop, resume):
-    """Trains to step `stop` (resuming from cfg.checkpoint_dir if asked);
-    returns the losses and this rank's parameters by name."""
-    from clawcomm.train.data import global_batches
-    from clawcomm.train.models import build
-    from clawcomm.train.trainer import Trainer
-
-    model, loss, opt, ds, tokens, sample = build(cfg)
-    tr = Trainer(model, loss, opt, cfg, tokens_per_sample=tokens, sample=sample)
-    start = tr.load_checkpoint(cfg.checkpoint_dir) if resume else 0
-    metrics = tr.fit(
-        global_batches(ds, cfg.effective_batch, cfg.seed, start=start),
-        steps=stop - start,
-        progress=False,
-        checkpoint_dir=cfg.checkpoint_dir or None,
-        checkpoint_every=cfg.checkpoint_every,
-    )
-    params = {tr.names[id(p)]: p.detach().clone() for p in tr.params}
-    tr.close()
-    return [m["loss"] for m in metrics], params
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from _training import _check_against_reference, _config, _train
+from _training import _check_against_reference, _config, _run, _train
 
 from clawcomm.testing import RankFailure, run_ranks
 from clawcomm.train import TrainConfig
@@ -74,25 +74,6 @@ def test_each_rank_holds_one_dp_th_of_the_optimizer_state(dp):
     assert abs(ratio - 1 / dp) <= 0.01, (ratio, dp)
 
 
-def _run(rank, n, cfg, stop, resume):
-    from clawcomm.train.data import global_batches
-    from clawcomm.train.models import build
-    from clawcomm.train.trainer import Trainer
-
-    model, loss, opt, ds, tokens, sample = build(cfg)
-    tr = Trainer(model, loss, opt, cfg, tokens_per_sample=tokens, sample=sample)
-    start = tr.load_checkpoint(cfg.checkpoint_dir) if resume else 0
-    metrics = tr.fit(
-        global_batches(ds, cfg.effective_batch, cfg.seed, start=start),
-        steps=stop - start,
-        progress=False,
-        checkpoint_dir=cfg.checkpoint_dir or None,
-        checkpoint_every=cfg.checkpoint_every,
-    )
-    tr.close()
-    return [m["loss"] for m in metrics]
-
-
 def _ckpt_config(**kw) -> TrainConfig:
     base = dict(model="mlp", hidden=32, steps=6, microbatches=2, micro_batch_size=4,
                 quiet=True, lr_decay="none")  # fmt: skip
@@ -101,10 +82,10 @@ def _ckpt_config(**kw) -> TrainConfig:
 
 def test_a_resumed_run_reproduces_the_uninterrupted_one_bit_for_bit(tmp_path):
     cfg = _ckpt_config(dp=2, pp=2, zero=1)
-    whole = run_ranks(_run, 4, cfg, 6, False, timeout=300)[0]
+    whole = run_ranks(_run, 4, cfg, 6, False, timeout=300)[0][0]
     cfg = dataclasses.replace(cfg, checkpoint_dir=str(tmp_path), checkpoint_every=3)
-    first = run_ranks(_run, 4, cfg, 3, False, timeout=300)[0]
-    second = run_ranks(_run, 4, cfg, 6, True, timeout=300)[0]
+    first = run_ranks(_run, 4, cfg, 3, False, timeout=300)[0][0]
+    second = run_ranks(_run, 4, cfg, 6, True, timeout=300)[0][0]
     assert first + second == whole  # the same floats, not merely close
 
 
@@ -122,10 +103,10 @@ def test_a_checkpoint_loads_at_another_stage_and_layout(tmp_path, before, after)
     run_ranks(_run, dp * pp, cfg, 3, False, timeout=300)
     # The same effective batch (16) at the new layout.
     cfg2 = dataclasses.replace(cfg, dp=dp2, pp=pp2, zero=z2, micro_batch_size=8 // dp2)
-    resumed = run_ranks(_run, dp2 * pp2, cfg2, 6, True, timeout=300)[0]
+    resumed = run_ranks(_run, dp2 * pp2, cfg2, 6, True, timeout=300)[0][0]
     whole = run_ranks(_run, dp2 * pp2, dataclasses.replace(cfg2, checkpoint_dir="",
                                                            checkpoint_every=0), 6, False,
-                      timeout=300)[0]  # fmt: skip
+                      timeout=300)[0][0]  # fmt: skip
     assert resumed == pytest.approx(whole[3:], rel=1e-5)
 
 
