@@ -113,7 +113,7 @@ class ZeroShards:
             self.entries.append((bucket, flat, shard))
         self.replicated = [p for i, p in enumerate(r.params) if not r.sharded(i)]
         self._version = r.layout_version
-        return [shard for _, _, shard in self.entries] + self.replicated
+        return self.tensors()
 
     def tensors(self) -> list[torch.Tensor]:
         """What the optimizer steps (``build``'s list)."""
@@ -189,12 +189,3 @@ class ZeroShards:
                         whole[off : off + p.numel()] = state[p][key].reshape(-1)
                 mine[key] = whole[lo : lo + bucket.shard].clone()
             optimizer.state[shard] = mine
-
-    def state_numel(self, optimizer) -> int:
-        """Elements of optimizer state this rank holds."""
-        return sum(
-            v.numel()
-            for s in optimizer.state.values()
-            for v in s.values()
-            if isinstance(v, torch.Tensor)
-        )
