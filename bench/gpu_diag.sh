@@ -35,6 +35,6 @@ one dp_auto 35 clawcomm train --dp 2 "${args[@]}"
 one pp_auto 35 clawcomm train --pp 2 --schedule 1f1b "${args[@]}"
 CLAWCOMM_CUDA_P2P_BYTES=0 one pp_p2p0 35 clawcomm train --pp 2 --schedule 1f1b "${args[@]}"
 CLAWCOMM_CUDA_P2P_BYTES=0 one dp_p2p0 35 clawcomm train --dp 2 "${args[@]}"
-timeout 70 python3 -m pytest -v -p no:cacheprovider -n 6 tests/test_gpu.py \
-  -k "trainer_on_cuda or arrive_whole" 2>&1 | grep -E "PASSED|FAILED|ERROR|Error|assert" >"$OUT/tests.log"
+timeout 100 python3 -m pytest -v -p no:cacheprovider -n 6 tests/test_gpu.py \
+  -k "trainer_on_cuda or arrive_whole or posted_before" 2>&1 | grep -E "PASSED|FAILED|ERROR|Error|assert" >"$OUT/tests.log"
 cat "$OUT/tests.log"

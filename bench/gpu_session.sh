@@ -82,7 +82,7 @@ train_runs() {
     for ipc in auto 0; do
       echo "# $layout, CLAWCOMM_CUDA_IPC=$ipc"
       # shellcheck disable=SC2086
-      CLAWCOMM_CUDA_IPC=$ipc clawcomm train $layout "${args[@]}" 2>&1 | grep -E "final|median"
+      CLAWCOMM_CUDA_IPC=$ipc timeout 120 clawcomm train $layout "${args[@]}" 2>&1 | grep -E "final|median"
     done
   done | tee "$OUT/gpu_train.txt"
   mps_off
