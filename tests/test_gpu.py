@@ -463,6 +463,7 @@ TRAIN = dict(model="gpt", dim=32, heads=2, layers=2, seq_len=16, lr=3e-3, lr_dec
         (dict(dp=1, pp=2, schedule="interleaved", virtual_stages=2), {}),
         (dict(dp=1, pp=2, schedule="1f1b"), {"CLAWCOMM_CUDA_P2P_BYTES": "0"}),
         (dict(dp=2, pp=2, schedule="1f1b", zero=1), {}),
+        (dict(dp=2, pp=2, schedule="gpipe", zero=2, accumulation=2), {}),
     ],
 )
 def test_the_trainer_on_cuda_follows_the_cpu_run(layout, env):

@@ -1,8 +1,9 @@
-"""ZeRO-1 in the trainer (``--zero 1``, clawcomm.parallel.zero): the loss
-curve, gradient norms and weights of single-process training in every
-schedule, with accumulation and with the GPT's embedding tied across
-pipeline ranks; 1/dp of the optimizer state per rank; checkpoints that
-resume exactly and load at another stage and layout."""
+"""ZeRO-1 and -2 in the trainer (``--zero 1|2``, clawcomm.parallel.zero):
+the loss curve, gradient norms and weights of single-process training in
+every schedule, with accumulation and with the GPT's embedding tied across
+pipeline ranks; 1/dp of the optimizer state per rank, and at stage 2 of the
+gradients between steps; checkpoints that resume exactly and load at
+another stage and layout."""
 
 from __future__ import annotations
 
@@ -25,18 +26,22 @@ LAYOUTS = [
 ]
 
 
+@pytest.mark.parametrize("zero", [1, 2])
 @pytest.mark.parametrize("dp,pp,schedule,v,m", LAYOUTS)
-def test_every_layout_and_schedule_trains_like_one_process(dp, pp, schedule, v, m):
+def test_every_layout_and_schedule_trains_like_one_process(dp, pp, schedule, v, m, zero):
     """Reduce-scattered gradients, sharded AdamW steps and all-gathered
     weights give single-process training's losses, clipped norms and
     weights (the embedding, tied across pipeline ranks, stays replicated)."""
     cfg = _config(dp=dp, pp=pp, schedule=schedule, virtual_stages=v, microbatches=m,
-                  micro_batch_size=8 // (m * dp), zero=1)  # fmt: skip
+                  micro_batch_size=8 // (m * dp), zero=zero)  # fmt: skip
     _check_against_reference(run_ranks(_train, dp * pp, cfg), cfg)
 
 
-def test_accumulation_is_the_same_effective_batch():
-    cfg = _config(dp=2, pp=2, microbatches=2, micro_batch_size=1, accumulation=2, zero=1)
+@pytest.mark.parametrize("zero", [1, 2])
+def test_accumulation_is_the_same_effective_batch(zero):
+    """At stage 2 each accumulation round's gradients are reduce-scattered
+    and added into the shards (the combination DeepSpeed refuses)."""
+    cfg = _config(dp=2, pp=2, microbatches=2, micro_batch_size=1, accumulation=3, zero=zero)
     _check_against_reference(run_ranks(_train, 4, cfg), cfg)
 
 
@@ -53,7 +58,7 @@ def _state_sizes(rank, world, cfg):
     )
     params = sum(p.numel() for p in trainer.params)
     trainer.close()
-    return held, params, metrics[-1]["optim_bytes"]
+    return held, params, metrics[-1]
 
 
 @pytest.mark.parametrize("dp", [2, 4])
@@ -70,8 +75,26 @@ def test_each_rank_holds_one_dp_th_of_the_optimizer_state(dp):
         assert held == 2 * params, (held, params)
     # The step's metrics say so too (optim_bytes: the rank that holds the
     # most; Adam's step counts, one per tensor, make the difference).
-    ratio = sharded[0][2] / whole[0][2]
+    ratio = sharded[0][2]["optim_bytes"] / whole[0][2]["optim_bytes"]
     assert abs(ratio - 1 / dp) <= 0.01, (ratio, dp)
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_stage_two_holds_one_dp_th_of_the_gradients_between_steps(dp):
+    """ZeRO's formula, within 5%: optimizer state 1/dp of stage 0's at
+    stages 1 and 2, gradients 1/dp at stage 2 once reduced (stage 1 keeps
+    the full buffers beside the shards); during the step the full buffers
+    exist at every stage (grad_peak_bytes)."""
+    cfg = _config(model="mlp", hidden=64, dp=dp, microbatches=2, micro_batch_size=4,
+                  steps=2)  # fmt: skip
+    got = {z: run_ranks(_state_sizes, dp, dataclasses.replace(cfg, zero=z))[0][2] for z in range(3)}
+    full = got[0]["grad_bytes"]
+    assert got[0]["grad_peak_bytes"] == full
+    assert got[1]["grad_bytes"] == pytest.approx(full * (1 + 1 / dp), rel=0.05)
+    assert got[2]["grad_bytes"] == pytest.approx(full / dp, rel=0.05)
+    assert got[2]["grad_peak_bytes"] >= full
+    for z in (1, 2):
+        assert got[z]["optim_bytes"] == pytest.approx(got[0]["optim_bytes"] / dp, rel=0.05)
 
 
 def _ckpt_config(**kw) -> TrainConfig:
@@ -80,8 +103,9 @@ def _ckpt_config(**kw) -> TrainConfig:
     return TrainConfig(**{**base, **kw})
 
 
-def test_a_resumed_run_reproduces_the_uninterrupted_one_bit_for_bit(tmp_path):
-    cfg = _ckpt_config(dp=2, pp=2, zero=1)
+@pytest.mark.parametrize("zero", [1, 2])
+def test_a_resumed_run_reproduces_the_uninterrupted_one_bit_for_bit(tmp_path, zero):
+    cfg = _ckpt_config(dp=2, pp=2, zero=zero)
     whole = run_ranks(_run, 4, cfg, 6, False, timeout=300)[0][0]
     cfg = dataclasses.replace(cfg, checkpoint_dir=str(tmp_path), checkpoint_every=3)
     first = run_ranks(_run, 4, cfg, 3, False, timeout=300)[0][0]
@@ -91,7 +115,13 @@ def test_a_resumed_run_reproduces_the_uninterrupted_one_bit_for_bit(tmp_path):
 
 @pytest.mark.parametrize(
     "before,after",
-    [((2, 1, 1), (1, 2, 0)), ((2, 1, 0), (2, 1, 1)), ((2, 2, 1), (4, 1, 1))],
+    [
+        ((2, 1, 1), (1, 2, 0)),
+        ((2, 1, 0), (2, 1, 1)),
+        ((2, 2, 1), (4, 1, 1)),
+        ((2, 2, 2), (1, 4, 0)),
+        ((2, 1, 0), (4, 1, 2)),
+    ],
 )
 def test_a_checkpoint_loads_at_another_stage_and_layout(tmp_path, before, after):
     """Saved at one (dp, pp, zero), loaded at another: the rest of the run
@@ -101,8 +131,10 @@ def test_a_checkpoint_loads_at_another_stage_and_layout(tmp_path, before, after)
     cfg = _ckpt_config(dp=dp, pp=pp, zero=z, micro_batch_size=8 // dp,
                        checkpoint_dir=str(tmp_path), checkpoint_every=3)  # fmt: skip
     run_ranks(_run, dp * pp, cfg, 3, False, timeout=300)
-    # The same effective batch (16) at the new layout.
-    cfg2 = dataclasses.replace(cfg, dp=dp2, pp=pp2, zero=z2, micro_batch_size=8 // dp2)
+    # The same effective batch (16) at the new layout (1f1b: pp micro-batches at least).
+    m2 = max(2, pp2)
+    cfg2 = dataclasses.replace(cfg, dp=dp2, pp=pp2, zero=z2, microbatches=m2,
+                               micro_batch_size=16 // (m2 * dp2))  # fmt: skip
     resumed = run_ranks(_run, dp2 * pp2, cfg2, 6, True, timeout=300)[0][0]
     whole = run_ranks(_run, dp2 * pp2, dataclasses.replace(cfg2, checkpoint_dir="",
                                                            checkpoint_every=0), 6, False,
@@ -114,3 +146,41 @@ def test_zero_with_compression_is_refused_before_training():
     cfg = _config(dp=2, zero=1, compression="fp16", microbatches=2, micro_batch_size=2)
     with pytest.raises(RankFailure, match="zero 1 with compression 'fp16' is not supported yet"):
         run_ranks(_train, 2, cfg)
+
+
+def _grad_bytes_by_action(rank, world, cfg):
+    from clawcomm.train import models
+    from clawcomm.train.data import global_batches
+    from clawcomm.train.trainer import Trainer
+
+    model, loss_fn, make_opt, ds, tokens, sample = models.build(cfg)
+    trainer = Trainer(model, loss_fn, make_opt, cfg, tokens_per_sample=tokens, sample=sample)
+    reducer, seen = trainer.reducer, []
+    begin = reducer.begin_action
+
+    def spy(action, *args):
+        seen.append((trainer.step_index, action.kind, reducer.grad_bytes()))
+        begin(action, *args)
+
+    reducer.begin_action = spy
+    trainer.fit(global_batches(ds, cfg.effective_batch, cfg.seed), progress=False)
+    full = sum(b.padded * b.element_size for b in reducer.buckets)
+    trainer.close()
+    return seen, full
+
+
+def test_stage_two_holds_no_full_gradient_while_only_forwards_run():
+    """gpipe runs every forward before any backward: from step 2 (the
+    layout learned) a forward starts with the shards alone, each
+    accumulation round's first backward with the full buffers back."""
+    cfg = _config(model="mlp", hidden=64, dp=2, schedule="gpipe", microbatches=2,
+                  micro_batch_size=2, accumulation=2, steps=3, zero=2)  # fmt: skip
+    for seen, full in run_ranks(_grad_bytes_by_action, 2, cfg):
+        later = [(kind, held) for step, kind, held in seen if step >= 1]
+        forwards = [held for kind, held in later if kind == "F"]
+        assert forwards and max(forwards) < 0.6 * full, (forwards, full)
+        # Each round's first backward finds the buffers gone (and brings
+        # them back), its second finds them there.
+        backwards = [held for kind, held in later if kind != "F"]
+        assert len(forwards) == len(backwards) == 2 * 2 * 2  # steps x rounds x micro-batches
+        assert max(backwards[0::2]) < 0.6 * full <= full <= min(backwards[1::2]), (backwards, full)

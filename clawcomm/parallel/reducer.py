@@ -19,19 +19,20 @@ How a bucket is averaged:
   thread. Its error-feedback residuals are kept per bucket in
   ``compression_state``.
 
-Sharded buckets (``zero=True``, ZeRO-1): each bucket's flat buffer is
+Sharded buckets (``zero=1``, ZeRO-1): each bucket's flat buffer is
 padded to a multiple of the group's size, and once the layout is learned
 each bucket is reduce-scattered (AVG) into ``bucket.shard_grad``, this
 rank's part: ``clawcomm.parallel.zero.ZeroShards`` steps the optimizer on
 those parts and all-gathers the parameters. The first step, which learns
 the layout, all-reduces and keeps each rank's part of the result.
-
-Gradients that were replaced (``zero_grad(set_to_none=True)`` makes autograd
-hand over a fresh tensor) are put back in their bucket by ``take_grad``: a
-bucket that holds one parameter adopts the new tensor as its buffer, so no
-byte is copied; in a shared bucket the gradient is copied in. Parameters of
-at least half the bucket cap get a bucket of their own, so the big
-gradients, whose copies would cost the most, are the ones adopted.
+``zero=2`` (ZeRO-2) keeps gradients as those parts only, but while a
+pipeline round's backward runs: the full buffers come at its first backward
+action and go once reduce-scattered (``finish``; with several accumulation
+rounds, each round's are reduce-scattered and added into the parts when the
+next round begins, ``begin_round``). Inside a round a gradient gets
+contributions from every micro-batch, so its full buffer lives until the
+round's last backward (as torchtitan's FSDP under PP keeps it; DeepSpeed
+refuses ZeRO-2 with PP).
 """
 
 from __future__ import annotations
@@ -43,13 +44,13 @@ import torch.distributed as dist
 
 from clawcomm._torch_names import reduce_scatter_single
 from clawcomm.compression import Compressor, CompressorState
-from clawcomm.parallel.buckets import GradBucket, assign_buckets
+from clawcomm.parallel.buckets import BucketBuffers, GradBucket, assign_buckets
 from clawcomm.parallel.worker import ReductionThread
 
 MB = 1 << 20
 
 
-class GradReducer:
+class GradReducer(BucketBuffers):
     """Buckets over ``params`` (gradients become views of them), averaged
     over ``group``.
 
@@ -78,15 +79,19 @@ class GradReducer:
         overlap: bool = True,
         order: list[int] | None = None,
         names: list[str] | None = None,
-        zero: bool = False,
+        zero: int = 0,
         replicated: set[int] | None = None,
     ):
         if zero and compressor is not None:
             raise ValueError("GradReducer: zero (sharded gradients) takes no compressor yet")
         self.params = params
-        # ZeRO-1 (see "sharded buckets" below): every parameter but those in
-        # `replicated` sits in a bucket sharded over the group.
-        self.zero = zero
+        # ZeRO-1/2 (see "sharded buckets" above): every parameter but those
+        # in `replicated` sits in a bucket sharded over the group.
+        self.stage = int(zero)
+        self.zero = self.stage >= 1
+        self._fresh_shards = True  # this step's first reduce-scatter overwrites the parts
+        self._final_round = True  # see begin_round
+        self.peak_grad_bytes = 0  # the most gradient bytes held during the last step
         self.replicated = set(replicated or ())
         self.layout_version = 0
         self.names = names or [str(i) for i in range(len(params))]
@@ -153,7 +158,8 @@ class GradReducer:
         for i, p in enumerate(self.params):
             old_bucket, s = old_slot[i]
             bucket, t = self.slot[i]
-            bucket.views[t].copy_(old_bucket.views[s])
+            if old_bucket.views[s] is not None:  # not released (ZeRO-2)
+                bucket.views[t].copy_(old_bucket.views[s])
             if p.grad is not None:
                 p.grad = bucket.views[t]
             old = old_residuals.get(old_bucket.index)
@@ -161,20 +167,6 @@ class GradReducer:
                 new = self.compression_state.residual(bucket.index, bucket.flat)
                 bucket.segment(new, t).copy_(old_bucket.segment(old, s))
         self.reset()
-
-    def attach_grads(self) -> None:
-        """Makes every parameter's ``.grad`` its bucket view (zeroed)."""
-        for bucket in self.buckets:
-            if bucket.flat is None:
-                self.take_grad(bucket.params[0])
-            bucket.flat.zero_()
-            for p, view in zip((self.params[i] for i in bucket.params), bucket.views, strict=True):
-                p.grad = view
-
-    def zero_grad(self) -> None:
-        for bucket in self.buckets:
-            if bucket.flat is not None:
-                bucket.flat.zero_()
 
     # ---- one step -------------------------------------------------------------
 
@@ -184,72 +176,6 @@ class GradReducer:
         self._marks = [0] * len(self.params)
         for bucket in self.buckets:
             bucket.pending = sum(self.expected[i] for i in bucket.params)
-
-    def take_grad(self, i: int) -> bool:
-        """Puts parameter i's gradient in its bucket: adopted (one-parameter
-        bucket), copied (shared bucket) or zeroed (no gradient on this rank).
-        Returns whether it had a gradient."""
-        bucket, s = self.slot[i]
-        view, p = bucket.views[s], self.params[i]
-        g = p.grad
-        if self._to_release:
-            if bucket in self._to_release:
-                self._to_release.remove(bucket)  # taken now: not to be released
-            self._release_next()  # the buffer the next gradient will replace
-        if view is None:  # released (see release_dropped): adopt or allocate
-            if g is None or not _adoptable(g, p):
-                g_new = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                if g is not None:
-                    g_new.copy_(g)
-                    p.grad = g_new
-                has, g = g is not None, g_new
-            else:
-                has = True
-            bucket.flat, bucket.views[0] = g.view(-1), g
-            return has
-        if g is None:
-            view.zero_()  # unused here: this rank adds nothing
-            return False
-        if g.data_ptr() == view.data_ptr():
-            return True
-        if len(bucket.params) == 1 and not bucket.shards and _adoptable(g, p):
-            bucket.flat = g.view(-1)
-            bucket.views[0] = g
-        else:
-            view.copy_(g)
-            p.grad = view
-        return True
-
-    def release_dropped(self) -> None:
-        """Plans to let go of the buffers of one-parameter buckets whose
-        gradient the user dropped (``zero_grad(set_to_none=True)``), one at a
-        time, just before autograd allocates the gradient that replaces it.
-
-        Holding on to them would keep last step's gradients alive while
-        autograd allocates this step's, so every step would fault in fresh
-        pages (measured: 11 ms per 16 MiB gradient here, more than its
-        all-reduce). Freeing them all at once is little better: malloc hands
-        a large free block at the top of the heap back to the system, and the
-        next allocations fault again. Freed one by one, in the order the
-        gradients come (launch order), each block is reused by the next
-        gradient's allocation. ``take_grad`` adopts the new gradient."""
-        self._to_release = [
-            b
-            for b in self.buckets
-            if len(b.params) == 1
-            and not b.shards
-            and b.flat is not None
-            and self.params[b.params[0]].grad is None
-        ]
-        self._release_next()
-
-    def _release_next(self) -> None:
-        while self._to_release:
-            bucket = self._to_release.pop(0)
-            if bucket.flat is not None and self.params[bucket.params[0]].grad is None:
-                bucket.flat = None
-                bucket.views[0] = None
-                return
 
     def ready(self, i: int, count: int = 1) -> None:
         """Parameter i's gradient got ``count`` of its expected final marks."""
@@ -271,18 +197,20 @@ class GradReducer:
             else:
                 collective(False)
         else:
-            self._works.append((collective(True), None))
+            self._works.append((collective(True), None, None))
 
     def wait(self) -> None:
         """Blocks until every launched bucket is averaged."""
         works, self._works = self._works, []
         error = None
-        for work, summed in works:
+        for work, summed, into in works:
             try:
                 if work is not None:
                     work.wait()
                 if summed is not None and not self._average_op:
                     summed.div_(self.world_size)
+                if into is not None:  # a later round's part (ZeRO-2)
+                    into.add_(summed)
             except BaseException as e:  # wait for the rest before raising
                 error = error or e
         if self._thread is not None:
@@ -293,7 +221,30 @@ class GradReducer:
     def end_step(self) -> None:
         if self.compressor is not None:
             self.compression_state.step += 1
+        self._fresh_shards = True
         self.reset()
+
+    # ---- ZeRO-2: gradients kept as shards between steps ---------------------------
+
+    def begin_round(self, round_index: int, last: bool = True) -> None:
+        """An accumulation round of the pipeline starts (``last``: the
+        step's last, whose final gradients launch their buckets). ZeRO-2,
+        once the layout is learned: a later round first reduce-scatters the
+        earlier rounds' contributions into the parts and lets the full
+        buffers go; they come back, zeroed, at the round's first backward
+        action (``begin_action``), so no full gradient is held while only
+        forwards run. (Before the layout is learned, the rounds add up in
+        the full buffers, as at stage 1.)"""
+        self._final_round = last
+        if self.stage < 2 or not self.learned or round_index == 0:
+            return
+        self._allocate_full()  # (a rank that ran no backward: zeros)
+        for b in self.buckets:  # the same buckets in the same order on every rank
+            if b.shards:
+                self._launch(b)
+        self.wait()
+        self._fresh_shards = False
+        self._release_full(scratch=False)
 
     def close(self) -> None:
         if self._thread is not None:
@@ -324,7 +275,9 @@ class GradReducer:
         ``final_actions`` arms the reducer until ``end_action``."""
         from clawcomm.pipeline.weight_grad import set_listener
 
-        self.armed = final_round and action in self.final_actions
+        if self.stage >= 2 and self.learned and getattr(action, "kind", "F") != "F":
+            self._allocate_full()  # ZeRO-2: the first backward action of the round
+        self.armed = final_round and self._final_round and action in self.final_actions
         set_listener(self._mark_param if self.armed else None)
 
     def end_action(self, action) -> None:
@@ -367,6 +320,9 @@ class GradReducer:
                 for b in self.buckets:
                     if b.shards:
                         b.shard_grad.copy_(b.flat[k * b.shard : (k + 1) * b.shard])
+        self.peak_grad_bytes = self.grad_bytes()
+        if self.stage >= 2:
+            self._release_full()
         self.end_step()
         return waited
 
@@ -434,12 +390,16 @@ class GradReducer:
                 job()  # without overlap, on the caller's thread
         elif bucket.shards and self.learned:
             op = dist.ReduceOp.AVG if self._average_op else dist.ReduceOp.SUM
-            work = reduce_scatter_single(
-                bucket.shard_grad, bucket.flat, op=op, group=self.group, async_op=True
-            )
-            self._works.append((work, bucket.shard_grad))
+            into = None
+            out = bucket.shard_grad
+            if not self._fresh_shards:  # a later round: added into the part after
+                if bucket.scratch is None:
+                    bucket.scratch = torch.empty_like(bucket.shard_grad)
+                out, into = bucket.scratch, bucket.shard_grad
+            work = reduce_scatter_single(out, bucket.flat, op=op, group=self.group, async_op=True)
+            self._works.append((work, out, into))
         else:
-            self._works.append((self._dense(bucket, async_op=True), bucket.flat))
+            self._works.append((self._dense(bucket, async_op=True), bucket.flat, None))
 
     def _dense(self, bucket: GradBucket, async_op: bool):
         op = dist.ReduceOp.AVG if self._average_op else dist.ReduceOp.SUM
@@ -447,8 +407,3 @@ class GradReducer:
         if not async_op and not self._average_op:
             bucket.flat.div_(self.world_size)
         return work
-
-
-def _adoptable(g: torch.Tensor, p: torch.Tensor) -> bool:
-    """Whether gradient ``g`` can serve as its bucket's buffer as it is."""
-    return g.is_contiguous() and g.dtype == p.dtype and g.device == p.device and g.shape == p.shape

@@ -101,7 +101,7 @@ class ZeroShards:
         for bucket in r.buckets:
             if not bucket.shards:
                 continue
-            flat = bucket.flat.new_zeros(bucket.padded)
+            flat = torch.zeros(bucket.padded, dtype=bucket.dtype, device=bucket.device)
             for i, offset in zip(bucket.params, bucket.offsets, strict=True):
                 p = r.params[i]
                 view = flat[offset : offset + p.numel()].view_as(p)

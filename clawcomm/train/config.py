@@ -70,9 +70,10 @@ class TrainConfig:
     overlap: bool = _opt(True, "reduce buckets while the pipeline drains")
     zero: int = _opt(
         0,
-        "ZeRO stage: 0 (every dp replica holds all the optimizer state) or 1 (each holds "
-        "1/dp of it: gradients reduce-scattered, parameters all-gathered)",
-        (0, 1),
+        "ZeRO stage: 0 (every dp replica holds all the optimizer state), 1 (each holds "
+        "1/dp of it: gradients reduce-scattered, parameters all-gathered) or 2 (gradients "
+        "too are kept as 1/dp between steps)",
+        (0, 1, 2),
     )
     # checkpoints
     checkpoint_dir: str = _opt(

@@ -40,11 +40,14 @@ class RankSample:
     bytes_pp: float = 0.0
     bytes_dp: float = 0.0
     gpu_mb: float = 0.0  # peak GPU memory
-    # Tensor bytes held at the step's start: parameters, gradient buffers,
-    # optimizer state (see held_bytes).
+    # Tensor bytes held once the step's gradients are reduced, before the
+    # optimizer steps: parameters, gradient buffers, optimizer state (see
+    # held_bytes); and the most gradient bytes held during the step (the
+    # full buffers, which ZeRO-2 lets go after their reduce-scatter).
     param_bytes: float = 0.0
     grad_bytes: float = 0.0
     optim_bytes: float = 0.0
+    grad_peak_bytes: float = 0.0
     # The mean time of F, B, I and W of each local stage, stage by stage.
     costs: list[float] = field(default_factory=list)
 
@@ -76,15 +79,13 @@ def held_bytes(params, reducer, optimizer) -> dict:
     def nbytes(tensors) -> int:
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
-    if reducer is not None:
-        grads = [t for b in reducer.buckets for t in (b.flat, b.shard_grad)]
-    else:
-        grads = [p.grad for p in params]
+    grads = reducer.grad_bytes() if reducer is not None else nbytes(p.grad for p in params)
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     return {
         "param_bytes": nbytes(params),
-        "grad_bytes": nbytes(grads),
+        "grad_bytes": grads,
         "optim_bytes": nbytes(state),
+        "grad_peak_bytes": reducer.peak_grad_bytes if reducer is not None else grads,
     }
 
 
@@ -143,6 +144,7 @@ def summarise(rows: list[RankSample], cfg, grid, plan, p2p_latency: float, cuda:
         "param_bytes": int(max(r.param_bytes for r in rows)),
         "grad_bytes": int(max(r.grad_bytes for r in rows)),
         "optim_bytes": int(max(r.optim_bytes for r in rows)),
+        "grad_peak_bytes": int(max(r.grad_peak_bytes for r in rows)),
     }
     if cuda:
         metrics["max_gpu_mem_mb"] = max(r.gpu_mb for r in rows)

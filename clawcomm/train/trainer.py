@@ -31,12 +31,10 @@ One step (every rank):
 3. Wait for the reductions; sum tied gradients across the stages that share
    them (the GPT's embedding and output projection).
 4. One all-gather of each rank's figures (``metrics.RankSample``: loss,
-   squared gradient norm, bytes sent, busy and elapsed time, per-stage
-   action costs). Every rank
+   squared gradient norm, bytes sent, busy time, action costs). Every rank
    gets the global gradient norm (clipping, NaN/inf stop) and the loss;
-   rank 0 also the measured bubble and the schedule's predicted one
-   (``simulate`` with the measured costs).
-5. Clip, step the optimizer, zero the gradients.
+   rank 0 also the measured bubble and the schedule's predicted one.
+5. Clip, step the optimizer (ZeRO: on the shards, then all-gather).
 """
 
 from __future__ import annotations
@@ -161,10 +159,10 @@ class Trainer:
                 compression_warmup_steps=cfg.compression_warmup,
                 overlap=cfg.overlap,
                 names=[self.names.get(id(p), str(i)) for i, p in enumerate(self.params)],
-                # ZeRO-1 shards all but the parameters tied across pipeline
+                # ZeRO shards all but the parameters tied across pipeline
                 # ranks, whose gradients are summed over them after the
                 # reduction (see clawcomm.parallel.zero).
-                zero=cfg.zero >= 1,
+                zero=cfg.zero,
                 replicated={i for i, p in enumerate(self.params) if id(p) in tied},
             )
             # A gradient is final after the last backward actions of its
@@ -326,8 +324,8 @@ class Trainer:
 
     def _run_pipeline(self, x, y, loss_scale: float) -> tuple[PipelineTotals, list]:
         """This replica's slice of the batch through the schedule, once per
-        accumulation round; in the last round the reducer hears the actions
-        run, and launches each bucket when its gradients are final."""
+        accumulation round; the reducer hears each action run, and in the
+        last round launches each bucket when its gradients are final."""
         cfg, dev = self.cfg, self.device
         per_replica = cfg.effective_batch // cfg.dp
         lo = self.grid.dp_rank * per_replica
@@ -340,8 +338,9 @@ class Trainer:
             )
             inputs = list(x[rows].to(dev).chunk(cfg.microbatches)) if has_first else None
             targets = list(y[rows].to(dev).chunk(cfg.microbatches)) if has_last else None
-            tracker = self.reducer if a == cfg.accumulation - 1 else None
-            stats = self.executor.run(inputs, targets, loss_scale=loss_scale, tracker=tracker)
+            if self.reducer is not None:  # it launches in the last round (ZeRO-2: in each)
+                self.reducer.begin_round(a, last=a == cfg.accumulation - 1)
+            stats = self.executor.run(inputs, targets, loss_scale=loss_scale, tracker=self.reducer)
             totals.add(stats)
             if self.recorder is not None:
                 events += trace.run_events(stats, a if cfg.accumulation > 1 else None)
