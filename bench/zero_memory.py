@@ -1,0 +1,91 @@
+"""What each ZeRO stage holds per rank, against ZeRO's formula: the GPT
+trained by ``clawcomm train`` at dp 1, 2 and 4 x ``--zero 0|1|2``, same seed
+and effective batch.
+
+    python3 bench/zero_memory.py --json bench/results/zero_memory.json \\
+        | tee bench/results/zero_memory.txt
+
+Per rank (the rank that holds the most), from the step's metrics: parameter,
+gradient and optimizer-state bytes once the step's gradients are reduced
+(``param_bytes``, ``grad_bytes``, ``optim_bytes``), and the most gradient
+bytes held during the step (``grad_peak_bytes``). ZeRO (Rajbhandari et al.)
+gives, for Psi parameters in float32 with AdamW: optimizer state 8 Psi at
+stage 0 and 8 Psi / dp from stage 1; gradients 4 Psi, 4 Psi / dp from stage
+2. The check column says whether each sharded figure is within 5% of its
+formula (1/dp of stage 0's at the same dp; stage 1 keeps the full gradient
+buffer beside its shard, so its gradients are checked against 1 + 1/dp).
+The final losses must agree (float32 reordering). Step times are this
+machine's (ranks beyond its cores share them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+from clawcomm.testing import run_ranks
+from clawcomm.train import TrainConfig
+from clawcomm.train import cli as train_cli
+
+MB = 1e6
+
+
+def _run(rank, world, cfg):
+    return train_cli.train_rank(cfg, announce=False)
+
+
+def _expected(stage: int, dp: int) -> dict:
+    """Each figure as a fraction of stage 0's at the same dp."""
+    return {
+        "optim_bytes": 1 / dp if stage >= 1 else 1.0,
+        "grad_bytes": {0: 1.0, 1: 1 + 1 / dp, 2: 1 / dp}[stage],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--json", metavar="FILE")
+    args = p.parse_args()
+    keys = ("param_bytes", "grad_bytes", "grad_peak_bytes", "optim_bytes")
+    runs, failed = [], 0
+    print(f"# clawcomm train --model gpt --dp D --zero Z --steps {args.steps} (effective batch 32,"
+          " 4 micro-batches): MB per rank")  # fmt: skip
+    print(f"# {'dp':>3}{'zero':>5}{'params':>9}{'grads':>9}{'peak':>9}{'optim':>9}"
+          f"{'step ms':>9}{'final loss':>11}  check (fraction of stage 0's)")  # fmt: skip
+    for dp in args.dp:
+        base = None
+        for stage in (0, 1, 2) if dp > 1 else (0,):
+            cfg = TrainConfig(model="gpt", dp=dp, zero=stage, microbatches=4,
+                              micro_batch_size=32 // (4 * dp), steps=args.steps, lr=1e-3,
+                              warmup_steps=2, quiet=True)  # fmt: skip
+            metrics = run_ranks(_run, dp, cfg, timeout=3600)[0]
+            last = metrics[-1]
+            row = {k: last[k] for k in keys}
+            row["step_ms"] = statistics.median(m["step_ms"] for m in metrics[len(metrics) // 2 :])
+            row["final_loss"] = last["loss"]
+            base = base or row
+            checks = []
+            for key, frac in _expected(stage, dp).items() if stage else ():
+                got = row[key] / base[key]
+                ok = abs(got / frac - 1) <= 0.05
+                failed += not ok
+                checks.append(
+                    f"{key.split('_')[0]} {got:.3f} (want {frac:.3f}) {'ok' if ok else 'MISS'}"
+                )
+            runs.append({"dp": dp, "zero": stage, **row, "checks": checks})
+            print(
+                f"  {dp:>3}{stage:>5}{row['param_bytes'] / MB:>9.2f}{row['grad_bytes'] / MB:>9.2f}"
+                f"{row['grad_peak_bytes'] / MB:>9.2f}{row['optim_bytes'] / MB:>9.2f}"
+                f"{row['step_ms']:>9.1f}{row['final_loss']:>11.4f}  {'; '.join(checks)}"
+            )
+    print(f"# {'every check within 5%' if not failed else f'{failed} checks missed'}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "runs": runs}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
