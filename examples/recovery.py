@@ -74,6 +74,7 @@ def main(argv=None) -> int:
     p.add_argument("--kill-at-step", type=int, default=12)
     p.add_argument("--dir", help="work folder (default: a temporary one)")
     p.add_argument("--json", help="write the figures here")
+    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2), help="ZeRO stage (0)")
     args = p.parse_args(argv)
     work = args.dir or tempfile.mkdtemp(prefix="clawcomm-recovery-")
     os.makedirs(work, exist_ok=True)
@@ -81,7 +82,7 @@ def main(argv=None) -> int:
     shutil.rmtree(ckpt, ignore_errors=True)
     common = [
         "--dp", "2", "--pp", "2", "--model", args.model, "--steps", str(args.steps),
-        "--microbatches", "4", "--micro-batch-size", "4", "--quiet",
+        "--microbatches", "4", "--micro-batch-size", "4", "--zero", str(args.zero), "--quiet",
     ]  # fmt: skip
     if args.model == "gpt":
         common += ["--dim", "64", "--layers", "2"]

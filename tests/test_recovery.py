@@ -9,10 +9,15 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_a_killed_rank_is_recovered_and_the_final_loss_is_the_same(tmp_path):
+@pytest.mark.parametrize("zero", [0, 2])
+def test_a_killed_rank_is_recovered_and_the_final_loss_is_the_same(tmp_path, zero):
+    """At ZeRO-2 too: the optimizer state and the reducer's layout come back
+    from the checkpoint, the gradient shards are made afresh."""
     out = tmp_path / "figures.json"
     proc = subprocess.run(
         [
@@ -30,6 +35,8 @@ def test_a_killed_rank_is_recovered_and_the_final_loss_is_the_same(tmp_path):
             str(tmp_path),
             "--json",
             str(out),
+            "--zero",
+            str(zero),
         ],  # fmt: skip
         capture_output=True,
         text=True,
