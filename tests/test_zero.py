@@ -184,3 +184,21 @@ def test_stage_two_holds_no_full_gradient_while_only_forwards_run():
         backwards = [held for kind, held in later if kind != "F"]
         assert len(forwards) == len(backwards) == 2 * 2 * 2  # steps x rounds x micro-batches
         assert max(backwards[0::2]) < 0.6 * full <= full <= min(backwards[1::2]), (backwards, full)
+
+
+def test_the_data_parallel_bytes_are_counted_by_kind_of_collective():
+    """bytes_sent_dp by kind: stage 0 all-reduces; stage 1 reduce-scatters
+    and all-gathers half each; stage 2 reduce-scatters once per
+    accumulation round."""
+    cfg = _config(model="mlp", hidden=64, dp=2, microbatches=2, micro_batch_size=2,
+                  accumulation=2, steps=3)  # fmt: skip
+    kinds = ("reduce_scatter", "all_gather", "all_reduce")
+    got = {}
+    for z in range(3):
+        metrics = run_ranks(_train, 2, dataclasses.replace(cfg, zero=z))[0][0][-1]
+        got[z] = [metrics[f"bytes_sent_dp_{k}"] for k in kinds]
+        assert sum(got[z]) == metrics["bytes_sent_dp"], (z, metrics)
+    ar = got[0][2]  # (the shards are padded to a multiple of dp: within 1%)
+    assert got[0] == [0, 0, ar] and ar > 0
+    assert got[1] == pytest.approx([ar / 2, ar / 2, 0], rel=0.01), got
+    assert got[2] == pytest.approx([ar, ar / 2, 0], rel=0.01), got

@@ -39,6 +39,10 @@ class RankSample:
     host: float = 0.0  # host time per compute action
     bytes_pp: float = 0.0
     bytes_dp: float = 0.0
+    # bytes_dp by kind: reduce-scatter, all-gather, all-reduce
+    bytes_rs: float = 0.0
+    bytes_ag: float = 0.0
+    bytes_ar: float = 0.0
     gpu_mb: float = 0.0  # peak GPU memory
     # Tensor bytes held once the step's gradients are reduced, before the
     # optimizer steps: parameters, gradient buffers, optimizer state (see
@@ -140,6 +144,9 @@ def summarise(rows: list[RankSample], cfg, grid, plan, p2p_latency: float, cuda:
         "exposed_comm_ms": max(r.recv_wait + r.dp_wait for r in rows) * 1e3,
         "bytes_sent_pp": int(sum(r.bytes_pp for r in rows)),
         "bytes_sent_dp": int(sum(r.bytes_dp for r in rows)),
+        "bytes_sent_dp_reduce_scatter": int(sum(r.bytes_rs for r in rows)),
+        "bytes_sent_dp_all_gather": int(sum(r.bytes_ag for r in rows)),
+        "bytes_sent_dp_all_reduce": int(sum(r.bytes_ar for r in rows)),
         # the rank that holds the most of each
         "param_bytes": int(max(r.param_bytes for r in rows)),
         "grad_bytes": int(max(r.grad_bytes for r in rows)),
@@ -178,7 +185,10 @@ def _predicted_bubble(rows, cfg, grid, plan, p2p_latency: float) -> dict:
 
 class Traffic:
     """Bytes this rank sent through its groups' engines: every group, the
-    pipeline group and the data-parallel group (clawcomm groups only)."""
+    pipeline group and the data-parallel group, and the last by kind of
+    collective (clawcomm groups only)."""
+
+    DP_KINDS = ("reduce_scatter", "all_gather", "all_reduce")
 
     def __init__(self, pp_group, dp_group, other_groups=()):
         self._groups = (pp_group, dp_group, tuple(other_groups))
@@ -199,15 +209,26 @@ class Traffic:
         return self._engines
 
     def sent(self) -> list[int]:
-        """[every group, pp, dp] bytes sent so far."""
+        """[every group, pp, dp, dp's reduce-scatters, all-gathers,
+        all-reduces] bytes sent so far."""
         every, named = self.engines()
 
         def total(e) -> int:
             return sum(v["bytes_sent"] for v in e.comm_stats().values())
 
-        return [sum(total(e) for e in every)] + [
-            total(named[k]) if k in named else 0 for k in ("pp", "dp")
-        ]
+        dp = named["dp"].comm_stats() if "dp" in named else {}
+        kinds = [dp.get(k, {}).get("bytes_sent", 0) for k in self.DP_KINDS]
+        return (
+            [sum(total(e) for e in every)]
+            + [total(named[k]) if k in named else 0 for k in ("pp", "dp")]
+            + kinds
+        )
+
+    @staticmethod
+    def fields(sent: list[int]) -> dict:
+        """``sent``'s figures (or differences of them) as RankSample fields."""
+        names = ("bytes_sent", "bytes_pp", "bytes_dp", "bytes_rs", "bytes_ag", "bytes_ar")
+        return dict(zip(names, sent, strict=True))
 
 
 def measure_p2p_latency(pp_group, pp_rank: int, pp: int, rounds: int = 20) -> float:

@@ -180,7 +180,7 @@ class Trainer:
         self.zero = ZeroShards(self.reducer) if self.reducer and self.reducer.zero else None
         self.step_index = 0
         self.traffic = Traffic(self.pp_group, self.dp_group, (t[1] for t in self._ties))
-        self._carried = [0, 0, 0]  # bytes sent after the last step's figures (ZeRO's gather)
+        self._carried = [0] * 6  # bytes sent after the last step's figures (ZeRO's gather)
         self._pending_save = None
         self._checkpoint_group = None
         # Per-step events for --trace/--timeline (clawcomm.train.trace), or None.
@@ -281,7 +281,7 @@ class Trainer:
         sample = RankSample(
             loss=float(sum(float(v) for v in totals.losses)),
             sumsq=self._owned_sumsq(),
-            bytes_sent=sent[0], bytes_pp=sent[1], bytes_dp=sent[2],
+            **Traffic.fields(sent),
             busy=totals.busy, span=t_pipe - t0, recv_wait=totals.recv_wait, dp_wait=dp_wait,
             host=totals.host / max(1, totals.computes), gpu_mb=peak_mb(self.device),
             costs=totals.mean_costs(sorted(self.local)),
