@@ -327,6 +327,17 @@ class Engine:
         op: str = "sum",
         dtype: typing.Any = None,
     ) -> None: ...
+    def reduce_scatter_16bit_wire(
+        self,
+        buf: typing_extensions.Buffer,
+        out: typing_extensions.Buffer,
+        wire: str = "float16",
+        prescale: typing.SupportsFloat | typing.SupportsIndex = 1.0,
+        postscale: typing.SupportsFloat | typing.SupportsIndex = 1.0,
+    ) -> None:
+        """
+        Reduce-scatter of a float32 buffer (its length a multiple of the group's size) with float16 or bfloat16 on the wire and float32 accumulation: rank r's part into `out`. `buf` is overwritten with partial sums. `prescale` multiplies the values first, `postscale` the result.
+        """
     def send(
         self,
         buf: typing_extensions.Buffer,

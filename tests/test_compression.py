@@ -191,6 +191,45 @@ def test_compressed_all_reduce_agrees_across_ranks(world_size):
     assert torch.allclose(results[0][1]["fp16"], dense, atol=1e-2)
 
 
+def _half_reduce_scatter(rank, n, numels):
+    """Each count's part of the mean through the engine's 16-bit ring, with
+    the dense float32 mean and what a count that n ranks cannot divide
+    says."""
+    out = []
+    for numel in numels:
+        xs = [_grad(200 + r, numel) for r in range(n)]
+        mean = sum(xs) / n
+        for spec in ("fp16", "bf16"):
+            part = torch.full((numel // n,), float("nan"))
+            get_compressor(spec).reduce_scatter_mean(xs[rank].clone(), part, dist.group.WORLD)
+            out.append((spec, numel, part, mean[rank * (numel // n) : (rank + 1) * (numel // n)]))
+    engine = clawcomm.engine_of(None)
+    try:
+        engine.reduce_scatter_16bit_wire(torch.zeros(n * 3 + 1).numpy(), torch.zeros(3).numpy())
+        error = ""
+    except ValueError as e:
+        error = str(e)
+    return out, error
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_the_16bit_reduce_scatter_gives_each_rank_its_part_of_the_mean(world_size):
+    """ZeRO's compressed reduction: float32 accumulation, 16 bits on the
+    wire only (within one 16-bit rounding of the mean per hop), any count a
+    multiple of the world size, several segments included."""
+    n = world_size
+    numels = [0, n, 1001 * n, (1 << 18) * n + 4 * n]
+    for got, error in run_ranks(_half_reduce_scatter, n, numels):
+        for spec, numel, part, want in got:
+            # One rounding per hop of values no larger than the inputs'.
+            unit = 2.0**-11 if spec == "fp16" else 2.0**-8
+            bound = n * unit * 4.0  # |inputs| < 4 (5000 draws of N(0, 1) per rank: well within)
+            err = (part - want).abs().max().item() if numel else 0.0
+            assert err <= bound, (spec, numel, err, bound)
+        if n > 1:  # (one rank divides any count)
+            assert "divide evenly" in error and str(n * 3 + 1) in error, error
+
+
 def _sparse(rank, n, numel, values, form):
     rng = np.random.default_rng(rank)
     k = 10 + 7 * rank  # ranks send different numbers of pairs

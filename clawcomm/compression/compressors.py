@@ -8,6 +8,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from clawcomm._torch_names import reduce_scatter_single
 from clawcomm.compression.base import Compressor, CompressorState
 from clawcomm.compression.registry import parse_k, register_compressor
 from clawcomm.compression.sparse import sparse_all_reduce
@@ -70,6 +71,8 @@ class HalfPrecision(Compressor):
     fp16_compress_hook does).
     """
 
+    reduces_scatter = True
+
     def __init__(self, wire: str, prescale: bool = True):
         self.wire = wire
         self.prescale = prescale
@@ -101,6 +104,22 @@ class HalfPrecision(Compressor):
         pre = 1.0 / n if self.prescale or mean else 1.0
         post = n if pre != 1.0 and not mean else 1.0  # back to the sum, in the engine
         engine.all_reduce_16bit_wire(tensor.numpy(), self.wire, pre, post)
+
+    def reduce_scatter_mean(self, tensor, out, group):
+        """The mean's part of this rank, with the same wire and float32
+        accumulation (the engine's ring, its first phase alone; ``tensor``
+        holds the partial sums after). Off the engine (CUDA tensors, other
+        backends): the 16-bit tensor reduce-scattered, the sum then summed
+        in float32 by the backend where it can (clawcomm's CUDA kernels)."""
+        n = dist.get_world_size(group)
+        engine = None if tensor.is_cuda else _engine(group)
+        if engine is not None:
+            engine.reduce_scatter_16bit_wire(tensor.numpy(), out.numpy(), self.wire, 1.0 / n, 1.0)
+            return
+        half = tensor.mul(1.0 / n).to(getattr(torch, self.wire))
+        part = half.new_empty(out.numel())
+        reduce_scatter_single(part, half, group=group)
+        out.copy_(part)
 
 
 class TopK(Compressor):

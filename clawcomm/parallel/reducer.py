@@ -83,7 +83,11 @@ class GradReducer(BucketBuffers):
         replicated: set[int] | None = None,
     ):
         if zero and compressor is not None:
-            raise ValueError("GradReducer: zero (sharded gradients) takes no compressor yet")
+            if not compressor.reduces_scatter:
+                raise ValueError(
+                    f"GradReducer: zero (sharded gradients) takes fp16 or bf16 compression, "
+                    f"not {compressor.spec!r} (it has no reduce-scatter yet)"
+                )
         self.params = params
         # ZeRO-1/2 (see "sharded buckets" above): every parameter but those
         # in `replicated` sits in a bucket sharded over the group.
@@ -381,21 +385,30 @@ class GradReducer(BucketBuffers):
             self._launch(bucket)
 
     def _launch(self, bucket: GradBucket) -> None:
+        sharded = bucket.shards and self.learned
+        into = None
+        if sharded:  # into the part, or (a later round) added into it after
+            out = bucket.shard_grad
+            if not self._fresh_shards:
+                if bucket.scratch is None:
+                    bucket.scratch = torch.empty_like(bucket.shard_grad)
+                out, into = bucket.scratch, bucket.shard_grad
         if self._compressing():
-            state, group = self.compression_state, self.group
-            job = lambda: self.compressor.all_reduce_mean(bucket.flat, state, bucket.index, group)
+            state, group, c = self.compression_state, self.group, self.compressor
+            if sharded:
+
+                def job():
+                    c.reduce_scatter_mean(bucket.flat, out, group)
+                    if into is not None:
+                        into.add_(out)
+            else:
+                job = lambda: c.all_reduce_mean(bucket.flat, state, bucket.index, group)
             if self._thread is not None:
                 self._thread.submit(job)
             else:
                 job()  # without overlap, on the caller's thread
-        elif bucket.shards and self.learned:
+        elif sharded:
             op = dist.ReduceOp.AVG if self._average_op else dist.ReduceOp.SUM
-            into = None
-            out = bucket.shard_grad
-            if not self._fresh_shards:  # a later round: added into the part after
-                if bucket.scratch is None:
-                    bucket.scratch = torch.empty_like(bucket.shard_grad)
-                out, into = bucket.scratch, bucket.shard_grad
             work = reduce_scatter_single(out, bucket.flat, op=op, group=self.group, async_op=True)
             self._works.append((work, out, into))
         else:

@@ -175,10 +175,13 @@ class TrainConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.zero and self.compression:
-            raise ValueError(
-                f"zero {self.zero} with compression {self.compression!r} is not supported yet "
-                "(the sharded reduction is dense); use zero 0 or no compression"
-            )
+            from clawcomm.compression import get_compressor
+
+            if not get_compressor(self.compression).reduces_scatter:
+                raise ValueError(
+                    f"zero {self.zero} with compression {self.compression!r} is not supported "
+                    "yet (the sharded reduction takes fp16 or bf16); use zero 0 for it"
+                )
         if not self.clip >= 0:
             raise ValueError(f"clip must be >= 0, got {self.clip}")
         if not 0 <= self.min_lr_ratio <= 1:

@@ -36,6 +36,10 @@ Algorithm crossHostAlgorithm(size_t shardBytes, int hosts, int streams, const Co
 // input is first multiplied by `prescale` and the result by `postscale`
 // (1 leaves them alone), each inside the conversion kernels.
 void ringAllReduce16BitWire(Channel& ch, float* buf, size_t count, float prescale, float postscale);
+// Its reduce-scatter phase alone: rank r gets chunk r (evenCounts) in `out`;
+// `buf` is overwritten with partial sums.
+void ringReduceScatter16BitWire(Channel& ch, float* buf, size_t count, float prescale,
+                                float postscale, float* out);
 
 // In place over a buffer that holds one chunk per rank, back to back, of
 // counts[r] elements: afterwards chunk `rank` holds the reduction of every

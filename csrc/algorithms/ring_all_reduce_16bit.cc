@@ -36,6 +36,11 @@
 // neither costs a pass over memory of its own.
 // Bytes sent per rank: 2 (n-1)/n N/2 for N bytes of float32. All ranks end
 // with bit-identical results.
+//
+// The reduce-scatter (ringReduceScatter16BitWire) is the first phase alone:
+// rank r's chunk r, summed in float32 (not rounded to 16 bits: nobody else
+// decodes it), post-scaled into `out`; the input serves as the partial sums'
+// scratch. Bytes sent per rank: (n-1)/n N/2.
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -55,8 +60,11 @@ void scale(float* x, size_t count, float factor) {
 
 }  // namespace
 
-void ringAllReduce16BitWire(Channel& ch, float* buf, size_t count, float prescale,
-                            float postscale) {
+namespace {
+
+// Both phases, or (scatterOut set) the reduce-scatter alone into scatterOut.
+void ring16(Channel& ch, float* buf, size_t count, float prescale, float postscale,
+            float* scatterOut) {
   const DataType wire = ch.signature().dtype;
   const int n = ch.size();
   const int r = ch.rank();
@@ -64,10 +72,11 @@ void ringAllReduce16BitWire(Channel& ch, float* buf, size_t count, float prescal
   if (n == 1) {
     // Nothing to exchange; round the way a larger group would.
     std::vector<uint16_t> tmp(std::min(count, segElems));
+    float* to = scatterOut ? scatterOut : buf;
     for (size_t at = 0; at < count; at += segElems) {
       const size_t len = std::min(segElems, count - at);
       fromFloat32(wire, buf + at, tmp.data(), len, prescale);
-      toFloat32(wire, tmp.data(), buf + at, len, postscale);
+      toFloat32(wire, tmp.data(), to + at, len, postscale);
     }
     return;
   }
@@ -87,13 +96,13 @@ void ringAllReduce16BitWire(Channel& ch, float* buf, size_t count, float prescal
   std::vector<uint16_t> out[2] = {std::vector<uint16_t>(bufElems), std::vector<uint16_t>(bufElems)};
   // Our finished chunk in 16 bits, encoded by the last reduce-scatter step
   // and sent from here by the first all-gather step.
-  std::vector<uint16_t> own(counts[r]);
+  std::vector<uint16_t> own(scatterOut ? 0 : counts[r]);
   const int next = ringIndex(r + 1, n);
   const int prev = ringIndex(r - 1, n);
 
   // Unit u: phase 0 (reduce-scatter) or 1 (all-gather), step s, segment j.
   const size_t perPhase = size_t(n - 1) * segments;
-  const size_t units = 2 * perPhase;
+  const size_t units = scatterOut ? perPhase : 2 * perPhase;
   struct Unit {
     bool gather;
     int step;
@@ -139,7 +148,7 @@ void ringAllReduce16BitWire(Channel& ch, float* buf, size_t count, float prescal
       // A segment forwarded in the next step gets its post-scale then.
       return ReceiveSink::decode(buf + o, wire, x.step == n - 2 ? postscale : 1.0f);
     }
-    if (x.step == n - 2) {
+    if (x.step == n - 2 && !scatterOut) {
       // Our chunk is complete: encode it for the all-gather, and keep the
       // rounded values every other rank will decode.
       return ReceiveSink::decodeAddRound(buf + o, wire, own.data() + (o - offsets[r]), prescale,
@@ -167,6 +176,22 @@ void ringAllReduce16BitWire(Channel& ch, float* buf, size_t count, float prescal
     ch.wait();
     if (!ahead && u + 1 < units) prepare(u + 1);
   }
+  if (scatterOut) {
+    const float* mine = buf + offsets[r];
+    for (size_t i = 0; i < counts[r]; ++i) scatterOut[i] = mine[i] * postscale;
+  }
+}
+
+}  // namespace
+
+void ringAllReduce16BitWire(Channel& ch, float* buf, size_t count, float prescale,
+                            float postscale) {
+  ring16(ch, buf, count, prescale, postscale, nullptr);
+}
+
+void ringReduceScatter16BitWire(Channel& ch, float* buf, size_t count, float prescale,
+                                float postscale, float* out) {
+  ring16(ch, buf, count, prescale, postscale, out);
 }
 
 }  // namespace clawcomm

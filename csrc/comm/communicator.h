@@ -177,6 +177,11 @@ class Communicator {
   // the result by `postscale` (size, to turn that mean back into a sum).
   RequestPtr allReduce16BitWire(float* buf, size_t count, DataType wire, float prescale,
                                 float postscale = 1.0f, Callback cb = {});
+  // The reduce-scatter of the same ring: `count` a multiple of the group's
+  // size, rank r's part (count / size values, summed in float32) into `out`;
+  // `buf` is the partial sums' scratch (overwritten).
+  RequestPtr reduceScatter16BitWire(float* buf, float* out, size_t count, DataType wire,
+                                    float prescale, float postscale, Callback cb = {});
   // `in` holds counts[r] elements for each rank r, back to back; `out`
   // receives this rank's counts[rank] reduced elements.
   RequestPtr reduceScatter(const void* in, void* out, std::vector<size_t> counts, DataType dtype,

@@ -72,6 +72,25 @@ RequestPtr Communicator::allReduce16BitWire(float* buf, size_t count, DataType w
       std::move(cb));
 }
 
+RequestPtr Communicator::reduceScatter16BitWire(float* buf, float* out, size_t count, DataType wire,
+                                                float prescale, float postscale, Callback cb) {
+  const char* op = "clawcomm::reduce_scatter";
+  CLAWCOMM_ARG_CHECK(wire == DataType::kFloat16 || wire == DataType::kBFloat16, op,
+                     ": the wire format must be float16 or bfloat16, not ", dataTypeName(wire));
+  CLAWCOMM_ARG_CHECK(std::isfinite(prescale) && prescale != 0.0f, op, ": prescale ", prescale,
+                     " is not a finite non-zero factor");
+  CLAWCOMM_ARG_CHECK(std::isfinite(postscale) && postscale != 0.0f, op, ": postscale ", postscale,
+                     " is not a finite non-zero factor");
+  CLAWCOMM_ARG_CHECK(count % size_t(size_) == 0, op, ": a 16-bit wire needs a count that ", size_,
+                     " ranks divide evenly, got ", count);
+  OpSignature sig{OpType::kReduceScatter, wire, ReduceOp::kSum, -1, count};
+  sig.algo = Algorithm::kRing16BitWire;
+  return enqueueCollective(
+      sig, count * 2,
+      [=](Channel& ch) { ringReduceScatter16BitWire(ch, buf, count, prescale, postscale, out); },
+      std::move(cb));
+}
+
 RequestPtr Communicator::reduceScatter(const void* in, void* out, std::vector<size_t> counts,
                                        DataType dtype, ReduceOp op, Callback cb) {
   checkReduceOp(OpType::kReduceScatter, dtype, op);

@@ -298,6 +298,36 @@ void bindEngine(py::module_& m) {
           "accumulation at every step; values are multiplied by `prescale` first and "
           "the result by `postscale`, inside the conversion kernels.")
       .def(
+          "reduce_scatter_16bit_wire",
+          [](Communicator& c, py::buffer buf, py::buffer out, const std::string& wire,
+             float prescale, float postscale) {
+            Buffer b = takeBuffer("reduce_scatter", "buffer", buf, true, py::none());
+            Buffer o = takeBuffer("reduce_scatter", "output", out, true, py::none());
+            CLAWCOMM_ARG_CHECK(b.dtype == DataType::kFloat32 && o.dtype == DataType::kFloat32,
+                               "clawcomm::reduce_scatter: a 16-bit wire needs float32 buffers, "
+                               "not ",
+                               dataTypeName(b.dtype), " and ", dataTypeName(o.dtype));
+            CLAWCOMM_ARG_CHECK(b.count % size_t(c.size()) == 0,
+                               "clawcomm::reduce_scatter: a 16-bit wire needs a count that ",
+                               c.size(), " ranks divide evenly, got ", b.count);
+            CLAWCOMM_ARG_CHECK(o.count * size_t(c.size()) == b.count,
+                               "clawcomm::reduce_scatter: the output holds ", o.count,
+                               " values; this rank's part of ", b.count, " over ", c.size(),
+                               " ranks is ", b.count / size_t(c.size()));
+            const DataType w = parseDataType("reduce_scatter", wire);
+            run([&] {
+              return c.reduceScatter16BitWire(static_cast<float*>(b.data),
+                                              static_cast<float*>(o.data), b.count, w, prescale,
+                                              postscale);
+            });
+          },
+          py::arg("buf"), py::arg("out"), py::arg("wire") = "float16", py::arg("prescale") = 1.0f,
+          py::arg("postscale") = 1.0f,
+          "Reduce-scatter of a float32 buffer (its length a multiple of the group's size) "
+          "with float16 or bfloat16 on the wire and float32 accumulation: rank r's part "
+          "into `out`. `buf` is overwritten with partial sums. `prescale` multiplies the "
+          "values first, `postscale` the result.")
+      .def(
           "reduce_scatter",
           [](Communicator& c, py::buffer in, py::buffer out, Op op, py::object dtype) {
             Buffer i = takeBuffer("reduce_scatter", "input", in, false, dtype);
