@@ -155,6 +155,9 @@ def test_kernel_argument_errors():
         ("fp16:3", "fp16 takes no arguments"),
         ("topk:0.1+fp8", "only '+fp16' or '+bf16' may follow"),
         ("fp16+fp16", "fp16 has no values to send as fp16"),
+        ("int8:3", "block 3 is not an even size >= 2"),
+        ("int4:big", "block 'big' is not an integer"),
+        ("int8:64:2", "write int8 or int8:BLOCK"),
     ],
 )
 def test_bad_specs_are_refused(spec, message):
@@ -164,15 +167,43 @@ def test_bad_specs_are_refused(spec, message):
 
 def test_specs_round_trip():
     for spec in ["none", "fp16", "bf16", "topk:0.01", "topk:100:exact", "topk:0.01+fp16",
-                 "randomk:0.01", "randomk:0.5+bf16"]:  # fmt: skip
+                 "randomk:0.01", "randomk:0.5+bf16", "int8", "int4", "int8:64"]:  # fmt: skip
         assert get_compressor(spec).spec == spec
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_block_quantisation_is_within_a_step_and_unbiased(bits):
+    """Rounded to nearest: within half a step of each block's scale (its
+    largest magnitude over 127 or 7, which itself comes back exactly);
+    rounded stochastically: within one step, and the mean of many draws
+    converges on the value. int4 packs two to a byte; a zero block stays
+    zero."""
+    from clawcomm.compression.quantized import dequantize, quantize
+
+    q = (1 << (bits - 1)) - 1
+    x = _grad(7, 4 * 64)
+    x[64:128] = 0.0
+    ints, scales = quantize(x, bits, 64)
+    assert ints.dtype == torch.int8 and ints.numel() == x.numel() * bits // 8
+    step = (x.view(-1, 64).abs().amax(1) / q).repeat_interleave(64)
+    y = dequantize(ints, scales, bits, 64)
+    assert torch.all((y - x).abs() <= step / 2 + 1e-7)
+    assert torch.equal(y[64:128], torch.zeros(64))
+    peaks = x.view(-1, 64).abs().argmax(1) + torch.arange(4) * 64
+    torch.testing.assert_close(y[peaks].abs(), x[peaks].abs())
+    gen = torch.Generator().manual_seed(1)
+    draws = [dequantize(*quantize(x, bits, 64, gen), bits, 64) for _ in range(4000)]
+    assert all(torch.all((d - x).abs() <= step + 1e-6) for d in draws[:10])
+    mean = torch.stack(draws).mean(0)
+    assert torch.all((mean - x).abs() <= step * 0.06)  # 4000 draws: a few % of a step
 
 
 def _every_compressor(rank, n, numel):
     xs = [_grad(100 + r, numel) for r in range(n)]
     dense = sum(xs)
     out = {}
-    for spec in ["none", "fp16", "bf16", "topk:0.05", "topk:0.05:exact+fp16", "randomk:0.5"]:
+    for spec in ["none", "fp16", "bf16", "int8", "int4", "topk:0.05", "topk:0.05:exact+fp16",
+                 "randomk:0.5"]:  # fmt: skip
         t = xs[rank].clone()
         compressed_all_reduce(t, spec, CompressorState(), key="w")
         out[spec] = t
@@ -199,9 +230,11 @@ def _half_reduce_scatter(rank, n, numels):
     for numel in numels:
         xs = [_grad(200 + r, numel) for r in range(n)]
         mean = sum(xs) / n
-        for spec in ("fp16", "bf16"):
+        for spec in ("fp16", "bf16", "int8", "int4"):
             part = torch.full((numel // n,), float("nan"))
-            get_compressor(spec).reduce_scatter_mean(xs[rank].clone(), part, dist.group.WORLD)
+            get_compressor(spec).reduce_scatter_mean(
+                xs[rank].clone(), part, None, "w", dist.group.WORLD
+            )
             out.append((spec, numel, part, mean[rank * (numel // n) : (rank + 1) * (numel // n)]))
     engine = clawcomm.engine_of(None)
     try:
@@ -213,17 +246,24 @@ def _half_reduce_scatter(rank, n, numels):
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_the_16bit_reduce_scatter_gives_each_rank_its_part_of_the_mean(world_size):
-    """ZeRO's compressed reduction: float32 accumulation, 16 bits on the
-    wire only (within one 16-bit rounding of the mean per hop), any count a
-    multiple of the world size, several segments included."""
+def test_the_compressed_reduce_scatter_gives_each_rank_its_part_of_the_mean(world_size):
+    """ZeRO's compressed reduction, float32 accumulation: 16 bits on the
+    wire only (within one 16-bit rounding of the mean per hop, several
+    segments included), or int8/int4 blocks through one all-to-all (within
+    one quantisation step of each rank's block); any count a multiple of
+    the world size."""
     n = world_size
     numels = [0, n, 1001 * n, (1 << 18) * n + 4 * n]
     for got, error in run_ranks(_half_reduce_scatter, n, numels):
         for spec, numel, part, want in got:
-            # One rounding per hop of values no larger than the inputs'.
-            unit = 2.0**-11 if spec == "fp16" else 2.0**-8
-            bound = n * unit * 4.0  # |inputs| < 4 (5000 draws of N(0, 1) per rank: well within)
+            # fp16/bf16: one rounding per hop of values no larger than the
+            # inputs' (|x| < 6 for these draws); int8/int4: one step of a
+            # block's scale (its largest |x| over 127 or 7) from each rank,
+            # averaged over the ranks.
+            if spec in ("fp16", "bf16"):
+                bound = n * (2.0**-11 if spec == "fp16" else 2.0**-8) * 6.0
+            else:
+                bound = 6.0 / (127 if spec == "int8" else 7)
             err = (part - want).abs().max().item() if numel else 0.0
             assert err <= bound, (spec, numel, err, bound)
         if n > 1:  # (one rank divides any count)

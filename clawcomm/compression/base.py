@@ -72,13 +72,16 @@ class Compressor:
     # Whether reduce_scatter_mean is implemented (ZeRO's sharded reduction).
     reduces_scatter = False
 
-    def reduce_scatter_mean(self, tensor: torch.Tensor, out: torch.Tensor, group) -> None:
+    def reduce_scatter_mean(
+        self, tensor: torch.Tensor, out: torch.Tensor, state: CompressorState | None, key, group
+    ) -> None:
         """``out`` becomes this rank's part of the mean over the group
         (``tensor``'s length a multiple of the group's size; rank k's part
         is the k-th of as many equal slices). ``tensor`` may be used as
         scratch."""
         raise NotImplementedError(
-            f"clawcomm.compression: {self.spec} has no reduce-scatter (fp16 and bf16 have)"
+            f"clawcomm.compression: {self.spec} has no reduce-scatter (fp16, bf16, int8 and "
+            "int4 have)"
         )
 
     def with_values(self, values: str, spec: str) -> Compressor:

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from clawcomm._torch_names import reduce_scatter_single
+from clawcomm.compression import quantized
 from clawcomm.compression.base import Compressor, CompressorState
 from clawcomm.compression.registry import parse_k, register_compressor
 from clawcomm.compression.sparse import sparse_all_reduce
@@ -105,7 +106,7 @@ class HalfPrecision(Compressor):
         post = n if pre != 1.0 and not mean else 1.0  # back to the sum, in the engine
         engine.all_reduce_16bit_wire(tensor.numpy(), self.wire, pre, post)
 
-    def reduce_scatter_mean(self, tensor, out, group):
+    def reduce_scatter_mean(self, tensor, out, state, key, group):
         """The mean's part of this rank, with the same wire and float32
         accumulation (the engine's ring, its first phase alone; ``tensor``
         holds the partial sums after). Off the engine (CUDA tensors, other
@@ -248,5 +249,7 @@ register_compressor("fp16", _no_args("fp16", lambda: HalfPrecision("float16")))
 register_compressor("bf16", _no_args("bf16", lambda: HalfPrecision("bfloat16")))
 register_compressor("topk", _topk)
 register_compressor("randomk", _randomk)
+register_compressor("int8", quantized._factory(8))
+register_compressor("int4", quantized._factory(4))
 
 __all__ = ["CompressorState", "HalfPrecision", "NoCompression", "RandomK", "TopK"]

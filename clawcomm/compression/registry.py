@@ -2,6 +2,7 @@
 "randomk:0.01" and combinations such as "topk:0.01+fp16".
 
 Grammar: ``BASE[+VALUES]`` where BASE is ``none``, ``fp16``, ``bf16``,
+``int8[:BLOCK]``, ``int4[:BLOCK]`` (block-quantised, quantized.py),
 ``topk:K[:exact|:sampled]`` or ``randomk:K``, K is a ratio in (0, 1] (written
 with a decimal point, "0.01") or a count (an integer, "1000"), and VALUES
 (``fp16`` or ``bf16``) sets the type the sparse values travel in.

@@ -85,8 +85,8 @@ class GradReducer(BucketBuffers):
         if zero and compressor is not None:
             if not compressor.reduces_scatter:
                 raise ValueError(
-                    f"GradReducer: zero (sharded gradients) takes fp16 or bf16 compression, "
-                    f"not {compressor.spec!r} (it has no reduce-scatter yet)"
+                    "GradReducer: zero (sharded gradients) takes fp16, bf16, int8 or int4 "
+                    f"compression, not {compressor.spec!r} (it has no reduce-scatter yet)"
                 )
         self.params = params
         # ZeRO-1/2 (see "sharded buckets" above): every parameter but those
@@ -398,7 +398,7 @@ class GradReducer(BucketBuffers):
             if sharded:
 
                 def job():
-                    c.reduce_scatter_mean(bucket.flat, out, group)
+                    c.reduce_scatter_mean(bucket.flat, out, state, bucket.index, group)
                     if into is not None:
                         into.add_(out)
             else:

@@ -180,7 +180,7 @@ class TrainConfig:
             if not get_compressor(self.compression).reduces_scatter:
                 raise ValueError(
                     f"zero {self.zero} with compression {self.compression!r} is not supported "
-                    "yet (the sharded reduction takes fp16 or bf16); use zero 0 for it"
+                    "yet (the sharded reduction takes fp16, bf16, int8 or int4); use zero 0 for it"
                 )
         if not self.clip >= 0:
             raise ValueError(f"clip must be >= 0, got {self.clip}")

@@ -39,10 +39,12 @@ class RankSample:
     host: float = 0.0  # host time per compute action
     bytes_pp: float = 0.0
     bytes_dp: float = 0.0
-    # bytes_dp by kind: reduce-scatter, all-gather, all-reduce
+    # bytes_dp by kind: reduce-scatter, all-gather, all-reduce, all-to-all
+    # (int8/int4 compression reduce-scatters through one)
     bytes_rs: float = 0.0
     bytes_ag: float = 0.0
     bytes_ar: float = 0.0
+    bytes_a2a: float = 0.0
     gpu_mb: float = 0.0  # peak GPU memory
     # Tensor bytes held once the step's gradients are reduced, before the
     # optimizer steps: parameters, gradient buffers, optimizer state (see
@@ -147,6 +149,7 @@ def summarise(rows: list[RankSample], cfg, grid, plan, p2p_latency: float, cuda:
         "bytes_sent_dp_reduce_scatter": int(sum(r.bytes_rs for r in rows)),
         "bytes_sent_dp_all_gather": int(sum(r.bytes_ag for r in rows)),
         "bytes_sent_dp_all_reduce": int(sum(r.bytes_ar for r in rows)),
+        "bytes_sent_dp_all_to_all": int(sum(r.bytes_a2a for r in rows)),
         # the rank that holds the most of each
         "param_bytes": int(max(r.param_bytes for r in rows)),
         "grad_bytes": int(max(r.grad_bytes for r in rows)),
@@ -188,7 +191,8 @@ class Traffic:
     pipeline group and the data-parallel group, and the last by kind of
     collective (clawcomm groups only)."""
 
-    DP_KINDS = ("reduce_scatter", "all_gather", "all_reduce")
+    DP_KINDS = ("reduce_scatter", "all_gather", "all_reduce", "all_to_all")
+    WIDTH = 3 + len(DP_KINDS)  # len(sent())
 
     def __init__(self, pp_group, dp_group, other_groups=()):
         self._groups = (pp_group, dp_group, tuple(other_groups))
@@ -209,8 +213,7 @@ class Traffic:
         return self._engines
 
     def sent(self) -> list[int]:
-        """[every group, pp, dp, dp's reduce-scatters, all-gathers,
-        all-reduces] bytes sent so far."""
+        """[every group, pp, dp, and dp's by DP_KINDS] bytes sent so far."""
         every, named = self.engines()
 
         def total(e) -> int:
@@ -227,7 +230,15 @@ class Traffic:
     @staticmethod
     def fields(sent: list[int]) -> dict:
         """``sent``'s figures (or differences of them) as RankSample fields."""
-        names = ("bytes_sent", "bytes_pp", "bytes_dp", "bytes_rs", "bytes_ag", "bytes_ar")
+        names = (
+            "bytes_sent",
+            "bytes_pp",
+            "bytes_dp",
+            "bytes_rs",
+            "bytes_ag",
+            "bytes_ar",
+            "bytes_a2a",
+        )
         return dict(zip(names, sent, strict=True))
 
 

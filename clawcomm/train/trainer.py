@@ -180,7 +180,9 @@ class Trainer:
         self.zero = ZeroShards(self.reducer) if self.reducer and self.reducer.zero else None
         self.step_index = 0
         self.traffic = Traffic(self.pp_group, self.dp_group, (t[1] for t in self._ties))
-        self._carried = [0] * 6  # bytes sent after the last step's figures (ZeRO's gather)
+        self._carried = [
+            0
+        ] * Traffic.WIDTH  # bytes sent after the last step's figures (ZeRO's gather)
         self._pending_save = None
         self._checkpoint_group = None
         # Per-step events for --trace/--timeline (clawcomm.train.trace), or None.
