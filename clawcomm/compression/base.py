@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 import torch.distributed
 
@@ -45,6 +47,14 @@ class CompressorState:
         self.step = int(state["step"])
         self.calls = dict(state.get("calls", {}))
         self.residuals = {k: v.clone() for k, v in state["residuals"].items()}
+
+
+def shared_seed(state: CompressorState | None, key) -> int:
+    """Equal on every rank for the same key and call (and counts the call):
+    Python's own hash() of a string differs between processes, crc32 does
+    not."""
+    calls = state.tick(key) if state is not None else 0
+    return calls * 1_000_003 + zlib.crc32(repr(key).encode())
 
 
 class Compressor:

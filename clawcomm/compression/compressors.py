@@ -3,14 +3,12 @@ random-k. Each sums a float32 tensor over a group in place."""
 
 from __future__ import annotations
 
-import zlib
-
 import torch
 import torch.distributed as dist
 
 from clawcomm._torch_names import reduce_scatter_single
 from clawcomm.compression import quantized
-from clawcomm.compression.base import Compressor, CompressorState
+from clawcomm.compression.base import Compressor, CompressorState, shared_seed
 from clawcomm.compression.registry import parse_k, register_compressor
 from clawcomm.compression.sparse import sparse_all_reduce
 
@@ -23,13 +21,6 @@ def _engine(group):
         return clawcomm.engine_of(group)
     except (ValueError, RuntimeError, AttributeError):
         return None
-
-
-def _seed(state: CompressorState | None, key) -> int:
-    """Equal on every rank for the same key and call: Python's own hash() of
-    a string differs between processes, crc32 does not."""
-    calls = state.tick(key) if state is not None else 0
-    return calls * 1_000_003 + zlib.crc32(repr(key).encode())
 
 
 def _k_of(k: float | int, numel: int) -> int:
@@ -160,7 +151,7 @@ class TopK(Compressor):
 
         _flat_f32(tensor, "topk")
         k = _k_of(self.k, tensor.numel())
-        seed = _seed(state, key)
+        seed = shared_seed(state, key)
         if tensor.is_cuda:
             from clawcomm.compression import gpu
 
@@ -205,7 +196,7 @@ class RandomK(Compressor):
         k = _k_of(self.k, numel)
         if k == 0:
             return
-        gen = torch.Generator().manual_seed(_seed(state, key))
+        gen = torch.Generator().manual_seed(shared_seed(state, key))
         idx = torch.randint(0, numel, (k,), generator=gen).to(tensor.device)
         vals = tensor[idx] * (numel / k)
         if self.values == "fp32":

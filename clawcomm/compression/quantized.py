@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from clawcomm._torch_names import all_gather_single
-from clawcomm.compression.base import Compressor, CompressorState
+from clawcomm.compression.base import Compressor, CompressorState, shared_seed
 
 
 def quantize(x: torch.Tensor, bits: int, block: int, gen: torch.Generator | None = None):
@@ -109,9 +109,7 @@ class BlockQuantized(Compressor):
 
     @staticmethod
     def _generator(state: CompressorState | None, key, rank: int) -> torch.Generator:
-        from clawcomm.compression.compressors import _seed
-
-        return torch.Generator().manual_seed(_seed(state, key) * 65_537 + rank)
+        return torch.Generator().manual_seed(shared_seed(state, key) * 65_537 + rank)
 
 
 def _factory(bits: int):
