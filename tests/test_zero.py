@@ -8,6 +8,7 @@ another stage and layout."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -104,11 +105,16 @@ def _ckpt_config(**kw) -> TrainConfig:
     return TrainConfig(**{**base, **kw})
 
 
-@pytest.mark.parametrize("zero,compression", [(1, ""), (2, ""), (2, "int8")])
-def test_a_resumed_run_reproduces_the_uninterrupted_one_bit_for_bit(tmp_path, zero, compression):
-    """int8's stochastic rounding included: its draws are seeded from the
-    checkpointed call counts."""
-    cfg = _ckpt_config(dp=2, pp=2, zero=zero, compression=compression)
+@pytest.mark.parametrize(
+    "zero,compression,params", [(1, "", "none"), (2, "", "none"), (2, "int8", "int8")]
+)
+def test_a_resumed_run_reproduces_the_uninterrupted_one_bit_for_bit(
+    tmp_path, zero, compression, params
+):
+    """int8's stochastic rounding included (its draws are seeded from the
+    checkpointed call counts), and int8 parameters (the float32 masters are
+    checkpointed beside the decoded weights)."""
+    cfg = _ckpt_config(dp=2, pp=2, zero=zero, compression=compression, param_compression=params)
     whole = run_ranks(_run, 4, cfg, 6, False, timeout=300)[0][0]
     cfg = dataclasses.replace(cfg, checkpoint_dir=str(tmp_path), checkpoint_every=3)
     first = run_ranks(_run, 4, cfg, 3, False, timeout=300)[0][0]
@@ -244,3 +250,44 @@ def test_the_data_parallel_bytes_are_counted_by_kind_of_collective():
     assert got[0] == [0, 0, ar, 0] and ar > 0
     assert got[1] == pytest.approx([ar / 2, ar / 2, 0, 0], rel=0.01), got
     assert got[2] == pytest.approx([ar, ar / 2, 0, 0], rel=0.01), got
+
+
+@pytest.mark.parametrize("codec,rel,share", [("fp16", 1e-4, 0.5), ("bf16", 1e-3, 0.5),
+                                             ("int8", 5e-3, 0.26)])  # fmt: skip
+def test_a_compressed_parameter_all_gather_trains_like_one_process_within_its_rounding(
+    codec, rel, share
+):
+    """qwZ: the all-gather sends fp16, bf16 or int8 weights, every rank
+    computes with the decoded ones and steps float32 masters: single-process
+    training's losses within the rounding, the weights within a step of the
+    codec, and the all-gather's bytes cut by as much."""
+    from _training import _reference
+
+    cfg = _config(dp=2, pp=2, microbatches=2, micro_batch_size=2, zero=2)
+    dense = run_ranks(_train, 4, cfg)[0][0][-1]["bytes_sent_dp_all_gather"]
+    cfg = dataclasses.replace(cfg, param_compression=codec)
+    losses, _, want = _reference(cfg)
+    for metrics, params in run_ranks(_train, 4, cfg):
+        assert [m["loss"] for m in metrics] == pytest.approx(losses, rel=rel)
+        atol = {"fp16": 1e-3, "bf16": 1e-2, "int8": 2e-2}[codec]
+        for n, p in params.items():
+            torch.testing.assert_close(p, want[n], atol=atol, rtol=0, msg=n)
+        got = metrics[-1]["bytes_sent_dp_all_gather"]
+        assert got == pytest.approx(dense * share, rel=0.05), (got, dense)
+
+
+def test_a_checkpoint_with_master_weights_loads_without_param_compression(tmp_path):
+    """Saved with int8 parameters at zero 1, loaded at zero 0: the masters
+    are dropped (the run starts from the decoded weights) and it trains."""
+    cfg = _ckpt_config(dp=2, zero=1, param_compression="int8", micro_batch_size=8 // 2,
+                       checkpoint_dir=str(tmp_path), checkpoint_every=3)  # fmt: skip
+    run_ranks(_run, 2, cfg, 3, False, timeout=300)
+    cfg0 = dataclasses.replace(cfg, zero=0, param_compression="none")
+    losses = run_ranks(_run, 2, cfg0, 6, True, timeout=300)[0][0]
+    assert len(losses) == 3 and all(math.isfinite(v) for v in losses)
+
+
+def test_param_compression_without_zero_is_refused_before_training():
+    cfg = _config(dp=2, param_compression="int8", microbatches=2, micro_batch_size=2)
+    with pytest.raises(RankFailure, match="param_compression 'int8' .* needs zero 1 or 2"):
+        run_ranks(_train, 2, cfg)

@@ -30,6 +30,14 @@ How it works:
 - ``full_state``/``load_full_state``: the optimizer state by original
   parameter, whole (gathered over the group; for checkpoints, which keep
   whole-model names whatever the stage).
+- ``param_compression`` (ZeRO++'s qwZ): the all-gather sends each shard in
+  fp16, bf16 or int8 (blocks of 256 values with a float32 scale, rounded to
+  nearest), and every rank, this one included, computes with the decoded
+  weights; each keeps its shard's float32 master weights apart, as the
+  optimizer's parameter. Checkpoints keep the decoded weights as the
+  model's and the masters whole, under the optimizer-state key ``MASTER``,
+  so a resumed run continues bit for bit (a run loaded without
+  ``param_compression`` drops them and starts from the decoded weights).
 """
 
 from __future__ import annotations
@@ -39,14 +47,31 @@ import torch.distributed as dist
 from torch import nn
 
 from clawcomm._torch_names import all_gather_single
+from clawcomm.compression.quantized import dequantize, quantize
 from clawcomm.parallel.reducer import GradReducer
+
+MASTER = "zero_master"  # optimizer-state key of the float32 weights (param_compression)
+_BLOCK = 256  # int8 parameter blocks
+_WIRES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def drop_masters(state: dict) -> dict:
+    """One parameter's optimizer state without the master weights a run
+    with ``param_compression`` saved."""
+    return {k: v for k, v in state.items() if k != MASTER}
 
 
 class ZeroShards:
     """The parameter side of the reducer's sharded buckets (see the module
     docstring)."""
 
-    def __init__(self, reducer: GradReducer):
+    def __init__(self, reducer: GradReducer, param_compression: str = "none"):
+        if param_compression not in ("none", "int8", *_WIRES):
+            raise ValueError(
+                f"ZeroShards: param_compression must be none, fp16, bf16 or int8, not "
+                f"{param_compression!r}"
+            )
+        self.codec = None if param_compression == "none" else param_compression
         self.reducer = reducer
         self.group = reducer.group
         self.n = reducer.world_size
@@ -108,7 +133,8 @@ class ZeroShards:
                 view.copy_(p.detach())
                 p.data = view
             lo = self.k * bucket.shard
-            shard = nn.Parameter(flat[lo : lo + bucket.shard])
+            own = flat[lo : lo + bucket.shard]
+            shard = nn.Parameter(own.detach().clone() if self.codec else own)  # master apart
             shard.grad = bucket.shard_grad
             self.entries.append((bucket, flat, shard))
         self.replicated = [p for i, p in enumerate(r.params) if not r.sharded(i)]
@@ -120,13 +146,43 @@ class ZeroShards:
         return [shard for _, _, shard in self.entries] + self.replicated
 
     def all_gather(self) -> None:
-        """Every rank's updated shards into every rank's parameters."""
-        works = [
-            all_gather_single(flat, shard.detach().clone(), self.group, async_op=True)
-            for _, flat, shard in self.entries
-        ]
-        for w in works:
-            w.wait()
+        """Every rank's updated shards into every rank's parameters (sent
+        as ``param_compression`` says, and decoded)."""
+        if self.codec is None:
+            works = [
+                all_gather_single(flat, shard.detach().clone(), self.group, async_op=True)
+                for _, flat, shard in self.entries
+            ]
+            for w in works:
+                w.wait()
+            return
+        pending = []
+        for bucket, flat, shard in self.entries:
+            parts = self._encode(shard.detach())
+            wholes = [p.new_empty(self.n * p.numel()) for p in parts]
+            works = [
+                all_gather_single(w, p, self.group, async_op=True)
+                for w, p in zip(wholes, parts, strict=True)
+            ]
+            pending.append((bucket, flat, wholes, works))
+        for bucket, flat, wholes, works in pending:
+            for w in works:
+                w.wait()
+            flat.copy_(self._decode(wholes, bucket.shard))
+
+    def _encode(self, master: torch.Tensor) -> list[torch.Tensor]:
+        if self.codec in _WIRES:
+            return [master.to(_WIRES[self.codec])]
+        padded = master.new_zeros(-(-master.numel() // _BLOCK) * _BLOCK)
+        padded[: master.numel()] = master
+        return list(quantize(padded, 8, _BLOCK))
+
+    def _decode(self, wholes: list[torch.Tensor], shard: int) -> torch.Tensor:
+        """Every rank's shard, decoded, back to back (the flat layout)."""
+        if self.codec in _WIRES:
+            return wholes[0].float()
+        rows = dequantize(wholes[0], wholes[1], 8, _BLOCK).view(self.n, -1)
+        return rows[:, :shard].reshape(-1)
 
     def sumsq(self, skip: set[int]) -> float:
         """This rank's part of the squared gradient norm, scaled so that
@@ -148,7 +204,9 @@ class ZeroShards:
         out: dict = {p: dict(optimizer.state.get(p, {})) for p in self.replicated}
         r = self.reducer
         for bucket, _, shard in self.entries:
-            state = optimizer.state.get(shard, {})
+            state = dict(optimizer.state.get(shard, {}))
+            if self.codec:
+                state[MASTER] = shard.detach()
             for key in sorted(state):
                 v = state[key]
                 if isinstance(v, torch.Tensor) and v.shape == shard.shape:
@@ -174,6 +232,15 @@ class ZeroShards:
                 (r.params[i], off) for i, off in zip(bucket.params, bucket.offsets, strict=True)
             ]
             keys = set().union(*(state.get(p, {}).keys() for p, _ in members))
+            if MASTER in keys:
+                keys.discard(MASTER)
+                if self.codec:  # the float32 weights this rank's shard had
+                    lo = self.k * bucket.shard
+                    whole = shard.detach().new_zeros(bucket.padded)
+                    for p, off in members:
+                        if MASTER in state.get(p, {}):
+                            whole[off : off + p.numel()] = state[p][MASTER].reshape(-1)
+                    shard.data.copy_(whole[lo : lo + bucket.shard])
             if not keys:
                 continue
             mine = {}

@@ -75,6 +75,12 @@ class TrainConfig:
         "too are kept as 1/dp between steps)",
         (0, 1, 2),
     )
+    param_compression: str = _opt(
+        "none",
+        "what the ZeRO parameter all-gather sends (every rank keeps float32 master shards): "
+        "none (float32), fp16, bf16 or int8 (blocks of 256 with a scale each)",
+        ("none", "fp16", "bf16", "int8"),
+    )
     # checkpoints
     checkpoint_dir: str = _opt(
         "", "save atomic checkpoints here (DCP; a `latest` file names the last)"
@@ -182,6 +188,11 @@ class TrainConfig:
                     f"zero {self.zero} with compression {self.compression!r} is not supported "
                     "yet (the sharded reduction takes fp16, bf16, int8 or int4); use zero 0 for it"
                 )
+        if self.param_compression != "none" and not self.zero:
+            raise ValueError(
+                f"param_compression {self.param_compression!r} compresses the ZeRO parameter "
+                "all-gather: it needs zero 1 or 2"
+            )
         if not self.clip >= 0:
             raise ValueError(f"clip must be >= 0, got {self.clip}")
         if not 0 <= self.min_lr_ratio <= 1:

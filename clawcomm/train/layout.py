@@ -57,6 +57,37 @@ class Grid:
         return pp_group, dp_group
 
 
+def tied_parameters(stages: list[nn.Module], cfg, grid: Grid) -> list[tuple]:
+    """Parameters shared by stages on different ranks: (param, group of the
+    pipeline ranks holding it in this replica, owned here?). Every rank
+    creates the same groups in the same order."""
+    from clawcomm.pipeline.schedules import stage_to_rank
+
+    holders: dict[int, list[int]] = {}
+    objects: dict[int, torch.Tensor] = {}
+    for s, mod in enumerate(stages):
+        for p in mod.parameters():
+            if s not in holders.setdefault(id(p), []):
+                holders[id(p)].append(s)
+            objects[id(p)] = p
+    ties, groups = [], {}
+    for pid, ss in holders.items():
+        ranks_pp = sorted({stage_to_rank(s, cfg.pp) for s in ss})
+        if len(ranks_pp) < 2:
+            continue
+        mine = None
+        for d in range(cfg.dp):
+            ranks = [grid.rank_of(d, r) for r in ranks_pp]
+            if tuple(ranks) not in groups:
+                groups[tuple(ranks)] = dist.new_group(ranks)
+            if grid.rank in ranks:
+                mine = groups[tuple(ranks)]
+        if mine is not None:
+            owner = stage_to_rank(ss[0], cfg.pp) == grid.pp_rank
+            ties.append((objects[pid], mine, owner))
+    return ties
+
+
 def parameter_costs(layers: list[nn.Module]) -> list[float]:
     """Each layer's parameter count (shared parameters counted where they
     first appear), plus one so that a layer without parameters still costs

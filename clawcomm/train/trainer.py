@@ -49,7 +49,7 @@ from torch import nn
 
 from clawcomm.compression import get_compressor
 from clawcomm.parallel.reducer import GradReducer
-from clawcomm.parallel.zero import ZeroShards
+from clawcomm.parallel.zero import ZeroShards, drop_masters
 from clawcomm.pipeline.actions import B, I, W
 from clawcomm.pipeline.executor import PipelineExecutor
 from clawcomm.pipeline.schedules import build, stage_to_rank
@@ -59,7 +59,7 @@ from clawcomm.train import trace
 from clawcomm.train.config import TrainConfig
 from clawcomm.train.device import for_rank as device_for_rank
 from clawcomm.train.device import peak_mb, reset_peak
-from clawcomm.train.layout import Grid
+from clawcomm.train.layout import Grid, tied_parameters
 from clawcomm.train.metrics import (
     MetricsSink,
     PipelineTotals,
@@ -127,7 +127,7 @@ class Trainer:
         self.pp_group, self.dp_group = (
             self.grid.make_groups() if dist.is_initialized() else (None, None)
         )
-        self._ties = self._make_ties(stages)
+        self._ties = tied_parameters(stages, cfg, self.grid)
         self.params = unique_params(
             p
             for s in sorted(self.local, reverse=True)
@@ -177,7 +177,9 @@ class Trainer:
         self._peak_lr = [g["lr"] for g in self.optimizer.param_groups]
         # Under ZeRO the optimizer is rebuilt over the shards once the
         # reducer's layout is learned (the first step), or after a load.
-        self.zero = ZeroShards(self.reducer) if self.reducer and self.reducer.zero else None
+        self.zero = None
+        if self.reducer is not None and self.reducer.zero:
+            self.zero = ZeroShards(self.reducer, cfg.param_compression)
         self.step_index = 0
         self.traffic = Traffic(self.pp_group, self.dp_group, (t[1] for t in self._ties))
         self._carried = [
@@ -191,34 +193,6 @@ class Trainer:
             self.recorder = trace.StepRecorder()
 
     # ---- setup ----------------------------------------------------------------------
-
-    def _make_ties(self, stages: list[nn.Module]) -> list[tuple[torch.Tensor, object, bool]]:
-        """Parameters shared by stages on different ranks: (param, group of
-        the pipeline ranks holding it in this replica, owned here?). Every
-        rank creates the same groups in the same order."""
-        holders: dict[int, list[int]] = {}
-        objects: dict[int, torch.Tensor] = {}
-        for s, mod in enumerate(stages):
-            for p in mod.parameters():
-                if s not in holders.setdefault(id(p), []):
-                    holders[id(p)].append(s)
-                objects[id(p)] = p
-        ties, groups = [], {}
-        for pid, ss in holders.items():
-            ranks_pp = sorted({stage_to_rank(s, self.cfg.pp) for s in ss})
-            if len(ranks_pp) < 2:
-                continue
-            mine = None
-            for d in range(self.cfg.dp):
-                ranks = [self.grid.rank_of(d, r) for r in ranks_pp]
-                if tuple(ranks) not in groups:
-                    groups[tuple(ranks)] = dist.new_group(ranks)
-                if self.grid.rank in ranks:
-                    mine = groups[tuple(ranks)]
-            if mine is not None:
-                owner = stage_to_rank(ss[0], self.cfg.pp) == self.grid.pp_rank
-                ties.append((objects[pid], mine, owner))
-        return ties
 
     def _sync_initial_weights(self) -> None:
         """Every replica starts from its dp group's first rank's weights, and
@@ -375,8 +349,8 @@ class Trainer:
         if self.zero is not None:
             self.zero.load(state)  # laid out over the shards at the next step
             return
-        for p, s in state.items():
-            self.optimizer.state.setdefault(p, {}).update(s)
+        for p, s in state.items():  # (a ZeRO run's master weights are not state here)
+            self.optimizer.state.setdefault(p, {}).update(drop_masters(s))
 
     def _record(self, events, t0, t_pipe, dp_wait, t_opt, t_end) -> None:
         events.append((trace.COMM, "dp reduction (exposed)", t_pipe, t_pipe + dp_wait, {}))
