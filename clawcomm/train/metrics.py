@@ -215,11 +215,12 @@ class Traffic:
     def sent(self) -> list[int]:
         """[every group, pp, dp, and dp's by DP_KINDS] bytes sent so far."""
         every, named = self.engines()
+        stats = {id(e): e.comm_stats() for e in every}  # once each (named ones are among them)
 
         def total(e) -> int:
-            return sum(v["bytes_sent"] for v in e.comm_stats().values())
+            return sum(v["bytes_sent"] for v in stats[id(e)].values())
 
-        dp = named["dp"].comm_stats() if "dp" in named else {}
+        dp = stats[id(named["dp"])] if "dp" in named else {}
         kinds = [dp.get(k, {}).get("bytes_sent", 0) for k in self.DP_KINDS]
         return (
             [sum(total(e) for e in every)]

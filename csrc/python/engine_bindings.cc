@@ -307,13 +307,12 @@ void bindEngine(py::module_& m) {
                                "clawcomm::reduce_scatter: a 16-bit wire needs float32 buffers, "
                                "not ",
                                dataTypeName(b.dtype), " and ", dataTypeName(o.dtype));
-            CLAWCOMM_ARG_CHECK(b.count % size_t(c.size()) == 0,
-                               "clawcomm::reduce_scatter: a 16-bit wire needs a count that ",
-                               c.size(), " ranks divide evenly, got ", b.count);
-            CLAWCOMM_ARG_CHECK(o.count * size_t(c.size()) == b.count,
-                               "clawcomm::reduce_scatter: the output holds ", o.count,
-                               " values; this rank's part of ", b.count, " over ", c.size(),
-                               " ranks is ", b.count / size_t(c.size()));
+            // (A count the ranks do not divide is the communicator's error.)
+            CLAWCOMM_ARG_CHECK(
+                b.count % size_t(c.size()) != 0 || o.count * size_t(c.size()) == b.count,
+                "clawcomm::reduce_scatter: the output holds ", o.count,
+                " values; this rank's part of ", b.count, " over ", c.size(), " ranks is ",
+                b.count / size_t(c.size()));
             const DataType w = parseDataType("reduce_scatter", wire);
             run([&] {
               return c.reduceScatter16BitWire(static_cast<float*>(b.data),
