@@ -48,7 +48,8 @@ def _train(rank, world, cfg):
     model, loss_fn, make_opt, ds, tokens, sample = train_models.build(cfg)
     trainer = Trainer(model, loss_fn, make_opt, cfg, tokens_per_sample=tokens, sample=sample)
     metrics = trainer.fit(global_batches(ds, cfg.effective_batch, cfg.seed), progress=False)
-    params = {trainer.names[id(p)]: p.detach().clone() for p in trainer.params}
+    with trainer.whole_params():  # (ZeRO-3 holds shards between steps)
+        params = {trainer.names[id(p)]: p.detach().clone() for p in trainer.params}
     trainer.close()
     return metrics, params
 
@@ -86,6 +87,7 @@ def _run(rank, n, cfg, stop, resume):
         checkpoint_dir=cfg.checkpoint_dir or None,
         checkpoint_every=cfg.checkpoint_every,
     )
-    params = {tr.names[id(p)]: p.detach().clone() for p in tr.params}
+    with tr.whole_params():
+        params = {tr.names[id(p)]: p.detach().clone() for p in tr.params}
     tr.close()
     return [m["loss"] for m in metrics], params

@@ -25,7 +25,8 @@ each bucket is reduce-scattered (AVG) into ``bucket.shard_grad``, this
 rank's part: ``clawcomm.parallel.zero.ZeroShards`` steps the optimizer on
 those parts and all-gathers the parameters. The first step, which learns
 the layout, all-reduces and keeps each rank's part of the result.
-``zero=2`` (ZeRO-2) keeps gradients as those parts only, but while a
+``zero=2`` (ZeRO-2; and 3, whose parameters ``clawcomm.parallel.zero3``
+handles) keeps gradients as those parts only, but while a
 pipeline round's backward runs: the full buffers come at its first backward
 action and go once reduce-scattered (``finish``; with several accumulation
 rounds, each round's are reduce-scattered and added into the parts when the
@@ -81,6 +82,7 @@ class GradReducer(BucketBuffers):
         names: list[str] | None = None,
         zero: int = 0,
         replicated: set[int] | None = None,
+        units: list[int] | None = None,
     ):
         if zero and compressor is not None:
             if not compressor.reduces_scatter:
@@ -97,6 +99,9 @@ class GradReducer(BucketBuffers):
         self._final_round = True  # see begin_round
         self.peak_grad_bytes = 0  # the most gradient bytes held during the last step
         self.replicated = set(replicated or ())
+        # ZeRO-3: the layer (unit) each parameter belongs to; a bucket never
+        # spans two, so that a layer's parameters are gathered and freed alone.
+        self.units = units
         self.layout_version = 0
         self.names = names or [str(i) for i in range(len(params))]
         self.group = group
@@ -132,9 +137,15 @@ class GradReducer(BucketBuffers):
         """Whether parameter i's gradient and optimizer state are sharded."""
         return self.zero and i not in self.replicated
 
+    def _kind(self, i: int):
+        """What a bucket holds one of: sharded or not, and (ZeRO-3) the unit."""
+        if not self.sharded(i):
+            return None
+        return self.units[i] if self.units is not None else True
+
     def build(self, order: list[int]) -> None:
         groups = assign_buckets(
-            order, self.params, self.cap_bytes, self.first_cap_bytes, kind=self.sharded
+            order, self.params, self.cap_bytes, self.first_cap_bytes, kind=self._kind
         )
         n = self.world_size
         self.buckets = [

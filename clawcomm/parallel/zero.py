@@ -65,13 +65,20 @@ class ZeroShards:
     """The parameter side of the reducer's sharded buckets (see the module
     docstring)."""
 
-    def __init__(self, reducer: GradReducer, param_compression: str = "none"):
+    def __init__(
+        self, reducer: GradReducer, param_compression: str = "none", separate: bool = False
+    ):
         if param_compression not in ("none", "int8", *_WIRES):
             raise ValueError(
                 f"ZeroShards: param_compression must be none, fp16, bf16 or int8, not "
                 f"{param_compression!r}"
             )
         self.codec = None if param_compression == "none" else param_compression
+        # Each shard in storage of its own, not a view of its bucket's flat
+        # parameters (ZeRO-3 frees those between uses; compressed gathers
+        # keep float32 masters apart from the decoded weights).
+        self.separate = separate or self.codec is not None
+        self._encoded: dict[int, list[torch.Tensor]] = {}  # bucket -> this step's wire parts
         self.reducer = reducer
         self.group = reducer.group
         self.n = reducer.world_size
@@ -134,7 +141,7 @@ class ZeroShards:
                 p.data = view
             lo = self.k * bucket.shard
             own = flat[lo : lo + bucket.shard]
-            shard = nn.Parameter(own.detach().clone() if self.codec else own)  # master apart
+            shard = nn.Parameter(own.detach().clone() if self.separate else own)
             shard.grad = bucket.shard_grad
             self.entries.append((bucket, flat, shard))
         self.replicated = [p for i, p in enumerate(r.params) if not r.sharded(i)]
@@ -148,27 +155,50 @@ class ZeroShards:
     def all_gather(self) -> None:
         """Every rank's updated shards into every rank's parameters (sent
         as ``param_compression`` says, and decoded)."""
+        self.updated()
+        for finish in [self.gather(entry) for entry in self.entries]:
+            finish()
+
+    def updated(self) -> None:
+        """The optimizer stepped: the shards' wire forms are stale."""
+        self._encoded = {}
+
+    def gather(self, entry, group=None):
+        """Starts gathering one bucket's shards into its flat parameters
+        (over ``group``, by default the reducer's); returns what completes
+        it (waits, and decodes what came compressed)."""
+        bucket, flat, shard = entry
+        group = group if group is not None else self.group
         if self.codec is None:
-            works = [
-                all_gather_single(flat, shard.detach().clone(), self.group, async_op=True)
-                for _, flat, shard in self.entries
-            ]
-            for w in works:
-                w.wait()
-            return
-        pending = []
-        for bucket, flat, shard in self.entries:
-            parts = self._encode(shard.detach())
-            wholes = [p.new_empty(self.n * p.numel()) for p in parts]
-            works = [
-                all_gather_single(w, p, self.group, async_op=True)
-                for w, p in zip(wholes, parts, strict=True)
-            ]
-            pending.append((bucket, flat, wholes, works))
-        for bucket, flat, wholes, works in pending:
+            src = shard.detach()
+            if not self.separate:  # the shard is a slice of `flat`: no aliasing
+                src = src.clone()
+            work = all_gather_single(flat, src, group, async_op=True)
+            return work.wait
+        parts = self._encoded.get(bucket.index)
+        if parts is None:
+            parts = self._encoded[bucket.index] = self._encode(shard.detach())
+        wholes = [p.new_empty(self.n * p.numel()) for p in parts]
+        works = [
+            all_gather_single(w, p, group, async_op=True)
+            for w, p in zip(wholes, parts, strict=True)
+        ]
+
+        def finish():
             for w in works:
                 w.wait()
             flat.copy_(self._decode(wholes, bucket.shard))
+
+        return finish
+
+    def param_bytes(self) -> int:
+        """The bytes of parameters this rank holds now: the flat buffers
+        (ZeRO-3: those gathered), the shards kept apart and the replicated
+        parameters."""
+        held = sum(flat.untyped_storage().nbytes() for _, flat, _ in self.entries)
+        if self.separate:
+            held += sum(s.numel() * s.element_size() for _, _, s in self.entries)
+        return held + sum(p.numel() * p.element_size() for p in self.replicated)
 
     def _encode(self, master: torch.Tensor) -> list[torch.Tensor]:
         if self.codec in _WIRES:

@@ -194,8 +194,10 @@ def state_dict(trainer) -> dict:
     rank, d = _rank(), trainer.grid.dp_rank
     sd: dict = {}
     optim = trainer.optimizer_state()  # whole per parameter, whatever the ZeRO stage
+    with trainer.whole_params() as gathered:  # ZeRO-3: copies, the gathered ones freed after
+        for name, _, p in _local(trainer):
+            sd[f"model/{name}"] = p.detach().clone() if gathered else p.detach()
     for name, _, p in _local(trainer):
-        sd[f"model/{name}"] = p.detach()
         for k, v in optim.get(p, {}).items():
             if isinstance(v, torch.Tensor):
                 sd[f"optim/{name}/{k}"] = v
@@ -380,6 +382,8 @@ def load(trainer, path: str) -> int:
     same_layout = meta["layout"] == _layout(trainer)
 
     request: dict = {}
+    if trainer.units is not None:  # ZeRO-3: the load writes whole parameters
+        trainer.units.gather_for_good()
     for name, _, p in _local(trainer):
         request[f"model/{name}"] = p.detach()
     optim_keys = {}

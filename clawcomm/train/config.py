@@ -71,9 +71,16 @@ class TrainConfig:
     zero: int = _opt(
         0,
         "ZeRO stage: 0 (every dp replica holds all the optimizer state), 1 (each holds "
-        "1/dp of it: gradients reduce-scattered, parameters all-gathered) or 2 (gradients "
-        "too are kept as 1/dp between steps)",
-        (0, 1, 2),
+        "1/dp of it: gradients reduce-scattered, parameters all-gathered), 2 (gradients "
+        "too are kept as 1/dp between steps) or 3 (parameters too: each layer is gathered "
+        "when the schedule first needs it and freed after its stage's last backward)",
+        (0, 1, 2, 3),
+    )
+    reshard_after_forward: bool = _opt(
+        False,
+        "zero 3: free each layer's gathered parameters after every forward and regather them "
+        "for its backward (less memory, more all-gathers; the default keeps them across the "
+        "round's micro-batches, as torchtitan does under pipelining)",
     )
     param_compression: str = _opt(
         "none",
@@ -137,6 +144,18 @@ class TrainConfig:
         }[cfg.lr_decay]
         return scale * decay
 
+    def check_batch(self, batch) -> tuple:
+        """(inputs, targets) of ``batch``, which must hold the effective batch."""
+        x, y = batch
+        n = self.effective_batch
+        if x.shape[0] != n or y.shape[0] != n:
+            raise ValueError(
+                f"clawcomm.train: a batch must hold the effective batch of {n} samples "
+                f"({self.micro_batch_size} x {self.microbatches} x {self.accumulation} x dp "
+                f"{self.dp}); got inputs {tuple(x.shape)} and targets {tuple(y.shape)}"
+            )
+        return x, y
+
     def batch_scale(self) -> float:
         """The LR multiplier for the effective batch against ``base_batch``."""
         cfg = self
@@ -191,7 +210,12 @@ class TrainConfig:
         if self.param_compression != "none" and not self.zero:
             raise ValueError(
                 f"param_compression {self.param_compression!r} compresses the ZeRO parameter "
-                "all-gather: it needs zero 1 or 2"
+                "all-gather: it needs zero 1, 2 or 3"
+            )
+        if self.reshard_after_forward and self.zero != 3:
+            raise ValueError(
+                f"reshard_after_forward frees gathered parameters: it needs zero 3, not zero "
+                f"{self.zero}"
             )
         if not self.clip >= 0:
             raise ValueError(f"clip must be >= 0, got {self.clip}")

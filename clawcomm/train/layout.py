@@ -43,18 +43,24 @@ class Grid:
     def make_groups(self, backend: str | None = None):
         """(pp group, dp group) of this rank; every rank creates all of them.
         A group of one rank is None (nothing to talk to)."""
-        pp_group = dp_group = None
+        pp_group = None
         for d in range(self.dp):
             ranks = self.pipeline_ranks(d)
             g = dist.new_group(ranks, backend=backend) if self.pp > 1 else None
             if d == self.dp_rank:
                 pp_group = g
+        return pp_group, self.make_dp_group(backend)
+
+    def make_dp_group(self, backend: str | None = None):
+        """This rank's data-parallel group (a new one at each call; every
+        rank creates all of them). None where dp == 1."""
+        dp_group = None
         for p in range(self.pp):
             ranks = self.replica_ranks(p)
             g = dist.new_group(ranks, backend=backend) if self.dp > 1 else None
             if p == self.pp_rank:
                 dp_group = g
-        return pp_group, dp_group
+        return dp_group
 
 
 def tied_parameters(stages: list[nn.Module], cfg, grid: Grid) -> list[tuple]:

@@ -77,8 +77,9 @@ def gather(sample: RankSample) -> list[RankSample]:
     return [RankSample(*row[:_SCALARS], costs=row[_SCALARS:]) for row in rows]
 
 
-def held_bytes(params, reducer, optimizer) -> dict:
-    """The bytes of the tensors a rank holds for training: its parameters,
+def held_bytes(params, reducer, optimizer, param_bytes: int | None = None) -> dict:
+    """The bytes of the tensors a rank holds for training: its parameters
+    (``param_bytes`` where ZeRO-3 says: the most held during the step),
     its gradient buffers (the reducer's buckets and, under ZeRO, their
     shards; else the parameters' gradients) and its optimizer's state."""
 
@@ -88,7 +89,7 @@ def held_bytes(params, reducer, optimizer) -> dict:
     grads = reducer.grad_bytes() if reducer is not None else nbytes(p.grad for p in params)
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     return {
-        "param_bytes": nbytes(params),
+        "param_bytes": nbytes(params) if param_bytes is None else param_bytes,
         "grad_bytes": grads,
         "optim_bytes": nbytes(state),
         "grad_peak_bytes": reducer.peak_grad_bytes if reducer is not None else grads,
@@ -189,26 +190,29 @@ def _predicted_bubble(rows, cfg, grid, plan, p2p_latency: float) -> dict:
 class Traffic:
     """Bytes this rank sent through its groups' engines: every group, the
     pipeline group and the data-parallel group, and the last by kind of
-    collective (clawcomm groups only)."""
+    collective (clawcomm groups only). ``params_group``: ZeRO-3's parameter
+    gathers' group, counted as data-parallel."""
 
     DP_KINDS = ("reduce_scatter", "all_gather", "all_reduce", "all_to_all")
     WIDTH = 3 + len(DP_KINDS)  # len(sent())
 
-    def __init__(self, pp_group, dp_group, other_groups=()):
-        self._groups = (pp_group, dp_group, tuple(other_groups))
+    def __init__(self, pp_group, dp_group, other_groups=(), params_group=None):
+        self._groups = (pp_group, dp_group, params_group, tuple(other_groups))
         self._engines = None  # found on first use (after every group exists)
 
     def engines(self) -> tuple[list, dict]:
-        """(every group's engine, {"pp"/"dp": engine}); empty off clawcomm."""
+        """(every group's engine, {"pp"/"dp"/"dp params": engine}); empty
+        off clawcomm."""
         if not dist.is_initialized() or dist.get_backend() != "clawcomm":
             return [], {}
         if self._engines is None:
             import clawcomm
 
-            pp, dp, others = self._groups
-            groups = (None, pp, dp, *others)
+            pp, dp, params, others = self._groups
+            groups = (None, pp, dp, params, *others)
             engines = {id(g): clawcomm.engine_of(g) for g in groups}
-            named = {k: engines[id(g)] for k, g in (("pp", pp), ("dp", dp)) if g is not None}
+            labelled = (("pp", pp), ("dp", dp), ("dp params", params))
+            named = {k: engines[id(g)] for k, g in labelled if g is not None}
             self._engines = (list(engines.values()), named)
         return self._engines
 
@@ -220,13 +224,12 @@ class Traffic:
         def total(e) -> int:
             return sum(v["bytes_sent"] for v in stats[id(e)].values())
 
-        dp = stats[id(named["dp"])] if "dp" in named else {}
-        kinds = [dp.get(k, {}).get("bytes_sent", 0) for k in self.DP_KINDS]
-        return (
-            [sum(total(e) for e in every)]
-            + [total(named[k]) if k in named else 0 for k in ("pp", "dp")]
-            + kinds
-        )
+        dps = [named[k] for k in ("dp", "dp params") if k in named]
+        kinds = [
+            sum(stats[id(e)].get(k, {}).get("bytes_sent", 0) for e in dps) for k in self.DP_KINDS
+        ]
+        pp = total(named["pp"]) if "pp" in named else 0
+        return [sum(total(e) for e in every), pp, sum(total(e) for e in dps)] + kinds
 
     @staticmethod
     def fields(sent: list[int]) -> dict:

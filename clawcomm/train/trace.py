@@ -77,7 +77,7 @@ def engine_events(named_engines: dict, t0: float, t1: float) -> list[Event]:
         for op in json.loads(eng.flight_record())["ops"]:
             s0, s1 = op["start_us"] / 1e6, op["end_us"] / 1e6
             p2p = op["op"] in ("send", "recv")
-            if op["state"] != "done" or s1 < t0 or s0 > t1 or (label == "dp") == p2p:
+            if op["state"] != "done" or s1 < t0 or s0 > t1 or label.startswith("dp") == p2p:
                 continue
             name = f"{label} {op['op']}" + (f" #{op['seq']}" if "seq" in op else "")
             out.append((ENGINE, name, s0, s1, {"group": label, "bytes": op["bytes"]}))

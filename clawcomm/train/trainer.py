@@ -50,6 +50,7 @@ from torch import nn
 from clawcomm.compression import get_compressor
 from clawcomm.parallel.reducer import GradReducer
 from clawcomm.parallel.zero import ZeroShards, drop_masters
+from clawcomm.parallel.zero3 import ParamUnits, Trackers, unit_of_params
 from clawcomm.pipeline.actions import B, I, W
 from clawcomm.pipeline.executor import PipelineExecutor
 from clawcomm.pipeline.schedules import build, stage_to_rank
@@ -164,6 +165,7 @@ class Trainer:
                 # reduction (see clawcomm.parallel.zero).
                 zero=cfg.zero,
                 replicated={i for i, p in enumerate(self.params) if id(p) in tied},
+                units=unit_of_params(self.params, self.local) if cfg.zero == 3 else None,
             )
             # A gradient is final after the last backward actions of its
             # stage on this rank; the reducer counts their contributions in
@@ -177,11 +179,20 @@ class Trainer:
         self._peak_lr = [g["lr"] for g in self.optimizer.param_groups]
         # Under ZeRO the optimizer is rebuilt over the shards once the
         # reducer's layout is learned (the first step), or after a load.
-        self.zero = None
+        self.zero = self.units = params_group = None
         if self.reducer is not None and self.reducer.zero:
-            self.zero = ZeroShards(self.reducer, cfg.param_compression)
+            self.zero = ZeroShards(self.reducer, cfg.param_compression, separate=cfg.zero == 3)
+        if self.zero is not None and cfg.zero == 3:  # parameters gathered as the actions need
+            params_group = self.grid.make_dp_group()
+            last = {a.stage: a for a in self.schedule[me] if a.kind in (B, I, W)}
+            self.units = ParamUnits(
+                self.zero, self.local, last, params_group, cfg.reshard_after_forward
+            )
+        self.tracker = Trackers(self.reducer, self.units) if self.units else self.reducer
         self.step_index = 0
-        self.traffic = Traffic(self.pp_group, self.dp_group, (t[1] for t in self._ties))
+        self.traffic = Traffic(
+            self.pp_group, self.dp_group, (t[1] for t in self._ties), params_group
+        )
         self._carried = [
             0
         ] * Traffic.WIDTH  # bytes sent after the last step's figures (ZeRO's gather)
@@ -236,12 +247,14 @@ class Trainer:
         """One optimizer step on ``batch`` = (inputs, targets), the whole
         effective batch (every rank passes the same). Returns the metrics."""
         cfg = self.cfg
-        x, y = self._check_batch(batch)
+        x, y = cfg.check_batch(batch)
         count = float(self.count_fn(y))
         for i, g in enumerate(self.optimizer.param_groups):
             g["lr"] = self._peak_lr[i] * cfg.lr_factor(self.step_index)
         bytes_before = self.traffic.sent()
         reset_peak(self.device)
+        if self.units is not None:
+            self.units.reset_peak()
         if self.pp_group is not None:
             dist.barrier(group=self.pp_group)
         t0 = time.perf_counter()
@@ -261,7 +274,7 @@ class Trainer:
             busy=totals.busy, span=t_pipe - t0, recv_wait=totals.recv_wait, dp_wait=dp_wait,
             host=totals.host / max(1, totals.computes), gpu_mb=peak_mb(self.device),
             costs=totals.mean_costs(sorted(self.local)),
-            **held_bytes(self.params, self.reducer, self.optimizer),
+            **held_bytes(self.params, self.reducer, self.optimizer, self._param_bytes()),
         )  # fmt: skip
         rows = gather(sample)
         grad_norm = math.sqrt(sum(r.sumsq for r in rows) / cfg.dp)
@@ -270,7 +283,9 @@ class Trainer:
         self._clip(grad_norm)
         t_opt = time.perf_counter()
         self.optimizer.step()
-        if self.zero is not None:  # its bytes count in the next step's figures
+        if self.units is not None:  # ZeRO-3: gathered as the next step needs them
+            self.units.updated()
+        elif self.zero is not None:  # its bytes count in the next step's figures
             before = self.traffic.sent()
             self.zero.all_gather()
             self._carried = [a - b for a, b in zip(self.traffic.sent(), before, strict=True)]
@@ -285,18 +300,6 @@ class Trainer:
             out["tokens_per_s"] = cfg.effective_batch * self.tokens_per_sample / step_s
         cuda = self.device.type == "cuda"
         return out | summarise(rows, cfg, self.grid, self._plan, self.p2p_latency, cuda)
-
-    def _check_batch(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        cfg = self.cfg
-        x, y = batch
-        n = cfg.effective_batch
-        if x.shape[0] != n or y.shape[0] != n:
-            raise ValueError(
-                f"clawcomm.train: a batch must hold the effective batch of {n} samples "
-                f"({cfg.micro_batch_size} x {cfg.microbatches} x {cfg.accumulation} x dp "
-                f"{cfg.dp}); got inputs {tuple(x.shape)} and targets {tuple(y.shape)}"
-            )
-        return x, y
 
     def _run_pipeline(self, x, y, loss_scale: float) -> tuple[PipelineTotals, list]:
         """This replica's slice of the batch through the schedule, once per
@@ -316,7 +319,7 @@ class Trainer:
             targets = list(y[rows].to(dev).chunk(cfg.microbatches)) if has_last else None
             if self.reducer is not None:  # it launches in the last round (ZeRO-2: in each)
                 self.reducer.begin_round(a, last=a == cfg.accumulation - 1)
-            stats = self.executor.run(inputs, targets, loss_scale=loss_scale, tracker=self.reducer)
+            stats = self.executor.run(inputs, targets, loss_scale=loss_scale, tracker=self.tracker)
             totals.add(stats)
             if self.recorder is not None:
                 events += trace.run_events(stats, a if cfg.accumulation > 1 else None)
@@ -371,6 +374,19 @@ class Trainer:
         else:
             for p in self.params:
                 p.grad = None
+
+    def _param_bytes(self) -> int | None:
+        """ZeRO: the parameter bytes held (ZeRO-3: the most during the step)."""
+        if self.units is not None and self.units.active():
+            return self.units.peak_bytes
+        return self.zero.param_bytes() if self.zero is not None and not self.zero.stale() else None
+
+    def whole_params(self):
+        """A context in which every parameter is whole (ZeRO-3 gathers them
+        and frees them after); it yields whether they had to be gathered."""
+        from contextlib import nullcontext
+
+        return self.units.whole() if self.units is not None else nullcontext(False)
 
     def _owned_sumsq(self) -> float:
         """Squared norm of this rank's gradients; a tied parameter counts on
@@ -472,3 +488,5 @@ class Trainer:
         self.wait_checkpoint()
         if self.reducer is not None:
             self.reducer.close()
+        if self.units is not None:
+            self.units.close()

@@ -1,0 +1,272 @@
+"""ZeRO-3: parameters held as shards between uses (Rajbhandari et al.,
+stage 3: parameters / dp as well as gradients and optimizer state).
+
+    units = ParamUnits(zero_shards, stages, last_backward, group=params_dp_group)
+    executor.run(..., tracker=Trackers(reducer, units))   # gathers and frees by action
+    ... optimizer.step(); units.updated()                # shards stepped: all freed
+
+How it works:
+
+- A *unit* is a layer: each child of a stage module (the stage itself for
+  parameters of its own). The reducer's buckets never span two units
+  (``GradReducer(units=...)``), so a unit is a set of buckets, and each
+  bucket's flat parameter buffer (``ZeroShards``: the parameters are views
+  of it) is gathered and freed whole. Freeing resizes the buffer's storage
+  to zero bytes; gathering gives it back and all-gathers every rank's
+  shard into it. The parameters stay the same tensors throughout, so what
+  autograd saved in the forward reads the regathered values in backward.
+- A unit is gathered in its forward pre-hook (and the next unit of the
+  stage prefetched, asynchronously), and, if it was freed meanwhile, when
+  the gradient of its output arrives in backward (a hook on the output;
+  the unit before it prefetched).
+- When it is freed is the action list's to say. By default a unit stays
+  gathered from its first use in an accumulation round to the end of its
+  stage's last backward action in that round (under pipelining every
+  micro-batch uses every layer, and regathering for each would multiply
+  the all-gathers by the micro-batches; torchtitan keeps them too).
+  ``reshard_after_forward`` frees a unit after each forward and, in
+  backward, once backward has reached the unit before it (whose input
+  gradient needs every node through this unit), as FSDP does.
+- The gathers run on a process group of their own (``group``: the same
+  ranks as the reducer's), so that they never queue behind a gradient
+  reduction or interleave with one issued from another thread.
+- Until the reducer's layout is learned (the first step, or a load),
+  nothing is sharded: the parameters are whole and the hooks do nothing.
+- The gradients are ZeRO-2's: the reducer's full buffers live from a
+  round's first backward action to its reduce-scatter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from clawcomm.parallel.zero import ZeroShards
+
+
+def unit_modules(stages: dict[int, nn.Module]) -> list[tuple[int, nn.Module]]:
+    """(stage, module) of every unit, in forward order: each child of a
+    stage that has parameters, then the stage itself if it has some of
+    its own."""
+    units = []
+    for s in sorted(stages):
+        mod = stages[s]
+        units += [(s, child) for child in mod.children() if any(True for _ in child.parameters())]
+        if any(True for _ in mod.parameters(recurse=False)):
+            units.append((s, mod))
+    return units
+
+
+def unit_of_params(params: list[torch.Tensor], stages: dict[int, nn.Module]) -> list[int]:
+    """The unit of each parameter (the first unit that uses it, for a
+    parameter that two layers of one stage share)."""
+    first: dict[int, int] = {}
+    for u, (_, mod) in enumerate(unit_modules(stages)):
+        recurse = mod not in stages.values()
+        for p in mod.parameters(recurse=recurse):
+            first.setdefault(id(p), u)
+    return [first.get(id(p), -1) for p in params]
+
+
+class ParamUnits:
+    """See the module docstring. ``last_backward``: stage -> the last
+    backward action (B, I or W) of that stage in this rank's list."""
+
+    def __init__(
+        self,
+        zero: ZeroShards,
+        stages: dict[int, nn.Module],
+        last_backward: dict,
+        group=None,
+        reshard_after_forward: bool = False,
+    ):
+        self.zero = zero
+        self.group = group
+        self.reshard = reshard_after_forward
+        self.last_backward = set(last_backward.values())
+        self.units = unit_modules(stages)
+        roots = set(map(id, stages.values()))
+        # Each unit's parameters (all it uses, shared ones included).
+        self._params = [
+            [id(p) for p in mod.parameters(recurse=id(mod) not in roots)] for _, mod in self.units
+        ]
+        self._entries: list[list] = [[] for _ in self.units]  # unit -> its buckets' entries
+        self._pending: dict[int, object] = {}  # bucket index -> gather to complete
+        self._version = -1
+        self.peak_bytes = 0  # the most parameter bytes held since reset_peak
+        self._hooks = []
+        for u, (_, mod) in enumerate(self.units):
+            self._hooks += [
+                mod.register_forward_pre_hook(lambda m, a, u=u: self._before_forward(u)),
+                mod.register_forward_hook(lambda m, a, out, u=u: self._after_forward(u, out)),
+            ]
+
+    # ---- state --------------------------------------------------------------------
+
+    def active(self) -> bool:
+        """Whether parameters are sharded now (the layout is built)."""
+        if self.zero.stale() or not self.zero.entries:
+            return False
+        if self._version != self.zero._version:
+            self._map()
+        return True
+
+    def _map(self) -> None:
+        owner = {}
+        for entry in self.zero.entries:
+            bucket = entry[0]
+            for i in bucket.params:
+                owner[id(self.zero.reducer.params[i])] = entry
+        for u, ids in enumerate(self._params):
+            seen, self._entries[u] = set(), []
+            for pid in ids:
+                entry = owner.get(pid)
+                if entry is not None and entry[0].index not in seen:
+                    seen.add(entry[0].index)
+                    self._entries[u].append(entry)
+        self._pending = {}
+        self._version = self.zero._version
+
+    # ---- gather and free ----------------------------------------------------------
+
+    def prefetch(self, u: int) -> None:
+        """Starts gathering unit ``u``'s freed buckets."""
+        if not 0 <= u < len(self.units):
+            return
+        for entry in self._entries[u]:
+            bucket, flat, _ = entry
+            if bucket.index in self._pending or _held(flat):
+                continue
+            flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+            self._pending[bucket.index] = self.zero.gather(entry, self.group)
+        self._track()
+
+    def use(self, u: int) -> None:
+        """Unit ``u``'s parameters whole, now."""
+        self.prefetch(u)
+        for bucket, _, _ in self._entries[u]:
+            finish = self._pending.pop(bucket.index, None)
+            if finish is not None:
+                finish()
+
+    def free(self, u: int) -> None:
+        for bucket, flat, _ in self._entries[u]:
+            finish = self._pending.pop(bucket.index, None)
+            if finish is not None:
+                finish()  # a gather in flight writes into the storage: let it land
+            flat.untyped_storage().resize_(0)
+
+    def free_stage(self, stage: int) -> None:
+        for u, (s, _) in enumerate(self.units):
+            if s == stage:
+                self.free(u)
+
+    def free_all(self) -> None:
+        for u in range(len(self.units)):
+            self.free(u)
+
+    def updated(self) -> None:
+        """The optimizer stepped the shards: every gathered copy is stale."""
+        self.zero.updated()
+        if self.active():
+            self.free_all()
+
+    @contextlib.contextmanager
+    def whole(self):
+        """Every parameter whole inside (for a checkpoint); yields whether
+        they were sharded (and are freed again after)."""
+        if not self.active():
+            yield False
+            return
+        for u in range(len(self.units)):
+            self.use(u)
+        try:
+            yield True
+        finally:
+            self.free_all()
+
+    def gather_for_good(self) -> None:
+        """Every parameter whole, and left so (before a load writes them; the
+        load makes the layout stale, so they stay whole until it is rebuilt)."""
+        if self.active():
+            for u in range(len(self.units)):
+                self.use(u)
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.zero.param_bytes()
+
+    def _track(self) -> None:
+        self.peak_bytes = max(self.peak_bytes, self.zero.param_bytes())
+
+    # ---- hooks and actions --------------------------------------------------------
+
+    def _before_forward(self, u: int) -> None:
+        if self.active():
+            self.use(u)
+            self.prefetch(self._neighbour(u, +1))
+
+    def _after_forward(self, u: int, out) -> None:
+        if not self.active():
+            return
+        # The gradient of the unit's output: its backward is next (a tensor
+        # hook, lighter than a module's full backward hook).
+        outs = out if isinstance(out, tuple | list) else (out,)
+        for t in outs:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(lambda g, u=u: self._before_backward(u))
+        if self.reshard and torch.is_grad_enabled():
+            self.free(u)
+
+    def _before_backward(self, u: int) -> None:
+        if not self.active():
+            return
+        self.use(u)
+        after = self._neighbour(u, +1)
+        if self.reshard and after >= 0:
+            self.free(after)  # backward went through it: no node left needs its weights
+        self.prefetch(self._neighbour(u, -1))
+
+    def _neighbour(self, u: int, step: int) -> int:
+        """The unit next to ``u`` in its stage (-1: none)."""
+        v = u + step
+        if 0 <= v < len(self.units) and self.units[v][0] == self.units[u][0]:
+            return v
+        return -1
+
+    def begin_action(self, action) -> None:
+        pass
+
+    def end_action(self, action) -> None:
+        """The end of a backward action frees its stage's units when it is the
+        round's last for that stage (or, resharding, after every one)."""
+        if action.kind == "F" or not self.active():
+            return
+        if self.reshard or action in self.last_backward:
+            self.free_stage(action.stage)
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+def _held(flat: torch.Tensor) -> bool:
+    return flat.untyped_storage().nbytes() > 0
+
+
+class Trackers:
+    """Several trackers heard as one by the pipeline executor (each
+    ``begin_action`` in order, each ``end_action`` in reverse)."""
+
+    def __init__(self, *trackers):
+        self.trackers = [t for t in trackers if t is not None]
+
+    def begin_action(self, action) -> None:
+        for t in self.trackers:
+            t.begin_action(action)
+
+    def end_action(self, action) -> None:
+        for t in reversed(self.trackers):
+            t.end_action(action)

@@ -1,0 +1,143 @@
+"""ZeRO-3 in the trainer (``--zero 3``, clawcomm.parallel.zero3): single-
+process training's losses, norms and weights in every layout and schedule,
+with and without ``reshard_after_forward``, with accumulation and with
+compressed gradients and parameters; parameters held as 1/dp between steps
+and gathered layer by layer during them; checkpoints that resume exactly and
+load at other stages and layouts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from _training import _check_against_reference, _config, _reference, _run, _train
+
+from clawcomm.testing import RankFailure, run_ranks
+from clawcomm.train import TrainConfig
+
+LAYOUTS = [
+    # dp, pp, schedule, v, micro-batches
+    (2, 1, "1f1b", 1, 1),
+    (2, 1, "gpipe", 1, 4),
+    (2, 2, "gpipe", 1, 4),
+    (2, 2, "1f1b", 1, 4),
+    (2, 2, "zb1", 1, 4),
+    (2, 2, "interleaved", 2, 4),
+    (4, 1, "1f1b", 1, 2),
+]
+
+
+@pytest.mark.parametrize("reshard", [False, True])
+@pytest.mark.parametrize("dp,pp,schedule,v,m", LAYOUTS)
+def test_every_layout_and_schedule_trains_like_one_process(dp, pp, schedule, v, m, reshard):
+    """Layers gathered as the schedule needs them (kept across the round's
+    micro-batches, or freed after every forward and regathered in backward)
+    give single-process training's losses, clipped norms and weights; the
+    GPT's tied embedding is shared by two layers of one stage (pp 1) or
+    replicated across pipeline ranks (pp 2)."""
+    cfg = _config(dp=dp, pp=pp, schedule=schedule, virtual_stages=v, microbatches=m,
+                  micro_batch_size=8 // (m * dp), zero=3,
+                  reshard_after_forward=reshard)  # fmt: skip
+    _check_against_reference(run_ranks(_train, dp * pp, cfg), cfg)
+
+
+def test_accumulation_is_the_same_effective_batch():
+    cfg = _config(dp=2, pp=2, microbatches=2, micro_batch_size=1, accumulation=3, zero=3,
+                  reshard_after_forward=True)  # fmt: skip
+    _check_against_reference(run_ranks(_train, 4, cfg), cfg)
+
+
+def _held(rank, world, cfg):
+    """The step's metrics, the parameter bytes held after training, each
+    gathered bucket's size, and every parameter's size."""
+    from clawcomm.train import models
+    from clawcomm.train.data import global_batches
+    from clawcomm.train.trainer import Trainer
+
+    model, loss_fn, make_opt, ds, tokens, sample = models.build(cfg)
+    trainer = Trainer(model, loss_fn, make_opt, cfg, tokens_per_sample=tokens, sample=sample)
+    metrics = trainer.fit(global_batches(ds, cfg.effective_batch, cfg.seed), progress=False)
+    between = trainer.zero.param_bytes() if trainer.zero is not None else None
+    whole = sum(p.numel() * p.element_size() for p in trainer.params)
+    trainer.close()
+    return metrics[-1], between, whole
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_parameters_are_one_dp_th_between_steps_and_gathered_by_layer_during_them(dp):
+    """An MLP of five equal layers and a small head: between steps a rank holds 1/dp of the
+    parameters (its shards); during the step at most every layer (kept
+    across micro-batches) or, resharding after forward, about two layers
+    (the one computing and the one prefetched) beside the shards."""
+    cfg = _config(model="mlp", hidden=64, layers=6, dp=dp, microbatches=2, micro_batch_size=4,
+                  steps=3, zero=3)  # fmt: skip
+    for metrics, between, whole in run_ranks(_held, dp, cfg):
+        assert between == pytest.approx(whole / dp, rel=0.02), (between, whole)
+        assert whole * (1 + 1 / dp) * 0.98 <= metrics["param_bytes"] <= whole * (1 + 1 / dp) * 1.02
+    for metrics, between, whole in run_ranks(
+        _held, dp, dataclasses.replace(cfg, reshard_after_forward=True)
+    ):
+        assert between == pytest.approx(whole / dp, rel=0.02), (between, whole)
+        assert metrics["param_bytes"] < whole * (0.5 + 1 / dp), (metrics["param_bytes"], whole)
+    # Gradients as at stage 2, the optimizer state as at stages 1 and 2 (a
+    # bucket per layer: more padding, a step count per shard).
+    two = run_ranks(_held, dp, dataclasses.replace(cfg, zero=2))[0][0]
+    got = run_ranks(_held, dp, cfg)[0][0]
+    for key in ("grad_bytes", "optim_bytes"):
+        assert got[key] == pytest.approx(two[key], rel=0.01), key
+
+
+def _ckpt_config(**kw) -> TrainConfig:
+    base = dict(model="mlp", hidden=32, steps=6, microbatches=2, micro_batch_size=4,
+                quiet=True, lr_decay="none")  # fmt: skip
+    return TrainConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize("params,asynchronous", [("none", False), ("int8", True)])
+def test_a_resumed_run_reproduces_the_uninterrupted_one_bit_for_bit(tmp_path, params, asynchronous):
+    cfg = _ckpt_config(dp=2, pp=2, zero=3, param_compression=params,
+                       async_checkpoint=asynchronous)  # fmt: skip
+    whole = run_ranks(_run, 4, cfg, 6, False, timeout=300)[0][0]
+    cfg = dataclasses.replace(cfg, checkpoint_dir=str(tmp_path), checkpoint_every=3)
+    first = run_ranks(_run, 4, cfg, 3, False, timeout=300)[0][0]
+    second = run_ranks(_run, 4, cfg, 6, True, timeout=300)[0][0]
+    assert first + second == whole
+
+
+@pytest.mark.parametrize(
+    "before,after", [((2, 2, 3), (1, 4, 0)), ((2, 2, 2), (4, 1, 3)), ((4, 1, 3), (2, 1, 1))]
+)
+def test_a_checkpoint_loads_at_another_stage_and_layout(tmp_path, before, after):
+    (dp, pp, z), (dp2, pp2, z2) = before, after
+    cfg = _ckpt_config(dp=dp, pp=pp, zero=z, micro_batch_size=8 // dp,
+                       checkpoint_dir=str(tmp_path), checkpoint_every=3)  # fmt: skip
+    run_ranks(_run, dp * pp, cfg, 3, False, timeout=300)
+    m2 = max(2, pp2)
+    cfg2 = dataclasses.replace(cfg, dp=dp2, pp=pp2, zero=z2, microbatches=m2,
+                               micro_batch_size=16 // (m2 * dp2))  # fmt: skip
+    resumed = run_ranks(_run, dp2 * pp2, cfg2, 6, True, timeout=300)[0][0]
+    plain = dataclasses.replace(cfg2, checkpoint_dir="", checkpoint_every=0)
+    whole = run_ranks(_run, dp2 * pp2, plain, 6, False, timeout=300)[0][0]
+    assert resumed == pytest.approx(whole[3:], rel=1e-5)
+
+
+@pytest.mark.parametrize("wire,codec", [("int8", "int8"), ("bf16", "fp16")])
+def test_compressed_gradients_and_parameters_train_like_one_process_within_their_rounding(
+    wire, codec
+):
+    """qgZ and qwZ at stage 3: block-quantised (or 16-bit) gradients in the
+    reduce-scatter, quantised weights in every layer's gather."""
+    cfg = _config(dp=2, pp=2, microbatches=2, micro_batch_size=2, zero=3, compression=wire,
+                  param_compression=codec, reshard_after_forward=True)  # fmt: skip
+    losses, _, want = _reference(cfg)
+    for metrics, params in run_ranks(_train, 4, cfg):
+        assert [m["loss"] for m in metrics] == pytest.approx(losses, rel=5e-3)
+        for n, p in params.items():
+            torch.testing.assert_close(p, want[n], atol=3e-2, rtol=0, msg=n)
+
+
+def test_reshard_after_forward_without_zero_three_is_refused_before_training():
+    cfg = _config(dp=2, zero=2, reshard_after_forward=True, microbatches=2, micro_batch_size=2)
+    with pytest.raises(RankFailure, match="reshard_after_forward .* needs zero 3, not zero 2"):
+        run_ranks(_train, 2, cfg)
