@@ -1,19 +1,23 @@
 """What each ZeRO stage holds per rank, against ZeRO's formula: the GPT
-trained by ``clawcomm train`` at dp 1, 2 and 4 x ``--zero 0|1|2``, same seed
-and effective batch.
+trained by ``clawcomm train`` at dp 1, 2 and 4 x ``--zero 0|1|2|3`` (3r: 3 with
+``--reshard-after-forward``), same seed and effective batch.
 
     python3 bench/zero_memory.py --json bench/results/zero_memory.json \\
         | tee bench/results/zero_memory.txt
 
 Per rank (the rank that holds the most), from the step's metrics: parameter,
 gradient and optimizer-state bytes once the step's gradients are reduced
-(``param_bytes``, ``grad_bytes``, ``optim_bytes``), and the most gradient
-bytes held during the step (``grad_peak_bytes``). ZeRO (Rajbhandari et al.)
-gives, for Psi parameters in float32 with AdamW: optimizer state 8 Psi at
-stage 0 and 8 Psi / dp from stage 1; gradients 4 Psi, 4 Psi / dp from stage
-2. The check column says whether each sharded figure is within 5% of its
-formula (1/dp of stage 0's at the same dp; stage 1 keeps the full gradient
-buffer beside its shard, so its gradients are checked against 1 + 1/dp).
+(``param_bytes``, ``grad_bytes``, ``optim_bytes``), and the most parameter
+and gradient bytes held during the step (``param_peak_bytes``,
+``grad_peak_bytes``). ZeRO (Rajbhandari et al.) gives, for Psi parameters in
+float32 with AdamW: optimizer state 8 Psi at stage 0 and 8 Psi / dp from
+stage 1; gradients 4 Psi, 4 Psi / dp from stage 2; parameters 4 Psi, 4 Psi /
+dp at stage 3 between uses, plus the layers gathered while they compute (the
+peak: every layer kept across the micro-batches by default, about two
+resharding after forward). The check column says whether each sharded
+figure is within 5% of its formula (1/dp of stage 0's at the same dp; stage
+1 keeps the full gradient buffer beside its shard, so its gradients are
+checked against 1 + 1/dp).
 The final losses must agree (float32 reordering). Step times are this
 machine's (ranks beyond its cores share them).
 """
@@ -37,10 +41,13 @@ def _run(rank, world, cfg):
 
 def _expected(stage: int, dp: int) -> dict:
     """Each figure as a fraction of stage 0's at the same dp."""
-    return {
+    out = {
         "optim_bytes": 1 / dp if stage >= 1 else 1.0,
-        "grad_bytes": {0: 1.0, 1: 1 + 1 / dp, 2: 1 / dp}[stage],
+        "grad_bytes": {0: 1.0, 1: 1 + 1 / dp, 2: 1 / dp, 3: 1 / dp}[stage],
     }
+    if stage == 3:
+        out["param_bytes"] = 1 / dp
+    return out
 
 
 def main() -> None:
@@ -49,16 +56,18 @@ def main() -> None:
     p.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args()
-    keys = ("param_bytes", "grad_bytes", "grad_peak_bytes", "optim_bytes")
+    keys = ("param_bytes", "param_peak_bytes", "grad_bytes", "grad_peak_bytes", "optim_bytes")
     runs, failed = [], 0
     print(f"# clawcomm train --model gpt --dp D --zero Z --steps {args.steps} (effective batch 32,"
           " 4 micro-batches): MB per rank")  # fmt: skip
-    print(f"# {'dp':>3}{'zero':>5}{'params':>9}{'grads':>9}{'peak':>9}{'optim':>9}"
+    print(f"# {'dp':>3}{'zero':>5}{'params':>9}{'peak':>9}{'grads':>9}{'peak':>9}{'optim':>9}"
           f"{'step ms':>9}{'final loss':>11}  check (fraction of stage 0's)")  # fmt: skip
     for dp in args.dp:
         base = None
-        for stage in (0, 1, 2) if dp > 1 else (0,):
+        for label in ("0", "1", "2", "3", "3r") if dp > 1 else ("0",):
+            stage = int(label[0])
             cfg = TrainConfig(model="gpt", dp=dp, zero=stage, microbatches=4,
+                              reshard_after_forward=label == "3r",
                               micro_batch_size=32 // (4 * dp), steps=args.steps, lr=1e-3,
                               warmup_steps=2, quiet=True)  # fmt: skip
             metrics = run_ranks(_run, dp, cfg, timeout=3600)[0]
@@ -75,9 +84,10 @@ def main() -> None:
                 checks.append(
                     f"{key.split('_')[0]} {got:.3f} (want {frac:.3f}) {'ok' if ok else 'MISS'}"
                 )
-            runs.append({"dp": dp, "zero": stage, **row, "checks": checks})
+            runs.append({"dp": dp, "zero": label, **row, "checks": checks})
             print(
-                f"  {dp:>3}{stage:>5}{row['param_bytes'] / MB:>9.2f}{row['grad_bytes'] / MB:>9.2f}"
+                f"  {dp:>3}{label:>5}{row['param_bytes'] / MB:>9.2f}"
+                f"{row['param_peak_bytes'] / MB:>9.2f}{row['grad_bytes'] / MB:>9.2f}"
                 f"{row['grad_peak_bytes'] / MB:>9.2f}{row['optim_bytes'] / MB:>9.2f}"
                 f"{row['step_ms']:>9.1f}{row['final_loss']:>11.4f}  {'; '.join(checks)}"
             )

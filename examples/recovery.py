@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     p.add_argument("--kill-at-step", type=int, default=12)
     p.add_argument("--dir", help="work folder (default: a temporary one)")
     p.add_argument("--json", help="write the figures here")
-    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2), help="ZeRO stage (0)")
+    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (0)")
     args = p.parse_args(argv)
     work = args.dir or tempfile.mkdtemp(prefix="clawcomm-recovery-")
     os.makedirs(work, exist_ok=True)

@@ -14,10 +14,11 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("zero", [0, 2])
+@pytest.mark.parametrize("zero", [0, 3])
 def test_a_killed_rank_is_recovered_and_the_final_loss_is_the_same(tmp_path, zero):
-    """At ZeRO-2 too: the optimizer state and the reducer's layout come back
-    from the checkpoint, the gradient shards are made afresh."""
+    """At ZeRO-3 too (whose gradients are stage 2's): the optimizer state and
+    the reducer's layout come back from the checkpoint, the gradient and
+    parameter shards are made afresh."""
     out = tmp_path / "figures.json"
     proc = subprocess.run(
         [

@@ -49,8 +49,7 @@ def test_accumulation_is_the_same_effective_batch():
 
 
 def _held(rank, world, cfg):
-    """The step's metrics, the parameter bytes held after training, each
-    gathered bucket's size, and every parameter's size."""
+    """The last step's metrics and the model's size."""
     from clawcomm.train import models
     from clawcomm.train.data import global_batches
     from clawcomm.train.trainer import Trainer
@@ -58,34 +57,33 @@ def _held(rank, world, cfg):
     model, loss_fn, make_opt, ds, tokens, sample = models.build(cfg)
     trainer = Trainer(model, loss_fn, make_opt, cfg, tokens_per_sample=tokens, sample=sample)
     metrics = trainer.fit(global_batches(ds, cfg.effective_batch, cfg.seed), progress=False)
-    between = trainer.zero.param_bytes() if trainer.zero is not None else None
     whole = sum(p.numel() * p.element_size() for p in trainer.params)
     trainer.close()
-    return metrics[-1], between, whole
+    return metrics[-1], whole
 
 
 @pytest.mark.parametrize("dp", [2, 4])
-def test_parameters_are_one_dp_th_between_steps_and_gathered_by_layer_during_them(dp):
-    """An MLP of five equal layers and a small head: between steps a rank holds 1/dp of the
-    parameters (its shards); during the step at most every layer (kept
-    across micro-batches) or, resharding after forward, about two layers
-    (the one computing and the one prefetched) beside the shards."""
+def test_parameters_are_one_dp_th_between_uses_and_gathered_by_layer(dp):
+    """An MLP of five equal layers and a small head: once the step's
+    backward is done a rank holds 1/dp of the parameters (its shards);
+    during the step at most every layer (kept across micro-batches) or,
+    resharding after forward, about two layers (the one computing and the
+    one prefetched) beside the shards."""
     cfg = _config(model="mlp", hidden=64, layers=6, dp=dp, microbatches=2, micro_batch_size=4,
                   steps=3, zero=3)  # fmt: skip
-    for metrics, between, whole in run_ranks(_held, dp, cfg):
-        assert between == pytest.approx(whole / dp, rel=0.02), (between, whole)
-        assert whole * (1 + 1 / dp) * 0.98 <= metrics["param_bytes"] <= whole * (1 + 1 / dp) * 1.02
-    for metrics, between, whole in run_ranks(
-        _held, dp, dataclasses.replace(cfg, reshard_after_forward=True)
-    ):
-        assert between == pytest.approx(whole / dp, rel=0.02), (between, whole)
-        assert metrics["param_bytes"] < whole * (0.5 + 1 / dp), (metrics["param_bytes"], whole)
+    for m, whole in run_ranks(_held, dp, cfg):
+        assert m["param_bytes"] == pytest.approx(whole / dp, rel=0.02), (m, whole)
+        assert m["param_peak_bytes"] == pytest.approx(whole * (1 + 1 / dp), rel=0.02), (m, whole)
+    for m, whole in run_ranks(_held, dp, dataclasses.replace(cfg, reshard_after_forward=True)):
+        assert m["param_bytes"] == pytest.approx(whole / dp, rel=0.02), (m, whole)
+        assert m["param_peak_bytes"] < whole * (0.5 + 1 / dp), (m, whole)
     # Gradients as at stage 2, the optimizer state as at stages 1 and 2 (a
     # bucket per layer: more padding, a step count per shard).
     two = run_ranks(_held, dp, dataclasses.replace(cfg, zero=2))[0][0]
     got = run_ranks(_held, dp, cfg)[0][0]
     for key in ("grad_bytes", "optim_bytes"):
         assert got[key] == pytest.approx(two[key], rel=0.01), key
+    assert two["param_peak_bytes"] == two["param_bytes"] == pytest.approx(whole, rel=0.01)
 
 
 def _ckpt_config(**kw) -> TrainConfig:

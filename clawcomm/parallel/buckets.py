@@ -200,9 +200,36 @@ class BucketBuffers:
                 return
 
     def grad_bytes(self) -> int:
-        """The bytes of the gradient buffers held now: full buffers, parts."""
+        """The bytes of the gradients held now: full buffers, parts, the
+        gradients autograd holds outside any buffer, and (ZeRO-3) the full
+        buffers handed to a collective that has not finished with them."""
+        self._in_flight = [(done, flat) for done, flat in self._in_flight if not done()]
         held = [t for b in self.buckets for t in (b.flat, b.shard_grad, b.scratch)]
+        held += [self.params[i].grad for b in self.buckets if b.flat is None for i in b.params]
+        held += [flat for _, flat in self._in_flight]
         return sum(t.numel() * t.element_size() for t in held if t is not None)
+
+    def _note_peak(self) -> None:
+        self._peak = max(self._peak, self.grad_bytes())
+
+    def _collect(self, b: GradBucket) -> None:
+        """ZeRO-3: bucket ``b``'s full buffer, made from its parameters'
+        gradients (autograd's own tensors until its launch), which go."""
+        b.allocate()
+        for i, view in zip(b.params, b.views, strict=True):
+            g = self.params[i].grad
+            if g is not None:
+                view.copy_(g)
+        self._note_peak()
+        for i in b.params:
+            self.params[i].grad = None
+
+    def _hand_off(self, b: GradBucket, done) -> None:
+        """ZeRO-3: ``b``'s full buffer belongs to its reduce-scatter from now
+        on, and goes when ``done()`` (the buffer is released here; the
+        collective keeps the tensor alive)."""
+        self._in_flight.append((done, b.flat))
+        b.release()
 
     def _allocate_full(self) -> None:
         """ZeRO-2: the sharded buckets' full buffers back (zeroed), each

@@ -38,6 +38,7 @@ refuses ZeRO-2 with PP).
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -98,6 +99,8 @@ class GradReducer(BucketBuffers):
         self._fresh_shards = True  # this step's first reduce-scatter overwrites the parts
         self._final_round = True  # see begin_round
         self.peak_grad_bytes = 0  # the most gradient bytes held during the last step
+        self._peak = 0  # (ZeRO-3: noted as each bucket's buffer is made)
+        self._in_flight: list = []  # ZeRO-3: (done(), full buffer) being reduce-scattered
         self.replicated = set(replicated or ())
         # ZeRO-3: the layer (unit) each parameter belongs to; a bucket never
         # spans two, so that a layer's parameters are gathered and freed alone.
@@ -253,7 +256,8 @@ class GradReducer(BucketBuffers):
         self._final_round = last
         if self.stage < 2 or not self.learned or round_index == 0:
             return
-        self._allocate_full()  # (a rank that ran no backward: zeros)
+        if self.stage == 2:
+            self._allocate_full()  # (a rank that ran no backward: zeros)
         for b in self.buckets:  # the same buckets in the same order on every rank
             if b.shards:
                 self._launch(b)
@@ -290,7 +294,7 @@ class GradReducer(BucketBuffers):
         ``final_actions`` arms the reducer until ``end_action``."""
         from clawcomm.pipeline.weight_grad import set_listener
 
-        if self.stage >= 2 and self.learned and getattr(action, "kind", "F") != "F":
+        if self.stage == 2 and self.learned and getattr(action, "kind", "F") != "F":
             self._allocate_full()  # ZeRO-2: the first backward action of the round
         self.armed = final_round and self._final_round and action in self.final_actions
         set_listener(self._mark_param if self.armed else None)
@@ -335,7 +339,8 @@ class GradReducer(BucketBuffers):
                 for b in self.buckets:
                     if b.shards:
                         b.shard_grad.copy_(b.flat[k * b.shard : (k + 1) * b.shard])
-        self.peak_grad_bytes = self.grad_bytes()
+        self.peak_grad_bytes = max(self._peak, self.grad_bytes())
+        self._peak, self._in_flight = 0, []
         if self.stage >= 2:
             self._release_full()
         self.end_step()
@@ -397,6 +402,10 @@ class GradReducer(BucketBuffers):
 
     def _launch(self, bucket: GradBucket) -> None:
         sharded = bucket.shards and self.learned
+        lazy = sharded and self.stage == 3  # the buffer made now, and let go once launched
+        if lazy and bucket.flat is None:
+            self._collect(bucket)
+        flat = bucket.flat
         into = None
         if sharded:  # into the part, or (a later round) added into it after
             out = bucket.shard_grad
@@ -406,22 +415,28 @@ class GradReducer(BucketBuffers):
                 out, into = bucket.scratch, bucket.shard_grad
         if self._compressing():
             state, group, c = self.compression_state, self.group, self.compressor
+            finished = threading.Event()
             if sharded:
 
                 def job():
-                    c.reduce_scatter_mean(bucket.flat, out, state, bucket.index, group)
+                    c.reduce_scatter_mean(flat, out, state, bucket.index, group)
                     if into is not None:
                         into.add_(out)
+                    finished.set()
             else:
-                job = lambda: c.all_reduce_mean(bucket.flat, state, bucket.index, group)
+                job = lambda: c.all_reduce_mean(flat, state, bucket.index, group)
             if self._thread is not None:
                 self._thread.submit(job)
             else:
                 job()  # without overlap, on the caller's thread
+            if lazy:
+                self._hand_off(bucket, finished.is_set)
         elif sharded:
             op = dist.ReduceOp.AVG if self._average_op else dist.ReduceOp.SUM
-            work = reduce_scatter_single(out, bucket.flat, op=op, group=self.group, async_op=True)
+            work = reduce_scatter_single(out, flat, op=op, group=self.group, async_op=True)
             self._works.append((work, out, into))
+            if lazy:
+                self._hand_off(bucket, work.is_completed)
         else:
             self._works.append((self._dense(bucket, async_op=True), bucket.flat, None))
 

@@ -30,8 +30,11 @@ How it works:
 - The gathers run on a process group of their own (``group``: the same
   ranks as the reducer's), so that they never queue behind a gradient
   reduction or interleave with one issued from another thread.
-- Until the reducer's layout is learned (the first step, or a load),
-  nothing is sharded: the parameters are whole and the hooks do nothing.
+- The parameters are sharded from the start (``Trainer`` builds the
+  shards at once, over the reducer's first layout), so no step holds the
+  whole model. When the layout changes (the first step's learned order,
+  or a load) the parameters are gathered whole, stay so, and the hooks do
+  nothing, until the new layout is built.
 - The gradients are ZeRO-2's: the reducer's full buffers live from a
   round's first backward action to its reduce-scatter.
 """
@@ -191,6 +194,14 @@ class ParamUnits:
         """Every parameter whole, and left so (before a load writes them; the
         load makes the layout stale, so they stay whole until it is rebuilt)."""
         if self.active():
+            for u in range(len(self.units)):
+                self.use(u)
+
+    def unshard_stale(self) -> None:
+        """Before a new layout is built from the parameters (the reducer
+        learned another order, or a load): the old layout's units whole, as
+        the parameters are views of its buffers."""
+        if self.zero.stale() and self._version >= 0:
             for u in range(len(self.units)):
                 self.use(u)
 

@@ -48,11 +48,13 @@ class RankSample:
     gpu_mb: float = 0.0  # peak GPU memory
     # Tensor bytes held once the step's gradients are reduced, before the
     # optimizer steps: parameters, gradient buffers, optimizer state (see
-    # held_bytes); and the most gradient bytes held during the step (the
-    # full buffers, which ZeRO-2 lets go after their reduce-scatter).
+    # held_bytes); and the most parameter and gradient bytes held during the
+    # step (ZeRO-3's gathered layers; the full gradient buffers, which
+    # ZeRO-2 lets go after their reduce-scatter).
     param_bytes: float = 0.0
     grad_bytes: float = 0.0
     optim_bytes: float = 0.0
+    param_peak_bytes: float = 0.0
     grad_peak_bytes: float = 0.0
     # The mean time of F, B, I and W of each local stage, stage by stage.
     costs: list[float] = field(default_factory=list)
@@ -77,21 +79,25 @@ def gather(sample: RankSample) -> list[RankSample]:
     return [RankSample(*row[:_SCALARS], costs=row[_SCALARS:]) for row in rows]
 
 
-def held_bytes(params, reducer, optimizer, param_bytes: int | None = None) -> dict:
+def held_bytes(params, reducer, optimizer, zero=None, units=None) -> dict:
     """The bytes of the tensors a rank holds for training: its parameters
-    (``param_bytes`` where ZeRO-3 says: the most held during the step),
-    its gradient buffers (the reducer's buckets and, under ZeRO, their
-    shards; else the parameters' gradients) and its optimizer's state."""
+    (under ZeRO, ``zero``'s flat buffers and shards; ZeRO-3's ``units`` say
+    the most held during the step), its gradient buffers (the reducer's
+    buckets and, under ZeRO, their shards; else the parameters' gradients)
+    and its optimizer's state."""
 
     def nbytes(tensors) -> int:
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     grads = reducer.grad_bytes() if reducer is not None else nbytes(p.grad for p in params)
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    sharded = zero is not None and not zero.stale()  # (laid out from the first step's end)
+    held = zero.param_bytes() if sharded else nbytes(params)
     return {
-        "param_bytes": nbytes(params) if param_bytes is None else param_bytes,
+        "param_bytes": held,
         "grad_bytes": grads,
         "optim_bytes": nbytes(state),
+        "param_peak_bytes": max(held, units.peak_bytes) if units is not None else held,
         "grad_peak_bytes": reducer.peak_grad_bytes if reducer is not None else grads,
     }
 
@@ -155,6 +161,7 @@ def summarise(rows: list[RankSample], cfg, grid, plan, p2p_latency: float, cuda:
         "param_bytes": int(max(r.param_bytes for r in rows)),
         "grad_bytes": int(max(r.grad_bytes for r in rows)),
         "optim_bytes": int(max(r.optim_bytes for r in rows)),
+        "param_peak_bytes": int(max(r.param_peak_bytes for r in rows)),
         "grad_peak_bytes": int(max(r.grad_peak_bytes for r in rows)),
     }
     if cuda:

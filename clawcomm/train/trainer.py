@@ -188,6 +188,7 @@ class Trainer:
             self.units = ParamUnits(
                 self.zero, self.local, last, params_group, cfg.reshard_after_forward
             )
+            self.optimizer = self.zero.ready(self.optimizer, optimizer)  # sharded from the start
         self.tracker = Trackers(self.reducer, self.units) if self.units else self.reducer
         self.step_index = 0
         self.traffic = Traffic(
@@ -264,6 +265,8 @@ class Trainer:
         for p, group, _ in self._ties:
             dist.all_reduce(p.grad, group=group)
         if self.zero is not None:  # a new layout (the first step, a load): new shards
+            if self.units is not None:
+                self.units.unshard_stale()
             self.optimizer = self.zero.ready(self.optimizer, self._make_optimizer)
         now = self.traffic.sent()
         sent = [a - b + c for a, b, c in zip(now, bytes_before, self._carried, strict=True)]
@@ -274,7 +277,7 @@ class Trainer:
             busy=totals.busy, span=t_pipe - t0, recv_wait=totals.recv_wait, dp_wait=dp_wait,
             host=totals.host / max(1, totals.computes), gpu_mb=peak_mb(self.device),
             costs=totals.mean_costs(sorted(self.local)),
-            **held_bytes(self.params, self.reducer, self.optimizer, self._param_bytes()),
+            **held_bytes(self.params, self.reducer, self.optimizer, self.zero, self.units),
         )  # fmt: skip
         rows = gather(sample)
         grad_norm = math.sqrt(sum(r.sumsq for r in rows) / cfg.dp)
@@ -374,12 +377,6 @@ class Trainer:
         else:
             for p in self.params:
                 p.grad = None
-
-    def _param_bytes(self) -> int | None:
-        """ZeRO: the parameter bytes held (ZeRO-3: the most during the step)."""
-        if self.units is not None and self.units.active():
-            return self.units.peak_bytes
-        return self.zero.param_bytes() if self.zero is not None and not self.zero.stale() else None
 
     def whole_params(self):
         """A context in which every parameter is whole (ZeRO-3 gathers them
