@@ -8,6 +8,7 @@ load at other stages and layouts."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -139,3 +140,21 @@ def test_reshard_after_forward_without_zero_three_is_refused_before_training():
     cfg = _config(dp=2, zero=2, reshard_after_forward=True, microbatches=2, micro_batch_size=2)
     with pytest.raises(RankFailure, match="reshard_after_forward .* needs zero 3, not zero 2"):
         run_ranks(_train, 2, cfg)
+
+
+def test_a_model_over_the_memory_limit_at_stage_zero_trains_at_stage_three():
+    """An MLP whose parameters, gradients and AdamW state take 0.34 MB per
+    rank at stage 0 stops every rank at a 0.3 MB limit, naming the figures;
+    at stage 3 (dp 2, resharding after forward) it holds 0.26 MB at most and
+    trains."""
+    cfg = _config(model="mlp", hidden=64, layers=6, dp=2, microbatches=1, micro_batch_size=8,
+                  steps=3, max_memory_mb=0.3)  # fmt: skip
+    with pytest.raises(RankFailure) as e:
+        run_ranks(_train, 2, cfg)
+    message = r"stopped at step 2: rank \d held 0.34 MB .* over max_memory_mb 0.3"
+    assert len(e.value.errors) == 2, e.value  # every rank, the same error
+    for text in e.value.errors.values():
+        assert re.search(message, text), text
+    sharded = dataclasses.replace(cfg, zero=3, reshard_after_forward=True)
+    metrics = run_ranks(_train, 2, sharded)[0][0]
+    assert len(metrics) == 3

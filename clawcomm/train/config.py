@@ -88,6 +88,11 @@ class TrainConfig:
         "none (float32), fp16, bf16 or int8 (blocks of 256 with a scale each)",
         ("none", "fp16", "bf16", "int8"),
     )
+    max_memory_mb: float = _opt(
+        0.0,
+        "stop every rank when one holds more tensor MB than this (parameters, gradients and "
+        "optimizer state, each at its peak in the step; 0: no limit)",
+    )
     # checkpoints
     checkpoint_dir: str = _opt(
         "", "save atomic checkpoints here (DCP; a `latest` file names the last)"
@@ -193,7 +198,13 @@ class TrainConfig:
             raise ValueError(f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
         if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
             raise ValueError("checkpoint_every and resume need checkpoint_dir")
-        for name in ("warmup_steps", "base_batch", "compression_warmup", "checkpoint_every"):
+        for name in (
+            "warmup_steps",
+            "base_batch",
+            "compression_warmup",
+            "checkpoint_every",
+            "max_memory_mb",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("lr", "bucket_cap_mb"):

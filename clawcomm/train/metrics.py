@@ -79,6 +79,24 @@ def gather(sample: RankSample) -> list[RankSample]:
     return [RankSample(*row[:_SCALARS], costs=row[_SCALARS:]) for row in rows]
 
 
+def check_memory(rows: list[RankSample], limit_mb: float, step: int) -> None:
+    """``max_memory_mb``: every rank raises the same error when a rank's
+    tensors, each kind at its peak in the step, exceed ``limit_mb`` (the
+    optimizer's state counts from the step after its first, which makes
+    it)."""
+    held = [r.param_peak_bytes + r.grad_peak_bytes + r.optim_bytes for r in rows]
+    worst = max(range(len(rows)), key=held.__getitem__)
+    if limit_mb > 0 and held[worst] > limit_mb * 1e6:
+        r = rows[worst]
+        raise MemoryError(
+            f"clawcomm.train: stopped at step {step}: rank {worst} held {held[worst] / 1e6:.2f} MB "
+            f"of tensors (parameters {r.param_peak_bytes / 1e6:.2f}, gradients "
+            f"{r.grad_peak_bytes / 1e6:.2f}, optimizer state {r.optim_bytes / 1e6:.2f} MB at "
+            f"their peaks), over max_memory_mb {limit_mb:g}: shard them (--zero 1, 2 or 3, "
+            "--reshard-after-forward) or add ranks"
+        )
+
+
 def held_bytes(params, reducer, optimizer, zero=None, units=None) -> dict:
     """The bytes of the tensors a rank holds for training: its parameters
     (under ZeRO, ``zero``'s flat buffers and shards; ZeRO-3's ``units`` say

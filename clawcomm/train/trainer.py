@@ -66,6 +66,7 @@ from clawcomm.train.metrics import (
     PipelineTotals,
     RankSample,
     Traffic,
+    check_memory,
     gather,
     held_bytes,
     measure_p2p_latency,
@@ -280,6 +281,7 @@ class Trainer:
             **held_bytes(self.params, self.reducer, self.optimizer, self.zero, self.units),
         )  # fmt: skip
         rows = gather(sample)
+        check_memory(rows, cfg.max_memory_mb, self.step_index + 1)
         grad_norm = math.sqrt(sum(r.sumsq for r in rows) / cfg.dp)
         loss = sum(r.loss for r in rows) / count
         self._check_finite(loss, grad_norm)
