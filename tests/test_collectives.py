@@ -230,6 +230,10 @@ def sweep_large(rank, ws):
     out = torch.empty(n * ws)
     dist.all_gather_into_tensor(out, base + rank)
     check(failures, "all_gather/12MB", out, torch.cat([base + r for r in range(ws)]))
+    whole = torch.cat([base * (r + 1) + rank for r in range(ws)])  # rank r's block: base * (r + 1)
+    out = torch.empty(n)
+    dist.reduce_scatter_tensor(out, whole)
+    check(failures, "reduce_scatter/12MB", out, base * (rank + 1) * ws + ws * (ws - 1) // 2)
     return failures
 
 

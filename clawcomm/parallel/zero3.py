@@ -62,13 +62,18 @@ def unit_modules(stages: dict[int, nn.Module]) -> list[tuple[int, nn.Module]]:
     return units
 
 
+def unit_params(stages: dict[int, nn.Module]) -> list[list[torch.Tensor]]:
+    """Every unit's parameters (all it uses: a parameter that two layers of
+    a stage share is in both)."""
+    roots = set(map(id, stages.values()))
+    return [list(mod.parameters(recurse=id(mod) not in roots)) for _, mod in unit_modules(stages)]
+
+
 def unit_of_params(params: list[torch.Tensor], stages: dict[int, nn.Module]) -> list[int]:
-    """The unit of each parameter (the first unit that uses it, for a
-    parameter that two layers of one stage share)."""
+    """The unit of each parameter (the first that uses it; -1: none)."""
     first: dict[int, int] = {}
-    for u, (_, mod) in enumerate(unit_modules(stages)):
-        recurse = mod not in stages.values()
-        for p in mod.parameters(recurse=recurse):
+    for u, ps in enumerate(unit_params(stages)):
+        for p in ps:
             first.setdefault(id(p), u)
     return [first.get(id(p), -1) for p in params]
 
@@ -90,11 +95,7 @@ class ParamUnits:
         self.reshard = reshard_after_forward
         self.last_backward = set(last_backward.values())
         self.units = unit_modules(stages)
-        roots = set(map(id, stages.values()))
-        # Each unit's parameters (all it uses, shared ones included).
-        self._params = [
-            [id(p) for p in mod.parameters(recurse=id(mod) not in roots)] for _, mod in self.units
-        ]
+        self._params = [[id(p) for p in ps] for ps in unit_params(stages)]
         self._entries: list[list] = [[] for _ in self.units]  # unit -> its buckets' entries
         self._pending: dict[int, object] = {}  # bucket index -> gather to complete
         self._version = -1
@@ -183,8 +184,7 @@ class ParamUnits:
         if not self.active():
             yield False
             return
-        for u in range(len(self.units)):
-            self.use(u)
+        self._use_all()
         try:
             yield True
         finally:
@@ -194,16 +194,18 @@ class ParamUnits:
         """Every parameter whole, and left so (before a load writes them; the
         load makes the layout stale, so they stay whole until it is rebuilt)."""
         if self.active():
-            for u in range(len(self.units)):
-                self.use(u)
+            self._use_all()
 
     def unshard_stale(self) -> None:
         """Before a new layout is built from the parameters (the reducer
         learned another order, or a load): the old layout's units whole, as
         the parameters are views of its buffers."""
         if self.zero.stale() and self._version >= 0:
-            for u in range(len(self.units)):
-                self.use(u)
+            self._use_all()
+
+    def _use_all(self) -> None:
+        for u in range(len(self.units)):
+            self.use(u)
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.zero.param_bytes()
