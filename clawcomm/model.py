@@ -231,25 +231,35 @@ def _shared(m: CostModel, streams: int) -> CostModel:
     return CostModel(m.shm_alpha, m.shm_beta, m.net_alpha, m.net_beta * streams, m.gamma)
 
 
+def _pipelined(shm: float, net: float, pieces: int) -> float:
+    """Two phases per piece, overlapping from piece to piece."""
+    return shm + net if pieces == 1 else pieces * max(shm, net) + min(shm, net)
+
+
 def hierarchical_reduce_scatter(N: float, layout: Layout, m: CostModel) -> float:
-    """A ring reduce-scatter inside each host over N, then one across hosts
-    over the N/k this rank owns, k streams sharing each link (not
-    pipelined: hierarchical_gather_scatter.cc)."""
+    """Per piece, a ring reduce-scatter inside each host, then one across
+    hosts over the part this rank owns, k streams sharing each link;
+    pipelined (hierarchical_gather_scatter.cc)."""
     if not layout.hierarchical:
         return math.inf
     k, hosts = layout.ranks_per_host, layout.hosts
-    inside = _ring_steps(Layout(1, k), m, N / k, k - 1, 0)
-    return inside + _ring_steps(Layout(hosts, 1), _shared(m, k), N / (k * hosts), hosts - 1, 0)
+    pieces = hierarchical_pieces(N)
+    piece = N / pieces
+    inside = _ring_steps(Layout(1, k), m, piece / k, k - 1, 0)
+    across = _ring_steps(Layout(hosts, 1), _shared(m, k), piece / (k * hosts), hosts - 1, 0)
+    return _pipelined(inside, across, pieces)
 
 
 def hierarchical_all_gather(N: float, layout: Layout, m: CostModel) -> float:
-    """Across hosts first (N/k per local index), then inside each host."""
+    """Per piece, across hosts first (a k-th per local index), then inside
+    each host; pipelined."""
     if not layout.hierarchical:
         return math.inf
     k, hosts = layout.ranks_per_host, layout.hosts
-    return ring_all_gather(N / k, Layout(hosts, 1), _shared(m, k)) + ring_all_gather(
-        N, Layout(1, k), m
-    )
+    pieces = hierarchical_pieces(N)
+    piece = N / pieces
+    across = ring_all_gather(piece / k, Layout(hosts, 1), _shared(m, k))
+    return _pipelined(ring_all_gather(piece, Layout(1, k), m), across, pieces)
 
 
 def _direct_layout(layout: Layout) -> bool:

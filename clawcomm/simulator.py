@@ -23,7 +23,7 @@ What it models, with the cost model's numbers (clawcomm.model):
 It checks the closed forms in clawcomm.model where both apply (tests assert
 they agree within 5%), and shows what the closed forms leave out: queueing
 of several streams on one link, and the pipelined overlap of the
-hierarchical all-reduce's phases. It runs every message in Python, so it is
+hierarchical algorithms' phases. It runs every message in Python, so it is
 meant for up to a few dozen ranks; clawcomm.model projects further.
 """
 
@@ -220,6 +220,33 @@ def _hierarchical(prog: _Program, layout: Layout, N: float) -> None:
     all_gather(pieces - 1)
 
 
+def _hierarchical_gather_scatter(prog: _Program, layout: Layout, N: float, reducing: bool):
+    """hierarchical_gather_scatter.cc, pipelined in pieces: the reduce-
+    scatter runs each piece inside the hosts, then across them; the all-
+    gather across, then inside. Each lane takes the pieces in order, and a
+    piece's second ring waits for its first."""
+    k, hosts = layout.ranks_per_host, layout.hosts
+    pieces = hierarchical_pieces(N)
+    piece = N / pieces
+    local = [[h * k + i for i in range(k)] for h in range(hosts)]
+    cross = [[h * k + i for h in range(hosts)] for i in range(k)]
+    inside = (local, piece / k, k - 1)
+    across = (cross, piece / (k * hosts), hosts - 1)
+    lanes = (inside, across) if reducing else (across, inside)
+    first_last: dict[int, int | None] = dict.fromkeys(range(layout.size))
+    second_last: dict[int, int | None] = dict.fromkeys(range(layout.size))
+
+    def ring(groups, chunk, steps, after):
+        for g in groups:
+            after = _ring(prog, g, chunk, steps if reducing else 0, 0 if reducing else steps, after)
+        return after
+
+    for _ in range(pieces):
+        first_last = ring(*lanes[0], first_last)
+        after = {r: _latest(prog, second_last[r], first_last[r]) for r in range(layout.size)}
+        second_last = ring(*lanes[1], after)
+
+
 def _latest(prog: _Program, a: int | None, b: int | None) -> int | None:
     """A join step with no messages that waits for both (None: nothing)."""
     if a is None or b is None:
@@ -261,20 +288,7 @@ def _build(collective: str, algo: str, N: float, layout: Layout, model: CostMode
     elif algo == "hierarchical" and collective in ("reduce_scatter", "all_gather"):
         if not layout.hierarchical:
             raise ValueError(f"the hierarchical {collective} needs 2+ hosts of 2+ ranks: {layout}")
-        k, hosts = layout.ranks_per_host, layout.hosts
-        local = [[h * k + i for i in range(k)] for h in range(hosts)]
-        cross = [[h * k + i for h in range(hosts)] for i in range(k)]
-        last = everyone
-        if collective == "reduce_scatter":  # inside hosts, then across
-            for g in local:
-                last = _ring(prog, g, N / k, k - 1, 0, last)
-            for g in cross:
-                last = _ring(prog, g, N / (k * hosts), hosts - 1, 0, last)
-        else:  # across hosts, then inside
-            for g in cross:
-                last = _ring(prog, g, N / (k * hosts), 0, hosts - 1, last)
-            for g in local:
-                last = _ring(prog, g, N / k, 0, k - 1, last)
+        _hierarchical_gather_scatter(prog, layout, N, collective == "reduce_scatter")
     elif (collective, algo) == ("broadcast", "tree"):
         _broadcast(prog, n, N)
     else:

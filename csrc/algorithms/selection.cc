@@ -16,7 +16,8 @@
 //   reduce-scatter  ring: n-1 reducing steps of N/n + a working copy of N;
 //                   direct: n-1 messages of N/n, each reduced;
 //                   hierarchical: a ring inside each host over N, then one
-//                   across hosts over N/k with k streams per link
+//                   across hosts over N/k with k streams per link, both
+//                   pipelined in P pieces as the all-reduce
 //   all-gather      ring: n-1 copying steps of N/n; direct: one step of
 //                   n-1 messages of N/n; hierarchical: across, then inside
 //   broadcast       tree: ceil(log2 n) copies of N and an acknowledgement
@@ -230,11 +231,14 @@ double hierarchicalGatherScatterCost(double N, const Topology& t, const CostMode
   const Topology across(hostOf);
   CostModel shared = m;
   shared.netBeta *= k;
-  const double shard = N / (double(k) * hosts);
-  if (reducing) {
-    return ringSteps(inside, m, N / k, k - 1, 0) + ringSteps(across, shared, shard, hosts - 1, 0);
-  }
-  return ringSteps(across, shared, shard, 0, hosts - 1) + ringSteps(inside, m, N / k, 0, k - 1);
+  // Pipelined in P pieces, as the all-reduce (hierarchical_gather_scatter.cc).
+  const double P = double(hierarchicalPieces(size_t(N)));
+  const double piece = N / P, shard = piece / (double(k) * hosts);
+  const double shm = reducing ? ringSteps(inside, m, piece / k, k - 1, 0)
+                              : ringSteps(inside, m, piece / k, 0, k - 1);
+  const double net = reducing ? ringSteps(across, shared, shard, hosts - 1, 0)
+                              : ringSteps(across, shared, shard, 0, hosts - 1);
+  return P == 1 ? shm + net : P * std::max(shm, net) + std::min(shm, net);
 }
 
 double reduceScatterCost(Algorithm a, double N, const Topology& t, const CostModel& m) {
