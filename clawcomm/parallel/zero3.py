@@ -27,9 +27,11 @@ How it works:
   ``reshard_after_forward`` frees a unit after each forward and, in
   backward, once backward has reached the unit before it (whose input
   gradient needs every node through this unit), as FSDP does.
-- The gathers run on a process group of their own (``group``: the same
-  ranks as the reducer's), so that they never queue behind a gradient
-  reduction or interleave with one issued from another thread.
+- The gathers run on the reducer's group, from the thread that runs the
+  schedule (autograd's hooks included), so every rank issues them and the
+  reductions in one order; where the reducer issues collectives from a
+  thread of its own (compressed, overlapped), on a group of their own
+  (``group``: the same ranks), so that the two never interleave.
 - The parameters are sharded from the start (``Trainer`` builds the
   shards at once, over the reducer's first layout), so no step holds the
   whole model. When the layout changes (the first step's learned order,

@@ -184,11 +184,15 @@ class Trainer:
         if self.reducer is not None and self.reducer.zero:
             self.zero = ZeroShards(self.reducer, cfg.param_compression, separate=cfg.zero == 3)
         if self.zero is not None and cfg.zero == 3:  # parameters gathered as the actions need
-            params_group = self.grid.make_dp_group()
+            # A group of their own where a reduction thread issues collectives
+            # too (compressed, overlapped): the same group would interleave them.
+            threaded = self.reducer.compressor is not None and cfg.overlap
+            params_group = self.grid.make_dp_group() if threaded else None
             last = {a.stage: a for a in self.schedule[me] if a.kind in (B, I, W)}
             self.units = ParamUnits(
-                self.zero, self.local, last, params_group, cfg.reshard_after_forward
-            )
+                self.zero, self.local, last, params_group or self.dp_group,
+                cfg.reshard_after_forward,
+            )  # fmt: skip
             self.optimizer = self.zero.ready(self.optimizer, optimizer)  # sharded from the start
         self.tracker = Trackers(self.reducer, self.units) if self.units else self.reducer
         self.step_index = 0
