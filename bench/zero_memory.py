@@ -18,8 +18,12 @@ resharding after forward). The check column says whether each sharded
 figure is within 5% of its formula (1/dp of stage 0's at the same dp; stage
 1 keeps the full gradient buffer beside its shard, so its gradients are
 checked against 1 + 1/dp).
-The final losses must agree (float32 reordering). Step times are this
-machine's (ranks beyond its cores share them).
+The final losses must agree (float32 reordering). RS, AG and AR ms: the
+step's data-parallel reduce-scatters, all-gathers and all-reduces, as long
+as they ran on the rank where they ran longest (the engine's ``busy_us``,
+start to end of each collective, waiting for late peers included; medians
+of the second half), beside the all-reduce that stage 0 makes. Step times
+are this machine's (ranks beyond its cores share them).
 """
 
 from __future__ import annotations
@@ -61,7 +65,8 @@ def main() -> None:
     print(f"# clawcomm train --model gpt --dp D --zero Z --steps {args.steps} (effective batch 32,"
           " 4 micro-batches): MB per rank")  # fmt: skip
     print(f"# {'dp':>3}{'zero':>5}{'params':>9}{'peak':>9}{'grads':>9}{'peak':>9}{'optim':>9}"
-          f"{'step ms':>9}{'final loss':>11}  check (fraction of stage 0's)")  # fmt: skip
+          f"{'RS ms':>7}{'AG ms':>7}{'AR ms':>7}{'step ms':>9}{'final loss':>11}"
+          "  check (fraction of stage 0's)")  # fmt: skip
     for dp in args.dp:
         base = None
         for label in ("0", "1", "2", "3", "3r") if dp > 1 else ("0",):
@@ -73,7 +78,10 @@ def main() -> None:
             metrics = run_ranks(_run, dp, cfg, timeout=3600)[0]
             last = metrics[-1]
             row = {k: last[k] for k in keys}
-            row["step_ms"] = statistics.median(m["step_ms"] for m in metrics[len(metrics) // 2 :])
+            half = metrics[len(metrics) // 2 :]
+            row["step_ms"] = statistics.median(m["step_ms"] for m in half)
+            for kind in ("reduce_scatter", "all_gather", "all_reduce"):
+                row[f"dp_ms_{kind}"] = statistics.median(m[f"dp_ms_{kind}"] for m in half)
             row["final_loss"] = last["loss"]
             base = base or row
             checks = []
@@ -89,7 +97,9 @@ def main() -> None:
                 f"  {dp:>3}{label:>5}{row['param_bytes'] / MB:>9.2f}"
                 f"{row['param_peak_bytes'] / MB:>9.2f}{row['grad_bytes'] / MB:>9.2f}"
                 f"{row['grad_peak_bytes'] / MB:>9.2f}{row['optim_bytes'] / MB:>9.2f}"
-                f"{row['step_ms']:>9.1f}{row['final_loss']:>11.4f}  {'; '.join(checks)}"
+                f"{row['dp_ms_reduce_scatter']:>7.1f}{row['dp_ms_all_gather']:>7.1f}"
+                f"{row['dp_ms_all_reduce']:>7.1f}{row['step_ms']:>9.1f}{row['final_loss']:>11.4f}"
+                f"  {'; '.join(checks)}"
             )
     print(f"# {'every check within 5%' if not failed else f'{failed} checks missed'}")
     if args.json:

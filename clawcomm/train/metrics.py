@@ -45,6 +45,11 @@ class RankSample:
     bytes_ag: float = 0.0
     bytes_ar: float = 0.0
     bytes_a2a: float = 0.0
+    # the seconds those collectives ran, by kind (the engine's busy_us)
+    time_rs: float = 0.0
+    time_ag: float = 0.0
+    time_ar: float = 0.0
+    time_a2a: float = 0.0
     gpu_mb: float = 0.0  # peak GPU memory
     # Tensor bytes held once the step's gradients are reduced, before the
     # optimizer steps: parameters, gradient buffers, optimizer state (see
@@ -175,6 +180,11 @@ def summarise(rows: list[RankSample], cfg, grid, plan, p2p_latency: float, cuda:
         "bytes_sent_dp_all_gather": int(sum(r.bytes_ag for r in rows)),
         "bytes_sent_dp_all_reduce": int(sum(r.bytes_ar for r in rows)),
         "bytes_sent_dp_all_to_all": int(sum(r.bytes_a2a for r in rows)),
+        # the rank whose data-parallel collectives of each kind ran longest
+        "dp_ms_reduce_scatter": max(r.time_rs for r in rows) * 1e3,
+        "dp_ms_all_gather": max(r.time_ag for r in rows) * 1e3,
+        "dp_ms_all_reduce": max(r.time_ar for r in rows) * 1e3,
+        "dp_ms_all_to_all": max(r.time_a2a for r in rows) * 1e3,
         # the rank that holds the most of each
         "param_bytes": int(max(r.param_bytes for r in rows)),
         "grad_bytes": int(max(r.grad_bytes for r in rows)),
@@ -219,7 +229,7 @@ class Traffic:
     gathers' group, counted as data-parallel."""
 
     DP_KINDS = ("reduce_scatter", "all_gather", "all_reduce", "all_to_all")
-    WIDTH = 3 + len(DP_KINDS)  # len(sent())
+    WIDTH = 3 + 2 * len(DP_KINDS)  # len(sent())
 
     def __init__(self, pp_group, dp_group, other_groups=(), params_group=None):
         self._groups = (pp_group, dp_group, params_group, tuple(other_groups))
@@ -241,8 +251,9 @@ class Traffic:
             self._engines = (list(engines.values()), named)
         return self._engines
 
-    def sent(self) -> list[int]:
-        """[every group, pp, dp, and dp's by DP_KINDS] bytes sent so far."""
+    def sent(self) -> list[float]:
+        """[every group, pp, dp, and dp's by DP_KINDS] bytes sent so far,
+        then dp's seconds busy by DP_KINDS."""
         every, named = self.engines()
         stats = {id(e): e.comm_stats() for e in every}  # once each (named ones are among them)
 
@@ -250,11 +261,17 @@ class Traffic:
             return sum(v["bytes_sent"] for v in stats[id(e)].values())
 
         dps = [named[k] for k in ("dp", "dp params") if k in named]
-        kinds = [
-            sum(stats[id(e)].get(k, {}).get("bytes_sent", 0) for e in dps) for k in self.DP_KINDS
-        ]
+
+        def by_kind(field: str) -> list[int]:
+            return [sum(stats[id(e)].get(k, {}).get(field, 0) for e in dps) for k in self.DP_KINDS]
+
         pp = total(named["pp"]) if "pp" in named else 0
-        return [sum(total(e) for e in every), pp, sum(total(e) for e in dps)] + kinds
+        busy = [us / 1e6 for us in by_kind("busy_us")]
+        return (
+            [sum(total(e) for e in every), pp, sum(total(e) for e in dps)]
+            + by_kind("bytes_sent")
+            + busy
+        )
 
     @staticmethod
     def fields(sent: list[int]) -> dict:
@@ -267,6 +284,10 @@ class Traffic:
             "bytes_ag",
             "bytes_ar",
             "bytes_a2a",
+            "time_rs",
+            "time_ag",
+            "time_ar",
+            "time_a2a",
         )
         return dict(zip(names, sent, strict=True))
 

@@ -50,6 +50,8 @@ void Communicator::runCollective(Op& op) {
     error = withContext(std::current_exception(), opPrefix(op.sig.type));
   }
   recorder_.finished(op.record, !error);
+  const auto ran = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start);
+  Traffic::add(messenger_->traffic().of(op.sig.type).busyUs, uint64_t(ran.count()));
   if (error) {
     error = withFlightRecord(error);
     fail(error);

@@ -23,6 +23,9 @@ struct OpTraffic {
   // Of those, frames whose payload moved by single copy (messenger.h).
   std::atomic<uint64_t> framesSentByReference{0};
   std::atomic<uint64_t> framesReceivedByReference{0};
+  // Microseconds the collectives of this kind ran, start to end (on the
+  // thread that ran them: the progress thread, or the caller's inline).
+  std::atomic<uint64_t> busyUs{0};
 };
 
 struct Traffic {

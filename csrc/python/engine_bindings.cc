@@ -263,13 +263,15 @@ void bindEngine(py::module_& m) {
               d["payload_bytes_received"] = get(o.payloadReceived);
               d["frames_sent_single_copy"] = get(o.framesSentByReference);
               d["frames_received_single_copy"] = get(o.framesReceivedByReference);
+              d["busy_us"] = get(o.busyUs);
               out[opTypeName(OpType(t))] = d;
             }
             return out;
           },
           "Calls and bytes on the wire so far, per operation: whole frames (bytes_*) and "
           "payload only (payload_bytes_*); frames_*_single_copy: those whose payload the "
-          "receiver read straight from the sender's memory (CLAWCOMM_SINGLE_COPY).")
+          "receiver read straight from the sender's memory (CLAWCOMM_SINGLE_COPY); busy_us: "
+          "microseconds the collectives of that kind ran, start to end.")
       .def(
           "all_reduce",
           [](Communicator& c, py::buffer buf, Op op, py::object dtype) {
