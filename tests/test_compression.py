@@ -270,6 +270,39 @@ def test_the_compressed_reduce_scatter_gives_each_rank_its_part_of_the_mean(worl
             assert "divide evenly" in error and str(n * 3 + 1) in error, error
 
 
+def _sparse_reduce_scatter(rank, n, numel):
+    """Each sparse compressor's reduce-scatter against its own all-reduce's
+    slice, from the same inputs and the same (fresh) state, twice in a row
+    (the second call starts from the residual the first left)."""
+    out = []
+    for spec in ("topk:0.05", "topk:0.05:exact", "topk:0.05+fp16", "randomk:0.1", "none"):
+        c = get_compressor(spec)
+        states = CompressorState(), CompressorState()
+        for call in range(2):
+            x = _grad(300 + 7 * rank + call, numel)
+            whole = x.clone()
+            c.all_reduce_mean(whole, states[0], "w", dist.group.WORLD)
+            part = torch.full((numel // n,), float("nan"))
+            c.reduce_scatter_mean(x.clone(), part, states[1], "w", dist.group.WORLD)
+            want = whole[rank * (numel // n) : (rank + 1) * (numel // n)]
+            residuals = (s.residuals.values() for s in states)
+            same = [torch.equal(a, b) for a, b in zip(*residuals, strict=True)]
+            out.append((spec, call, part, want, all(same)))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_sparse_reduce_scatter_is_its_all_reduce_s_part(world_size):
+    """Top-k (sampled, exact, fp16 values) and random-k send each selected
+    pair only to the rank whose part holds it: that part equals the
+    all-reduce's, and the error-feedback residuals are the same."""
+    n = world_size
+    for got in run_ranks(_sparse_reduce_scatter, n, 4000 * n):
+        for spec, call, part, want, same_residual in got:
+            torch.testing.assert_close(part, want, atol=1e-6, rtol=1e-5, msg=(spec, call))
+            assert same_residual, (spec, call)
+
+
 def _sparse(rank, n, numel, values, form):
     rng = np.random.default_rng(rank)
     k = 10 + 7 * rank  # ranks send different numbers of pairs

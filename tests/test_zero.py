@@ -151,10 +151,50 @@ def test_a_checkpoint_loads_at_another_stage_and_layout(tmp_path, before, after)
     assert resumed == pytest.approx(whole[3:], rel=1e-5)
 
 
+class _AllReduceOnly:
+    """A compressor of one's own with no reduce-scatter."""
+
+    @staticmethod
+    def make(*args, spec):
+        import torch.distributed as dist
+
+        from clawcomm.compression import Compressor
+
+        class Plain(Compressor):
+            spec = "plainar"
+
+            def all_reduce(self, tensor, state, key, group):
+                dist.all_reduce(tensor, group=group)
+
+        return Plain()
+
+
 def test_zero_with_a_compressor_that_cannot_reduce_scatter_is_refused_before_training():
-    cfg = _config(dp=2, zero=1, compression="topk:0.1", microbatches=2, micro_batch_size=2)
-    with pytest.raises(RankFailure, match="zero 1 with compression 'topk:0.1' is not supported"):
+    from clawcomm.compression import available, register_compressor
+
+    if "plainar" not in available():
+        register_compressor("plainar", _AllReduceOnly.make)  # the ranks are forked: they have it
+    cfg = _config(dp=2, zero=1, compression="plainar", microbatches=2, micro_batch_size=2)
+    with pytest.raises(RankFailure, match="zero 1 with compression 'plainar' is not supported"):
         run_ranks(_train, 2, cfg)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+@pytest.mark.parametrize("wire", ["topk:0.25", "randomk:0.5"])
+def test_a_sparse_reduce_scatter_trains_and_sends_fewer_bytes(wire, zero):
+    """Top-k (error feedback over the whole bucket) and random-k at stages 2
+    and 3: each selected pair goes to the rank whose part holds it
+    (all-to-alls, no dense reduce-scatter; random-k's indices are drawn
+    alike everywhere, so only values travel); the loss falls as dense
+    training's does."""
+    cfg = _config(dp=2, microbatches=2, micro_batch_size=2, steps=8, zero=zero, lr=1e-2)
+    dense = run_ranks(_train, 2, cfg)[0][0]
+    sparse = run_ranks(_train, 2, dataclasses.replace(cfg, compression=wire))[0][0]
+    assert sparse[-1]["loss"] < sparse[0]["loss"] * 0.9, [m["loss"] for m in sparse]
+    assert sparse[-1]["loss"] == pytest.approx(dense[-1]["loss"], rel=0.1)
+    last = sparse[-1]
+    assert last["bytes_sent_dp_reduce_scatter"] == 0 and last["bytes_sent_dp_all_to_all"] > 0
+    assert last["bytes_sent_dp_all_to_all"] < dense[-1]["bytes_sent_dp_reduce_scatter"]
 
 
 # wire, the loss's tolerance, the compressed reduce-scatter's bytes against
@@ -237,7 +277,8 @@ def test_stage_two_holds_no_full_gradient_while_only_forwards_run():
 def test_the_data_parallel_bytes_are_counted_by_kind_of_collective():
     """bytes_sent_dp by kind: stage 0 all-reduces; stage 1 reduce-scatters
     and all-gathers half each; stage 2 reduce-scatters once per
-    accumulation round."""
+    accumulation round. Each kind that sent bytes took time (dp_ms_*), the
+    others none."""
     cfg = _config(model="mlp", hidden=64, dp=2, microbatches=2, micro_batch_size=2,
                   accumulation=2, steps=3)  # fmt: skip
     kinds = ("reduce_scatter", "all_gather", "all_reduce", "all_to_all")
@@ -246,6 +287,8 @@ def test_the_data_parallel_bytes_are_counted_by_kind_of_collective():
         metrics = run_ranks(_train, 2, dataclasses.replace(cfg, zero=z))[0][0][-1]
         got[z] = [metrics[f"bytes_sent_dp_{k}"] for k in kinds]
         assert sum(got[z]) == metrics["bytes_sent_dp"], (z, metrics)
+        took = [metrics[f"dp_ms_{k}"] > 0 for k in kinds]
+        assert took == [b > 0 for b in got[z]], (z, metrics)
     ar = got[0][2]  # (the shards are padded to a multiple of dp: within 1%)
     assert got[0] == [0, 0, ar, 0] and ar > 0
     assert got[1] == pytest.approx([ar / 2, ar / 2, 0, 0], rel=0.01), got

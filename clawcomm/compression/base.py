@@ -90,8 +90,8 @@ class Compressor:
         is the k-th of as many equal slices). ``tensor`` may be used as
         scratch."""
         raise NotImplementedError(
-            f"clawcomm.compression: {self.spec} has no reduce-scatter (fp16, bf16, int8 and "
-            "int4 have)"
+            f"clawcomm.compression: {self.spec} has no reduce-scatter (every built-in "
+            "compressor has)"
         )
 
     def with_values(self, values: str, spec: str) -> Compressor:

@@ -10,7 +10,7 @@ from clawcomm._torch_names import reduce_scatter_single
 from clawcomm.compression import quantized
 from clawcomm.compression.base import Compressor, CompressorState, shared_seed
 from clawcomm.compression.registry import parse_k, register_compressor
-from clawcomm.compression.sparse import sparse_all_reduce
+from clawcomm.compression.sparse import sparse_all_reduce, sparse_reduce_scatter
 
 
 def _engine(group):
@@ -48,6 +48,12 @@ class NoCompression(Compressor):
 
     def all_reduce(self, tensor, state, key, group):
         dist.all_reduce(tensor, group=group)
+
+    reduces_scatter = True
+
+    def reduce_scatter_mean(self, tensor, out, state, key, group):
+        reduce_scatter_single(out, tensor, group=group)
+        out.div_(dist.get_world_size(group))
 
 
 class HalfPrecision(Compressor):
@@ -146,6 +152,40 @@ class TopK(Compressor):
         # The division is folded into the scatter of the (few) received values.
         self._reduce(tensor, state, key, group, scale=1.0 / dist.get_world_size(group))
 
+    reduces_scatter = True
+
+    def reduce_scatter_mean(self, tensor, out, state, key, group):
+        """ZeRO's sharded reduction: the k pairs selected (with error
+        feedback on the whole tensor: the residual is the size of the
+        bucket) go each to the rank whose part holds them, summed there."""
+        from clawcomm import _C
+
+        _flat_f32(tensor, "topk")
+        k = _k_of(self.k, tensor.numel())
+        seed = shared_seed(state, key)
+        residual = state.residual(key, tensor) if state is not None else None
+        if tensor.is_cuda:  # exact selection, in torch
+            acc = tensor + residual if residual is not None else tensor.clone()
+            idx = torch.topk(acc.abs(), k, sorted=False).indices
+            val = acc[idx]
+            if residual is not None:
+                acc[idx] = 0
+                residual.copy_(acc)
+        elif residual is not None:
+            idx, val = map(
+                torch.from_numpy,
+                _C.compress.topk_feedback(
+                    tensor.numpy(), residual.numpy(), k, self.selection, seed
+                ),
+            )
+        else:
+            idx, val = map(
+                torch.from_numpy, _C.compress.topk(tensor.numpy(), k, self.selection, seed)
+            )
+        out.zero_()
+        n = dist.get_world_size(group)
+        sparse_reduce_scatter(idx, val, out, tensor.numel(), group, self.values, scale=1.0 / n)
+
     def _reduce(self, tensor, state, key, group, scale):
         from clawcomm import _C
 
@@ -207,6 +247,31 @@ class RandomK(Compressor):
             )
         tensor.zero_()
         tensor.index_add_(0, idx, vals)
+
+    reduces_scatter = True
+
+    def reduce_scatter_mean(self, tensor, out, state, key, group):
+        """The k sampled values go each to the rank whose part holds them,
+        summed there: every rank draws the same indices, so only values
+        travel (one all-to-all)."""
+        _flat_f32(tensor, "randomk")
+        numel = tensor.numel()
+        k = _k_of(self.k, numel)
+        out.zero_()
+        if k == 0:
+            return
+        gen = torch.Generator().manual_seed(shared_seed(state, key))
+        idx = torch.randint(0, numel, (k,), generator=gen).sort().values.to(tensor.device)
+        n, me = dist.get_world_size(group), dist.get_rank(group)
+        shard = numel // n
+        cuts = torch.searchsorted(idx, torch.arange(n + 1, device=idx.device) * shard).tolist()
+        counts = [cuts[q + 1] - cuts[q] for q in range(n)]
+        wire = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[self.values]
+        vals = (tensor[idx] * (numel / k)).to(wire)
+        got = vals.new_empty(n * counts[me])
+        dist.all_to_all_single(got, vals, [counts[me]] * n, counts, group=group)
+        mine = idx[cuts[me] : cuts[me + 1]] - me * shard
+        out.index_add_(0, mine, got.view(n, -1).float().sum(0), alpha=1.0 / n)
 
 
 def _no_args(name, cls):

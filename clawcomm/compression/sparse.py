@@ -122,27 +122,53 @@ def _gather_form(idx, val, out, group, values, n, scale):
         _scatter_add(out, i, v, scale)
 
 
-def _reduce_scatter_form(idx, val, out, group, values, n, scale):
-    numel = out.numel()
+def sparse_reduce_scatter(
+    idx: torch.Tensor,
+    val: torch.Tensor,
+    out: torch.Tensor,
+    numel: int,
+    group=None,
+    values: str = "fp32",
+    *,
+    scale: float = 1.0,
+) -> None:
+    """Adds to ``out`` (float32: this rank's slice of an index space of
+    ``numel``, rank q's being [numel q / n, numel (q + 1) / n)) ``scale``
+    times every rank's pairs (idx, val) that fall in it: each rank sends
+    each other rank the pairs of its slice (one all-to-all of counts, one of
+    indices, one of values in the wire type ``values``). Ranks may pass
+    different numbers of pairs."""
+    n = dist.get_world_size(group)
     rank = dist.get_rank(group)
     bounds = [numel * q // n for q in range(n + 1)]
     order = torch.argsort(idx)
     idx, val = idx[order].to(torch.int32), val[order]
-    cuts = torch.searchsorted(idx, torch.tensor(bounds, dtype=torch.int32)).tolist()
-    send = [cuts[q + 1] - cuts[q] for q in range(n)]
-    recv_t = torch.empty(n, dtype=torch.int64)
-    dist.all_to_all_single(recv_t, torch.tensor(send, dtype=torch.int64), group=group)
+    cuts = torch.searchsorted(idx, torch.tensor(bounds, dtype=torch.int32, device=idx.device))
+    send = [int(cuts[q + 1] - cuts[q]) for q in range(n)]
+    recv_t = torch.empty(n, dtype=torch.int64, device=idx.device)
+    dist.all_to_all_single(
+        recv_t, torch.tensor(send, dtype=torch.int64, device=idx.device), group=group
+    )
     recv = recv_t.tolist()
-    # Step 1: pairs to the rank that owns their slice (values in the wire type).
-    got_idx = torch.empty(sum(recv), dtype=torch.int32)
+    got_idx = idx.new_empty(sum(recv))
     dist.all_to_all_single(got_idx, idx, recv, send, group=group)
     wire = VALUE_DTYPES[values]
-    got_val = torch.empty(sum(recv), dtype=wire)
+    got_val = val.new_empty(sum(recv), dtype=wire)
     dist.all_to_all_single(got_val, val.to(wire), recv, send, group=group)
-    # Step 2: sum them into this rank's slice; its non-zeros are the result.
-    lo, hi = bounds[rank], bounds[rank + 1]
+    local = got_idx - bounds[rank]
+    if out.is_cuda:
+        out.index_add_(0, local.long(), got_val.to(torch.float32), alpha=scale)
+    else:
+        _scatter_add(out, local, got_val.to(torch.float32), scale)
+
+
+def _reduce_scatter_form(idx, val, out, group, values, n, scale):
+    numel = out.numel()
+    rank = dist.get_rank(group)
+    lo, hi = numel * rank // n, numel * (rank + 1) // n
+    # Pairs to the rank that owns their slice, summed there; the slices'
+    # non-zeros are the result, all-gathered (padded to the largest).
     piece = torch.zeros(hi - lo, dtype=torch.float32)
-    _scatter_add(piece, got_idx - lo, got_val.to(torch.float32))
+    sparse_reduce_scatter(idx, val, piece, numel, group, values)
     nz = torch.nonzero(piece).flatten().to(torch.int32)
-    # Step 3: all-gather every slice's non-zeros (padded to the largest).
     _gather_form(nz + lo, piece[nz.long()], out, group, values, n, scale)

@@ -88,8 +88,8 @@ class GradReducer(BucketBuffers):
         if zero and compressor is not None:
             if not compressor.reduces_scatter:
                 raise ValueError(
-                    "GradReducer: zero (sharded gradients) takes fp16, bf16, int8 or int4 "
-                    f"compression, not {compressor.spec!r} (it has no reduce-scatter yet)"
+                    f"GradReducer: zero (sharded gradients) needs a compressor with a "
+                    f"reduce-scatter; {compressor.spec!r} has none"
                 )
         self.params = params
         # ZeRO-1/2 (see "sharded buckets" above): every parameter but those

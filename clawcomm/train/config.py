@@ -215,8 +215,8 @@ class TrainConfig:
 
             if not get_compressor(self.compression).reduces_scatter:
                 raise ValueError(
-                    f"zero {self.zero} with compression {self.compression!r} is not supported "
-                    "yet (the sharded reduction takes fp16, bf16, int8 or int4); use zero 0 for it"
+                    f"zero {self.zero} with compression {self.compression!r} is not supported: "
+                    "the compressor has no reduce-scatter; use zero 0 for it"
                 )
         if self.param_compression != "none" and not self.zero:
             raise ValueError(
