@@ -21,6 +21,24 @@ def _config(**kw) -> TrainConfig:
     return TrainConfig(**{**GPT, **kw})
 
 
+# The layouts the ZeRO tests sweep: dp, pp, schedule, v, micro-batches.
+LAYOUTS = [
+    (2, 1, "1f1b", 1, 4),
+    (2, 2, "gpipe", 1, 4),
+    (2, 2, "1f1b", 1, 4),
+    (2, 2, "zb1", 1, 4),
+    (2, 2, "interleaved", 2, 4),
+    (4, 1, "1f1b", 1, 2),
+]
+
+
+def _ckpt_config(**kw) -> TrainConfig:
+    """The small MLP the checkpoint tests save and load."""
+    base = dict(model="mlp", hidden=32, steps=6, microbatches=2, micro_batch_size=4,
+                quiet=True, lr_decay="none")  # fmt: skip
+    return TrainConfig(**{**base, **kw})
+
+
 def _reference(cfg: TrainConfig):
     """Plain single-process training on the whole effective batch: mean
     loss over every item, torch's clip_grad_norm_, the optimizer."""

@@ -12,20 +12,9 @@ import math
 
 import pytest
 import torch
-from _training import _check_against_reference, _config, _run, _train
+from _training import LAYOUTS, _check_against_reference, _ckpt_config, _config, _run, _train
 
 from clawcomm.testing import RankFailure, run_ranks
-from clawcomm.train import TrainConfig
-
-LAYOUTS = [
-    # dp, pp, schedule, v, micro-batches
-    (2, 1, "1f1b", 1, 4),
-    (2, 2, "gpipe", 1, 4),
-    (2, 2, "1f1b", 1, 4),
-    (2, 2, "zb1", 1, 4),
-    (2, 2, "interleaved", 2, 4),
-    (4, 1, "1f1b", 1, 2),
-]
 
 
 @pytest.mark.parametrize("zero", [1, 2])
@@ -99,22 +88,25 @@ def test_stage_two_holds_one_dp_th_of_the_gradients_between_steps(dp):
         assert got[z]["optim_bytes"] == pytest.approx(got[0]["optim_bytes"] / dp, rel=0.05)
 
 
-def _ckpt_config(**kw) -> TrainConfig:
-    base = dict(model="mlp", hidden=32, steps=6, microbatches=2, micro_batch_size=4,
-                quiet=True, lr_decay="none")  # fmt: skip
-    return TrainConfig(**{**base, **kw})
-
-
 @pytest.mark.parametrize(
-    "zero,compression,params", [(1, "", "none"), (2, "", "none"), (2, "int8", "int8")]
+    "zero,compression,params,asynchronous",
+    [
+        (1, "", "none", False),
+        (2, "", "none", False),
+        (2, "int8", "int8", False),
+        (3, "", "none", False),
+        (3, "", "int8", True),
+    ],
 )
 def test_a_resumed_run_reproduces_the_uninterrupted_one_bit_for_bit(
-    tmp_path, zero, compression, params
+    tmp_path, zero, compression, params, asynchronous
 ):
     """int8's stochastic rounding included (its draws are seeded from the
     checkpointed call counts), and int8 parameters (the float32 masters are
-    checkpointed beside the decoded weights)."""
-    cfg = _ckpt_config(dp=2, pp=2, zero=zero, compression=compression, param_compression=params)
+    checkpointed beside the decoded weights); at stage 3, whose parameters
+    are gathered for the save, asynchronous saves too."""
+    cfg = _ckpt_config(dp=2, pp=2, zero=zero, compression=compression, param_compression=params,
+                       async_checkpoint=asynchronous)  # fmt: skip
     whole = run_ranks(_run, 4, cfg, 6, False, timeout=300)[0][0]
     cfg = dataclasses.replace(cfg, checkpoint_dir=str(tmp_path), checkpoint_every=3)
     first = run_ranks(_run, 4, cfg, 3, False, timeout=300)[0][0]
@@ -130,6 +122,9 @@ def test_a_resumed_run_reproduces_the_uninterrupted_one_bit_for_bit(
         ((2, 2, 1), (4, 1, 1)),
         ((2, 2, 2), (1, 4, 0)),
         ((2, 1, 0), (4, 1, 2)),
+        ((2, 2, 3), (1, 4, 0)),
+        ((2, 2, 2), (4, 1, 3)),
+        ((4, 1, 3), (2, 1, 1)),
     ],
 )
 def test_a_checkpoint_loads_at_another_stage_and_layout(tmp_path, before, after):
