@@ -8,6 +8,9 @@ the parameters only (Rajbhandari et al., stage 1: optimizer state / dp).
     optimizer.step()                                      # on this rank's shards
     shards.all_gather()                               # everyone's updated parameters
 
+(The trainer gathers through ``clawcomm.parallel.zero3.ParamUnits`` instead:
+the gathers start after the step and each layer's forward waits for its own.)
+
 How it works:
 
 - The reducer lays parameters out in buckets (its learned order); each

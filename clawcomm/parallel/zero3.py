@@ -1,5 +1,6 @@
 """ZeRO-3: parameters held as shards between uses (Rajbhandari et al.,
-stage 3: parameters / dp as well as gradients and optimizer state).
+stage 3: parameters / dp as well as gradients and optimizer state); and, at
+stages 1 and 2, the next forward waiting only for the buckets it needs.
 
     units = ParamUnits(zero_shards, stages, last_backward, group=params_dp_group)
     executor.run(..., tracker=Trackers(reducer, units))   # gathers and frees by action
@@ -37,8 +38,11 @@ How it works:
   whole model. When the layout changes (the first step's learned order,
   or a load) the parameters are gathered whole, stay so, and the hooks do
   nothing, until the new layout is built.
-- The gradients are ZeRO-2's: the reducer's full buffers live from a
-  round's first backward action to its reduce-scatter.
+- The gradients: each bucket's full buffer is made as it launches, from
+  autograd's gradients, and let go once reduce-scattered (the reducer).
+- At stages 1 and 2 (``frees=False``) the parameters stay whole: after the
+  optimizer's step every bucket's gather starts at once, in forward order,
+  and each layer's forward pre-hook waits for its own buckets only.
 """
 
 from __future__ import annotations
@@ -91,10 +95,15 @@ class ParamUnits:
         last_backward: dict,
         group=None,
         reshard_after_forward: bool = False,
+        frees: bool = True,
     ):
         self.zero = zero
         self.group = group
         self.reshard = reshard_after_forward
+        # False at stages 1 and 2: the parameters stay whole, and the units
+        # only say what the next forward must wait for after a step.
+        self.frees = frees
+        self._stale: set[int] = set()  # buckets whose buffer holds old values
         self.last_backward = set(last_backward.values())
         self.units = unit_modules(stages)
         self._params = [[id(p) for p in ps] for ps in unit_params(stages)]
@@ -104,10 +113,13 @@ class ParamUnits:
         self.peak_bytes = 0  # the most parameter bytes held since reset_peak
         self._hooks = []
         for u, (_, mod) in enumerate(self.units):
-            self._hooks += [
-                mod.register_forward_pre_hook(lambda m, a, u=u: self._before_forward(u)),
-                mod.register_forward_hook(lambda m, a, out, u=u: self._after_forward(u, out)),
-            ]
+            self._hooks.append(
+                mod.register_forward_pre_hook(lambda m, a, u=u: self._before_forward(u))
+            )
+            if frees:
+                self._hooks.append(
+                    mod.register_forward_hook(lambda m, a, out, u=u: self._after_forward(u, out))
+                )
 
     # ---- state --------------------------------------------------------------------
 
@@ -120,6 +132,8 @@ class ParamUnits:
         return True
 
     def _map(self) -> None:
+        for finish in self._pending.values():  # (gathers into the old layout: let them land)
+            finish()
         owner = {}
         for entry in self.zero.entries:
             bucket = entry[0]
@@ -132,7 +146,7 @@ class ParamUnits:
                 if entry is not None and entry[0].index not in seen:
                     seen.add(entry[0].index)
                     self._entries[u].append(entry)
-        self._pending = {}
+        self._pending, self._stale = {}, set()
         self._version = self.zero._version
 
     # ---- gather and free ----------------------------------------------------------
@@ -143,9 +157,11 @@ class ParamUnits:
             return
         for entry in self._entries[u]:
             bucket, flat, _ = entry
-            if bucket.index in self._pending or _held(flat):
+            if bucket.index in self._pending or (_held(flat) and bucket.index not in self._stale):
                 continue
-            flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+            if not _held(flat):
+                flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+            self._stale.discard(bucket.index)
             self._pending[bucket.index] = self.zero.gather(entry, self.group)
         self._track()
 
@@ -158,6 +174,8 @@ class ParamUnits:
                 finish()
 
     def free(self, u: int) -> None:
+        if not self.frees:
+            return
         for bucket, flat, _ in self._entries[u]:
             finish = self._pending.pop(bucket.index, None)
             if finish is not None:
@@ -174,21 +192,35 @@ class ParamUnits:
             self.free(u)
 
     def updated(self) -> None:
-        """The optimizer stepped the shards: every gathered copy is stale."""
+        """The optimizer stepped the shards: every gathered copy is stale.
+        Stage 3 frees them all; stages 1 and 2 start gathering every bucket,
+        in the order the next forward needs them, and that forward waits
+        for each unit's buckets only (``settle`` waits for all)."""
         self.zero.updated()
-        if self.active():
+        if not self.active():
+            return
+        if self.frees:
             self.free_all()
+            return
+        self._stale = {entry[0].index for entry in self.zero.entries}
+        for u in range(len(self.units)):
+            self.prefetch(u)
+
+    def settle(self) -> None:
+        """Every gather in flight landed (stages 1 and 2: the parameters whole)."""
+        if self.active():
+            self._use_all()
 
     @contextlib.contextmanager
     def whole(self):
         """Every parameter whole inside (for a checkpoint); yields whether
-        they were sharded (and are freed again after)."""
+        they were sharded (and are freed again after: stage 3)."""
         if not self.active():
             yield False
             return
         self._use_all()
         try:
-            yield True
+            yield self.frees
         finally:
             self.free_all()
 
@@ -256,7 +288,7 @@ class ParamUnits:
     def end_action(self, action) -> None:
         """The end of a backward action frees its stage's units when it is the
         round's last for that stage (or, resharding, after every one)."""
-        if action.kind == "F" or not self.active():
+        if action.kind == "F" or not self.frees or not self.active():
             return
         if self.reshard or action in self.last_backward:
             self.free_stage(action.stage)

@@ -183,25 +183,25 @@ class Trainer:
         self.zero = self.units = params_group = None
         if self.reducer is not None and self.reducer.zero:
             self.zero = ZeroShards(self.reducer, cfg.param_compression, separate=cfg.zero == 3)
-        if self.zero is not None and cfg.zero == 3:  # parameters gathered as the actions need
-            # A group of their own where a reduction thread issues collectives
-            # too (compressed, overlapped): the same group would interleave them.
-            threaded = self.reducer.compressor is not None and cfg.overlap
+        if self.zero is not None:  # parameters gathered as the actions need them
+            # ZeRO-3 gathers during the step: on a group of their own where a
+            # reduction thread issues collectives too (compressed, overlapped).
+            threaded = self.reducer.compressor is not None and cfg.overlap and cfg.zero == 3
             params_group = self.grid.make_dp_group() if threaded else None
             last = {a.stage: a for a in self.schedule[me] if a.kind in (B, I, W)}
             self.units = ParamUnits(
                 self.zero, self.local, last, params_group or self.dp_group,
-                cfg.reshard_after_forward,
+                cfg.reshard_after_forward, frees=cfg.zero == 3,
             )  # fmt: skip
-            self.optimizer = self.zero.ready(self.optimizer, optimizer)  # sharded from the start
+            if cfg.zero == 3:  # sharded from the start
+                self.optimizer = self.zero.ready(self.optimizer, optimizer)
         self.tracker = Trackers(self.reducer, self.units) if self.units else self.reducer
         self.step_index = 0
         self.traffic = Traffic(
             self.pp_group, self.dp_group, (t[1] for t in self._ties), params_group
         )
-        self._carried = [
-            0
-        ] * Traffic.WIDTH  # bytes sent after the last step's figures (ZeRO's gather)
+        self._mark = None  # traffic where the next step's figures start (ZeRO: its gathers)
+        self._deferring = False  # inside fit: the step's gathers may land in the next one
         self._pending_save = None
         self._checkpoint_group = None
         # Per-step events for --trace/--timeline (clawcomm.train.trace), or None.
@@ -257,7 +257,7 @@ class Trainer:
         count = float(self.count_fn(y))
         for i, g in enumerate(self.optimizer.param_groups):
             g["lr"] = self._peak_lr[i] * cfg.lr_factor(self.step_index)
-        bytes_before = self.traffic.sent()
+        bytes_before = self._mark if self._mark is not None else self.traffic.sent()
         reset_peak(self.device)
         if self.units is not None:
             self.units.reset_peak()
@@ -274,7 +274,7 @@ class Trainer:
                 self.units.unshard_stale()
             self.optimizer = self.zero.ready(self.optimizer, self._make_optimizer)
         now = self.traffic.sent()
-        sent = [a - b + c for a, b, c in zip(now, bytes_before, self._carried, strict=True)]
+        sent = [a - b for a, b in zip(now, bytes_before, strict=True)]
         sample = RankSample(
             loss=float(sum(float(v) for v in totals.losses)),
             sumsq=self._owned_sumsq(),
@@ -292,12 +292,12 @@ class Trainer:
         self._clip(grad_norm)
         t_opt = time.perf_counter()
         self.optimizer.step()
-        if self.units is not None:  # ZeRO-3: gathered as the next step needs them
+        self._mark = None
+        if self.units is not None:  # gathered as the next step needs them (its bytes, too)
+            self._mark = self.traffic.sent()
             self.units.updated()
-        elif self.zero is not None:  # its bytes count in the next step's figures
-            before = self.traffic.sent()
-            self.zero.all_gather()
-            self._carried = [a - b for a, b in zip(self.traffic.sent(), before, strict=True)]
+            if not self._deferring:
+                self.units.settle()
         self._zero_grads()
         step_s = time.perf_counter() - t0
         if self.recorder is not None:
@@ -402,11 +402,7 @@ class Trainer:
         ]
         if not grads:
             return 0.0
-        total = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6: fused
-        if total is not None:
-            return float(total(grads, 2.0)) ** 2
-        norms = torch.stack([torch.linalg.vector_norm(g) for g in grads]).double()
-        return float(norms.square().sum())
+        return float(torch.nn.utils.get_total_norm(grads, 2.0)) ** 2  # (torch >= 2.6; we need 2.11)
 
     # ---- the loop -------------------------------------------------------------------------
 
@@ -461,28 +457,34 @@ class Trainer:
         steps = self.cfg.steps - self.step_index if steps is None else steps
         out = []
         rank0 = self.grid.rank == 0
-        with MetricsSink(
-            metrics_file if rank0 else None,
-            self.cfg.tensorboard if rank0 else "",
-            steps if rank0 and progress else 0,
-            append=self.step_index > 0,
-        ) as sink:
-            for k, batch in zip(range(steps), batches, strict=False):
-                m = self.step(batch)
-                if (
-                    checkpoint_dir
-                    and checkpoint_every
-                    and (self.step_index % checkpoint_every == 0 or k == steps - 1)
-                ):
-                    t0 = time.perf_counter()
-                    self.save_checkpoint(
-                        checkpoint_dir, keep_checkpoints, asynchronous=self.cfg.async_checkpoint
-                    )
-                    m["checkpoint_ms"] = 1e3 * (time.perf_counter() - t0)
-                out.append(m)
-                sink.write(m)
-                if log is not None:
-                    log(m)
+        self._deferring = True  # a step's gathers may land in the next one
+        try:
+            with MetricsSink(
+                metrics_file if rank0 else None,
+                self.cfg.tensorboard if rank0 else "",
+                steps if rank0 and progress else 0,
+                append=self.step_index > 0,
+            ) as sink:
+                for k, batch in zip(range(steps), batches, strict=False):
+                    m = self.step(batch)
+                    if (
+                        checkpoint_dir
+                        and checkpoint_every
+                        and (self.step_index % checkpoint_every == 0 or k == steps - 1)
+                    ):
+                        t0 = time.perf_counter()
+                        self.save_checkpoint(
+                            checkpoint_dir, keep_checkpoints, asynchronous=self.cfg.async_checkpoint
+                        )
+                        m["checkpoint_ms"] = 1e3 * (time.perf_counter() - t0)
+                    out.append(m)
+                    sink.write(m)
+                    if log is not None:
+                        log(m)
+        finally:
+            self._deferring = False
+        if self.units is not None:
+            self.units.settle()
         self.wait_checkpoint()
         self.write_trace(self.cfg.trace or None, self.cfg.timeline or None)
         return out
