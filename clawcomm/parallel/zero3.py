@@ -34,10 +34,10 @@ How it works:
   thread of its own (compressed, overlapped), on a group of their own
   (``group``: the same ranks), so that the two never interleave.
 - The parameters are sharded from the start (``Trainer`` builds the
-  shards at once, over the reducer's first layout), so no step holds the
-  whole model. When the layout changes (the first step's learned order,
-  or a load) the parameters are gathered whole, stay so, and the hooks do
-  nothing, until the new layout is built.
+  shards at once, over the reducer's first layout). When the layout
+  changes (the first step's learned order, or a load) the parameters are
+  gathered whole, stay so, and the hooks do nothing, until the new layout
+  is built (and the first step, which learns, holds the whole gradient).
 - The gradients: each bucket's full buffer is made as it launches, from
   autograd's gradients, and let go once reduce-scattered (the reducer).
 - At stages 1 and 2 (``frees=False``) the parameters stay whole: after the
