@@ -29,12 +29,13 @@ Families:
 
 from __future__ import annotations
 
-from .endurance import rss_growth, soak, storm
+from .endurance import floor_rise, rss_growth, soak, storm
 from .failures import kill, mismatch, settings, timeout
-from .harness import SLACK, SOAK_RSS_GROWTH_LIMIT, TIMEOUT, Score, segments
+from .harness import SLACK, SOAK_HEAP_GROWTH_LIMIT, SOAK_RSS_GROWTH_LIMIT, TIMEOUT, Score, segments
 
 __all__ = [
-    "FAMILIES", "SLACK", "SOAK_RSS_GROWTH_LIMIT", "TIMEOUT", "Score", "rss_growth", "segments",
+    "FAMILIES", "SLACK", "SOAK_HEAP_GROWTH_LIMIT", "SOAK_RSS_GROWTH_LIMIT", "TIMEOUT", "Score",
+    "floor_rise", "rss_growth", "segments",
     "kill", "mismatch", "settings", "timeout", "soak", "storm",
 ]  # fmt: skip
 

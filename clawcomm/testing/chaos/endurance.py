@@ -11,7 +11,14 @@ import struct
 import threading
 import time
 
-from .harness import SOAK_RSS_GROWTH_LIMIT, Score, join_group, run_trial, segments
+from .harness import (
+    SOAK_HEAP_GROWTH_LIMIT,
+    SOAK_RSS_GROWTH_LIMIT,
+    Score,
+    join_group,
+    run_trial,
+    segments,
+)
 
 # --- soak -------------------------------------------------------------------
 
@@ -22,6 +29,25 @@ def _rss_kb() -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
     return 0
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost",
+    )]  # fmt: skip
+
+
+def _heap_bytes(libc) -> int:
+    """Bytes malloc has handed out and not had back (glibc's mallinfo2,
+    every arena; 0 where there is none): what a leak in the engine or in
+    torch's tensors raises, whatever the pages do."""
+    fn = getattr(libc, "mallinfo2", None)
+    if fn is None:
+        return 0
+    fn.restype = _MallInfo2
+    info = fn()
+    return int(info.uordblks + info.hblkhd)
 
 
 def _soak_trial(rank, ws, store_path, ops, seed):
@@ -62,25 +88,30 @@ def _soak_trial(rank, ws, store_path, ops, seed):
             wrong += out[-1].item() != ws
         if i >= warm and (i - warm) % max(1, (ops - warm) // 20) == 0:
             trim()  # what the allocator holds freed is not a leak
-            samples.append((_rss_kb(), len(os.listdir("/proc/self/fd"))))
+            samples.append((_rss_kb(), len(os.listdir("/proc/self/fd")), _heap_bytes(libc)))
     return wrong, samples
 
 
+def floor_rise(values: list[int]) -> float:
+    """How far the floor of ``values`` kept rising: the samples are cut in
+    thirds and the floor (lowest sample) of each compared with the one
+    before; a leak raises both steps, so twice the smaller rise is what
+    counts. Floors, because single samples swing (a 0.5 MiB tensor's mmap
+    kept or returned); both steps, because a one-time step (a thread arena
+    made late, a cache that fills once) raises one floor only and is not a
+    leak."""
+    if len(values) < 3:
+        return 0.0
+    k = len(values) // 3
+    first, mid, last = min(values[:k]), min(values[k:-k]), min(values[-k:])
+    return 2.0 * max(0, min(mid - first, last - mid))
+
+
 def rss_growth(rss: list[int]) -> float:
-    """How far the floor of the resident set kept rising after warm-up, in
-    percent of the first third's floor. The samples are cut in thirds and
-    the floor (lowest sample) of each compared with the one before; a leak
-    raises both steps, so twice the smaller rise is what counts. Single
-    samples swing 2-3% either way on a flat process (a 0.5 MiB tensor's mmap
-    kept or returned; malloc_trim before each sample takes most of that
-    away), hence floors, not samples; and a one-time step (a thread arena
-    made late, a cache that fills once) raises one floor, not both, and is
-    not a leak: CI once read a +0.36% step in a flat 20,000-op soak."""
+    """``floor_rise`` of the resident set, in percent of its first floor."""
     if len(rss) < 3:
         return 0.0
-    k = len(rss) // 3
-    first, mid, last = min(rss[:k]), min(rss[k:-k]), min(rss[-k:])
-    return 2 * max(0, min(mid - first, last - mid)) / first * 100
+    return floor_rise(rss) / min(rss[: len(rss) // 3]) * 100
 
 
 def soak(ops: int, seed: int = 0) -> Score:
@@ -88,24 +119,27 @@ def soak(ops: int, seed: int = 0) -> Score:
     before = segments()
     results, hung = run_trial(_soak_trial, 2, ops, seed, limit=3600)
     ok_all = True
-    growth = fds = 0.0
+    growth = heap = fds = 0.0
+    measured = ops - max(ops // 10, min(ops // 2, 2000))  # after the warm-up (_soak_trial)
     for rank, r in enumerate(results):
         if not isinstance(r, tuple):
             ok_all = False
             score.notes.append(str(r)[-300:])
             continue
         wrong, samples = r
-        rss = [s[0] for s in samples]
-        growth = max(growth, rss_growth(rss))
-        if rss_growth(rss) >= SOAK_RSS_GROWTH_LIMIT:  # the samples, to tell what grew
-            score.notes.append(f"rank {rank} RSS kB after warm-up: {rss}")
+        rss, bytes_in_use = [s[0] for s in samples], [s[2] for s in samples]
+        per_op = floor_rise(bytes_in_use) / max(1, measured)
+        growth, heap = max(growth, rss_growth(rss)), max(heap, per_op)
+        if rss_growth(rss) >= SOAK_RSS_GROWTH_LIMIT or per_op >= SOAK_HEAP_GROWTH_LIMIT:
+            score.notes.append(f"rank {rank} after warm-up: RSS kB {rss}, heap B {bytes_in_use}")
         fds = max(fds, max(s[1] for s in samples) - min(s[1] for s in samples) if samples else 0)
         score.wrong += wrong
     score.trials = ops
-    flat = growth < SOAK_RSS_GROWTH_LIMIT and fds == 0
+    flat = growth < SOAK_RSS_GROWTH_LIMIT and heap < SOAK_HEAP_GROWTH_LIMIT and fds == 0
     score.ok = ops if ok_all and flat and score.wrong == 0 else 0
     score.hangs += hung
     score.leaks += bool(segments() - before)
+    score.extra["heap growth B/op"] = round(heap, 2)
     score.extra["RSS growth after warm-up %"] = round(growth, 3)
     score.extra["fd change"] = int(fds)
     return score
