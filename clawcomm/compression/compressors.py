@@ -10,7 +10,7 @@ from clawcomm._torch_names import reduce_scatter_single
 from clawcomm.compression import quantized
 from clawcomm.compression.base import Compressor, CompressorState, shared_seed
 from clawcomm.compression.registry import parse_k, register_compressor
-from clawcomm.compression.sparse import sparse_all_reduce, sparse_reduce_scatter
+from clawcomm.compression.sparse import VALUE_DTYPES, sparse_all_reduce, sparse_reduce_scatter
 
 
 def _engine(group):
@@ -158,8 +158,6 @@ class TopK(Compressor):
         """ZeRO's sharded reduction: the k pairs selected (with error
         feedback on the whole tensor: the residual is the size of the
         bucket) go each to the rank whose part holds them, summed there."""
-        from clawcomm import _C
-
         _flat_f32(tensor, "topk")
         k = _k_of(self.k, tensor.numel())
         seed = shared_seed(state, key)
@@ -171,24 +169,13 @@ class TopK(Compressor):
             if residual is not None:
                 acc[idx] = 0
                 residual.copy_(acc)
-        elif residual is not None:
-            idx, val = map(
-                torch.from_numpy,
-                _C.compress.topk_feedback(
-                    tensor.numpy(), residual.numpy(), k, self.selection, seed
-                ),
-            )
         else:
-            idx, val = map(
-                torch.from_numpy, _C.compress.topk(tensor.numpy(), k, self.selection, seed)
-            )
+            idx, val = self._select(tensor, residual, k, seed)
         out.zero_()
         n = dist.get_world_size(group)
         sparse_reduce_scatter(idx, val, out, tensor.numel(), group, self.values, scale=1.0 / n)
 
     def _reduce(self, tensor, state, key, group, scale):
-        from clawcomm import _C
-
         _flat_f32(tensor, "topk")
         k = _k_of(self.k, tensor.numel())
         seed = shared_seed(state, key)
@@ -200,20 +187,26 @@ class TopK(Compressor):
                 tensor, residual, k, self.selection, seed, self.values, scale, group
             )
             return
-        if state is not None:
-            # One pass: residual + gradient, selection, the new residual, and
-            # the gradient zeroed for the sum (compress/topk.h).
-            residual = state.residual(key, tensor)
+        residual = state.residual(key, tensor) if state is not None else None
+        idx, val = self._select(tensor, residual, k, seed)
+        sparse_all_reduce(
+            idx, val, tensor, group, self.values, self.form, scale=scale, out_zeroed=True
+        )
+
+    def _select(self, tensor, residual, k, seed):
+        """The k pairs (indices, values) of ``tensor`` (plus ``residual``,
+        which keeps the rest: one pass, compress/topk.h) on the CPU;
+        ``tensor`` is left zeroed, ready for the sum."""
+        from clawcomm import _C
+
+        if residual is not None:
             idx, val = _C.compress.topk_feedback(
                 tensor.numpy(), residual.numpy(), k, self.selection, seed
             )
         else:
             idx, val = _C.compress.topk(tensor.clone().numpy(), k, self.selection, seed)
             tensor.zero_()
-        sparse_all_reduce(
-            torch.from_numpy(idx), torch.from_numpy(val), tensor, group, self.values, self.form,
-            scale=scale, out_zeroed=True,
-        )  # fmt: skip
+        return torch.from_numpy(idx), torch.from_numpy(val)
 
 
 class RandomK(Compressor):
@@ -236,8 +229,7 @@ class RandomK(Compressor):
         k = _k_of(self.k, numel)
         if k == 0:
             return
-        gen = torch.Generator().manual_seed(shared_seed(state, key))
-        idx = torch.randint(0, numel, (k,), generator=gen).to(tensor.device)
+        idx = _draw(state, key, numel, k).to(tensor.device)
         vals = tensor[idx] * (numel / k)
         if self.values == "fp32":
             dist.all_reduce(vals, group=group)
@@ -260,18 +252,23 @@ class RandomK(Compressor):
         out.zero_()
         if k == 0:
             return
-        gen = torch.Generator().manual_seed(shared_seed(state, key))
-        idx = torch.randint(0, numel, (k,), generator=gen).sort().values.to(tensor.device)
+        idx = _draw(state, key, numel, k).sort().values.to(tensor.device)
         n, me = dist.get_world_size(group), dist.get_rank(group)
         shard = numel // n
         cuts = torch.searchsorted(idx, torch.arange(n + 1, device=idx.device) * shard).tolist()
         counts = [cuts[q + 1] - cuts[q] for q in range(n)]
-        wire = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[self.values]
-        vals = (tensor[idx] * (numel / k)).to(wire)
+        vals = (tensor[idx] * (numel / k)).to(VALUE_DTYPES[self.values])
         got = vals.new_empty(n * counts[me])
         dist.all_to_all_single(got, vals, [counts[me]] * n, counts, group=group)
         mine = idx[cuts[me] : cuts[me + 1]] - me * shard
         out.index_add_(0, mine, got.view(n, -1).float().sum(0), alpha=1.0 / n)
+
+
+def _draw(state, key, numel: int, k: int) -> torch.Tensor:
+    """Random-k's k indices: the same on every rank (seeded from the state's
+    calls for ``key``)."""
+    gen = torch.Generator().manual_seed(shared_seed(state, key))
+    return torch.randint(0, numel, (k,), generator=gen)
 
 
 def _no_args(name, cls):

@@ -415,14 +415,15 @@ class GradReducer(BucketBuffers):
                 out, into = bucket.scratch, bucket.shard_grad
         if self._compressing():
             state, group, c = self.compression_state, self.group, self.compressor
-            finished = threading.Event()
+            finished = threading.Event() if lazy else None
             if sharded:
 
                 def job():
                     c.reduce_scatter_mean(flat, out, state, bucket.index, group)
                     if into is not None:
                         into.add_(out)
-                    finished.set()
+                    if finished is not None:
+                        finished.set()
             else:
                 job = lambda: c.all_reduce_mean(flat, state, bucket.index, group)
             if self._thread is not None:

@@ -207,7 +207,9 @@ class ParamUnits:
             self.prefetch(u)
 
     def settle(self) -> None:
-        """Every gather in flight landed (stages 1 and 2: the parameters whole)."""
+        """Every parameter whole, now: gathers in flight landed, freed units
+        gathered (and left so: before a load writes the parameters, which
+        makes the layout stale, so they stay whole until it is rebuilt)."""
         if self.active():
             self._use_all()
 
@@ -223,12 +225,6 @@ class ParamUnits:
             yield self.frees
         finally:
             self.free_all()
-
-    def gather_for_good(self) -> None:
-        """Every parameter whole, and left so (before a load writes them; the
-        load makes the layout stale, so they stay whole until it is rebuilt)."""
-        if self.active():
-            self._use_all()
 
     def unshard_stale(self) -> None:
         """Before a new layout is built from the parameters (the reducer

@@ -383,7 +383,7 @@ def load(trainer, path: str) -> int:
 
     request: dict = {}
     if trainer.units is not None:  # ZeRO-3: the load writes whole parameters
-        trainer.units.gather_for_good()
+        trainer.units.settle()
     for name, _, p in _local(trainer):
         request[f"model/{name}"] = p.detach()
     optim_keys = {}
