@@ -60,6 +60,8 @@ def compression_hook(state: CompressionHookState, bucket) -> torch.futures.Futur
     compressed after the warm-up."""
     buf = bucket.buffer()
     compressor = state.dense if state.step < state.warmup_steps else state.compressor
+    if getattr(compressor, "uses_shapes", False):  # PowerSGD: the bucket's matrices
+        state.compression.shapes[bucket.index()] = [g.shape for g in bucket.gradients()]
     compressor.all_reduce_mean(buf, state.compression, bucket.index(), state.group)
     if bucket.is_last():
         state.compression.step += 1

@@ -13,12 +13,20 @@ class CompressorState:
     per key (a DDP bucket index, a parameter name...), and a step counter that
     is the same on every rank (random-k seeds its choice from it).
 
+    ``momenta`` holds a second per-element buffer where a method needs one
+    (DGC's momentum), moved and checkpointed with the residuals; ``memory``
+    holds tensors of other shapes under (key, name) (PowerSGD's Q, the
+    error feedback of a rank's part in EF-SignSGD's second stage).
+
     ``state_dict()``/``load_state_dict()`` make it part of a checkpoint, so
     error feedback survives a restart.
     """
 
     def __init__(self):
         self.residuals: dict = {}
+        self.momenta: dict = {}
+        self.memory: dict = {}
+        self.shapes: dict = {}  # key -> the parameter shapes laid out in it (PowerSGD)
         self.calls: dict = {}  # key -> how many times it was reduced
         self.step = 0
 
@@ -36,17 +44,34 @@ class CompressorState:
             self.residuals[key] = r
         return r
 
+    def momentum(self, key, like: torch.Tensor) -> torch.Tensor:
+        m = self.momenta.get(key)
+        if m is None or m.shape != like.shape:
+            m = torch.zeros_like(like, dtype=torch.float32)
+            self.momenta[key] = m
+        return m
+
+    def per_element(self) -> dict[str, dict]:
+        """The buffers that run parallel to a key's tensor, by kind: what a
+        caller that re-lays buckets out or cuts a checkpoint by parameter
+        moves element by element."""
+        return {"residual": self.residuals, "momentum": self.momenta}
+
     def state_dict(self) -> dict:
         return {
             "step": self.step,
             "calls": dict(self.calls),
             "residuals": {k: v.clone() for k, v in self.residuals.items()},
+            "momenta": {k: v.clone() for k, v in self.momenta.items()},
+            "memory": {k: v.clone() for k, v in self.memory.items()},
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
         self.calls = dict(state.get("calls", {}))
         self.residuals = {k: v.clone() for k, v in state["residuals"].items()}
+        self.momenta = {k: v.clone() for k, v in state.get("momenta", {}).items()}
+        self.memory = {k: v.clone() for k, v in state.get("memory", {}).items()}
 
 
 def shared_seed(state: CompressorState | None, key) -> int:

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from clawcomm._torch_names import reduce_scatter_single
-from clawcomm.compression import quantized
+from clawcomm.compression import powersgd, quantized, sparsified
 from clawcomm.compression.base import Compressor, CompressorState, shared_seed
 from clawcomm.compression.registry import parse_k, register_compressor
 from clawcomm.compression.sparse import VALUE_DTYPES, sparse_all_reduce, sparse_reduce_scatter
@@ -302,7 +302,10 @@ register_compressor("fp16", _no_args("fp16", lambda: HalfPrecision("float16")))
 register_compressor("bf16", _no_args("bf16", lambda: HalfPrecision("bfloat16")))
 register_compressor("topk", _topk)
 register_compressor("randomk", _randomk)
-register_compressor("int8", quantized._factory(8))
-register_compressor("int4", quantized._factory(4))
+for _name, _factory in quantized.FACTORIES.items():
+    register_compressor(_name, _factory)
+register_compressor("powersgd", powersgd.factory)
+register_compressor("threshold", sparsified.threshold_factory)
+register_compressor("dgc", sparsified.dgc_factory)
 
 __all__ = ["CompressorState", "HalfPrecision", "NoCompression", "RandomK", "TopK"]

@@ -1,21 +1,34 @@
-"""Block-quantised gradients: ``int8`` and ``int4`` (ZeRO++'s qgZ).
+"""Block-quantised gradients: ``int8``/``int4`` (ZeRO++'s qgZ), ``qsgd``,
+``terngrad`` and ``sign`` (EF-SignSGD), one kernel behind all of them
+(csrc/compress/quantize.h).
 
-Each block of ``block`` values (256 by default) travels as 8- or 4-bit
-integers and one float32 scale (its largest magnitude over 127 or 7),
-rounded stochastically, so the rounding is unbiased: no error feedback is
-needed. The reduce-scatter goes through one all-to-all and a local
-reduction: rank j receives every rank's j-th part, quantised once, and sums
-them in float32, so nothing is re-quantised per hop as it would be in a
-ring. Bytes sent per rank, for N float32 values: (n-1)/n N/4 (int8) or
-N/8 (int4), plus 4 bytes of scale per block, against (n-1)/n N for a
-float32 reduce-scatter.
+Each block of ``block`` values travels as ``bits``-bit codes and one float32
+scale:
 
-The all-reduce (for a data-parallel step without ZeRO, and ZeRO's first
-step) is that reduce-scatter and a float32 all-gather of the parts.
+==================  ====  ==========================  ===========================
+spec                bits  scale per block              rounding
+==================  ====  ==========================  ===========================
+``int8[:B]``        8     largest magnitude / 127      stochastic (unbiased)
+``int4[:B]``        4     largest magnitude / 7        stochastic (unbiased)
+``qsgd:BITS[:B]``   2,4,8 L2 norm / (2^(BITS-1) - 1)   stochastic (unbiased), QSGD
+``terngrad[:B]``    2     largest magnitude            stochastic to {-1, 0, 1},
+                                                        after clipping to 2.5 sigma
+``sign[:B]``        1     mean magnitude (|x|_1 / d)   the sign, error feedback
+==================  ====  ==========================  ===========================
 
-The random draws come from a generator seeded from the compressor state's
-call count for the key and this rank: every run of the same job rounds the
-same way, a resumed one included (the counts are checkpointed).
+The reduce-scatter is one all-to-all of codes and scales and a float32 sum:
+rank j receives every rank's j-th part, quantised once, so nothing is
+re-quantised per hop as it would be in a ring. The all-reduce adds a second
+stage: each rank quantises its summed part again (the same codes; ``sign``
+keeps a second error-feedback residual for it, as dist-EF-SGD's server
+does) and the parts are all-gathered as codes. Bytes sent per rank for N
+float32 values: 2 (n-1)/n N bits/8 plus the scales, against 8 (n-1)/n N for
+a float32 ring all-reduce.
+
+The random draws come from a seed made of the compressor state's call count
+for the key and this rank: a run repeats bit for bit, a resumed one
+included (the counts are checkpointed). CUDA tensors take the same steps in
+torch (the same codes; other random draws).
 """
 
 from __future__ import annotations
@@ -26,51 +39,130 @@ import torch.distributed as dist
 from clawcomm._torch_names import all_gather_single
 from clawcomm.compression.base import Compressor, CompressorState, shared_seed
 
+SCALES = ("max", "l2", "mean_abs")
 
-def quantize(x: torch.Tensor, bits: int, block: int, gen: torch.Generator | None = None):
-    """``x`` (float32, a multiple of ``block`` long) as (integers, scales):
-    int8 values in [-q, q] (q = 127 or 7; int4 packed two to a byte) and one
-    float32 scale per block. Rounding is stochastic with ``gen``, else to
-    nearest."""
-    q = (1 << (bits - 1)) - 1
-    blocks = x.view(-1, block)
-    scales = blocks.abs().amax(dim=1) / q
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    y = blocks / safe[:, None]
-    if gen is not None:
-        noise = torch.rand(y.shape, generator=gen, device="cpu").to(y.device)
-        y = torch.floor(y + noise)
+
+def quantize(
+    x: torch.Tensor,
+    bits: int,
+    block: int,
+    seed: int | None = None,
+    scale: str = "max",
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (float32, a multiple of ``block`` long) as (codes, scales):
+    ``bits``-bit codes packed into uint8 and one float32 scale per block.
+    ``seed`` rounds stochastically (None: to nearest); with ``residual``,
+    x + residual is quantised and the residual keeps what the codes miss."""
+    codes = torch.empty(x.numel() * bits // 8, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(x.numel() // block, dtype=torch.float32, device=x.device)
+    if x.is_cuda:
+        _torch_quantize(x, bits, block, seed, scale, residual, codes, scales)
     else:
-        y = torch.round(y)
-    ints = y.clamp_(-q, q).to(torch.int8).view(-1)
-    if bits == 4:
-        pairs = (ints + 8).to(torch.uint8).view(-1, 2)
-        ints = (pairs[:, 0] | (pairs[:, 1] << 4)).view(torch.int8)
-    return ints, scales
+        from clawcomm import _C
+
+        _C.compress.quantize(
+            x.numpy(), codes.numpy(), scales.numpy(), bits, block, scale, seed is not None,
+            (seed or 0) & (2**64 - 1), None if residual is None else residual.numpy(),
+        )  # fmt: skip
+    return codes, scales
 
 
-def dequantize(ints: torch.Tensor, scales: torch.Tensor, bits: int, block: int) -> torch.Tensor:
-    """The float32 values ``quantize`` encoded."""
-    if bits == 4:
-        packed = ints.view(torch.uint8)
-        lo, hi = (packed & 0xF).to(torch.int8) - 8, (packed >> 4).to(torch.int8) - 8
-        ints = torch.stack([lo, hi], dim=1).view(-1)
-    return (ints.to(torch.float32).view(-1, block) * scales[:, None]).view(-1)
+def dequantize(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    block: int,
+    scale: str = "max",
+    out: torch.Tensor | None = None,
+    alpha: float = 1.0,
+    accumulate: bool = False,
+) -> torch.Tensor:
+    """The float32 values ``quantize`` encoded, times ``alpha``: written to
+    ``out`` (made if None), or added to it (``accumulate``)."""
+    if out is None:
+        out = torch.empty(scales.numel() * block, dtype=torch.float32, device=codes.device)
+    if codes.is_cuda:
+        values = _torch_dequantize(codes, scales, bits, block) * alpha
+        out.add_(values) if accumulate else out.copy_(values)
+    else:
+        from clawcomm import _C
+
+        _C.compress.dequantize(
+            codes.numpy(), scales.numpy(), out.numpy(), bits, block, scale, alpha, accumulate
+        )
+    return out
+
+
+def _levels(bits: int) -> int:
+    return 1 if bits == 1 else (1 << (bits - 1)) - 1
+
+
+def _torch_quantize(x, bits, block, seed, scale, residual, codes, scales) -> None:
+    """The kernel's steps in torch (CUDA tensors; and the tests' reference)."""
+    acc = (x + residual if residual is not None else x).view(-1, block)
+    q = _levels(bits)
+    if scale == "mean_abs":
+        s = acc.abs().mean(1)
+        levels = (acc >= 0).to(torch.uint8)
+        decoded = torch.where(acc >= 0, s[:, None], -s[:, None])
+    else:
+        s = (acc.abs().amax(1) if scale == "max" else acc.norm(dim=1)) / q
+        inverse = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
+        if seed is None:
+            u = torch.full_like(acc, 0.5)
+        else:
+            gen = torch.Generator(device=x.device).manual_seed(seed & (2**63 - 1))
+            u = torch.rand(acc.shape, generator=gen, device=x.device)
+        t = (acc * inverse[:, None] + u + q).clamp_(0, 2 * q).floor_()
+        levels = (t + 1).to(torch.uint8)
+        decoded = (t - q) * s[:, None]
+    scales.copy_(s)
+    per = 8 // bits
+    grouped = levels.view(-1, per).to(torch.int32)
+    shifts = torch.arange(per, device=x.device, dtype=torch.int32) * bits
+    codes.copy_((grouped << shifts).sum(1).to(torch.uint8))
+    if residual is not None:
+        residual.copy_((acc - decoded).view(-1))
+
+
+def _torch_dequantize(codes, scales, bits, block) -> torch.Tensor:
+    per = 8 // bits
+    shifts = torch.arange(per, device=codes.device, dtype=torch.int32) * bits
+    c = ((codes.to(torch.int32)[:, None] >> shifts) & ((1 << bits) - 1)).view(-1, block)
+    v = (2 * c - 1) if bits == 1 else c - (1 << (bits - 1))
+    return (v.to(torch.float32) * scales[:, None]).view(-1)
+
+
+class Codec:
+    """How a block quantiser writes its values: bits, block, scale and
+    rounding (the table in the module docstring)."""
+
+    def __init__(self, bits: int, block: int, scale: str = "max", stochastic: bool = True):
+        self.bits, self.block, self.scale, self.stochastic = bits, block, scale, stochastic
+
+    def encode(self, x, seed: int, residual=None):
+        return quantize(x, self.bits, self.block, seed if self.stochastic else None,
+                        self.scale, residual)  # fmt: skip
+
+    def decode(self, codes, scales, out, alpha: float = 1.0, accumulate: bool = False):
+        dequantize(codes, scales, self.bits, self.block, self.scale, out, alpha, accumulate)
+
+    def row_bytes(self, values: int) -> int:
+        return values * self.bits // 8
 
 
 class BlockQuantized(Compressor):
-    """int8/int4 block quantisation with stochastic rounding (see the
-    module docstring)."""
+    """A block quantiser as a compressor (see the module docstring).
+    ``feedback``: error feedback (sign); ``clip_sigma``: clip the input to
+    that many standard deviations first (TernGrad)."""
 
     reduces_scatter = True
 
-    def __init__(self, bits: int, block: int = 256):
-        if bits not in (4, 8):
-            raise ValueError(f"BlockQuantized: bits must be 4 or 8, got {bits}")
-        if block < 2 or block % 2:
-            raise ValueError(f"BlockQuantized: block must be an even size >= 2, got {block}")
-        self.bits, self.block = bits, block
-        self.spec = f"int{bits}" + ("" if block == 256 else f":{block}")
+    def __init__(self, spec: str, codec: Codec, feedback: bool = False, clip_sigma=None):
+        self.spec, self.codec = spec, codec
+        self.feedback = self.uses_error_feedback = feedback
+        self.clip_sigma = clip_sigma
 
     def reduce_scatter_mean(self, tensor, out, state, key, group):
         n = dist.get_world_size(group)
@@ -79,55 +171,143 @@ class BlockQuantized(Compressor):
                 f"clawcomm.compression.{self.spec}: reduce_scatter_mean of {tensor.numel()} "
                 f"values over {n} ranks gives parts of {tensor.numel() / n}, not {out.numel()}"
             )
-        part = out.numel()
-        padded = -(-part // self.block) * self.block
-        rows = tensor.new_zeros(n, padded)
-        rows[:, :part] = tensor.view(n, part)
-        gen = self._generator(state, key, dist.get_rank(group))
-        ints, scales = quantize(rows.view(-1), self.bits, self.block, gen)
-        got_ints, got_scales = torch.empty_like(ints), torch.empty_like(scales)
-        dist.all_to_all_single(got_ints, ints, group=group)
-        dist.all_to_all_single(got_scales, scales, group=group)
-        values = dequantize(got_ints, got_scales, self.bits, self.block).view(n, padded)
-        torch.sum(values[:, :part], dim=0, out=out)
-        out.div_(n)
+        self._clip(tensor)
+        self._reduce_scatter(tensor, out, state, key, group, self._seed(state, key, group))
 
     def all_reduce_mean(self, tensor, state, key, group):
         n = dist.get_world_size(group)
-        numel = tensor.numel()
-        part = -(-numel // n)
-        flat = tensor.new_zeros(n * part)
-        flat[:numel] = tensor.view(-1)
+        block, numel = self.codec.block, tensor.numel()
+        part = -(-numel // (n * block)) * block  # every rank's part a whole number of blocks
+        self._clip(tensor)  # before padding: sigma is the gradient's
+        flat = tensor.view(-1) if numel == n * part else tensor.new_zeros(n * part)
+        if flat.data_ptr() != tensor.data_ptr():
+            flat[:numel] = tensor.view(-1)
+        residual = self._residual(state, key, tensor)
+        if residual is not None and numel != n * part:  # the residual padded like the tensor
+            padded = tensor.new_zeros(n * part)
+            padded[:numel] = residual
+            residual = padded
+        seed = self._seed(state, key, group)
         mine = tensor.new_empty(part)
-        self.reduce_scatter_mean(flat, mine, state, key, group)
-        all_gather_single(flat, mine, group=group)
-        tensor.view(-1).copy_(flat[:numel])
+        self._reduce_scatter(flat, mine, state, key, group, seed, residual)
+        if residual is not None and residual.numel() != numel:
+            state.residuals[key].copy_(residual[:numel])
+        # Stage two: this rank's summed part, quantised again, all-gathered as codes.
+        second = None
+        if self.feedback and state is not None:
+            second = state.memory.get((key, "part"))
+            if second is None or second.shape != mine.shape:
+                second = state.memory[(key, "part")] = torch.zeros_like(mine)
+        codes, scales = self.codec.encode(mine, seed ^ 0x5EC0D, second)
+        all_codes = codes.new_empty(n * codes.numel())
+        all_scales = scales.new_empty(n * scales.numel())
+        all_gather_single(all_codes, codes, group=group)
+        all_gather_single(all_scales, scales, group=group)
+        self.codec.decode(all_codes, all_scales, flat)
+        if flat.data_ptr() != tensor.data_ptr():
+            tensor.view(-1).copy_(flat[:numel])
 
     def all_reduce(self, tensor, state, key, group):
         self.all_reduce_mean(tensor, state, key, group)
         tensor.mul_(dist.get_world_size(group))
 
-    @staticmethod
-    def _generator(state: CompressorState | None, key, rank: int) -> torch.Generator:
-        return torch.Generator().manual_seed(shared_seed(state, key) * 65_537 + rank)
+    def _seed(self, state: CompressorState | None, key, group) -> int:
+        return shared_seed(state, key) * 65_537 + dist.get_rank(group)
+
+    def _residual(self, state, key, tensor):
+        if not self.feedback or state is None:
+            return None
+        return state.residual(key, tensor.view(-1))
+
+    def _clip(self, tensor):
+        if self.clip_sigma is not None and tensor.numel() > 1:
+            bound = float(self.clip_sigma * tensor.std())
+            tensor.clamp_(-bound, bound)
+
+    def _reduce_scatter(self, tensor, out, state, key, group, seed, residual=None):
+        """``out`` becomes this rank's part of the mean; ``tensor``: n parts
+        of out's length. ``residual``: the error
+        feedback, as long as ``tensor`` (else the state's, for the key)."""
+        n, part, block = dist.get_world_size(group), out.numel(), self.codec.block
+        padded = -(-part // block) * block
+        if residual is None:
+            residual = self._residual(state, key, tensor)
+        rows, res = tensor.view(-1), residual
+        if padded != part:  # each part padded to whole blocks
+            rows = tensor.new_zeros(n, padded)
+            rows[:, :part] = tensor.view(n, part)
+            rows = rows.view(-1)
+            if residual is not None:
+                res = tensor.new_zeros(n, padded)
+                res[:, :part] = residual.view(n, part)
+                res = res.view(-1)
+        codes, scales = self.codec.encode(rows, seed, res)
+        if res is not None and res is not residual:
+            residual.view(n, part).copy_(res.view(n, padded)[:, :part])
+        got_codes, got_scales = torch.empty_like(codes), torch.empty_like(scales)
+        dist.all_to_all_single(got_codes, codes, group=group)
+        dist.all_to_all_single(got_scales, scales, group=group)
+        target = out if padded == part else out.new_empty(padded)
+        row, nb = self.codec.row_bytes(padded), padded // block
+        for j in range(n):
+            self.codec.decode(got_codes[j * row : (j + 1) * row], got_scales[j * nb : (j + 1) * nb],
+                              target, alpha=1.0 / n, accumulate=j > 0)  # fmt: skip
+        if target is not out:
+            out.copy_(target[:part])
 
 
-def _factory(bits: int):
+def _block_arg(args, default: int, spec: str) -> int:
+    if not args:
+        return default
+    try:
+        block = int(args[0])
+    except ValueError:
+        raise ValueError(f"compressor spec {spec!r}: block {args[0]!r} is not an integer") from None
+    if block < 8 or block % 8:
+        raise ValueError(f"compressor spec {spec!r}: block {block} is not a positive multiple of 8")
+    return block
+
+
+def _int_factory(bits: int):
     def factory(*args, spec):
         if len(args) > 1:
             raise ValueError(f"compressor spec {spec!r}: write int{bits} or int{bits}:BLOCK")
-        block = 256
-        if args:
-            try:
-                block = int(args[0])
-            except ValueError:
-                raise ValueError(
-                    f"compressor spec {spec!r}: block {args[0]!r} is not an integer"
-                ) from None
-            if block < 2 or block % 2:
-                raise ValueError(
-                    f"compressor spec {spec!r}: block {block} is not an even size >= 2"
-                )
-        return BlockQuantized(bits, block)
+        block = _block_arg(args, 256, spec)
+        return BlockQuantized(f"int{bits}" + ("" if block == 256 else f":{block}"),
+                              Codec(bits, block))  # fmt: skip
 
     return factory
+
+
+def _qsgd(*args, spec):
+    if not args or len(args) > 2 or args[0] not in ("2", "4", "8"):
+        raise ValueError(f"compressor spec {spec!r}: write qsgd:BITS[:BLOCK], BITS 2, 4 or 8")
+    default = 128 if args[0] == "2" else 512  # QSGD's buckets: finer for fewer levels
+    block = _block_arg(args[1:], default, spec)
+    name = f"qsgd:{args[0]}" + ("" if block == default else f":{block}")
+    return BlockQuantized(name, Codec(int(args[0]), block, "l2"))
+
+
+def _terngrad(*args, spec):
+    if len(args) > 1:
+        raise ValueError(f"compressor spec {spec!r}: write terngrad or terngrad:BLOCK")
+    block = _block_arg(args, 256, spec)
+    name = "terngrad" + ("" if block == 256 else f":{block}")
+    return BlockQuantized(name, Codec(2, block, "max"), clip_sigma=2.5)
+
+
+def _sign(*args, spec):
+    if len(args) > 1:
+        raise ValueError(f"compressor spec {spec!r}: write sign or sign:BLOCK")
+    block = _block_arg(args, 1024, spec)
+    name = "sign" + ("" if block == 1024 else f":{block}")
+    return BlockQuantized(name, Codec(1, block, "mean_abs", stochastic=False), feedback=True)
+
+
+FACTORIES = {
+    "int8": _int_factory(8),
+    "int4": _int_factory(4),
+    "qsgd": _qsgd,
+    "terngrad": _terngrad,
+    "sign": _sign,
+}

@@ -1,11 +1,21 @@
-"""Compressor specs: strings such as "fp16", "topk:0.01", "topk:1000:exact",
-"randomk:0.01" and combinations such as "topk:0.01+fp16".
+"""Compressor specs: strings such as "fp16", "topk:0.01", "powersgd:4",
+"dgc:0.001:warmup=200" and combinations such as "topk:0.01+fp16".
 
-Grammar: ``BASE[+VALUES]`` where BASE is ``none``, ``fp16``, ``bf16``,
-``int8[:BLOCK]``, ``int4[:BLOCK]`` (block-quantised, quantized.py),
-``topk:K[:exact|:sampled]`` or ``randomk:K``, K is a ratio in (0, 1] (written
-with a decimal point, "0.01") or a count (an integer, "1000"), and VALUES
-(``fp16`` or ``bf16``) sets the type the sparse values travel in.
+Grammar: ``BASE[+VALUES]`` where BASE is one of
+
+* ``none``, ``fp16``, ``bf16`` (compressors.py);
+* ``int8[:BLOCK]``, ``int4[:BLOCK]``, ``qsgd:BITS[:BLOCK]``,
+  ``terngrad[:BLOCK]``, ``sign[:BLOCK]`` (block-quantised, quantized.py);
+* ``powersgd:RANK`` (powersgd.py);
+* ``topk:K[:exact|:sampled]``, ``randomk:K`` (compressors.py),
+  ``threshold:V``, ``dgc:RATIO[:momentum=M][:warmup=STEPS][:clip=C]``
+  (sparsified.py);
+
+K is a ratio in (0, 1] (written with a decimal point, "0.01") or a count
+(an integer, "1000"), and VALUES (``fp16`` or ``bf16``) sets the type the
+values travel in: the sparse values of topk, randomk, threshold and dgc, or
+PowerSGD's factors. The quantisers have no float values to send that way,
+and say so.
 
 Researchers add their own with ``register_compressor(name, factory)``: the
 factory receives the spec's arguments (the parts after ``name:``) as strings

@@ -158,6 +158,8 @@ class GradReducer(BucketBuffers):
         for bucket in self.buckets:
             if bucket.shards:
                 bucket.shard_grad = bucket.flat.new_zeros(bucket.shard)
+            # What lies in each bucket, for compressors that work per matrix (PowerSGD).
+            self.compression_state.shapes[bucket.index] = list(bucket.shapes)
         self.layout_version += 1
         self.slot: dict[int, tuple[GradBucket, int]] = {}
         for bucket in self.buckets:
@@ -170,8 +172,11 @@ class GradReducer(BucketBuffers):
         if order == [i for b in self.buckets for i in b.params]:
             return
         old_slot = self.slot
-        old_residuals = self.compression_state.residuals
-        self.compression_state.residuals = {}
+        kinds = self.compression_state.per_element()
+        old = {kind: dict(buffers) for kind, buffers in kinds.items()}
+        for buffers in kinds.values():
+            buffers.clear()
+        self.compression_state.memory.clear()  # laid out by bucket: starts afresh
         self.build(order)
         for i, p in enumerate(self.params):
             old_bucket, s = old_slot[i]
@@ -180,10 +185,12 @@ class GradReducer(BucketBuffers):
                 bucket.views[t].copy_(old_bucket.views[s])
             if p.grad is not None:
                 p.grad = bucket.views[t]
-            old = old_residuals.get(old_bucket.index)
-            if old is not None:
-                new = self.compression_state.residual(bucket.index, bucket.flat)
-                bucket.segment(new, t).copy_(old_bucket.segment(old, s))
+            for kind, buffers in kinds.items():
+                was = old[kind].get(old_bucket.index)
+                if was is not None:
+                    if bucket.index not in buffers:
+                        buffers[bucket.index] = torch.zeros_like(bucket.flat)
+                    bucket.segment(buffers[bucket.index], t).copy_(old_bucket.segment(was, s))
         self.reset()
 
     # ---- one step -------------------------------------------------------------
@@ -372,6 +379,8 @@ class GradReducer(BucketBuffers):
             "order": [i for b in self.buckets for i in b.params],
             "compression_step": self.compression_state.step,
             "calls": dict(self.compression_state.calls),
+            # Small per-bucket tensors (PowerSGD's Q): valid at this layout only.
+            "memory": {k: v.cpu() for k, v in self.compression_state.memory.items()},
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -382,6 +391,10 @@ class GradReducer(BucketBuffers):
             self.rebuild(state["order"])
         self.compression_state.step = int(state["compression_step"])
         self.compression_state.calls = dict(state["calls"])
+        device = self.buckets[0].device if self.buckets else "cpu"
+        self.compression_state.memory = {
+            k: v.to(device) for k, v in state.get("memory", {}).items()
+        }
         self.reset()
 
     # ---- launching -------------------------------------------------------------

@@ -7,9 +7,11 @@ layout can find its part:
     model/<name>               every parameter, by its name in the whole model
     optim/<name>/<key>         its optimizer state (momentum, Adam moments, step)
     residual/dp<d>/<name>      error-feedback residual of data-parallel rank d
+    momentum/dp<d>/<name>      its DGC momentum (the compressor's, not the optimizer's)
     rng/rank<r>                torch, Python and numpy RNG states of rank r
-    trainer/rank<r>            rank r's reducer state: compression step and
-                               call counts, the learned bucket order and counts
+    trainer/rank<r>            rank r's reducer state: compression step, call
+                               counts and small per-bucket tensors (PowerSGD's
+                               Q), the learned bucket order and counts
     meta                       format, step, model (names and shapes),
                                compressor, optimizer, layout
 
@@ -175,17 +177,23 @@ def _local(trainer):
         yield trainer.names[id(p)], i, p
 
 
+def _index_of(trainer, name: str) -> int:
+    return next(i for n, i, _ in _local(trainer) if n == name)
+
+
 def _residual_segments(trainer) -> dict[str, torch.Tensor]:
-    """This rank's error-feedback residual, cut by parameter."""
+    """This rank's per-element compression buffers (error-feedback residual;
+    DGC's momentum), cut by parameter: "kind/name" -> segment."""
     r = trainer.reducer
     if r is None or r.compressor is None:
         return {}
     out = {}
-    for name, i, _ in _local(trainer):
-        bucket, slot = r.slot[i]
-        res = r.compression_state.residuals.get(bucket.index)
-        if res is not None:
-            out[name] = bucket.segment(res, slot).clone()
+    for kind, buffers in r.compression_state.per_element().items():
+        for name, i, _ in _local(trainer):
+            bucket, slot = r.slot[i]
+            res = buffers.get(bucket.index)
+            if res is not None:
+                out[f"{kind}/{name}"] = bucket.segment(res, slot).clone()
     return out
 
 
@@ -201,8 +209,9 @@ def state_dict(trainer) -> dict:
         for k, v in optim.get(p, {}).items():
             if isinstance(v, torch.Tensor):
                 sd[f"optim/{name}/{k}"] = v
-    for name, seg in _residual_segments(trainer).items():
-        sd[f"residual/dp{d}/{name}"] = seg
+    for kind_name, seg in _residual_segments(trainer).items():
+        kind, name = kind_name.split("/", 1)
+        sd[f"{kind}/dp{d}/{name}"] = seg
     sd[f"rng/rank{rank}"] = _rng_state()
     r = trainer.reducer
     # Dicts travel pickled: DCP would flatten them into one key per field.
@@ -401,11 +410,12 @@ def load(trainer, path: str) -> int:
     if r is not None and r.compressor is not None:
         old_dp = meta["layout"]["dp"]
         ranks = [d] if old_dp == trainer.cfg.dp else list(range(old_dp))
-        for name, _, _p in _local(trainer):
-            for k in (f"residual/dp{j}/{name}" for j in ranks):
-                if k in have:
-                    request[k] = torch.empty(have[k].size, dtype=have[k].properties.dtype)
-                    residual_keys.setdefault(name, []).append(k)
+        for kind in r.compression_state.per_element():
+            for name, _, _p in _local(trainer):
+                for k in (f"{kind}/dp{j}/{name}" for j in ranks):
+                    if k in have:
+                        request[k] = torch.empty(have[k].size, dtype=have[k].properties.dtype)
+                        residual_keys.setdefault((kind, name), []).append(k)
     rng_key = f"rng/rank{rank}"
     if same_layout and rng_key in have:
         request[rng_key] = None
@@ -422,12 +432,10 @@ def load(trainer, path: str) -> int:
     if r is not None and same_layout and learned:
         r.load_state_dict(learned)
     if r is not None and r.compressor is not None:
-        for name, i, _p in _local(trainer):
-            keys = residual_keys.get(name)
-            if not keys:
-                continue
-            bucket, slot = r.slot[i]
-            res = r.compression_state.residual(bucket.index, bucket.flat)
+        for (kind, name), keys in residual_keys.items():
+            bucket, slot = r.slot[_index_of(trainer, name)]
+            cs = r.compression_state
+            res = (cs.residual if kind == "residual" else cs.momentum)(bucket.index, bucket.flat)
             bucket.segment(res, slot).copy_(
                 torch.stack([request[k] for k in keys]).mean(0).reshape(-1)
             )

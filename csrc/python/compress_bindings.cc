@@ -6,6 +6,7 @@
 
 #include "common/errors.h"
 #include "compress/feedback16.h"
+#include "compress/quantize.h"
 #include "compress/threshold_scan.h"
 #include "compress/topk.h"
 #include "compress/varint.h"
@@ -18,8 +19,82 @@ namespace clawcomm {
 using FloatArray = py::array_t<float, py::array::c_style>;
 using IndexArray = py::array_t<int32_t, py::array::c_style>;
 
+QuantizeSpec quantizeSpec(int bits, size_t block, const std::string& scale, bool stochastic,
+                          const char* op) {
+  QuantizeSpec spec;
+  spec.bits = bits;
+  spec.block = block;
+  spec.stochastic = stochastic;
+  CLAWCOMM_ARG_CHECK(scale == "max" || scale == "l2" || scale == "mean_abs", "clawcomm::", op,
+                     ": scale '", scale, "' is not max, l2 or mean_abs");
+  spec.scale = scale == "max"  ? BlockScale::kMax
+               : scale == "l2" ? BlockScale::kL2
+                               : BlockScale::kMeanAbs;
+  checkQuantizeSpec(spec, op);
+  return spec;
+}
+
+void bindQuantize(py::module_& c) {
+  using ByteArray = py::array_t<uint8_t, py::array::c_style>;
+  c.def(
+      "quantize",
+      [](FloatArray x, ByteArray codes, FloatArray scales, int bits, size_t block,
+         const std::string& scale, bool stochastic, uint64_t seed, py::object residual) {
+        const QuantizeSpec spec = quantizeSpec(bits, block, scale, stochastic, "quantize");
+        const size_t n = size_t(x.size());
+        CLAWCOMM_ARG_CHECK(n % block == 0, "clawcomm::quantize: ", n,
+                           " values are not a whole number of blocks of ", block);
+        CLAWCOMM_ARG_CHECK(size_t(codes.size()) == packedBytes(spec, n) && codes.writeable(),
+                           "clawcomm::quantize: codes must be ", packedBytes(spec, n),
+                           " writable bytes, got ", codes.size());
+        CLAWCOMM_ARG_CHECK(size_t(scales.size()) == n / block && scales.writeable(),
+                           "clawcomm::quantize: scales must be ", n / block,
+                           " writable floats, got ", scales.size());
+        float* r = nullptr;
+        if (!residual.is_none()) {
+          auto res = py::cast<FloatArray>(residual);
+          CLAWCOMM_ARG_CHECK(size_t(res.size()) == n && res.writeable(),
+                             "clawcomm::quantize: the residual must be ", n,
+                             " writable floats, got ", res.size());
+          r = res.mutable_data();
+        }
+        const float* xs = x.data();
+        uint8_t* out = codes.mutable_data();
+        float* s = scales.mutable_data();
+        py::gil_scoped_release release;
+        quantizeBlocks(spec, xs, r, n, seed, out, s);
+      },
+      py::arg("x").noconvert(), py::arg("codes").noconvert(), py::arg("scales").noconvert(),
+      py::arg("bits"), py::arg("block"), py::arg("scale") = "max", py::arg("stochastic") = true,
+      py::arg("seed") = 0, py::arg("residual") = py::none(),
+      "Block quantisation (compress/quantize.h): x as `bits`-bit codes and one float32 "
+      "scale per block; with a residual, x + residual is quantised and the residual "
+      "keeps what the codes miss.");
+  c.def(
+      "dequantize",
+      [](ByteArray codes, FloatArray scales, FloatArray out, int bits, size_t block,
+         const std::string& scale, float alpha, bool accumulate) {
+        const QuantizeSpec spec = quantizeSpec(bits, block, scale, false, "dequantize");
+        const size_t n = size_t(out.size());
+        CLAWCOMM_ARG_CHECK(n % block == 0 && size_t(codes.size()) == packedBytes(spec, n) &&
+                               size_t(scales.size()) == n / block && out.writeable(),
+                           "clawcomm::dequantize: ", n, " writable outputs need ",
+                           packedBytes(spec, n), " bytes of codes and ", n / block, " scales, got ",
+                           codes.size(), " and ", scales.size());
+        const uint8_t* in = codes.data();
+        const float* s = scales.data();
+        float* o = out.mutable_data();
+        py::gil_scoped_release release;
+        dequantizeBlocks(spec, in, s, n, alpha, accumulate, o);
+      },
+      py::arg("codes").noconvert(), py::arg("scales").noconvert(), py::arg("out").noconvert(),
+      py::arg("bits"), py::arg("block"), py::arg("scale") = "max", py::arg("alpha") = 1.0f,
+      py::arg("accumulate") = false, "out = alpha * decoded codes, or out += that (accumulate).");
+}
+
 void bindCompress(py::module_& m) {
   py::module_ c = m.def_submodule("compress", "Sparsification kernels for gradient compression.");
+  bindQuantize(c);
   c.def(
       "encode16_feedback",
       [](FloatArray grad, FloatArray residual, py::array payload, const std::string& dtype,
