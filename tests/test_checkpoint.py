@@ -25,7 +25,14 @@ def _config(**kw) -> TrainConfig:
 
 @pytest.mark.parametrize(
     "dp,pp,compression,optimizer",
-    [(2, 2, "topk:0.1", "adamw"), (2, 1, "fp16", "sgd"), (1, 2, "", "adamw")],
+    [
+        (2, 2, "topk:0.1", "adamw"),
+        (2, 1, "fp16", "sgd"),
+        (1, 2, "", "adamw"),
+        # DGC's momentum (per element) and PowerSGD's Q (per bucket) resume too.
+        (2, 1, "dgc:0.2:warmup=2", "sgd"),
+        (2, 2, "powersgd:2", "adamw"),
+    ],  # fmt: skip
 )
 def test_a_resumed_run_reproduces_the_uninterrupted_one_bit_for_bit(
     tmp_path, dp, pp, compression, optimizer

@@ -307,3 +307,28 @@ def test_powersgd_matches_torch_powersgd_hook():
     assert abs(np.median(compressed) - want) <= 0.1 * want, (np.median(compressed), want)
     dense = 4 * sum(s.numel() for s in shapes)
     assert np.median(ours[1][:10]) == pytest.approx(dense, rel=0.1)
+
+
+TRAINED = ["powersgd:2", "qsgd:4", "terngrad", "sign", "threshold:0.002", "dgc:0.25:warmup=4"]
+
+
+@pytest.mark.parametrize("spec", TRAINED)
+@pytest.mark.parametrize("zero", [0, 2])
+def test_every_method_trains_inside_the_trainer(spec, zero):
+    """dp 2 inside the pipeline trainer, all-reduced (zero 0) or reduce-
+    scattered (zero 2): the loss falls as dense training's does, and every
+    rank ends with the same weights."""
+    import dataclasses
+
+    from _training import _config, _train
+
+    cfg = _config(dp=2, microbatches=2, micro_batch_size=2, steps=10, zero=zero, lr=1e-2)
+    if spec.startswith("dgc"):  # its momentum is the compressor's: plain SGD steps
+        cfg = dataclasses.replace(cfg, optimizer="sgd", momentum=0.0, lr=0.5)
+    dense = [m["loss"] for m in run_ranks(_train, 2, cfg)[0][0]]
+    results = run_ranks(_train, 2, dataclasses.replace(cfg, compression=spec))
+    losses = [m["loss"] for m in results[0][0]]
+    assert losses[0] - losses[-1] > 0.5 * (dense[0] - dense[-1]) > 0, (losses, dense)
+    assert losses[-1] == pytest.approx(dense[-1], rel=0.15)
+    for name, p in results[0][1].items():
+        assert torch.equal(p, results[1][1][name]), name

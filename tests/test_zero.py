@@ -227,8 +227,13 @@ def test_a_compressed_reduce_scatter_trains_like_one_process_within_its_rounding
         rounds = cfg.accumulation if zero == 2 else 1
         rs = last["bytes_sent_dp_reduce_scatter"] + last["bytes_sent_dp_all_to_all"]
         ag = last["bytes_sent_dp_all_gather"]
-        slack = 0.02 if wire.startswith(("fp", "bf")) else 0.25
-        assert rs == pytest.approx(ag * rounds * share, rel=slack), (rs, ag)
+        if wire.startswith(("fp", "bf")):
+            assert rs == pytest.approx(ag * rounds * share, rel=0.02), (rs, ag)
+        else:
+            # The all-gathers also carry the replicated (tied) weights' all-
+            # reduce, whose second stage gathers int8/int4 codes, not float32:
+            # the all-gathers shrink by up to the share, the ratio grows.
+            assert ag * rounds * share * 0.9 < rs < ag * rounds * share * 1.45, (rs, ag)
 
 
 def _grad_bytes_by_action(rank, world, cfg):

@@ -34,7 +34,7 @@ import math
 import sys
 import time
 
-DEFAULT = "none,fp16,bf16,topk:0.01,topk:0.01+fp16,randomk:0.01"
+DEFAULT = "none,fp16,powersgd:4,int8,qsgd:4,sign,topk:0.01,dgc:0.01,randomk:0.01"
 
 
 # Per model: steps, batch per rank, learning rate.
@@ -44,7 +44,8 @@ MODEL_DEFAULTS = {"mlp": (1000, 32, 0.15), "gpt": (300, 16, 3e-3)}
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=("mlp", "gpt"), default="mlp", help="task (mlp)")
     p.add_argument("--nproc", type=int, default=2, help="local ranks (2)")
-    p.add_argument("-c", "--compressors", default=DEFAULT, help=f"comma list ({DEFAULT})")
+    p.add_argument("-c", "--compressors", "--methods", default=DEFAULT,
+                   help=f"comma list of compressor specs ({DEFAULT})")  # fmt: skip
     p.add_argument("--steps", type=int, default=None, help="training steps (mlp 1000, gpt 300)")
     p.add_argument("--batch", type=int, default=None, help="batch per rank (mlp 32, gpt 16)")
     p.add_argument(
