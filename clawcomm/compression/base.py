@@ -92,6 +92,7 @@ class Compressor:
 
     spec = "none"
     uses_error_feedback = False
+    keeps_momentum = False  # a per-element momentum in the state too (DGC)
 
     def all_reduce(self, tensor: torch.Tensor, state: CompressorState | None, key, group) -> None:
         """In place: ``tensor`` becomes the sum over the group of every rank's

@@ -128,6 +128,8 @@ class Threshold(_Sparsifier):
 class DGC(_Sparsifier):
     """Deep Gradient Compression (module docstring)."""
 
+    keeps_momentum = True
+
     def __init__(self, ratio, momentum=0.9, warmup=100, clip=None, values="fp32"):
         self.ratio, self.momentum, self.warmup, self.clip = ratio, momentum, warmup, clip
         self.values = values

@@ -6,6 +6,10 @@ layout can find its part:
 
     model/<name>               every parameter, by its name in the whole model
     optim/<name>/<key>         its optimizer state (momentum, Adam moments, step)
+    outer/...                  --sync local-sgd/diloco: the anchor and outer momentum
+                               by parameter, the compressor's buffers by fragment
+                               and replica; model/ and optim/ then take a dp<d>/
+                               scope, each replica's weights being its own
     residual/dp<d>/<name>      error-feedback residual of data-parallel rank d
     momentum/dp<d>/<name>      its DGC momentum (the compressor's, not the optimizer's)
     rng/rank<r>                torch, Python and numpy RNG states of rank r
@@ -177,6 +181,16 @@ def _local(trainer):
         yield trainer.names[id(p)], i, p
 
 
+def _scope(trainer) -> str:
+    """Where replicas' parameters and optimizer states differ between
+    meetings (--sync local-sgd/diloco), each replica's are kept apart."""
+    return f"dp{trainer.grid.dp_rank}/" if trainer.outer is not None else ""
+
+
+def _names(trainer) -> list[str]:
+    return [trainer.names[id(p)] for p in trainer.params]
+
+
 def _index_of(trainer, name: str) -> int:
     return next(i for n, i, _ in _local(trainer) if n == name)
 
@@ -204,19 +218,25 @@ def state_dict(trainer) -> dict:
     optim = trainer.optimizer_state()  # whole per parameter, whatever the ZeRO stage
     with trainer.whole_params() as gathered:  # ZeRO-3: copies, the gathered ones freed after
         for name, _, p in _local(trainer):
-            sd[f"model/{name}"] = p.detach().clone() if gathered else p.detach()
+            sd[f"model/{_scope(trainer)}{name}"] = p.detach().clone() if gathered else p.detach()
     for name, _, p in _local(trainer):
         for k, v in optim.get(p, {}).items():
             if isinstance(v, torch.Tensor):
-                sd[f"optim/{name}/{k}"] = v
+                sd[f"optim/{_scope(trainer)}{name}/{k}"] = v
     for kind_name, seg in _residual_segments(trainer).items():
         kind, name = kind_name.split("/", 1)
         sd[f"{kind}/dp{d}/{name}"] = seg
     sd[f"rng/rank{rank}"] = _rng_state()
-    r = trainer.reducer
+    r, outer = trainer.reducer, trainer.outer
+    if outer is not None:
+        sd.update(outer.tensors(_names(trainer), d))
     # Dicts travel pickled: DCP would flatten them into one key per field.
     sd[f"trainer/rank{rank}"] = pickle.dumps(
-        {"layout": _layout(trainer), "reducer": r.state_dict() if r is not None else None}
+        {
+            "layout": _layout(trainer),
+            "reducer": r.state_dict() if r is not None else None,
+            "outer": outer.small_state() if outer is not None else None,
+        }
     )
     if rank == 0:
         sd["meta"] = pickle.dumps(
@@ -225,6 +245,7 @@ def state_dict(trainer) -> dict:
                 "step": trainer.step_index,
                 "model": _model_shapes(trainer),
                 "compression": trainer.cfg.compression,
+                "sync": trainer.cfg.sync,
                 "optimizer": _optimizer_name(trainer),
                 "layout": _layout(trainer),
                 "world_size": dist.get_world_size() if dist.is_initialized() else 1,
@@ -358,6 +379,17 @@ def _check(meta: dict, trainer, path: str) -> None:
             f"{path} was made with compression {meta['compression']!r}, this run uses "
             f"{trainer.cfg.compression!r} (its residuals and counters would not fit)"
         )
+    if meta.get("sync", "every-step") != trainer.cfg.sync:
+        raise CheckpointError(
+            f"{path} was made with sync {meta.get('sync', 'every-step')!r}, this run uses "
+            f"{trainer.cfg.sync!r}"
+        )
+    if trainer.cfg.sync != "every-step" and meta["layout"]["dp"] != trainer.cfg.dp:
+        raise CheckpointError(
+            f"{path} holds {meta['layout']['dp']} replicas that meet every few steps, each with "
+            f"its own weights; this run has dp {trainer.cfg.dp} (load it at dp "
+            f"{meta['layout']['dp']})"
+        )
     if meta["optimizer"] != _optimizer_name(trainer):
         raise CheckpointError(
             f"{path} was made with optimizer {meta['optimizer']}, this run uses "
@@ -394,10 +426,10 @@ def load(trainer, path: str) -> int:
     if trainer.units is not None:  # ZeRO-3: the load writes whole parameters
         trainer.units.settle()
     for name, _, p in _local(trainer):
-        request[f"model/{name}"] = p.detach()
+        request[f"model/{_scope(trainer)}{name}"] = p.detach()
     optim_keys = {}
     for name, _, p in _local(trainer):
-        prefix = f"optim/{name}/"
+        prefix = f"optim/{_scope(trainer)}{name}/"
         for key, md in have.items():
             if key.startswith(prefix) and not isinstance(md, BytesStorageMetadata):
                 # Moments live with their parameter (a GPU, maybe); torch's
@@ -416,6 +448,10 @@ def load(trainer, path: str) -> int:
                     if k in have:
                         request[k] = torch.empty(have[k].size, dtype=have[k].properties.dtype)
                         residual_keys.setdefault((kind, name), []).append(k)
+    if trainer.outer is not None:  # loaded in place
+        request.update(
+            {k: t for k, t in trainer.outer.tensors(_names(trainer), d).items() if k in have}
+        )
     rng_key = f"rng/rank{rank}"
     if same_layout and rng_key in have:
         request[rng_key] = None
@@ -431,6 +467,8 @@ def load(trainer, path: str) -> int:
     learned = state and state.get("reducer", state if "learned" in state else None)
     if r is not None and same_layout and learned:
         r.load_state_dict(learned)
+    if trainer.outer is not None and same_layout and state and state.get("outer"):
+        trainer.outer.load_small_state(state["outer"])
     if r is not None and r.compressor is not None:
         for (kind, name), keys in residual_keys.items():
             bucket, slot = r.slot[_index_of(trainer, name)]

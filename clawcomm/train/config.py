@@ -66,6 +66,17 @@ class TrainConfig:
     # data-parallel reduction
     compression: str = _opt("", "gradient compression spec (fp16, topk:0.01, ...; '': none)")
     compression_warmup: int = _opt(0, "dense steps before compressing")
+    sync: str = _opt(
+        "every-step",
+        "when data-parallel replicas meet: every-step (gradients averaged every step), "
+        "local-sgd:H (parameters averaged every H steps) or diloco:H (an outer Nesterov step on "
+        "the averaged pseudo-gradient every H steps; --compression compresses it)",
+    )
+    outer_lr: float = _opt(0.7, "diloco: outer learning rate")
+    outer_momentum: float = _opt(0.9, "diloco: outer Nesterov momentum")
+    fragments: int = _opt(
+        1, "local-sgd/diloco: meet in this many fragments, one every H/F steps (Streaming DiLoCo)"
+    )
     bucket_cap_mb: float = _opt(25.0, "gradient bucket size")
     overlap: bool = _opt(True, "reduce buckets while the pipeline drains")
     zero: int = _opt(
@@ -218,6 +229,9 @@ class TrainConfig:
                     f"zero {self.zero} with compression {self.compression!r} is not supported: "
                     "the compressor has no reduce-scatter; use zero 0 for it"
                 )
+        from clawcomm.train import outer
+
+        outer.check(self)
         if self.param_compression != "none" and not self.zero:
             raise ValueError(
                 f"param_compression {self.param_compression!r} compresses the ZeRO parameter "

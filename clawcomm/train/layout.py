@@ -157,3 +157,42 @@ def balanced_cuts(costs: list[float], parts: int) -> list[int]:
         i = cut[k][i]
         bounds.append(i)
     return bounds[::-1]
+
+
+def sync_initial_weights(local: dict, dp_group, ties) -> None:
+    """Every replica starts from its dp group's first rank's weights, and
+    tied copies from the first stage's."""
+    if not dist.is_initialized():
+        return
+    with torch.no_grad():
+        for mod in local.values():
+            for t in list(mod.parameters()) + list(mod.buffers()):
+                if dp_group is not None:
+                    dist.broadcast(t, dist.get_global_rank(dp_group, 0), group=dp_group)
+        for p, group, _ in ties:
+            dist.broadcast(p, dist.get_global_rank(group, 0), group=group)
+
+
+def describe(cfg, cuts: list[int], peak_lr: float, zero: bool) -> str:
+    """What rank 0 prints at start: the effective batch, the scaled LR, the
+    layout, how replicas synchronise, and the stages."""
+    base = cfg.base_batch or cfg.effective_batch
+    stages = ", ".join(f"{s}: layers {cuts[s]}-{cuts[s + 1] - 1}" for s in range(cfg.num_stages))
+    sync = ""
+    if cfg.sync != "every-step" and cfg.dp > 1:
+        sync = f", replicas meet {cfg.sync}" + (
+            f" in {cfg.fragments} fragments" if cfg.fragments > 1 else ""
+        )
+    return (
+        f"effective batch {cfg.effective_batch} = micro-batch {cfg.micro_batch_size} x "
+        f"{cfg.microbatches} micro-batches x {cfg.accumulation} accumulation x dp {cfg.dp}\n"
+        f"lr {peak_lr * cfg.batch_scale():.4g} = {peak_lr:.4g} at base "
+        f"batch {base}, {cfg.lr_scaling} scaling; {cfg.warmup_steps} warm-up steps, "
+        f"{cfg.lr_decay} decay\n"
+        f"layout dp {cfg.dp} x pp {cfg.pp}"
+        + (f" (ZeRO-{cfg.zero})" if zero else "")
+        + sync
+        + f", schedule {cfg.schedule}"
+        + (f" (v={cfg.virtual_stages})" if cfg.virtual_stages > 1 else "")
+        + f", {cfg.num_stages} stages ({stages})"
+    )

@@ -60,7 +60,7 @@ from clawcomm.train import trace
 from clawcomm.train.config import TrainConfig
 from clawcomm.train.device import for_rank as device_for_rank
 from clawcomm.train.device import peak_mb, reset_peak
-from clawcomm.train.layout import Grid, tied_parameters
+from clawcomm.train.layout import Grid, describe, sync_initial_weights, tied_parameters
 from clawcomm.train.metrics import (
     MetricsSink,
     PipelineTotals,
@@ -74,6 +74,7 @@ from clawcomm.train.metrics import (
     summarise,
 )
 from clawcomm.train.models import cut_into_stages, parameter_names, parameter_shapes, unique_params
+from clawcomm.train.outer import OuterSync
 
 
 class Trainer:
@@ -148,9 +149,11 @@ class Trainer:
             loss_fn,
             device=self.device,
         )
-        self.reducer = None
+        self.reducer = self.outer = None
         tied = {id(p) for p, _, _ in self._ties}
-        if cfg.dp > 1:
+        if cfg.dp > 1 and cfg.sync != "every-step":  # replicas meet every H steps
+            self.outer = OuterSync(self.params, self.dp_group, cfg)
+        elif cfg.dp > 1:
             compressor = get_compressor(cfg.compression) if cfg.compression else None
             self.reducer = GradReducer(
                 self.params,
@@ -212,42 +215,14 @@ class Trainer:
     # ---- setup ----------------------------------------------------------------------
 
     def _sync_initial_weights(self) -> None:
-        """Every replica starts from its dp group's first rank's weights, and
-        tied copies from the first stage's."""
-        if not dist.is_initialized():
-            return
-        with torch.no_grad():
-            for mod in self.local.values():
-                for t in list(mod.parameters()) + list(mod.buffers()):
-                    if self.dp_group is not None:
-                        dist.broadcast(
-                            t, dist.get_global_rank(self.dp_group, 0), group=self.dp_group
-                        )
-            for p, group, _ in self._ties:
-                dist.broadcast(p, dist.get_global_rank(group, 0), group=group)
+        sync_initial_weights(self.local, self.dp_group, self._ties)
 
     # ---- the step ---------------------------------------------------------------------
 
     def describe(self) -> str:
         """What rank 0 prints at start: the effective batch, the scaled LR,
         the layout and the stages."""
-        cfg = self.cfg
-        base = cfg.base_batch or cfg.effective_batch
-        stages = ", ".join(
-            f"{s}: layers {self.cuts[s]}-{self.cuts[s + 1] - 1}" for s in range(cfg.num_stages)
-        )
-        return (
-            f"effective batch {cfg.effective_batch} = micro-batch {cfg.micro_batch_size} x "
-            f"{cfg.microbatches} micro-batches x {cfg.accumulation} accumulation x dp {cfg.dp}\n"
-            f"lr {self._peak_lr[0] * cfg.batch_scale():.4g} = {self._peak_lr[0]:.4g} at base "
-            f"batch {base}, {cfg.lr_scaling} scaling; {cfg.warmup_steps} warm-up steps, "
-            f"{cfg.lr_decay} decay\n"
-            f"layout dp {cfg.dp} x pp {cfg.pp}"
-            + (f" (ZeRO-{cfg.zero})" if self.zero is not None else "")
-            + f", schedule {cfg.schedule}"
-            + (f" (v={cfg.virtual_stages})" if cfg.virtual_stages > 1 else "")
-            + f", {cfg.num_stages} stages ({stages})"
-        )
+        return describe(self.cfg, self.cuts, self._peak_lr[0], self.zero is not None)
 
     def step(self, batch) -> dict:
         """One optimizer step on ``batch`` = (inputs, targets), the whole
@@ -293,6 +268,9 @@ class Trainer:
         t_opt = time.perf_counter()
         self.optimizer.step()
         self._mark = None
+        if self.outer is not None and self.outer.due(self.step_index + 1):
+            self._mark = self.traffic.sent()  # (the meeting's bytes count in the next step)
+            self.outer.after_step(self.step_index + 1)
         if self.units is not None:  # gathered as the next step needs them (its bytes, too)
             self._mark = self.traffic.sent()
             self.units.updated()
