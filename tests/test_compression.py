@@ -508,22 +508,63 @@ def test_experiment_runs_and_writes_results(tmp_path):
     out = tmp_path / "e.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     p = subprocess.run(
-        [sys.executable, "-m", "clawcomm.cli", "experiment", "compression", "-c",
-         "none,fp16,topk:0.05", "--steps", "40", "--warmup", "5", "--json", str(out),
-         "--plot", str(tmp_path / "e.png"), "--quiet"],
+        [sys.executable, "-m", "clawcomm.cli", "experiment", "compression", "--methods",
+         "none,fp16,topk:0.05,diloco:8+int8", "--steps", "40", "--warmup", "5", "--json",
+         str(out), "--plot", str(tmp_path / "e.png"), "--quiet"],
         capture_output=True, text=True, timeout=600, env=env,
     )  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]
-    data = json.loads(out.read_text())
+    data = json.loads(out.read_text())["links"]["one host"]
     by = {r["compressor"]: r for r in data["results"]}
     assert 0.49 < by["fp16"]["bytes_per_step"] / by["none"]["bytes_per_step"] < 0.52
     assert by["topk:0.05"]["bytes_per_step"] < 0.15 * by["none"]["bytes_per_step"]
-    assert "loss gap" in p.stdout and (tmp_path / "e.png").stat().st_size > 5000
+    # DiLoCo meets 5 times in 40 steps with int8 codes: about 1/32 of dense's bytes.
+    assert by["diloco:8+int8"]["bytes_per_step"] < 0.05 * by["none"]["bytes_per_step"]
+    assert by["compute"]["bytes_per_step"] < 200  # the bound: nothing exchanged
+    assert data["target_loss"] == pytest.approx(1.05 * by["none"]["final_loss"], abs=1e-4)
+    assert by["none"]["steps_to_target"] and by["none"]["gap_closed"] == 0.0
+    assert set(by["none"]["projected_step_ms"]) == {"8", "64", "512"}
+    assert "gap closed" in p.stdout and (tmp_path / "e.png").stat().st_size > 5000
     bad = subprocess.run(
         [sys.executable, "-m", "clawcomm.cli", "experiment", "compression", "-c", "topk:2.0"],
         capture_output=True, text=True, env=env,
     )  # fmt: skip
     assert bad.returncode == 2 and "ratio 2.0 is not in (0, 1]" in bad.stderr
+    bad = subprocess.run(
+        [sys.executable, "-m", "clawcomm.cli", "experiment", "compression", "-c", "diloco:0"],
+        capture_output=True, text=True, env=env,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "H must be >= 1" in bad.stderr
+
+
+def test_the_lab_times_methods_to_a_target_and_projects_them():
+    from clawcomm.experiments import lab
+
+    def run(name, step_ms, curve, nbytes):
+        return {"compressor": name, "step_ms": step_ms, "curve": curve, "bytes_per_step": nbytes,
+                "final_loss": curve[-1][1], "test_accuracy": 0.9}  # fmt: skip
+
+    results = [
+        run("none", 100.0, [(0, 2.0), (10, 1.0), (20, 0.5)], 4e6),
+        run("int8", 40.0, [(0, 2.0), (10, 1.2), (20, 0.51)], 1e6),
+        run("topk:0.01", 30.0, [(0, 2.0), (20, 0.9)], 1e5),
+        run("compute", 20.0, [(0, 2.0), (20, 0.6)], 0),
+    ]
+    got = lab.analyse(results, None, "1gbit")
+    assert got["target_loss"] == pytest.approx(0.525)
+    none, int8, topk, compute = results
+    assert none["steps_to_target"] == 20 and none["seconds_to_target"] == pytest.approx(2.0)
+    assert int8["steps_to_target"] == 20 and topk["steps_to_target"] is None
+    # The gap between dense (2.0 s) and compute alone (20 steps x 20 ms):
+    assert int8["gap_closed"] == pytest.approx((2.0 - 0.8) / (2.0 - 0.4))
+    assert compute["gap_closed"] is None and topk["gap_closed"] is None
+    # At 1 Gbit/s a 4 MB all-reduce's time grows with the hosts; nothing sent, nothing grows.
+    p = none["projected_step_ms"]
+    assert p[8] < p[64] < p[512] and p[8] > 100.0
+    assert compute["projected_step_ms"] == {8: 20.0, 64: 20.0, 512: 20.0}
+    # Gathered pairs grow with the hosts faster than an all-reduce.
+    assert topk["projected_step_ms"][512] - 30.0 > int8["projected_step_ms"][512] - 40.0
+    assert "never" in lab.table(results)
 
 
 WIRE_SIZES = [0, 1, 5, 10_007]  # empty, one element, fewer than ranks, odd

@@ -30,14 +30,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 
-DEFAULT = "none,fp16,powersgd:4,int8,qsgd:4,sign,topk:0.01,dgc:0.01,randomk:0.01"
+from clawcomm.experiments import lab, tasks
+
+DEFAULT = (
+    "none,fp16,powersgd:4,int8,qsgd:4,sign,topk:0.01,dgc:0.01,randomk:0.01,diloco:32,"
+    "diloco:32+int8"
+)
 
 
 # Per model: steps, batch per rank, learning rate.
+COMPUTE = "compute"  # the pseudo-method that exchanges nothing
 MODEL_DEFAULTS = {"mlp": (1000, 32, 0.15), "gpt": (300, 16, 3e-3)}
 
 
@@ -54,6 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=50, help="dense steps before compressing (50)")
     p.add_argument("--weight-decay", type=float, default=1e-2, help="(1e-2)")
     p.add_argument("--momentum", type=float, default=0.5, help="SGD momentum (0.5)")
+    p.add_argument("--outer-lr", type=float, default=0.7, help="diloco: outer LR (0.7)")
+    p.add_argument("--outer-momentum", type=float, default=0.9,
+                   help="diloco: outer Nesterov momentum (0.9)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--transport", choices=("auto", "shm", "tcp"), default="auto")
     p.add_argument(
@@ -63,24 +71,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="cpu, or cuda: the model, data and gradients on the rank's GPU (ranks share one "
         "when GPUs are fewer), compressed by clawcomm's CUDA kernels",
     )
+    p.add_argument("--links", metavar="RATES",
+                   help="comma list of link rates (1gbit,10gbit): run on 2 namespace hosts "
+                        "with shaped links (root, iproute2)")  # fmt: skip
+    p.add_argument("--target-loss", type=float, default=None,
+                   help="loss to time methods to (default: 1.05 x dense's final loss)")  # fmt: skip
+    p.add_argument(
+        "--cost-model",
+        metavar="FILE",
+        help="calibrated cost model for the projections (clawcomm bench --calibrate)",
+    )
     p.add_argument("--json", metavar="FILE", help="write the results and loss curves")
     p.add_argument("--plot", metavar="FILE", help="draw the loss curves (PNG)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-
-
-def _data(seed: int):
-    import numpy as np
-
-    from clawcomm._optional import require
-
-    load_digits = require("sklearn.datasets", "--model mlp (the digits data)").load_digits
-
-    d = load_digits()
-    x = (d.data / 16.0).astype(np.float32)
-    y = d.target.astype(np.int64)
-    order = np.random.default_rng(seed).permutation(len(x))
-    cut = int(0.8 * len(x))
-    return x[order[:cut]], y[order[:cut]], x[order[cut:]], y[order[cut:]]
 
 
 def _wire_bytes(device: str) -> int:
@@ -90,87 +93,6 @@ def _wire_bytes(device: str) -> int:
 
     devices = ["cpu"] + (["cuda"] if device == "cuda" else [])
     return sum(v["bytes_sent"] for d in devices for v in clawcomm.comm_stats(device=d).values())
-
-
-def _mlp_task(cfg: dict, rank: int):
-    """The model, an optimizer factory, a batch sampler, and an evaluation
-    returning (loss, accuracy) of the task."""
-    import torch
-
-    dev = cfg.get("device", "cpu")
-    xtr, ytr, xte, yte = (torch.from_numpy(a).to(dev) for a in _data(cfg["seed"]))
-    torch.manual_seed(cfg["seed"])
-    model = torch.nn.Sequential(
-        torch.nn.Linear(64, 256), torch.nn.ReLU(),
-        torch.nn.Linear(256, 256), torch.nn.ReLU(),
-        torch.nn.Linear(256, 10),
-    )  # fmt: skip
-    loss_fn = torch.nn.CrossEntropyLoss()
-    gen = torch.Generator().manual_seed(cfg["seed"] * 1000 + rank)
-
-    def make_opt(params):
-        return torch.optim.SGD(
-            params, lr=cfg["lr"], momentum=cfg["momentum"], weight_decay=cfg["weight_decay"]
-        )
-
-    def batch():
-        idx = torch.randint(0, len(xtr), (cfg["batch"],), generator=gen).to(dev)
-        return xtr[idx], ytr[idx]
-
-    def evaluate():
-        with torch.no_grad():
-            loss = float(loss_fn(model(xtr), ytr))
-            accuracy = float((model(xte).argmax(1) == yte).float().mean())
-        return loss, accuracy
-
-    return model, loss_fn, make_opt, batch, evaluate
-
-
-def _gpt_task(cfg: dict, rank: int):
-    import torch
-
-    from clawcomm.train import data, models
-
-    ds = data.CharText(data.default_text(), 64)
-    torch.manual_seed(cfg["seed"])
-    model = models.gpt(ds.vocab, 128, 4, 4, 64)
-
-    def loss_fn(logits, y):
-        return models.gpt_loss(logits, y) / y.numel()
-
-    gen = torch.Generator().manual_seed(cfg["seed"] * 1000 + rank)
-    dev = cfg.get("device", "cpu")
-    held_out = [
-        tuple(
-            t.to(dev)
-            for t in ds.batch(
-                torch.randint(
-                    0, len(ds.val) - 65, (16,), generator=torch.Generator().manual_seed(i)
-                ),
-                "val",
-            )
-        )
-        for i in range(32)
-    ]
-
-    def make_opt(params):
-        return torch.optim.AdamW(params, lr=cfg["lr"], weight_decay=cfg["weight_decay"])
-
-    def batch():
-        x, y = ds.batch(torch.randint(0, len(ds), (cfg["batch"],), generator=gen))
-        return x.to(dev), y.to(dev)
-
-    def evaluate():
-        total = correct = tokens = 0.0
-        with torch.no_grad():
-            for x, y in held_out:
-                logits = model(x)
-                total += float(models.gpt_loss(logits, y))
-                correct += float((logits.argmax(-1) == y).sum())
-                tokens += y.numel()
-        return total / tokens, correct / tokens
-
-    return model, loss_fn, make_opt, batch, evaluate
 
 
 def train(rank: int, world_size: int, spec: str, cfg: dict) -> dict | None:
@@ -184,11 +106,28 @@ def train(rank: int, world_size: int, spec: str, cfg: dict) -> dict | None:
     device = cfg.get("device", "cpu")
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    task = _gpt_task if cfg["model"] == "gpt" else _mlp_task
+    task = tasks.gpt_task if cfg["model"] == "gpt" else tasks.mlp_task
     model, loss_fn, make_opt, batch, evaluate = task(cfg, rank)
-    ddp = DDP(model.to(device))
-    hook = CompressionHookState(spec, warmup_steps=cfg["warmup"])
-    ddp.register_comm_hook(hook, compression_hook)
+    sync, compressor = split_method(spec)
+    outer = None
+    if spec == COMPUTE:  # the same steps, nothing exchanged: the bound
+        ddp = DDP(model.to(device))
+        ddp.register_comm_hook(None, _no_exchange)
+    elif sync == "every-step":
+        ddp = DDP(model.to(device))
+        hook = CompressionHookState(compressor, warmup_steps=cfg["warmup"])
+        ddp.register_comm_hook(hook, compression_hook)
+    else:  # replicas on their own, meeting every H steps (clawcomm.train.outer)
+        from types import SimpleNamespace
+
+        from clawcomm.train.outer import OuterSync
+
+        ddp = model.to(device)
+        settings = SimpleNamespace(
+            sync=sync, outer_lr=cfg["outer_lr"], outer_momentum=cfg["outer_momentum"],
+            fragments=1, compression="" if compressor == "none" else compressor,
+        )  # fmt: skip
+        outer = OuterSync(list(model.parameters()), None, settings)
     opt = make_opt(ddp.parameters())
     # Linear decay to zero: the final loss then measures where training
     # converged rather than the noise of the last mini-batches.
@@ -205,6 +144,8 @@ def train(rank: int, world_size: int, spec: str, cfg: dict) -> dict | None:
         loss_fn(ddp(x), y).backward()
         opt.step()
         schedule.step()
+        if outer is not None:
+            outer.after_step(step)
         step_seconds += time.perf_counter() - t0
         if step % every == 0 or step == cfg["steps"]:
             curve.append((step, evaluate()[0]))
@@ -225,35 +166,36 @@ def train(rank: int, world_size: int, spec: str, cfg: dict) -> dict | None:
     return result if rank == 0 else None
 
 
+def _no_exchange(state, bucket):
+    import torch
+
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())  # each rank's own gradient, unaveraged
+    return fut
+
+
+def split_method(spec: str) -> tuple[str, str]:
+    """'diloco:32+int8' -> ('diloco:32', 'int8'); 'topk:0.01+fp16' ->
+    ('every-step', 'topk:0.01+fp16'): a method is a sync mode of
+    ``clawcomm train --sync`` (then its compressor after a '+') or a
+    compressor alone."""
+    if spec.startswith(("diloco:", "local-sgd:")):
+        sync, _, compressor = spec.partition("+")
+        return sync, compressor or "none"
+    return "every-step", spec
+
+
 def torch_lr_schedule(opt, steps: int):
     import torch
 
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / steps)
 
 
-def _table(results: list[dict]) -> str:
-    dense = next((r for r in results if r["compressor"] == "none"), results[0])
-    lines = [
-        "# compressor          bytes/step   vs dense   step (ms)   final loss   test acc"
-        "   loss gap",
-        "#                   (compressed)",
-    ]
-    for r in results:
-        ratio = r["bytes_per_step"] / dense["bytes_per_step"]
-        gap = (r["final_loss"] - dense["final_loss"]) / dense["final_loss"]
-        diverged = not math.isfinite(r["final_loss"])
-        loss = "    diverged" if diverged else f"{r['final_loss']:12.4f}"
-        gap_text = "       n/a" if diverged else f"{gap:+10.2%}"
-        lines.append(
-            f"  {r['compressor']:<18} {r['bytes_per_step']:11.0f} {ratio:9.2%} "
-            f"{r['step_ms']:11.2f} {loss} {r['test_accuracy']:10.2%} {gap_text}"
-        )
-    return "\n".join(lines)
-
-
 def run(args) -> int:
     from clawcomm.compression import get_compressor
+    from clawcomm.model import CostModel
     from clawcomm.testing import run_ranks
+    from clawcomm.train.outer import parse_sync
 
     specs = [s.strip() for s in args.compressors.split(",") if s.strip()]
     steps, batch, lr = MODEL_DEFAULTS[args.model]
@@ -262,7 +204,11 @@ def run(args) -> int:
     args.lr = lr if args.lr is None else args.lr
     try:
         for s in specs:
-            get_compressor(s)
+            if s == COMPUTE:
+                continue
+            sync, compressor = split_method(s)
+            parse_sync(sync)
+            get_compressor(compressor)
         if args.nproc < 1 or args.steps < 1 or args.batch < 1 or args.warmup < 0:
             raise ValueError("--nproc, --steps and --batch must be positive, --warmup >= 0")
         if args.device == "cuda":
@@ -285,55 +231,57 @@ def run(args) -> int:
             "weight_decay",
             "momentum",
             "device",
+            "outer_lr",
+            "outer_momentum",
         )
     }
+    links = [x.strip() for x in (args.links or "").split(",") if x.strip()]
+    if links and lab.links_unavailable():
+        links = []
+    runs = specs + ([COMPUTE] if COMPUTE not in specs else [])
     progress = None
     if not args.quiet:
         from tqdm import tqdm
 
-        progress = tqdm(specs, file=sys.stderr, unit="run", leave=False)
-    results = []
-    for spec in specs:
+        progress = tqdm(total=len(runs) * max(1, len(links)), file=sys.stderr, unit="run",
+                        leave=False)  # fmt: skip
+    groups: dict[str, list[dict]] = {}
+    try:
+        if links:
+            for link in links:
+                groups[link] = lab.run_on_link(runs, cfg, link, 3600, progress)
+        else:
+            groups["one host"] = []
+            for spec in runs:
+                if progress is not None:
+                    progress.set_description(spec)
+                out = run_ranks(train, args.nproc, spec, cfg, timeout=3600,
+                                env={"CLAWCOMM_TRANSPORT": args.transport})  # fmt: skip
+                groups["one host"].append(out[0])
+                if progress is not None:
+                    progress.update(1)
+    finally:
         if progress is not None:
-            progress.set_description(spec)
-        out = run_ranks(
-            train, args.nproc, spec, cfg, timeout=3600, env={"CLAWCOMM_TRANSPORT": args.transport}
-        )
-        results.append(out[0])
-        if progress is not None:
-            progress.update(1)
-    if progress is not None:
-        progress.close()
+            progress.close()
+    model = CostModel.load(args.cost_model) if args.cost_model else None
     task = "digits MLP" if args.model == "mlp" else "character GPT"
     what = "images" if args.model == "mlp" else "sequences of 64"
-    print(
-        f"# clawcomm experiment compression: {task} ({results[0]['parameters']} parameters), "
-        f"{args.nproc} ranks, {args.steps} steps of {args.batch} {what}/rank, "
-        f"{args.warmup} dense warm-up steps, transport {args.transport}, device {args.device}"
-    )
-    print(_table(results))
+    report = {}
+    for link, results in groups.items():
+        report[link] = lab.analyse(results, args.target_loss, link if links else None, model)
+        where = f"2 hosts, links {link}" if links else f"{args.nproc} ranks on one host"
+        print(
+            f"# clawcomm experiment compression: {task} ({results[0]['parameters']} parameters), "
+            f"{where}, {args.steps} steps of {args.batch} {what}/rank, {args.warmup} dense "
+            f"warm-up steps (compressors; sync methods start local), target loss "
+            f"{report[link]['target_loss']}"
+        )
+        print(lab.table(results))
+        report[link]["results"] = results
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"config": vars(args), "results": results}, f, indent=1)
+            json.dump({"config": vars(args), "links": report}, f, indent=1)
     if args.plot:
-        from clawcomm._optional import require
-
-        require("matplotlib", "clawcomm experiment compression --plot").use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for r in results:
-            pts = [c for c in r["curve"] if math.isfinite(c[1])]
-            ax.plot([c[0] for c in pts], [c[1] for c in pts], label=r["compressor"])
-        ax.set_yscale("log")
-        ax.set_xlabel("step")
-        ax.set_ylabel(
-            "training loss (full training set)" if args.model == "mlp" else "held-out loss"
-        )
-        ax.set_title(f"{task}, {args.nproc} ranks")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=120)
-        plt.close(fig)
+        ylabel = "training loss (full set)" if args.model == "mlp" else "held-out loss"
+        lab.plot(groups, args.plot, task, ylabel)
     return 0

@@ -1,0 +1,191 @@
+"""What the compression experiment reports, and the runs on shaped links.
+
+Per method (and link): bytes each rank sent per step, measured; the mean
+step time, measured; the final loss and accuracy and the gap to dense;
+steps and wall time to the target loss (the first evaluation at or below it;
+wall time = steps x the mean step time); for runs beside ``compute`` (the
+same steps with the gradient exchange removed, each rank training alone:
+the step time no compressor can beat), the share of the gap between dense
+and compute alone that the method closes in time to target; and the
+calibrated cost model's projection of the step time at 8, 64 and 512
+hosts: the measured step minus the model's time for this exchange at 2
+hosts plus its time at N (an all-reduce of the bytes per step; an
+all-gather of N times them for the sparse methods, whose pairs every rank
+gathers).
+
+``--links 1gbit,10gbit`` runs every method on two network-namespace hosts
+(``clawcomm.testing.netns``) whose links are shaped to that rate, one rank
+each, under torchrun: the step time is measured on that link, not modelled.
+Where namespaces cannot be made (no root, no iproute2) it says why and runs
+on one host.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import tempfile
+
+HOSTS = (8, 64, 512)
+GATHERED = ("topk", "dgc", "threshold")  # their pairs are all-gathered
+
+
+def rate_bytes_per_s(link: str | None) -> float | None:
+    if not link:
+        return None
+    from clawcomm.testing.netns import _rate_bits
+
+    return _rate_bits(link) / 8
+
+
+def steps_to(curve, target: float) -> int | None:
+    for step, loss in curve:
+        if math.isfinite(loss) and loss <= target:
+            return step
+    return None
+
+
+def _comm_s(spec: str, nbytes: float, hosts: int, model) -> float:
+    from clawcomm.model import Layout, predict
+
+    if nbytes <= 0:
+        return 0.0
+    layout = Layout(hosts, 1)
+    if spec.split(":")[0] in GATHERED:
+        return predict("all_gather", "auto", nbytes * hosts, layout, model)
+    return predict("all_reduce", "auto", nbytes, layout, model)
+
+
+def analyse(results: list[dict], target: float | None, link: str | None, model=None) -> dict:
+    """Adds each result's time to target, gap closed and projections;
+    returns the target used. Default target: 1.05 x dense's final loss."""
+    from dataclasses import replace
+
+    from clawcomm.model import CostModel
+
+    model = model or CostModel()
+    rate = rate_bytes_per_s(link)
+    if rate:
+        model = replace(model, net_beta=1.0 / rate)
+    dense = next((r for r in results if r["compressor"] == "none"), None)
+    compute = next((r for r in results if r["compressor"] == "compute"), None)
+    if target is None and dense is not None:
+        target = round(dense["final_loss"] * 1.05, 4)
+    dense_s = None
+    if dense is not None and target is not None:
+        s = steps_to(dense["curve"], target)
+        dense_s = s * dense["step_ms"] / 1e3 if s else None
+    for r in results:
+        s = steps_to(r["curve"], target) if target is not None else None
+        r["steps_to_target"] = s
+        r["seconds_to_target"] = s * r["step_ms"] / 1e3 if s else None
+        r["gap_closed"] = None
+        if compute not in (None, r) and dense_s and r["seconds_to_target"] is not None:
+            bound = steps_to(dense["curve"], target) * compute["step_ms"] / 1e3
+            if dense_s > bound:
+                r["gap_closed"] = (dense_s - r["seconds_to_target"]) / (dense_s - bound)
+        spec = r["compressor"]
+        here = _comm_s(spec, r["bytes_per_step"], 2, model)
+        r["projected_step_ms"] = {
+            n: r["step_ms"] + 1e3 * (_comm_s(spec, r["bytes_per_step"], n, model) - here)
+            for n in HOSTS
+        }
+    return {"target_loss": target}
+
+
+def table(results: list[dict]) -> str:
+    dense = next((r for r in results if r["compressor"] == "none"), results[0])
+    head = (
+        "# method              bytes/step  vs dense  step ms  final loss  test acc  loss gap"
+        "  to target: steps      s  gap closed  step ms at 8/64/512 hosts (model)"
+    )
+    lines = [head]
+    for r in results:
+        ratio = r["bytes_per_step"] / dense["bytes_per_step"] if dense["bytes_per_step"] else 0
+        gap = (r["final_loss"] - dense["final_loss"]) / dense["final_loss"]
+        finite = math.isfinite(r["final_loss"])
+        loss = f"{r['final_loss']:11.4f}" if finite else "   diverged"
+        steps = r.get("steps_to_target")
+        secs = r.get("seconds_to_target")
+        closed = r.get("gap_closed")
+        proj = r.get("projected_step_ms", {})
+        lines.append(
+            f"  {r['compressor']:<18} {r['bytes_per_step']:11.0f} {ratio:8.2%} "
+            f"{r['step_ms']:8.2f} {loss} {r['test_accuracy']:8.2%} "
+            + (f"{gap:+9.2%}" if finite else "      n/a")
+            + (f"  {steps:16d} {secs:6.1f}" if steps else f"  {'never':>16} {'-':>6}")
+            + (f" {closed:11.0%}" if closed is not None else f" {'-':>11}")
+            + "  " + " / ".join(f"{proj[n]:.0f}" for n in HOSTS if n in proj)
+        )  # fmt: skip
+    return "\n".join(lines)
+
+
+def plot(groups: dict[str, list[dict]], path: str, title: str, ylabel: str) -> None:
+    """Loss against steps, against bytes sent and against wall time, one
+    line per method, one row of panels per link."""
+    from clawcomm._optional import require
+
+    require("matplotlib", "clawcomm experiment compression --plot").use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = len(groups)
+    fig, axes = plt.subplots(rows, 3, figsize=(13, 3.6 * rows), squeeze=False)
+    for row, (link, results) in zip(axes, groups.items(), strict=True):
+        for r in results:
+            if r["compressor"] == "compute":
+                continue
+            pts = [c for c in r["curve"] if math.isfinite(c[1])]
+            steps, losses = [c[0] for c in pts], [c[1] for c in pts]
+            row[0].plot(steps, losses, label=r["compressor"])
+            row[1].plot([s * r["bytes_per_step"] / 1e6 for s in steps], losses)
+            row[2].plot([s * r["step_ms"] / 1e3 for s in steps], losses)
+        for ax, xlabel in zip(row, ("step", "MB sent per rank", "wall time (s)"), strict=True):
+            ax.set_yscale("log")
+            ax.set_xlabel(xlabel)
+            ax.grid(True, alpha=0.3)
+        row[1].set_xscale("symlog", linthresh=0.1)
+        row[0].set_ylabel(ylabel)
+        row[0].set_title(f"{title}, {link}", loc="left", fontsize=10)
+        row[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_on_link(specs: list[str], cfg: dict, link: str, timeout: float, progress) -> list[dict]:
+    """Every method on 2 namespace hosts (one rank each) whose links run at
+    ``link``; raises RuntimeError with the hosts' output if a run fails."""
+    from clawcomm.testing.netns import Cluster
+
+    results = []
+    with Cluster(2, rate=link) as cluster, tempfile.TemporaryDirectory() as tmp:
+        for spec in specs:
+            if progress is not None:
+                progress.set_description(f"{spec} @ {link}")
+            out = os.path.join(tmp, f"{len(results)}.json")
+            argv = ["-m", "clawcomm.experiments.worker", spec, json.dumps(cfg), out]
+            runs = cluster.torchrun(argv, 1, timeout=timeout)
+            bad = [r for r in runs if r.returncode != 0]
+            if bad:
+                raise RuntimeError(
+                    f"{spec} on {link}: host {bad[0].host} exited with {bad[0].returncode}:\n"
+                    f"{bad[0].output[-3000:]}"
+                )
+            with open(out) as f:
+                results.append(json.load(f))
+            if progress is not None:
+                progress.update(1)
+    return results
+
+
+def links_unavailable() -> str | None:
+    from clawcomm.testing.netns import unavailable
+
+    why = unavailable()
+    if why:
+        print(
+            f"clawcomm experiment compression: --links: {why}; running on one host", file=sys.stderr
+        )
+    return why
