@@ -134,9 +134,11 @@ def train(rank: int, world_size: int, spec: str, cfg: dict) -> dict | None:
     schedule = torch_lr_schedule(opt, cfg["steps"])
     every = max(1, cfg["steps"] // 50)
     curve, step_seconds = [(0, evaluate()[0])], 0.0
+    # Bytes count the compressed steps (all of them if the warm-up is longer than the run).
+    counted = cfg["warmup"] + 1 if cfg["warmup"] < cfg["steps"] else 1
     before = _wire_bytes(device)
     for step in range(1, cfg["steps"] + 1):
-        if step == cfg["warmup"] + 1:  # bytes per step count compressed steps only
+        if step == counted:  # bytes per step count compressed steps only
             before = _wire_bytes(device)
         x, y = batch()
         t0 = time.perf_counter()
@@ -155,7 +157,7 @@ def train(rank: int, world_size: int, spec: str, cfg: dict) -> dict | None:
     final_loss, accuracy = evaluate()
     result = {
         "compressor": spec,
-        "bytes_per_step": sent / max(1, cfg["steps"] - cfg["warmup"]),
+        "bytes_per_step": sent / (cfg["steps"] - counted + 1),
         "step_ms": 1e3 * step_seconds / cfg["steps"],
         "final_loss": final_loss,
         "test_accuracy": accuracy,

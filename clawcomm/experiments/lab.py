@@ -166,7 +166,9 @@ def run_on_link(specs: list[str], cfg: dict, link: str, timeout: float, progress
                 progress.set_description(f"{spec} @ {link}")
             out = os.path.join(tmp, f"{len(results)}.json")
             argv = ["-m", "clawcomm.experiments.worker", spec, json.dumps(cfg), out]
-            runs = cluster.torchrun(argv, 1, timeout=timeout)
+            # Two hosts share this machine's cores: one thread per rank, as
+            # torchrun itself sets when it starts several ranks on a host.
+            runs = cluster.torchrun(argv, 1, env={"OMP_NUM_THREADS": "1"}, timeout=timeout)
             bad = [r for r in runs if r.returncode != 0]
             if bad:
                 raise RuntimeError(
