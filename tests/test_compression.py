@@ -544,11 +544,14 @@ def test_the_lab_times_methods_to_a_target_and_projects_them():
         return {"compressor": name, "step_ms": step_ms, "curve": curve, "bytes_per_step": nbytes,
                 "final_loss": curve[-1][1], "test_accuracy": 0.9}  # fmt: skip
 
+    def curve(step_ms, nbytes, *points):  # (step, loss) -> (step, loss, bytes, seconds)
+        return [(s, loss, s * nbytes, s * step_ms / 1e3) for s, loss in points]
+
     results = [
-        run("none", 100.0, [(0, 2.0), (10, 1.0), (20, 0.5)], 4e6),
-        run("int8", 40.0, [(0, 2.0), (10, 1.2), (20, 0.51)], 1e6),
-        run("topk:0.01", 30.0, [(0, 2.0), (20, 0.9)], 1e5),
-        run("compute", 20.0, [(0, 2.0), (20, 0.6)], 0),
+        run("none", 100.0, curve(100.0, 4e6, (0, 2.0), (10, 1.0), (20, 0.5)), 4e6),
+        run("int8", 40.0, curve(40.0, 1e6, (0, 2.0), (10, 1.2), (20, 0.51)), 1e6),
+        run("topk:0.01", 30.0, curve(30.0, 1e5, (0, 2.0), (20, 0.9)), 1e5),
+        run("compute", 20.0, curve(20.0, 0, (0, 2.0), (20, 0.6)), 0),
     ]
     got = lab.analyse(results, None, "1gbit")
     assert got["target_loss"] == pytest.approx(0.525)

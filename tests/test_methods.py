@@ -5,6 +5,8 @@ powerSGD_hook, and every method at 1-4 ranks and awkward sizes."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -332,3 +334,31 @@ def test_every_method_trains_inside_the_trainer(spec, zero):
     assert losses[-1] == pytest.approx(dense[-1], rel=0.15)
     for name, p in results[0][1].items():
         assert torch.equal(p, results[1][1][name]), name
+
+
+def test_every_simd_build_of_the_kernel_writes_the_same_codes():
+    """The portable, AVX2 and AVX-512 builds (CLAWCOMM_SIMD caps the level)
+    give the same codes and scales bit for bit, stochastic rounding included."""
+    import subprocess
+    import sys
+
+    script = (
+        "import numpy as np, sys; from clawcomm import _C\n"
+        "x = np.random.default_rng(5).standard_normal(8192).astype(np.float32)\n"
+        "out = []\n"
+        "for bits, scale in ((8, 'max'), (4, 'max'), (2, 'l2'), (1, 'mean_abs')):\n"
+        "    c = np.empty(8192 * bits // 8, np.uint8); s = np.empty(32, np.float32)\n"
+        "    r = np.full(8192, 0.1, np.float32) if bits == 1 else None\n"
+        "    _C.compress.quantize(x, c, s, bits, 256, scale, True, 9, r)\n"
+        "    d = np.zeros(8192, np.float32); _C.compress.dequantize(c, s, d, bits, 256, scale)\n"
+        "    out += [c.tobytes(), s.tobytes(), d.tobytes()]\n"
+        "sys.stdout.write(__import__('hashlib').sha256(b''.join(out)).hexdigest())\n"
+    )
+    digests = set()
+    for level in ("portable", "avx2", "avx512"):
+        env = dict(os.environ, CLAWCOMM_SIMD=level)
+        p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                           env=env, timeout=120)  # fmt: skip
+        assert p.returncode == 0, p.stderr[-2000:]
+        digests.add(p.stdout)
+    assert len(digests) == 1

@@ -38,18 +38,10 @@ class CompressorState:
         return n
 
     def residual(self, key, like: torch.Tensor) -> torch.Tensor:
-        r = self.residuals.get(key)
-        if r is None or r.shape != like.shape:
-            r = torch.zeros_like(like, dtype=torch.float32)
-            self.residuals[key] = r
-        return r
+        return _zeros_like_in(self.residuals, key, like)
 
     def momentum(self, key, like: torch.Tensor) -> torch.Tensor:
-        m = self.momenta.get(key)
-        if m is None or m.shape != like.shape:
-            m = torch.zeros_like(like, dtype=torch.float32)
-            self.momenta[key] = m
-        return m
+        return _zeros_like_in(self.momenta, key, like)
 
     def per_element(self) -> dict[str, dict]:
         """The buffers that run parallel to a key's tensor, by kind: what a
@@ -72,6 +64,15 @@ class CompressorState:
         self.residuals = {k: v.clone() for k, v in state["residuals"].items()}
         self.momenta = {k: v.clone() for k, v in state.get("momenta", {}).items()}
         self.memory = {k: v.clone() for k, v in state.get("memory", {}).items()}
+
+
+def _zeros_like_in(buffers: dict, key, like: torch.Tensor) -> torch.Tensor:
+    """``buffers[key]``, made float32 zeros shaped like ``like`` if missing or
+    of another shape."""
+    b = buffers.get(key)
+    if b is None or b.shape != like.shape:
+        b = buffers[key] = torch.zeros_like(like, dtype=torch.float32)
+    return b
 
 
 def shared_seed(state: CompressorState | None, key) -> int:

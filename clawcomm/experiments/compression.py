@@ -133,10 +133,12 @@ def train(rank: int, world_size: int, spec: str, cfg: dict) -> dict | None:
     # converged rather than the noise of the last mini-batches.
     schedule = torch_lr_schedule(opt, cfg["steps"])
     every = max(1, cfg["steps"] // 50)
-    curve, step_seconds = [(0, evaluate()[0])], 0.0
+    # The curve: (step, loss, bytes sent so far, seconds of steps so far), measured.
+    start = _wire_bytes(device)
+    curve, step_seconds = [(0, evaluate()[0], 0, 0.0)], 0.0
     # Bytes count the compressed steps (all of them if the warm-up is longer than the run).
     counted = cfg["warmup"] + 1 if cfg["warmup"] < cfg["steps"] else 1
-    before = _wire_bytes(device)
+    before = start
     for step in range(1, cfg["steps"] + 1):
         if step == counted:  # bytes per step count compressed steps only
             before = _wire_bytes(device)
@@ -150,7 +152,7 @@ def train(rank: int, world_size: int, spec: str, cfg: dict) -> dict | None:
             outer.after_step(step)
         step_seconds += time.perf_counter() - t0
         if step % every == 0 or step == cfg["steps"]:
-            curve.append((step, evaluate()[0]))
+            curve.append((step, evaluate()[0], _wire_bytes(device) - start, step_seconds))
     if device == "cuda":
         torch.cuda.synchronize()
     sent = _wire_bytes(device) - before

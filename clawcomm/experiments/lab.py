@@ -2,8 +2,9 @@
 
 Per method (and link): bytes each rank sent per step, measured; the mean
 step time, measured; the final loss and accuracy and the gap to dense;
-steps and wall time to the target loss (the first evaluation at or below it;
-wall time = steps x the mean step time); for runs beside ``compute`` (the
+steps and seconds to the target loss (the first evaluation at or below it;
+the seconds are the measured time of the steps up to it, evaluations
+excluded); for runs beside ``compute`` (the
 same steps with the gradient exchange removed, each rank training alone:
 the step time no compressor can beat), the share of the gap between dense
 and compute alone that the method closes in time to target; and the
@@ -40,10 +41,12 @@ def rate_bytes_per_s(link: str | None) -> float | None:
     return _rate_bits(link) / 8
 
 
-def steps_to(curve, target: float) -> int | None:
-    for step, loss in curve:
-        if math.isfinite(loss) and loss <= target:
-            return step
+def reached(curve, target: float):
+    """The first curve point (step, loss, bytes, seconds) at or below
+    ``target``, or None."""
+    for point in curve:
+        if math.isfinite(point[1]) and point[1] <= target:
+            return point
     return None
 
 
@@ -73,19 +76,17 @@ def analyse(results: list[dict], target: float | None, link: str | None, model=N
     compute = next((r for r in results if r["compressor"] == "compute"), None)
     if target is None and dense is not None:
         target = round(dense["final_loss"] * 1.05, 4)
-    dense_s = None
-    if dense is not None and target is not None:
-        s = steps_to(dense["curve"], target)
-        dense_s = s * dense["step_ms"] / 1e3 if s else None
+    dense_at = reached(dense["curve"], target) if dense and target is not None else None
     for r in results:
-        s = steps_to(r["curve"], target) if target is not None else None
-        r["steps_to_target"] = s
-        r["seconds_to_target"] = s * r["step_ms"] / 1e3 if s else None
+        at = reached(r["curve"], target) if target is not None else None
+        r["steps_to_target"] = at[0] if at else None
+        r["seconds_to_target"] = at[3] if at else None  # measured: the steps' own time
         r["gap_closed"] = None
-        if compute not in (None, r) and dense_s and r["seconds_to_target"] is not None:
-            bound = steps_to(dense["curve"], target) * compute["step_ms"] / 1e3
-            if dense_s > bound:
-                r["gap_closed"] = (dense_s - r["seconds_to_target"]) / (dense_s - bound)
+        if compute not in (None, r) and dense_at and at:
+            # Compute alone over dense's steps to target: the time no method can beat.
+            bound = dense_at[0] * compute["step_ms"] / 1e3
+            if dense_at[3] > bound:
+                r["gap_closed"] = (dense_at[3] - at[3]) / (dense_at[3] - bound)
         spec = r["compressor"]
         here = _comm_s(spec, r["bytes_per_step"], 2, model)
         r["projected_step_ms"] = {
@@ -131,21 +132,27 @@ def plot(groups: dict[str, list[dict]], path: str, title: str, ylabel: str) -> N
     import matplotlib.pyplot as plt
 
     rows = len(groups)
+    names = list(dict.fromkeys(r["compressor"] for rs in groups.values() for r in rs))
+    colors = plt.get_cmap("tab20").colors
     fig, axes = plt.subplots(rows, 3, figsize=(13, 3.6 * rows), squeeze=False)
     for row, (link, results) in zip(axes, groups.items(), strict=True):
         for r in results:
             if r["compressor"] == "compute":
                 continue
             pts = [c for c in r["curve"] if math.isfinite(c[1])]
-            steps, losses = [c[0] for c in pts], [c[1] for c in pts]
-            row[0].plot(steps, losses, label=r["compressor"])
-            row[1].plot([s * r["bytes_per_step"] / 1e6 for s in steps], losses)
-            row[2].plot([s * r["step_ms"] / 1e3 for s in steps], losses)
-        for ax, xlabel in zip(row, ("step", "MB sent per rank", "wall time (s)"), strict=True):
+            style = {"color": colors[names.index(r["compressor"]) % len(colors)],
+                     "linestyle": "--" if ":" in r["compressor"] and
+                     r["compressor"].startswith(("diloco", "local-sgd")) else "-"}  # fmt: skip
+            row[0].plot([c[0] for c in pts], [c[1] for c in pts], label=r["compressor"], **style)
+            sent = [c for c in pts if c[2] > 0]  # (log scale: from the first byte)
+            row[1].plot([c[2] / 1e6 for c in sent], [c[1] for c in sent], **style)
+            row[2].plot([c[3] for c in pts], [c[1] for c in pts], **style)
+        labels = ("step", "MB sent per rank (measured)", "seconds of steps (measured)")
+        for ax, xlabel in zip(row, labels, strict=True):
             ax.set_yscale("log")
             ax.set_xlabel(xlabel)
             ax.grid(True, alpha=0.3)
-        row[1].set_xscale("symlog", linthresh=0.1)
+        row[1].set_xscale("log")
         row[0].set_ylabel(ylabel)
         row[0].set_title(f"{title}, {link}", loc="left", fontsize=10)
         row[0].legend(fontsize=7)

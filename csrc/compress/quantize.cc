@@ -12,12 +12,13 @@ namespace {
 
 constexpr int kLanes = 8;
 
-// The loops are written once and compiled twice: inlined into a portable
-// entry point and into an AVX2 one (float-to-byte conversion and 32-bit
-// multiplies are 3x faster there), chosen at run time like the reduction
-// kernels (reduce/reduce_kernels.h).
+// The loops are written once and compiled three times: inlined into a
+// portable entry point, an AVX2 one (float-to-byte conversion and 32-bit
+// multiplies are 3x faster there) and an AVX-512 one, chosen at run time like
+// the reduction kernels (reduce/reduce_kernels.h).
 #define CLAWCOMM_INLINE [[gnu::always_inline]] inline
 #define CLAWCOMM_TARGET_AVX2 __attribute__((target("avx2")))
+#define CLAWCOMM_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2")))
 
 uint64_t splitmix64(uint64_t z) {
   z += 0x9e3779b97f4a7c15ull;
@@ -213,8 +214,15 @@ CLAWCOMM_TARGET_AVX2 void dequantizeAvx2(const QuantizeSpec& spec, const uint8_t
   dequantizeAny(spec.bits, spec, codes, scales, n, alpha, accumulate, out);
 }
 
-bool useAvx2() {
-  return activeSimdLevel() != SimdLevel::kPortable;
+CLAWCOMM_TARGET_AVX512 void quantizeAvx512(const QuantizeSpec& spec, const float* x, float* r,
+                                           size_t n, uint64_t seed, uint8_t* codes, float* scales) {
+  quantizeAny(spec.bits, spec, x, r, n, seed, codes, scales);
+}
+
+CLAWCOMM_TARGET_AVX512 void dequantizeAvx512(const QuantizeSpec& spec, const uint8_t* codes,
+                                             const float* scales, size_t n, float alpha,
+                                             bool accumulate, float* out) {
+  dequantizeAny(spec.bits, spec, codes, scales, n, alpha, accumulate, out);
 }
 
 void quantizeBlocks(const QuantizeSpec& spec, const float* x, float* residual, size_t n,
@@ -222,10 +230,10 @@ void quantizeBlocks(const QuantizeSpec& spec, const float* x, float* residual, s
   checkQuantizeSpec(spec, "quantize");
   CLAWCOMM_ARG_CHECK(n % spec.block == 0, "clawcomm::quantize: ", n,
                      " values are not a whole number of blocks of ", spec.block);
-  if (useAvx2()) {
-    quantizeAvx2(spec, x, residual, n, seed, codes, scales);
-  } else {
-    quantizePortable(spec, x, residual, n, seed, codes, scales);
+  switch (activeSimdLevel()) {
+    case SimdLevel::kAvx512: return quantizeAvx512(spec, x, residual, n, seed, codes, scales);
+    case SimdLevel::kAvx2: return quantizeAvx2(spec, x, residual, n, seed, codes, scales);
+    default: return quantizePortable(spec, x, residual, n, seed, codes, scales);
   }
 }
 
@@ -234,10 +242,11 @@ void dequantizeBlocks(const QuantizeSpec& spec, const uint8_t* codes, const floa
   checkQuantizeSpec(spec, "dequantize");
   CLAWCOMM_ARG_CHECK(n % spec.block == 0, "clawcomm::dequantize: ", n,
                      " values are not a whole number of blocks of ", spec.block);
-  if (useAvx2()) {
-    dequantizeAvx2(spec, codes, scales, n, alpha, accumulate, out);
-  } else {
-    dequantizePortable(spec, codes, scales, n, alpha, accumulate, out);
+  switch (activeSimdLevel()) {
+    case SimdLevel::kAvx512:
+      return dequantizeAvx512(spec, codes, scales, n, alpha, accumulate, out);
+    case SimdLevel::kAvx2: return dequantizeAvx2(spec, codes, scales, n, alpha, accumulate, out);
+    default: return dequantizePortable(spec, codes, scales, n, alpha, accumulate, out);
   }
 }
 
