@@ -61,6 +61,35 @@ class compress:
         The pass behind top-k (compress/threshold_scan.h), for tests: entries of `acc` (or of grad + acc, folding grad into acc and zeroing grad) with magnitude >= threshold, as (indices, values); they are zeroed in `acc`.
         """
     @staticmethod
+    def quantize(
+        x: numpy.typing.NDArray[numpy.float32],
+        codes: numpy.typing.NDArray[numpy.uint8],
+        scales: numpy.typing.NDArray[numpy.float32],
+        bits: typing.SupportsInt | typing.SupportsIndex,
+        block: typing.SupportsInt | typing.SupportsIndex,
+        scale: str = "max",
+        stochastic: bool = True,
+        seed: typing.SupportsInt | typing.SupportsIndex = 0,
+        residual: typing.Any = None,
+    ) -> None:
+        """
+        Block quantisation (compress/quantize.h): x as `bits`-bit codes and one float32 scale per block; with a residual, x + residual is quantised and the residual keeps what the codes miss.
+        """
+    @staticmethod
+    def dequantize(
+        codes: numpy.typing.NDArray[numpy.uint8],
+        scales: numpy.typing.NDArray[numpy.float32],
+        out: numpy.typing.NDArray[numpy.float32],
+        bits: typing.SupportsInt | typing.SupportsIndex,
+        block: typing.SupportsInt | typing.SupportsIndex,
+        scale: str = "max",
+        alpha: typing.SupportsFloat | typing.SupportsIndex = 1.0,
+        accumulate: bool = False,
+    ) -> None:
+        """
+        out = alpha * decoded codes, or out += that (accumulate).
+        """
+    @staticmethod
     def topk(
         acc: numpy.typing.NDArray[numpy.float32],
         k: typing.SupportsInt | typing.SupportsIndex,
