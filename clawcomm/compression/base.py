@@ -38,10 +38,10 @@ class CompressorState:
         return n
 
     def residual(self, key, like: torch.Tensor) -> torch.Tensor:
-        return _zeros_like_in(self.residuals, key, like)
+        return zeros_like_in(self.residuals, key, like)
 
     def momentum(self, key, like: torch.Tensor) -> torch.Tensor:
-        return _zeros_like_in(self.momenta, key, like)
+        return zeros_like_in(self.momenta, key, like)
 
     def per_element(self) -> dict[str, dict]:
         """The buffers that run parallel to a key's tensor, by kind: what a
@@ -66,7 +66,21 @@ class CompressorState:
         self.memory = {k: v.clone() for k, v in state.get("memory", {}).items()}
 
 
-def _zeros_like_in(buffers: dict, key, like: torch.Tensor) -> torch.Tensor:
+def flat_f32(tensor: torch.Tensor, op: str) -> None:
+    """Raises ValueError (naming ``op``) unless ``tensor`` is a contiguous
+    float32 CPU or CUDA tensor."""
+    if (
+        tensor.dtype != torch.float32
+        or not tensor.is_contiguous()
+        or tensor.device.type not in ("cpu", "cuda")
+    ):
+        raise ValueError(
+            f"clawcomm.compression.{op}: needs a contiguous float32 CPU or CUDA tensor, got "
+            f"{tensor.dtype} on {tensor.device}{'' if tensor.is_contiguous() else ' (strided)'}"
+        )
+
+
+def zeros_like_in(buffers: dict, key, like: torch.Tensor) -> torch.Tensor:
     """``buffers[key]``, made float32 zeros shaped like ``like`` if missing or
     of another shape."""
     b = buffers.get(key)

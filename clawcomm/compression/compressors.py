@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from clawcomm._torch_names import reduce_scatter_single
 from clawcomm.compression import powersgd, quantized, sparsified
-from clawcomm.compression.base import Compressor, CompressorState, shared_seed
+from clawcomm.compression.base import Compressor, CompressorState, flat_f32, shared_seed
 from clawcomm.compression.registry import parse_k, register_compressor
 from clawcomm.compression.sparse import VALUE_DTYPES, sparse_all_reduce, sparse_reduce_scatter
 
@@ -27,18 +27,6 @@ def _k_of(k: float | int, numel: int) -> int:
     if isinstance(k, float):
         return max(1, min(numel, round(k * numel))) if numel else 0
     return min(k, numel)
-
-
-def _flat_f32(tensor: torch.Tensor, op: str) -> None:
-    if (
-        tensor.dtype != torch.float32
-        or not tensor.is_contiguous()
-        or tensor.device.type not in ("cpu", "cuda")
-    ):
-        raise ValueError(
-            f"clawcomm.compression.{op}: needs a contiguous float32 CPU or CUDA tensor, got "
-            f"{tensor.dtype} on {tensor.device}{'' if tensor.is_contiguous() else ' (strided)'}"
-        )
 
 
 class NoCompression(Compressor):
@@ -158,7 +146,7 @@ class TopK(Compressor):
         """ZeRO's sharded reduction: the k pairs selected (with error
         feedback on the whole tensor: the residual is the size of the
         bucket) go each to the rank whose part holds them, summed there."""
-        _flat_f32(tensor, "topk")
+        flat_f32(tensor, "topk")
         k = _k_of(self.k, tensor.numel())
         seed = shared_seed(state, key)
         residual = state.residual(key, tensor) if state is not None else None
@@ -176,7 +164,7 @@ class TopK(Compressor):
         sparse_reduce_scatter(idx, val, out, tensor.numel(), group, self.values, scale=1.0 / n)
 
     def _reduce(self, tensor, state, key, group, scale):
-        _flat_f32(tensor, "topk")
+        flat_f32(tensor, "topk")
         k = _k_of(self.k, tensor.numel())
         seed = shared_seed(state, key)
         if tensor.is_cuda:
@@ -224,7 +212,7 @@ class RandomK(Compressor):
         return RandomK(self.k, values)
 
     def all_reduce(self, tensor, state, key, group):
-        _flat_f32(tensor, "randomk")
+        flat_f32(tensor, "randomk")
         numel = tensor.numel()
         k = _k_of(self.k, numel)
         if k == 0:
@@ -246,7 +234,7 @@ class RandomK(Compressor):
         """The k sampled values go each to the rank whose part holds them,
         summed there: every rank draws the same indices, so only values
         travel (one all-to-all)."""
-        _flat_f32(tensor, "randomk")
+        flat_f32(tensor, "randomk")
         numel = tensor.numel()
         k = _k_of(self.k, numel)
         out.zero_()

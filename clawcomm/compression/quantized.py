@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from clawcomm._torch_names import all_gather_single
-from clawcomm.compression.base import Compressor, CompressorState, shared_seed
+from clawcomm.compression.base import Compressor, CompressorState, shared_seed, zeros_like_in
 
 SCALES = ("max", "l2", "mean_abs")
 
@@ -179,32 +179,35 @@ class BlockQuantized(Compressor):
         block, numel = self.codec.block, tensor.numel()
         part = -(-numel // (n * block)) * block  # every rank's part a whole number of blocks
         self._clip(tensor)  # before padding: sigma is the gradient's
-        flat = tensor.view(-1) if numel == n * part else tensor.new_zeros(n * part)
-        if flat.data_ptr() != tensor.data_ptr():
-            flat[:numel] = tensor.view(-1)
+        padded = numel != n * part
+
+        def pad(t):  # (the tensor and its residual, laid out alike)
+            if not padded:
+                return t.view(-1)
+            out = t.new_zeros(n * part)
+            out[:numel] = t.view(-1)
+            return out
+
+        flat = pad(tensor)
         residual = self._residual(state, key, tensor)
-        if residual is not None and numel != n * part:  # the residual padded like the tensor
-            padded = tensor.new_zeros(n * part)
-            padded[:numel] = residual
-            residual = padded
+        if residual is not None:
+            residual = pad(residual)
         seed = self._seed(state, key, group)
         mine = tensor.new_empty(part)
         self._reduce_scatter(flat, mine, state, key, group, seed, residual)
-        if residual is not None and residual.numel() != numel:
+        if residual is not None and padded:
             state.residuals[key].copy_(residual[:numel])
         # Stage two: this rank's summed part, quantised again, all-gathered as codes.
         second = None
         if self.feedback and state is not None:
-            second = state.memory.get((key, "part"))
-            if second is None or second.shape != mine.shape:
-                second = state.memory[(key, "part")] = torch.zeros_like(mine)
+            second = zeros_like_in(state.memory, (key, "part"), mine)
         codes, scales = self.codec.encode(mine, seed ^ 0x5EC0D, second)
         all_codes = codes.new_empty(n * codes.numel())
         all_scales = scales.new_empty(n * scales.numel())
         all_gather_single(all_codes, codes, group=group)
         all_gather_single(all_scales, scales, group=group)
         self.codec.decode(all_codes, all_scales, flat)
-        if flat.data_ptr() != tensor.data_ptr():
+        if padded:
             tensor.view(-1).copy_(flat[:numel])
 
     def all_reduce(self, tensor, state, key, group):

@@ -30,17 +30,9 @@ import torch
 import torch.distributed as dist
 
 from clawcomm._torch_names import all_gather_single
-from clawcomm.compression.base import Compressor, shared_seed
+from clawcomm.compression.base import Compressor, flat_f32, shared_seed
 from clawcomm.compression.registry import parse_k
 from clawcomm.compression.sparse import VALUE_DTYPES, sparse_all_reduce, sparse_reduce_scatter
-
-
-def _check(tensor: torch.Tensor, op: str) -> None:
-    if tensor.dtype != torch.float32 or not tensor.is_contiguous():
-        raise ValueError(
-            f"clawcomm.compression.{op}: needs a contiguous float32 tensor, got {tensor.dtype}"
-            f"{'' if tensor.is_contiguous() else ' (strided)'}"
-        )
 
 
 def device_sparse_sum(idx, val, out, group, values: str, scale: float) -> None:
@@ -78,7 +70,7 @@ class _Sparsifier(Compressor):
         self._reduce(tensor, state, key, group, 1.0 / dist.get_world_size(group))
 
     def _reduce(self, tensor, state, key, group, scale):
-        _check(tensor, self.spec)
+        flat_f32(tensor, self.spec)
         idx, val = self._select(tensor.view(-1), state, key, group)
         if tensor.is_cuda:
             device_sparse_sum(idx, val, tensor.view(-1), group, self.values, scale)
@@ -87,7 +79,7 @@ class _Sparsifier(Compressor):
                               out_zeroed=True)  # fmt: skip
 
     def reduce_scatter_mean(self, tensor, out, state, key, group):
-        _check(tensor, self.spec)
+        flat_f32(tensor, self.spec)
         idx, val = self._select(tensor.view(-1), state, key, group)
         out.zero_()
         n = dist.get_world_size(group)

@@ -151,12 +151,12 @@ class OuterSync:
             for f, run in enumerate(self.fragments):
                 if not run:
                     continue
-                like = torch.empty(sum(self.params[i].numel() for i in run))
+                numel = sum(self.params[i].numel() for i in run)
                 for kind, buffers in self.state.per_element().items():
                     if kind == "momentum" and not self.compressor.keeps_momentum:
                         continue
                     if f not in buffers:
-                        buffers[f] = torch.zeros_like(like)
+                        buffers[f] = torch.zeros(numel)
                     out[f"outer/{kind}/dp{dp_rank}/fragment{f}"] = buffers[f]
         return out
 
