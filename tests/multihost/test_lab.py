@@ -32,7 +32,9 @@ def test_the_lab_measures_each_method_on_each_link(tmp_path):
     assert set(links) == {"100mbit", "10gbit"}
     slow = {r["compressor"]: r for r in links["100mbit"]["results"]}
     fast = {r["compressor"]: r for r in links["10gbit"]["results"]}
-    # 340 KB a step at 100 Mbit/s is at least 27 ms on the wire; at 10 Gbit/s 0.3 ms.
-    assert slow["none"]["step_ms"] > 27 and slow["none"]["step_ms"] > fast["none"]["step_ms"]
+    # 340 KB a step at 100 Mbit/s: the token bucket lets its first 64 KiB pass at once, the
+    # rest takes at least 22 ms on the wire (27 ms was this test's first bound: 5 of 20 runs
+    # read 26.0-26.98 ms); at 10 Gbit/s 0.3 ms.
+    assert slow["none"]["step_ms"] > 20 and slow["none"]["step_ms"] > fast["none"]["step_ms"]
     assert slow["compute"]["step_ms"] < slow["none"]["step_ms"] - 20
     assert slow["compute"]["bytes_per_step"] < 200
