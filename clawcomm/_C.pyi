@@ -25,6 +25,22 @@ class compress:
         The inverse of encode_indices.
         """
     @staticmethod
+    def dequantize(
+        codes: typing.SupportsInt | typing.SupportsIndex,
+        scales: typing.SupportsInt | typing.SupportsIndex,
+        out: typing.SupportsInt | typing.SupportsIndex,
+        n: typing.SupportsInt | typing.SupportsIndex,
+        bits: typing.SupportsInt | typing.SupportsIndex,
+        block: typing.SupportsInt | typing.SupportsIndex,
+        scale: str = "max",
+        alpha: typing.SupportsFloat | typing.SupportsIndex = 1.0,
+        accumulate: bool = False,
+        stream: typing.SupportsInt | typing.SupportsIndex = 0,
+    ) -> None:
+        """
+        out = alpha * decoded, or out += alpha * decoded (accumulate).
+        """
+    @staticmethod
     def encode16_feedback(
         grad: numpy.typing.NDArray[numpy.float32],
         residual: numpy.typing.NDArray[numpy.float32],
@@ -76,20 +92,6 @@ class compress:
         Block quantisation (compress/quantize.h): x as `bits`-bit codes and one float32 scale per block; with a residual, x + residual is quantised and the residual keeps what the codes miss.
         """
     @staticmethod
-    def dequantize(
-        codes: numpy.typing.NDArray[numpy.uint8],
-        scales: numpy.typing.NDArray[numpy.float32],
-        out: numpy.typing.NDArray[numpy.float32],
-        bits: typing.SupportsInt | typing.SupportsIndex,
-        block: typing.SupportsInt | typing.SupportsIndex,
-        scale: str = "max",
-        alpha: typing.SupportsFloat | typing.SupportsIndex = 1.0,
-        accumulate: bool = False,
-    ) -> None:
-        """
-        out = alpha * decoded codes, or out += that (accumulate).
-        """
-    @staticmethod
     def topk(
         acc: numpy.typing.NDArray[numpy.float32],
         k: typing.SupportsInt | typing.SupportsIndex,
@@ -135,6 +137,20 @@ class cuda:
         stream: typing.SupportsInt | typing.SupportsIndex = 0,
     ) -> None: ...
     @staticmethod
+    def dequantize(
+        codes: numpy.typing.NDArray[numpy.uint8],
+        scales: numpy.typing.NDArray[numpy.float32],
+        out: numpy.typing.NDArray[numpy.float32],
+        bits: typing.SupportsInt | typing.SupportsIndex,
+        block: typing.SupportsInt | typing.SupportsIndex,
+        scale: str = "max",
+        alpha: typing.SupportsFloat | typing.SupportsIndex = 1.0,
+        accumulate: bool = False,
+    ) -> None:
+        """
+        out = alpha * decoded codes, or out += that (accumulate).
+        """
+    @staticmethod
     def encode16_feedback(
         grad: typing.SupportsInt | typing.SupportsIndex,
         residual: typing.SupportsInt | typing.SupportsIndex,
@@ -153,6 +169,23 @@ class cuda:
         scale: typing.SupportsFloat | typing.SupportsIndex = 1.0,
         stream: typing.SupportsInt | typing.SupportsIndex = 0,
     ) -> None: ...
+    @staticmethod
+    def quantize(
+        x: typing.SupportsInt | typing.SupportsIndex,
+        codes: typing.SupportsInt | typing.SupportsIndex,
+        scales: typing.SupportsInt | typing.SupportsIndex,
+        n: typing.SupportsInt | typing.SupportsIndex,
+        bits: typing.SupportsInt | typing.SupportsIndex,
+        block: typing.SupportsInt | typing.SupportsIndex,
+        scale: str = "max",
+        stochastic: bool = True,
+        seed: typing.SupportsInt | typing.SupportsIndex = 0,
+        residual: typing.SupportsInt | typing.SupportsIndex = 0,
+        stream: typing.SupportsInt | typing.SupportsIndex = 0,
+    ) -> None:
+        """
+        Block quantisation (compress/quantize.h) of n floats into n * bits / 8 bytes of codes and n / block scales; residual 0: no error feedback. The CPU's bits for the same seed.
+        """
     @staticmethod
     def reduce(
         dst: typing.SupportsInt | typing.SupportsIndex,

@@ -1,8 +1,9 @@
 """The CUDA kernels (csrc/cuda/, ``clawcomm._C.cuda``) against the CPU kernels
 they share their math with: reductions for every dtype and operator,
 16-bit conversions, the 16-bit error-feedback pass, top-k with error feedback
-(exact and sampled: the same entries, values and residual as the CPU), and
-the scatter-add (deterministic: the CPU's bits). Runs on a GPU machine with a
+(exact and sampled: the same entries, values and residual as the CPU), the
+scatter-add (deterministic: the CPU's bits), and block quantisation (the
+CPU's codes, scales and residuals for the same seed). Runs on a GPU machine with a
 CUDA build of clawcomm; skips cleanly elsewhere."""
 
 from __future__ import annotations
@@ -185,3 +186,39 @@ def test_scatter_add_deterministic_gives_the_cpu_bits(m):
     da = _gpu(dense)
     _C.cuda.scatter_add(da.data_ptr(), n, di.data_ptr(), dv.data_ptr(), m, 0.5, False, 0, _stream())
     assert np.allclose(_cpu(da, np.float32), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "bits,scale,block",
+    [(8, "max", 256), (4, "max", 64), (2, "max", 256), (2, "l2", 128), (8, "l2", 512),
+     (1, "mean_abs", 1024)],
+)  # fmt: skip
+@pytest.mark.parametrize("stochastic", [True, False])
+@pytest.mark.parametrize("feedback", [False, True])
+def test_block_quantisation_gives_the_cpu_bits(bits, scale, block, stochastic, feedback):
+    n = block * 37
+    rng = np.random.default_rng(bits * block)
+    x = rng.standard_normal(n).astype(np.float32) * np.linspace(0.01, 10, n, dtype=np.float32)
+    x[block : 2 * block] = 0  # a zero block: scale 0, codes of zero
+    r = (rng.standard_normal(n) * 0.1).astype(np.float32) if feedback else None
+    codes, scales = np.empty(n * bits // 8, np.uint8), np.empty(n // block, np.float32)
+    want_r = None if r is None else r.copy()
+    _C.compress.quantize(x, codes, scales, bits, block, scale, stochastic, 12345, want_r)
+    dx, dr = _gpu(x), None if r is None else _gpu(r)
+    dc = torch.empty(codes.size, dtype=torch.uint8, device="cuda")
+    ds = torch.empty(scales.size, dtype=torch.float32, device="cuda")
+    _C.cuda.quantize(
+        dx.data_ptr(), dc.data_ptr(), ds.data_ptr(), n, bits, block, scale, stochastic, 12345,
+        0 if dr is None else dr.data_ptr(), _stream(),
+    )  # fmt: skip
+    assert np.array_equal(_cpu(ds, np.float32), scales)
+    assert np.array_equal(_cpu(dc, np.uint8), codes)
+    if feedback:
+        assert np.array_equal(_cpu(dr, np.float32), want_r)
+    out = rng.standard_normal(n).astype(np.float32)
+    want = out.copy()
+    _C.compress.dequantize(codes, scales, want, bits, block, scale, 0.5, True)
+    do = _gpu(out)
+    _C.cuda.dequantize(dc.data_ptr(), ds.data_ptr(), do.data_ptr(), n, bits, block, scale, 0.5,
+                       True, _stream())  # fmt: skip
+    assert np.array_equal(_cpu(do, np.float32), want)

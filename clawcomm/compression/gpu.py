@@ -11,6 +11,8 @@ path (CUDA IPC on one host, else staged).
   value) pairs per rank (slots past what was selected hold index 0 and value
   0, which add nothing), and a scatter-add into the zeroed gradient, in
   index order (deterministic) by default.
+* block quantisation (int8/int4, qsgd, terngrad, sign): the CPU kernel's
+  codes, scales and residuals for the same seed (cuda/quantize_kernels.cu).
 """
 
 from __future__ import annotations
@@ -80,4 +82,39 @@ def topk_all_reduce(
     kern.scatter_add(
         tensor.data_ptr(), n, all_idx.data_ptr(), all_val.data_ptr(), m, scale, True,
         ws.data_ptr(), _stream(),
+    )  # fmt: skip
+
+
+def topk_take(v, k: int, seed: int):
+    """At most ``k`` entries of largest magnitude of the float32 CUDA tensor
+    ``v``, with the CPU's sampled threshold for ``seed`` (the same entries):
+    (indices ascending as int32, values), zeroed in ``v``."""
+    kern = _kernels()
+    n, dev = v.numel(), v.device
+    idx = torch.zeros(k, dtype=torch.int32, device=dev)
+    val = torch.zeros(k, dtype=torch.float32, device=dev)
+    count = torch.zeros(1, dtype=torch.int32, device=dev)
+    ws = torch.empty(kern.topk_workspace_bytes(n), dtype=torch.uint8, device=dev)
+    kern.topk_feedback(
+        0, v.data_ptr(), n, k, idx.data_ptr(), val.data_ptr(), count.data_ptr(), ws.data_ptr(),
+        "sampled", seed, _stream(),
+    )  # fmt: skip
+    m = int(count.item())  # (a wait: the pairs' count is known on the host only now)
+    return idx[:m], val[:m]
+
+
+def quantize(x, codes, scales, bits: int, block: int, scale: str, seed, residual) -> None:
+    """compression.quantized.quantize on CUDA tensors (contiguous float32)."""
+    _kernels().quantize(
+        x.data_ptr(), codes.data_ptr(), scales.data_ptr(), x.numel(), bits, block, scale,
+        seed is not None, (seed or 0) & (2**64 - 1),
+        0 if residual is None else residual.data_ptr(), _stream(),
+    )  # fmt: skip
+
+
+def dequantize(codes, scales, out, bits: int, block: int, scale: str, alpha, accumulate) -> None:
+    n = scales.numel() * block
+    _kernels().dequantize(
+        codes.data_ptr(), scales.data_ptr(), out.data_ptr(), n, bits, block, scale, alpha,
+        accumulate, _stream(),
     )  # fmt: skip

@@ -27,8 +27,9 @@ a float32 ring all-reduce.
 
 The random draws come from a seed made of the compressor state's call count
 for the key and this rank: a run repeats bit for bit, a resumed one
-included (the counts are checkpointed). CUDA tensors take the same steps in
-torch (the same codes; other random draws).
+included (the counts are checkpointed). CUDA tensors go through the same
+kernel compiled for the GPU (csrc/cuda/quantize_kernels.cu): the same codes,
+scales and residuals for the same seed.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from clawcomm._torch_names import all_gather_single
+from clawcomm.compression import gpu
 from clawcomm.compression.base import Compressor, CompressorState, shared_seed, zeros_like_in
 
 SCALES = ("max", "l2", "mean_abs")
@@ -57,7 +59,7 @@ def quantize(
     codes = torch.empty(x.numel() * bits // 8, dtype=torch.uint8, device=x.device)
     scales = torch.empty(x.numel() // block, dtype=torch.float32, device=x.device)
     if x.is_cuda:
-        _torch_quantize(x, bits, block, seed, scale, residual, codes, scales)
+        gpu.quantize(x, codes, scales, bits, block, scale, seed, residual)
     else:
         from clawcomm import _C
 
@@ -83,8 +85,7 @@ def dequantize(
     if out is None:
         out = torch.empty(scales.numel() * block, dtype=torch.float32, device=codes.device)
     if codes.is_cuda:
-        values = _torch_dequantize(codes, scales, bits, block) * alpha
-        out.add_(values) if accumulate else out.copy_(values)
+        gpu.dequantize(codes, scales, out, bits, block, scale, alpha, accumulate)
     else:
         from clawcomm import _C
 
@@ -92,46 +93,6 @@ def dequantize(
             codes.numpy(), scales.numpy(), out.numpy(), bits, block, scale, alpha, accumulate
         )
     return out
-
-
-def _levels(bits: int) -> int:
-    return 1 if bits == 1 else (1 << (bits - 1)) - 1
-
-
-def _torch_quantize(x, bits, block, seed, scale, residual, codes, scales) -> None:
-    """The kernel's steps in torch (CUDA tensors; and the tests' reference)."""
-    acc = (x + residual if residual is not None else x).view(-1, block)
-    q = _levels(bits)
-    if scale == "mean_abs":
-        s = acc.abs().mean(1)
-        levels = (acc >= 0).to(torch.uint8)
-        decoded = torch.where(acc >= 0, s[:, None], -s[:, None])
-    else:
-        s = (acc.abs().amax(1) if scale == "max" else acc.norm(dim=1)) / q
-        inverse = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
-        if seed is None:
-            u = torch.full_like(acc, 0.5)
-        else:
-            gen = torch.Generator(device=x.device).manual_seed(seed & (2**63 - 1))
-            u = torch.rand(acc.shape, generator=gen, device=x.device)
-        t = (acc * inverse[:, None] + u + q).clamp_(0, 2 * q).floor_()
-        levels = (t + 1).to(torch.uint8)
-        decoded = (t - q) * s[:, None]
-    scales.copy_(s)
-    per = 8 // bits
-    grouped = levels.view(-1, per).to(torch.int32)
-    shifts = torch.arange(per, device=x.device, dtype=torch.int32) * bits
-    codes.copy_((grouped << shifts).sum(1).to(torch.uint8))
-    if residual is not None:
-        residual.copy_((acc - decoded).view(-1))
-
-
-def _torch_dequantize(codes, scales, bits, block) -> torch.Tensor:
-    per = 8 // bits
-    shifts = torch.arange(per, device=codes.device, dtype=torch.int32) * bits
-    c = ((codes.to(torch.int32)[:, None] >> shifts) & ((1 << bits) - 1)).view(-1, block)
-    v = (2 * c - 1) if bits == 1 else c - (1 << (bits - 1))
-    return (v.to(torch.float32) * scales[:, None]).view(-1)
 
 
 class Codec:

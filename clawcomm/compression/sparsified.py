@@ -20,8 +20,10 @@ corrections, per bucket:
 Both select on the CPU with the engine's one-pass kernels
 (compress/threshold_scan.h, compress/topk.h) and sum through
 ``sparse_all_reduce``; their reduce-scatter sends each pair to the rank
-whose part holds it (``sparse_reduce_scatter``). CUDA tensors select with
-torch and all-gather the pairs.
+whose part holds it (``sparse_reduce_scatter``). On CUDA tensors DGC selects
+with the CUDA top-k kernel (the CPU's sample, so the same entries),
+threshold with a comparison in torch (the same entries, in index order),
+and both all-gather the pairs.
 """
 
 from __future__ import annotations
@@ -164,10 +166,10 @@ class DGC(_Sparsifier):
         flat.zero_()
         if k == 0:
             return flat.new_zeros(0, dtype=torch.int32), flat.new_zeros(0)
-        if flat.is_cuda:
-            idx = torch.topk(v.abs(), k, sorted=False).indices
-            val = v[idx]
-            v[idx] = 0
+        if flat.is_cuda:  # the CUDA kernel takes the CPU's sample: the same entries
+            from clawcomm.compression import gpu
+
+            idx, val = gpu.topk_take(v, k, seed)
         else:
             from clawcomm import _C
 

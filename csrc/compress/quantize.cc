@@ -1,91 +1,64 @@
 #include "compress/quantize.h"
 
-#include <algorithm>
-#include <cmath>
 #include <vector>
 
 #include "common/errors.h"
+#include "compress/quantize_math.h"
 #include "reduce/reduce_kernels.h"
 
 namespace clawcomm {
 namespace {
 
-constexpr int kLanes = 8;
+using quant::kScaleLanes;
 
 // The loops are written once and compiled three times: inlined into a
 // portable entry point, an AVX2 one (float-to-byte conversion and 32-bit
 // multiplies are 3x faster there) and an AVX-512 one, chosen at run time like
-// the reduction kernels (reduce/reduce_kernels.h).
+// the reduction kernels (reduce/reduce_kernels.h). The per-value math is
+// compress/quantize_math.h's, which the CUDA kernels share.
 #define CLAWCOMM_INLINE [[gnu::always_inline]] inline
 #define CLAWCOMM_TARGET_AVX2 __attribute__((target("avx2")))
 #define CLAWCOMM_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2")))
 
-uint64_t splitmix64(uint64_t z) {
-  z += 0x9e3779b97f4a7c15ull;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
-// A uniform in [0, 1) for counter i of a block's stream: lowbias32 (Chris
-// Wellons' integer hash) of base + i. A pure function of the counter, so
-// the loop over a block vectorises.
-CLAWCOMM_INLINE float uniformAt(uint32_t base, uint32_t i) {
-  uint32_t x = base + i;
-  x ^= x >> 16;
-  x *= 0x7feb352du;
-  x ^= x >> 15;
-  x *= 0x846ca68bu;
-  x ^= x >> 16;
-  return float(x >> 8) * (1.0f / 16777216.0f);
-}
-
-// The block's scale, with eight partial sums (maxima) so the loop vectorises
-// without reassociating anything the compiler may not.
-template <bool kResidual>
-CLAWCOMM_INLINE float blockScale(BlockScale kind, int bits, const float* x, const float* r,
-                                 size_t block) {
-  float part[kLanes] = {};
-  for (size_t i0 = 0; i0 < block; i0 += kLanes) {
-    for (int l = 0; l < kLanes; ++l) {
+// The block's scale, in kScaleLanes partial results so the loop vectorises
+// without reassociating anything the compiler may not (the kind a template
+// argument: a choice inside the loop would keep it scalar).
+template <BlockScale kKind, bool kResidual>
+CLAWCOMM_INLINE float blockScaleOf(int bits, const float* x, const float* r, size_t block) {
+  float part[kScaleLanes] = {};
+  for (size_t i0 = 0; i0 < block; i0 += kScaleLanes) {
+    for (int l = 0; l < kScaleLanes; ++l) {
       const size_t i = i0 + size_t(l);
-      const float a = kResidual ? x[i] + r[i] : x[i];
-      part[l] = kind == BlockScale::kMax  ? std::max(part[l], std::fabs(a))
-                : kind == BlockScale::kL2 ? part[l] + a * a
-                                          : part[l] + std::fabs(a);
+      part[l] = quant::addToScale(kKind, part[l], kResidual ? x[i] + r[i] : x[i]);
     }
   }
   float total = 0.0f;
-  for (int l = 0; l < kLanes; ++l)
-    total = kind == BlockScale::kMax ? std::max(total, part[l]) : total + part[l];
-  if (kind == BlockScale::kMeanAbs) return total / float(block);
-  const float q = float((1 << (bits - 1)) - 1);
-  return (kind == BlockScale::kL2 ? std::sqrt(total) : total) / q;
+  for (int l = 0; l < kScaleLanes; ++l) total = quant::combineScale(kKind, total, part[l]);
+  return quant::finishScale(kKind, bits, total, block);
 }
 
-// Level v of y = a / scale is floor(y + u) (u uniform; 0.5 rounds to
-// nearest), clamped to [-q, q], computed as a truncation of y + u + q, which
-// is then never negative. One flat loop over the block writes a byte per
-// value (it vectorises); a second packs them.
+template <bool kResidual>
+CLAWCOMM_INLINE float blockScale(BlockScale kind, int bits, const float* x, const float* r,
+                                 size_t block) {
+  switch (kind) {
+    case BlockScale::kMax: return blockScaleOf<BlockScale::kMax, kResidual>(bits, x, r, block);
+    case BlockScale::kL2: return blockScaleOf<BlockScale::kL2, kResidual>(bits, x, r, block);
+    default: return blockScaleOf<BlockScale::kMeanAbs, kResidual>(bits, x, r, block);
+  }
+}
+
+// One flat loop over the block writes a byte per value (it vectorises); a
+// second packs them.
 template <int kBits, bool kStochastic, bool kResidual>
 CLAWCOMM_INLINE void quantizeBlock(const float* x, float* r, size_t block, float scale,
                                    uint32_t base, uint8_t* level, uint8_t* codes) {
-  constexpr int q = kBits == 1 ? 1 : (1 << (kBits - 1)) - 1;
-  const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
+  const float inverse = quant::inverseOf(scale);
   uint8_t* lv = kBits == 8 ? codes : level;
   for (size_t i = 0; i < block; ++i) {
     const float a = kResidual ? x[i] + r[i] : x[i];
+    const float u = kBits > 1 && kStochastic ? quant::uniformAt(base, uint32_t(i)) : 0.5f;
     float decoded;
-    if constexpr (kBits == 1) {
-      lv[i] = a >= 0.0f ? 1 : 0;
-      decoded = a >= 0.0f ? scale : -scale;
-    } else {
-      const float u = kStochastic ? uniformAt(base, uint32_t(i)) : 0.5f;
-      const float t = std::min(std::max(a * inverse + u + float(q), 0.0f), float(2 * q));
-      const int l = int(t);    // floor: t >= 0
-      lv[i] = uint8_t(l + 1);  // v + 2^(bits-1), v = l - q
-      decoded = float(l - q) * scale;
-    }
+    lv[i] = quant::encodeValue<kBits>(a, scale, inverse, u, &decoded);
     if constexpr (kResidual) r[i] = a - decoded;
   }
   if constexpr (kBits < 8) {
@@ -103,7 +76,7 @@ CLAWCOMM_INLINE void decodeBlock(const uint8_t* codes, float scale, size_t block
                                  bool accumulate, float* out) {
   constexpr int kPerByte = 8 / kBits;
   constexpr uint64_t mask = (1u << kBits) - 1;
-  constexpr int offset = kBits == 1 ? 0 : 1 << (kBits - 1);
+  constexpr int kLanes = 8;  // one byte of 1-bit codes, 8 bytes of 8-bit ones
   const float s = scale * alpha;
   float v[kLanes];
   for (size_t i0 = 0; i0 < block; i0 += kLanes) {
@@ -111,7 +84,7 @@ CLAWCOMM_INLINE void decodeBlock(const uint8_t* codes, float scale, size_t block
     for (int b = 0; b < kBits; ++b) packed |= uint64_t(codes[i0 / kPerByte + size_t(b)]) << (8 * b);
     for (int l = 0; l < kLanes; ++l) {
       const int c = int((packed >> (kBits * l)) & mask);
-      v[l] = kBits == 1 ? float(2 * c - 1) * s : float(c - offset) * s;
+      v[l] = quant::decodeValue<kBits>(c, s);
     }
     float* o = out + i0;
     if (accumulate) {
@@ -134,7 +107,7 @@ CLAWCOMM_INLINE void quantizeAll(const QuantizeSpec& spec, const float* x, float
     const float scale = rb ? blockScale<true>(spec.scale, kBits, xb, rb, block)
                            : blockScale<false>(spec.scale, kBits, xb, rb, block);
     scales[b] = scale;
-    const auto base = uint32_t(splitmix64(seed ^ splitmix64(b)));
+    const uint32_t base = quant::blockBase(seed, b);
     uint8_t* cb = codes + b * bytes;
     uint8_t* lv = level.data();
     if (spec.stochastic) {

@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "common/dtype.h"
+#include "compress/quantize.h"
 
 namespace clawcomm {
 namespace cuda {
@@ -79,6 +80,17 @@ void scatterAddAtomic(float* dense, size_t n, const int32_t* idx, const float* v
 size_t scatterAddWorkspaceBytes(size_t m);
 void scatterAddDeterministic(float* dense, size_t n, const int32_t* idx, const float* val, size_t m,
                              float scale, void* workspace, Stream stream);
+
+// --- Block quantisation (cuda/quantize_kernels.cu) -------------------------
+
+// compress/quantize.h's quantizeBlocks and dequantizeBlocks on the GPU: the
+// same codes, scales and residual for the same seed (the per-value math is
+// compress/quantize_math.h's). n is a multiple of spec.block; residual may
+// be null, or n floats read and rewritten (it may alias x).
+void quantizeBlocks(const QuantizeSpec& spec, const float* x, float* residual, size_t n,
+                    uint64_t seed, uint8_t* codes, float* scales, Stream stream);
+void dequantizeBlocks(const QuantizeSpec& spec, const uint8_t* codes, const float* scales, size_t n,
+                      float alpha, bool accumulate, float* out, Stream stream);
 
 }  // namespace cuda
 }  // namespace clawcomm

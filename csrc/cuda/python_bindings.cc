@@ -125,6 +125,31 @@ void bindCuda(py::module_& m) {
       py::arg("seed") = 0, py::arg("stream") = 0, release,
       "Top-k with error feedback (grad may be 0: select from residual alone); the number "
       "selected lands in `count` (a device uint32).");
+  c.def(
+      "quantize",
+      [](P x, P codes, P scales, size_t n, int bits, size_t block, const std::string& scale,
+         bool stochastic, uint64_t seed, P residual, P s) {
+        cuda::quantizeBlocks(quantizeSpec(bits, block, scale, stochastic, "cuda::quantize"),
+                             ptr<const float>(x), ptr<float>(residual), n, seed,
+                             ptr<uint8_t>(codes), ptr<float>(scales), stream(s));
+      },
+      py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("n"), py::arg("bits"),
+      py::arg("block"), py::arg("scale") = "max", py::arg("stochastic") = true, py::arg("seed") = 0,
+      py::arg("residual") = 0, py::arg("stream") = 0, release,
+      "Block quantisation (compress/quantize.h) of n floats into n * bits / 8 bytes of codes "
+      "and n / block scales; residual 0: no error feedback. The CPU's bits for the same seed.");
+  c.def(
+      "dequantize",
+      [](P codes, P scales, P out, size_t n, int bits, size_t block, const std::string& scale,
+         float alpha, bool accumulate, P s) {
+        cuda::dequantizeBlocks(quantizeSpec(bits, block, scale, false, "cuda::dequantize"),
+                               ptr<const uint8_t>(codes), ptr<const float>(scales), n, alpha,
+                               accumulate, ptr<float>(out), stream(s));
+      },
+      py::arg("codes"), py::arg("scales"), py::arg("out"), py::arg("n"), py::arg("bits"),
+      py::arg("block"), py::arg("scale") = "max", py::arg("alpha") = 1.0f,
+      py::arg("accumulate") = false, py::arg("stream") = 0, release,
+      "out = alpha * decoded, or out += alpha * decoded (accumulate).");
   c.def("scatter_add_workspace_bytes", &cuda::scatterAddWorkspaceBytes, py::arg("m"));
   c.def(
       "scatter_add",

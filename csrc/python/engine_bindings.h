@@ -7,6 +7,9 @@
 
 #include <pybind11/pybind11.h>
 
+#include <string>
+
+#include "compress/quantize.h"
 #include "reduce/reduce_kernels.h"
 
 namespace clawcomm {
@@ -26,5 +29,10 @@ void bindTestHooks(pybind11::module_& m);
 // A SIMD level from its name ("portable", "avx2", "avx512"); None means the
 // active one.
 SimdLevel parseLevel(const pybind11::object& level);
+
+// A block quantiser's spec from the bindings' arguments (scale "max", "l2" or
+// "mean_abs"); throws InvalidArgument naming `op` on what does not fit.
+QuantizeSpec quantizeSpec(int bits, size_t block, const std::string& scale, bool stochastic,
+                          const char* op);
 
 }  // namespace clawcomm
