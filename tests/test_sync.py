@@ -1,7 +1,9 @@
-"""Communicating less often (``--sync local-sgd:H|diloco:H``, ``--fragments``):
-against single-process training where the two must agree, bytes against
-every-step averaging, replicas apart between meetings and equal after them,
-checkpoints resumed bit for bit, and the settings refused."""
+"""Communicating less often (``--sync local-sgd:H|diloco:H``, ``--fragments``,
+``--sync-delay``): against single-process training where the two must agree,
+bytes against every-step averaging, replicas apart between meetings and
+equal after them, delayed meetings against the algorithm written out in one
+process and not waiting for a late peer, checkpoints resumed bit for bit
+(with exchanges in flight too), and the settings refused."""
 
 from __future__ import annotations
 
@@ -86,18 +88,128 @@ def test_fragments_meet_in_turn_and_replicas_drift_in_between():
             assert same == met, (step + 1, f)
 
 
+def _inner(params, rank, step):
+    """A deterministic inner step that differs between replicas."""
+    for i, p in enumerate(params):
+        p.sub_(0.01 * (rank + 1) * (step + i) + 0.003 * torch.arange(p.numel()).view_as(p))
+
+
+def _delayed(rank, n, settings, steps):
+    import torch.distributed as dist
+
+    from clawcomm.train.outer import OuterSync
+
+    params = [torch.linspace(-1, 1, 6).view(2, 3), torch.linspace(0, 2, 4)]
+    outer = OuterSync(params, None, settings, dist.new_group(list(range(n))))
+    after = []
+    for step in range(1, steps + 1):
+        _inner(params, rank, step)
+        outer.after_step(step)
+        after.append([p.clone() for p in params])
+    outer.close()
+    return after
+
+
+def _delayed_reference(settings, n, steps):
+    """Streaming DiLoCo with delay and mix, written out for n replicas in
+    one process: fragment 0 is the first tensor, fragment 1 the second."""
+    from clawcomm.train.outer import parse_sync
+
+    _, period = parse_sync(settings.sync)
+    every = period // settings.fragments
+    reps = [[torch.linspace(-1, 1, 6).view(2, 3), torch.linspace(0, 2, 4)] for _ in range(n)]
+    anchor = [t.clone() for t in reps[0]]
+    momentum = [torch.zeros_like(t) for t in anchor]
+    flying, history = {}, []
+    for step in range(1, steps + 1):
+        for r in range(n):
+            _inner(reps[r], r, step)
+        if step % every == 0:
+            f = (step // every - 1) % settings.fragments
+            mean = sum(anchor[f] - reps[r][f] for r in range(n)) / n
+            flying[f] = (step + settings.sync_delay if step < steps else step, mean)
+        for f, (at, mean) in sorted(flying.items()):
+            if at <= step or step >= steps:
+                del flying[f]
+                momentum[f] = momentum[f] * settings.outer_momentum + mean
+                anchor[f] = anchor[f] - settings.outer_lr * (
+                    mean + settings.outer_momentum * momentum[f]
+                )
+                for r in range(n):
+                    reps[r][f] = (
+                        settings.sync_mix * reps[r][f] + (1 - settings.sync_mix) * anchor[f]
+                    )
+        history.append([[t.clone() for t in rep] for rep in reps])
+    return history
+
+
+@pytest.mark.parametrize("delay,mix", [(1, 0.0), (3, 0.5)])
+def test_delayed_meetings_land_as_streaming_diloco_writes_them(delay, mix):
+    """diloco:4 in 2 fragments, each exchange landing ``delay`` steps after
+    it was taken and mixed with the replica's own progress: the parameters
+    of the algorithm written out in one process, at every step (the last
+    step lands what is still in flight)."""
+    from types import SimpleNamespace
+
+    settings = SimpleNamespace(
+        sync="diloco:4", fragments=2, sync_delay=delay, sync_mix=mix, outer_lr=0.7,
+        outer_momentum=0.9, compression="", steps=9,
+    )  # fmt: skip
+    want = _delayed_reference(settings, 2, 9)
+    for rank, got in enumerate(run_ranks(_delayed, 2, settings, 9)):
+        for step in range(9):
+            for f in range(2):
+                where = f"rank {rank}, step {step + 1}, fragment {f}"
+                torch.testing.assert_close(got[step][f], want[step][rank][f], atol=1e-6, rtol=0,
+                                           msg=where)  # fmt: skip
+
+
+def _late_peer(rank, n):
+    import time
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from clawcomm.train.outer import OuterSync
+
+    settings = SimpleNamespace(
+        sync="diloco:2", fragments=1, sync_delay=1, sync_mix=0.0, outer_lr=0.7,
+        outer_momentum=0.9, compression="int8", steps=4,
+    )  # fmt: skip
+    params = [torch.randn(4096, generator=torch.Generator().manual_seed(rank))]
+    outer = OuterSync(params, None, settings, dist.new_group(list(range(n))))
+    if rank == 1:
+        time.sleep(1.5)  # the peer is late to the meeting
+    t0 = time.perf_counter()
+    outer.after_step(2)  # due: the exchange starts on its thread
+    took = time.perf_counter() - t0
+    outer.after_step(3)  # lands: waits for the late peer
+    outer.close()
+    return took
+
+
+def test_a_delayed_meeting_does_not_wait_for_a_late_peer():
+    took = run_ranks(_late_peer, 2)
+    assert took[0] < 0.5, took
+
+
 @pytest.mark.parametrize(
-    "pp,sync,fragments,compression",
-    [(2, "diloco:2", 1, "int8"), (1, "diloco:4", 2, "sign"), (1, "local-sgd:2", 1, "")],
-)
+    "pp,sync,fragments,compression,delay",
+    [(2, "diloco:2", 1, "int8", 0), (1, "diloco:4", 2, "sign", 0), (1, "local-sgd:2", 1, "", 0),
+     (1, "diloco:4", 2, "int8", 2), (2, "diloco:4", 1, "sign", 3)],
+)  # fmt: skip
 def test_a_resumed_sync_run_reproduces_the_uninterrupted_one_bit_for_bit(
-    tmp_path, pp, sync, fragments, compression
+    tmp_path, pp, sync, fragments, compression, delay
 ):
     """Saved between meetings (replicas apart, each with its own weights and
     inner optimizer state), with the anchor, outer momentum and the
-    compressor's residuals: the resumed run repeats the uninterrupted one."""
-    cfg = _ckpt_config(dp=2, pp=pp, sync=sync, fragments=fragments, compression=compression,
-                       microbatches=2)  # fmt: skip
+    compressor's residuals, and with delay an exchange in flight (taken
+    after step 2, landing after 4 or 5): the resumed run repeats the
+    uninterrupted one."""
+    cfg = _ckpt_config(
+        dp=2, pp=pp, sync=sync, fragments=fragments, compression=compression, microbatches=2,
+        sync_delay=delay, sync_mix=0.5 if delay else 0.0,
+    )  # fmt: skip
     n = 2 * pp
     whole = run_ranks(_run, n, cfg, 6, False, timeout=300)
     cfg = dataclasses.replace(cfg, checkpoint_dir=str(tmp_path), checkpoint_every=3)
@@ -129,6 +241,8 @@ def test_a_sync_checkpoint_refuses_another_sync_or_width(tmp_path):
         ({"sync": "diloco:4", "fragments": 3}, "fragments 3 must be >= 1 and divide"),
         ({"sync": "diloco:4", "outer_lr": 0.0}, "outer_lr must be > 0"),
         ({"sync": "diloco:4", "outer_momentum": 1.0}, "outer_momentum in \\[0, 1\\)"),
+        ({"sync": "diloco:4", "sync_delay": 4}, "sync_delay must be in \\[0, H\\) \\(H 4\\)"),
+        ({"sync": "diloco:4", "sync_mix": 1.5}, "sync_mix in \\[0, 1\\], got 0 and 1.5"),
     ],
 )
 def test_bad_sync_settings_are_refused(kw, message):

@@ -33,7 +33,9 @@ import json
 import sys
 import time
 
-from clawcomm.experiments import lab, tasks
+from clawcomm.experiments import lab, layout, tasks
+from clawcomm.experiments.layout import parse_layout
+from clawcomm.experiments.methods import COMPUTE, parse_method
 
 DEFAULT = (
     "none,fp16,powersgd:4,int8,qsgd:4,sign,topk:0.01,dgc:0.01,randomk:0.01,diloco:32,"
@@ -42,13 +44,19 @@ DEFAULT = (
 
 
 # Per model: steps, batch per rank, learning rate.
-COMPUTE = "compute"  # the pseudo-method that exchanges nothing
 MODEL_DEFAULTS = {"mlp": (1000, 32, 0.15), "gpt": (300, 16, 3e-3)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=("mlp", "gpt"), default="mlp", help="task (mlp)")
-    p.add_argument("--nproc", type=int, default=2, help="local ranks (2)")
+    p.add_argument("--nproc", type=int, default=None, help="local ranks (2; or dp x pp)")
+    p.add_argument(
+        "--layout",
+        metavar="DPxPP",
+        help="data-parallel replicas x pipeline ranks (2x1, the default; with PP > 1 every "
+        "method trains through clawcomm train's pipeline, each stage exchanging over its own "
+        "data-parallel group)",
+    )
     p.add_argument("-c", "--compressors", "--methods", default=DEFAULT,
                    help=f"comma list of compressor specs ({DEFAULT})")  # fmt: skip
     p.add_argument("--steps", type=int, default=None, help="training steps (mlp 1000, gpt 300)")
@@ -72,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "when GPUs are fewer), compressed by clawcomm's CUDA kernels",
     )
     p.add_argument("--links", metavar="RATES",
-                   help="comma list of link rates (1gbit,10gbit): run on 2 namespace hosts "
+                   help="comma list of link rates (1gbit,10gbit): run on namespace hosts "
                         "with shaped links (root, iproute2)")  # fmt: skip
     p.add_argument("--target-loss", type=float, default=None,
                    help="loss to time methods to (default: 1.05 x dense's final loss)")  # fmt: skip
@@ -95,6 +103,13 @@ def _wire_bytes(device: str) -> int:
     return sum(v["bytes_sent"] for d in devices for v in clawcomm.comm_stats(device=d).values())
 
 
+def train_any(rank: int, world_size: int, spec: str, cfg: dict) -> dict | None:
+    """One run on one rank: through DDP, or at pp > 1 through the trainer
+    (clawcomm.experiments.layout); rank 0 returns the measurements."""
+    run = layout.train if cfg.get("pp", 1) > 1 else train
+    return run(rank, world_size, spec, cfg)
+
+
 def train(rank: int, world_size: int, spec: str, cfg: dict) -> dict | None:
     """One run on one rank; rank 0 returns the measurements."""
     import torch
@@ -108,26 +123,22 @@ def train(rank: int, world_size: int, spec: str, cfg: dict) -> dict | None:
         torch.cuda.set_device(rank % torch.cuda.device_count())
     task = tasks.gpt_task if cfg["model"] == "gpt" else tasks.mlp_task
     model, loss_fn, make_opt, batch, evaluate = task(cfg, rank)
-    sync, compressor = split_method(spec)
+    method = parse_method(spec)
     outer = None
     if spec == COMPUTE:  # the same steps, nothing exchanged: the bound
         ddp = DDP(model.to(device))
         ddp.register_comm_hook(None, _no_exchange)
-    elif sync == "every-step":
+    elif method.sync == "every-step":
         ddp = DDP(model.to(device))
-        hook = CompressionHookState(compressor, warmup_steps=cfg["warmup"])
+        hook = CompressionHookState(method.compressor, warmup_steps=cfg["warmup"])
         ddp.register_comm_hook(hook, compression_hook)
     else:  # replicas on their own, meeting every H steps (clawcomm.train.outer)
-        from types import SimpleNamespace
-
         from clawcomm.train.outer import OuterSync
 
         ddp = model.to(device)
-        settings = SimpleNamespace(
-            sync=sync, outer_lr=cfg["outer_lr"], outer_momentum=cfg["outer_momentum"],
-            fragments=1, compression="" if compressor == "none" else compressor,
-        )  # fmt: skip
-        outer = OuterSync(list(model.parameters()), None, settings)
+        # Delayed meetings exchange on a thread, over a group of their own.
+        exchange = dist.new_group(list(range(world_size))) if method.delay else None
+        outer = OuterSync(list(model.parameters()), None, method.outer_settings(cfg), exchange)
     opt = make_opt(ddp.parameters())
     # Linear decay to zero: the final loss then measures where training
     # converged rather than the noise of the last mini-batches.
@@ -153,6 +164,8 @@ def train(rank: int, world_size: int, spec: str, cfg: dict) -> dict | None:
         step_seconds += time.perf_counter() - t0
         if step % every == 0 or step == cfg["steps"]:
             curve.append((step, evaluate()[0], _wire_bytes(device) - start, step_seconds))
+    if outer is not None:
+        outer.close()
     if device == "cuda":
         torch.cuda.synchronize()
     sent = _wire_bytes(device) - before
@@ -178,17 +191,6 @@ def _no_exchange(state, bucket):
     return fut
 
 
-def split_method(spec: str) -> tuple[str, str]:
-    """'diloco:32+int8' -> ('diloco:32', 'int8'); 'topk:0.01+fp16' ->
-    ('every-step', 'topk:0.01+fp16'): a method is a sync mode of
-    ``clawcomm train --sync`` (then its compressor after a '+') or a
-    compressor alone."""
-    if spec.startswith(("diloco:", "local-sgd:")):
-        sync, _, compressor = spec.partition("+")
-        return sync, compressor or "none"
-    return "every-step", spec
-
-
 def torch_lr_schedule(opt, steps: int):
     import torch
 
@@ -196,10 +198,8 @@ def torch_lr_schedule(opt, steps: int):
 
 
 def run(args) -> int:
-    from clawcomm.compression import get_compressor
     from clawcomm.model import CostModel
     from clawcomm.testing import run_ranks
-    from clawcomm.train.outer import parse_sync
 
     specs = [s.strip() for s in args.compressors.split(",") if s.strip()]
     steps, batch, lr = MODEL_DEFAULTS[args.model]
@@ -207,14 +207,16 @@ def run(args) -> int:
     args.batch = batch if args.batch is None else args.batch
     args.lr = lr if args.lr is None else args.lr
     try:
+        args.dp, args.pp = parse_layout(args.layout) if args.layout else (args.nproc or 2, 1)
+        if args.nproc not in (None, args.dp * args.pp):
+            raise ValueError(f"--nproc {args.nproc} is not --layout {args.layout}'s dp x pp")
+        args.nproc = args.dp * args.pp
         for s in specs:
-            if s == COMPUTE:
-                continue
-            sync, compressor = split_method(s)
-            parse_sync(sync)
-            get_compressor(compressor)
+            parse_method(s, vars(args))
         if args.nproc < 1 or args.steps < 1 or args.batch < 1 or args.warmup < 0:
             raise ValueError("--nproc, --steps and --batch must be positive, --warmup >= 0")
+        if args.pp > 1:
+            layout.check(vars(args))
         if args.device == "cuda":
             import torch
 
@@ -237,6 +239,8 @@ def run(args) -> int:
             "device",
             "outer_lr",
             "outer_momentum",
+            "dp",
+            "pp",
         )
     }
     links = [x.strip() for x in (args.links or "").split(",") if x.strip()]
@@ -259,7 +263,7 @@ def run(args) -> int:
             for spec in runs:
                 if progress is not None:
                     progress.set_description(spec)
-                out = run_ranks(train, args.nproc, spec, cfg, timeout=3600,
+                out = run_ranks(train_any, args.nproc, spec, cfg, timeout=3600,
                                 env={"CLAWCOMM_TRANSPORT": args.transport})  # fmt: skip
                 groups["one host"].append(out[0])
                 if progress is not None:
@@ -273,7 +277,10 @@ def run(args) -> int:
     report = {}
     for link, results in groups.items():
         report[link] = lab.analyse(results, args.target_loss, link if links else None, model)
-        where = f"2 hosts, links {link}" if links else f"{args.nproc} ranks on one host"
+        shape = f"dp {args.dp} x pp {args.pp}" if args.pp > 1 else ""
+        where = (
+            f"{args.nproc} hosts, links {link}" if links else f"{args.nproc} ranks on one host"
+        ) + (f", {shape}" if shape else "")
         print(
             f"# clawcomm experiment compression: {task} ({results[0]['parameters']} parameters), "
             f"{where}, {args.steps} steps of {args.batch} {what}/rank, {args.warmup} dense "

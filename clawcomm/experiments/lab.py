@@ -14,9 +14,10 @@ hosts plus its time at N (an all-reduce of the bytes per step; an
 all-gather of N times them for the sparse methods, whose pairs every rank
 gathers).
 
-``--links 1gbit,10gbit`` runs every method on two network-namespace hosts
-(``clawcomm.testing.netns``) whose links are shaped to that rate, one rank
-each, under torchrun: the step time is measured on that link, not modelled.
+``--links 1gbit,10gbit`` runs every method on network-namespace hosts
+(``clawcomm.testing.netns``; two, or dp x pp with ``--layout``) whose links
+are shaped to that rate, one rank each, under torchrun: the step time is
+measured on that link, not modelled.
 Where namespaces cannot be made (no root, no iproute2) it says why and runs
 on one host.
 """
@@ -98,8 +99,9 @@ def analyse(results: list[dict], target: float | None, link: str | None, model=N
 
 def table(results: list[dict]) -> str:
     dense = next((r for r in results if r["compressor"] == "none"), results[0])
+    width = max([18] + [len(r["compressor"]) for r in results])
     head = (
-        "# method              bytes/step  vs dense  step ms  final loss  test acc  loss gap"
+        f"# {'method':<{width}}  bytes/step  vs dense  step ms  final loss  test acc  loss gap"
         "  to target: steps      s  gap closed  step ms at 8/64/512 hosts (model)"
     )
     lines = [head]
@@ -113,7 +115,7 @@ def table(results: list[dict]) -> str:
         closed = r.get("gap_closed")
         proj = r.get("projected_step_ms", {})
         lines.append(
-            f"  {r['compressor']:<18} {r['bytes_per_step']:11.0f} {ratio:8.2%} "
+            f"  {r['compressor']:<{width}} {r['bytes_per_step']:11.0f} {ratio:8.2%} "
             f"{r['step_ms']:8.2f} {loss} {r['test_accuracy']:8.2%} "
             + (f"{gap:+9.2%}" if finite else "      n/a")
             + (f"  {steps:16d} {secs:6.1f}" if steps else f"  {'never':>16} {'-':>6}")
@@ -162,12 +164,14 @@ def plot(groups: dict[str, list[dict]], path: str, title: str, ylabel: str) -> N
 
 
 def run_on_link(specs: list[str], cfg: dict, link: str, timeout: float, progress) -> list[dict]:
-    """Every method on 2 namespace hosts (one rank each) whose links run at
-    ``link``; raises RuntimeError with the hosts' output if a run fails."""
+    """Every method on namespace hosts (dp x pp of them, 2 by default; one
+    rank each) whose links run at ``link``; raises RuntimeError with the
+    hosts' output if a run fails."""
     from clawcomm.testing.netns import Cluster
 
     results = []
-    with Cluster(2, rate=link) as cluster, tempfile.TemporaryDirectory() as tmp:
+    hosts = cfg.get("dp", 2) * cfg.get("pp", 1)
+    with Cluster(hosts, rate=link) as cluster, tempfile.TemporaryDirectory() as tmp:
         for spec in specs:
             if progress is not None:
                 progress.set_description(f"{spec} @ {link}")

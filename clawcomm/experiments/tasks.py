@@ -63,6 +63,40 @@ def mlp_task(cfg: dict, rank: int):
     return model, loss_fn, make_opt, batch, evaluate
 
 
+def gpt_held_out(ds, dev):
+    """32 fixed batches of 16 sequences from the held-out 10%."""
+    import torch
+
+    return [
+        tuple(
+            t.to(dev)
+            for t in ds.batch(
+                torch.randint(
+                    0, len(ds.val) - 65, (16,), generator=torch.Generator().manual_seed(i)
+                ),
+                "val",
+            )
+        )
+        for i in range(32)
+    ]
+
+
+def gpt_evaluate(model, held_out) -> tuple[float, float]:
+    """Loss and next-character accuracy of ``model`` on ``held_out``."""
+    import torch
+
+    from clawcomm.train import models
+
+    total = correct = tokens = 0.0
+    with torch.no_grad():
+        for x, y in held_out:
+            logits = model(x)
+            total += float(models.gpt_loss(logits, y))
+            correct += float((logits.argmax(-1) == y).sum())
+            tokens += y.numel()
+    return total / tokens, correct / tokens
+
+
 def gpt_task(cfg: dict, rank: int):
     import torch
 
@@ -77,18 +111,7 @@ def gpt_task(cfg: dict, rank: int):
 
     gen = torch.Generator().manual_seed(cfg["seed"] * 1000 + rank)
     dev = cfg.get("device", "cpu")
-    held_out = [
-        tuple(
-            t.to(dev)
-            for t in ds.batch(
-                torch.randint(
-                    0, len(ds.val) - 65, (16,), generator=torch.Generator().manual_seed(i)
-                ),
-                "val",
-            )
-        )
-        for i in range(32)
-    ]
+    held_out = gpt_held_out(ds, dev)
 
     def make_opt(params):
         return torch.optim.AdamW(params, lr=cfg["lr"], weight_decay=cfg["weight_decay"])
@@ -98,13 +121,6 @@ def gpt_task(cfg: dict, rank: int):
         return x.to(dev), y.to(dev)
 
     def evaluate():
-        total = correct = tokens = 0.0
-        with torch.no_grad():
-            for x, y in held_out:
-                logits = model(x)
-                total += float(models.gpt_loss(logits, y))
-                correct += float((logits.argmax(-1) == y).sum())
-                tokens += y.numel()
-        return total / tokens, correct / tokens
+        return gpt_evaluate(model, held_out)
 
     return model, loss_fn, make_opt, batch, evaluate

@@ -15,11 +15,11 @@ def main(argv: list[str]) -> int:
     import torch.distributed as dist
 
     import clawcomm  # noqa: F401  (registers the backend)
-    from clawcomm.experiments.compression import train
+    from clawcomm.experiments.compression import train_any
 
     dist.init_process_group("clawcomm")
     try:
-        result = train(dist.get_rank(), dist.get_world_size(), spec, json.loads(config))
+        result = train_any(dist.get_rank(), dist.get_world_size(), spec, json.loads(config))
         if result is not None:
             with open(out, "w") as f:
                 json.dump(result, f)

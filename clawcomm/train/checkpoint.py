@@ -8,7 +8,8 @@ layout can find its part:
     optim/<name>/<key>         its optimizer state (momentum, Adam moments, step)
     outer/...                  --sync local-sgd/diloco: the anchor and outer momentum
                                by parameter, the compressor's buffers by fragment
-                               and replica; model/ and optim/ then take a dp<d>/
+                               and replica, the exchanges in flight (--sync-delay)
+                               by fragment; model/ and optim/ then take a dp<d>/
                                scope, each replica's weights being its own
     residual/dp<d>/<name>      error-feedback residual of data-parallel rank d
     momentum/dp<d>/<name>      its DGC momentum (the compressor's, not the optimizer's)

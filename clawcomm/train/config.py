@@ -77,6 +77,16 @@ class TrainConfig:
     fragments: int = _opt(
         1, "local-sgd/diloco: meet in this many fragments, one every H/F steps (Streaming DiLoCo)"
     )
+    sync_delay: int = _opt(
+        0,
+        "local-sgd/diloco: inner steps a meeting's exchange runs behind, on a thread of its own "
+        "(Streaming DiLoCo's tau, < H; 0: the replicas wait for it)",
+    )
+    sync_mix: float = _opt(
+        0.0,
+        "with --sync-delay: the share of its own parameters a replica keeps when the delayed "
+        "result lands (Streaming DiLoCo's alpha; 0: it takes the outer result, as torchft does)",
+    )
     bucket_cap_mb: float = _opt(25.0, "gradient bucket size")
     overlap: bool = _opt(True, "reduce buckets while the pipeline drains")
     zero: int = _opt(

@@ -180,8 +180,10 @@ def describe(cfg, cuts: list[int], peak_lr: float, zero: bool) -> str:
     stages = ", ".join(f"{s}: layers {cuts[s]}-{cuts[s + 1] - 1}" for s in range(cfg.num_stages))
     sync = ""
     if cfg.sync != "every-step" and cfg.dp > 1:
-        sync = f", replicas meet {cfg.sync}" + (
-            f" in {cfg.fragments} fragments" if cfg.fragments > 1 else ""
+        sync = (
+            f", replicas meet {cfg.sync}"
+            + (f" in {cfg.fragments} fragments" if cfg.fragments > 1 else "")
+            + (f", {cfg.sync_delay} steps behind (mix {cfg.sync_mix})" if cfg.sync_delay else "")
         )
     return (
         f"effective batch {cfg.effective_batch} = micro-batch {cfg.micro_batch_size} x "

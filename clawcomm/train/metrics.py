@@ -225,18 +225,19 @@ def _predicted_bubble(rows, cfg, grid, plan, p2p_latency: float) -> dict:
 class Traffic:
     """Bytes this rank sent through its groups' engines: every group, the
     pipeline group and the data-parallel group, and the last by kind of
-    collective (clawcomm groups only). ``params_group``: ZeRO-3's parameter
-    gathers' group, counted as data-parallel."""
+    collective (clawcomm groups only). ``second_dp``: a second group of the
+    data-parallel ranks (ZeRO-3's parameter gathers, the delayed exchanges of
+    --sync-delay), counted as data-parallel."""
 
     DP_KINDS = ("reduce_scatter", "all_gather", "all_reduce", "all_to_all")
     WIDTH = 3 + 2 * len(DP_KINDS)  # len(sent())
 
-    def __init__(self, pp_group, dp_group, other_groups=(), params_group=None):
-        self._groups = (pp_group, dp_group, params_group, tuple(other_groups))
+    def __init__(self, pp_group, dp_group, other_groups=(), second_dp=None):
+        self._groups = (pp_group, dp_group, second_dp, tuple(other_groups))
         self._engines = None  # found on first use (after every group exists)
 
     def engines(self) -> tuple[list, dict]:
-        """(every group's engine, {"pp"/"dp"/"dp params": engine}); empty
+        """(every group's engine, {"pp"/"dp"/"dp 2": engine}); empty
         off clawcomm."""
         if not dist.is_initialized() or dist.get_backend() != "clawcomm":
             return [], {}
@@ -246,7 +247,7 @@ class Traffic:
             pp, dp, params, others = self._groups
             groups = (None, pp, dp, params, *others)
             engines = {id(g): clawcomm.engine_of(g) for g in groups}
-            labelled = (("pp", pp), ("dp", dp), ("dp params", params))
+            labelled = (("pp", pp), ("dp", dp), ("dp 2", params))
             named = {k: engines[id(g)] for k, g in labelled if g is not None}
             self._engines = (list(engines.values()), named)
         return self._engines
@@ -260,7 +261,7 @@ class Traffic:
         def total(e) -> int:
             return sum(v["bytes_sent"] for v in stats[id(e)].values())
 
-        dps = [named[k] for k in ("dp", "dp params") if k in named]
+        dps = [named[k] for k in ("dp", "dp 2") if k in named]
 
         def by_kind(field: str) -> list[int]:
             return [sum(stats[id(e)].get(k, {}).get(field, 0) for e in dps) for k in self.DP_KINDS]

@@ -151,8 +151,11 @@ class Trainer:
         )
         self.reducer = self.outer = None
         tied = {id(p) for p, _, _ in self._ties}
+        exchange_group = None
         if cfg.dp > 1 and cfg.sync != "every-step":  # replicas meet every H steps
-            self.outer = OuterSync(self.params, self.dp_group, cfg)
+            # Delayed meetings exchange on a thread, over a group of their own.
+            exchange_group = self.grid.make_dp_group() if cfg.sync_delay else None
+            self.outer = OuterSync(self.params, self.dp_group, cfg, exchange_group)
         elif cfg.dp > 1:
             compressor = get_compressor(cfg.compression) if cfg.compression else None
             self.reducer = GradReducer(
@@ -201,7 +204,7 @@ class Trainer:
         self.tracker = Trackers(self.reducer, self.units) if self.units else self.reducer
         self.step_index = 0
         self.traffic = Traffic(
-            self.pp_group, self.dp_group, (t[1] for t in self._ties), params_group
+            self.pp_group, self.dp_group, (t[1] for t in self._ties), params_group or exchange_group
         )
         self._mark = None  # traffic where the next step's figures start (ZeRO: its gathers)
         self._deferring = False  # inside fit: the step's gathers may land in the next one
@@ -268,8 +271,9 @@ class Trainer:
         t_opt = time.perf_counter()
         self.optimizer.step()
         self._mark = None
-        if self.outer is not None and self.outer.due(self.step_index + 1):
-            self._mark = self.traffic.sent()  # (the meeting's bytes count in the next step)
+        if self.outer is not None:
+            if self.outer.due(self.step_index + 1):  # (the meeting's bytes count in the next step)
+                self._mark = self.traffic.sent()
             self.outer.after_step(self.step_index + 1)
         if self.units is not None:  # gathered as the next step needs them (its bytes, too)
             self._mark = self.traffic.sent()
@@ -471,5 +475,7 @@ class Trainer:
         self.wait_checkpoint()
         if self.reducer is not None:
             self.reducer.close()
+        if self.outer is not None:
+            self.outer.close()
         if self.units is not None:
             self.units.close()
