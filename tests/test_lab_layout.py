@@ -89,3 +89,15 @@ def test_the_lab_runs_methods_through_the_pipeline_at_dp_x_pp(tmp_path):
 def test_bad_layouts_are_refused(args, message):
     p = _lab("-c", "none", *args, timeout=120)
     assert p.returncode == 2 and message in p.stderr, p.stderr[-2000:]
+
+
+def test_delayed_meetings_count_their_bytes_in_the_lab(tmp_path):
+    """On the DDP path the delayed exchanges run over a group of their own;
+    the lab counts its bytes too: the same bytes as meeting on time."""
+    out = tmp_path / "d.json"
+    p = _lab("--model", "mlp", "--steps", "16", "--warmup", "0", "-c",
+             "diloco:4,diloco:4:delay=2", "--json", str(out))  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    by = {r["compressor"]: r for r in json.loads(out.read_text())["links"]["one host"]["results"]}
+    on_time, late = by["diloco:4"]["bytes_per_step"], by["diloco:4:delay=2"]["bytes_per_step"]
+    assert on_time > 0 and late == pytest.approx(on_time, rel=0.02)

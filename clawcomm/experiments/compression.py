@@ -94,13 +94,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def _wire_bytes(device: str) -> int:
-    """Bytes this rank sent so far, on the CPU communicator and, for CUDA
-    runs, the CUDA one (CUDA IPC payload included)."""
+def _wire_bytes(device: str, groups=(None,)) -> int:
+    """Bytes this rank sent so far through ``groups`` (None: the default
+    group), on the CPU communicator and, for CUDA runs, the CUDA one (CUDA
+    IPC payload included)."""
     import clawcomm
 
     devices = ["cpu"] + (["cuda"] if device == "cuda" else [])
-    return sum(v["bytes_sent"] for d in devices for v in clawcomm.comm_stats(device=d).values())
+    return sum(
+        v["bytes_sent"]
+        for g in groups
+        for d in devices
+        for v in clawcomm.comm_stats(g, device=d).values()
+    )
 
 
 def train_any(rank: int, world_size: int, spec: str, cfg: dict) -> dict | None:
@@ -124,7 +130,7 @@ def train(rank: int, world_size: int, spec: str, cfg: dict) -> dict | None:
     task = tasks.gpt_task if cfg["model"] == "gpt" else tasks.mlp_task
     model, loss_fn, make_opt, batch, evaluate = task(cfg, rank)
     method = parse_method(spec)
-    outer = None
+    outer, groups = None, (None,)  # the groups whose bytes count
     if spec == COMPUTE:  # the same steps, nothing exchanged: the bound
         ddp = DDP(model.to(device))
         ddp.register_comm_hook(None, _no_exchange)
@@ -139,20 +145,22 @@ def train(rank: int, world_size: int, spec: str, cfg: dict) -> dict | None:
         # Delayed meetings exchange on a thread, over a group of their own.
         exchange = dist.new_group(list(range(world_size))) if method.delay else None
         outer = OuterSync(list(model.parameters()), None, method.outer_settings(cfg), exchange)
+        if exchange is not None:
+            groups = (None, exchange)
     opt = make_opt(ddp.parameters())
     # Linear decay to zero: the final loss then measures where training
     # converged rather than the noise of the last mini-batches.
     schedule = torch_lr_schedule(opt, cfg["steps"])
     every = max(1, cfg["steps"] // 50)
     # The curve: (step, loss, bytes sent so far, seconds of steps so far), measured.
-    start = _wire_bytes(device)
+    start = _wire_bytes(device, groups)
     curve, step_seconds = [(0, evaluate()[0], 0, 0.0)], 0.0
     # Bytes count the compressed steps (all of them if the warm-up is longer than the run).
     counted = cfg["warmup"] + 1 if cfg["warmup"] < cfg["steps"] else 1
     before = start
     for step in range(1, cfg["steps"] + 1):
         if step == counted:  # bytes per step count compressed steps only
-            before = _wire_bytes(device)
+            before = _wire_bytes(device, groups)
         x, y = batch()
         t0 = time.perf_counter()
         opt.zero_grad()
@@ -163,12 +171,12 @@ def train(rank: int, world_size: int, spec: str, cfg: dict) -> dict | None:
             outer.after_step(step)
         step_seconds += time.perf_counter() - t0
         if step % every == 0 or step == cfg["steps"]:
-            curve.append((step, evaluate()[0], _wire_bytes(device) - start, step_seconds))
+            curve.append((step, evaluate()[0], _wire_bytes(device, groups) - start, step_seconds))
     if outer is not None:
         outer.close()
     if device == "cuda":
         torch.cuda.synchronize()
-    sent = _wire_bytes(device) - before
+    sent = _wire_bytes(device, groups) - before
     final_loss, accuracy = evaluate()
     result = {
         "compressor": spec,
