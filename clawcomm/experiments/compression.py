@@ -5,10 +5,14 @@ compressor, on local ranks, with wire traffic measured by clawcomm.
     clawcomm experiment compression --nproc 4 -c none,topk:0.01,topk:0.001 \\
         --json out.json --plot out.png
     clawcomm experiment compression --model gpt         # the trainer's GPT
+    clawcomm experiment compression --layout 2x2 -c none,int8,diloco:8:fragments=2:delay=1
 
 Two tasks, both offline, trained through stock torch DDP on the clawcomm
-backend with each compressor installed as a DDP comm hook (clawcomm.hooks);
-every run starts from the same weights and sees the same batches:
+backend with each compressor installed as a DDP comm hook (clawcomm.hooks),
+or at ``--layout DPxPP`` with PP > 1 through the trainer's pipeline
+(clawcomm.experiments.layout); sync methods (clawcomm.experiments.methods)
+meet through ``clawcomm.train.outer``. Every run starts from the same
+weights and sees the same batches:
 
 - ``mlp`` (default): scikit-learn's bundled digits (1797 8x8 images, 10
   classes), an MLP (64-256-256-10, 85k parameters), SGD (momentum 0.5,
