@@ -102,6 +102,11 @@ def _split(params: list[torch.Tensor], parts: int) -> list[list[int]]:
     return runs
 
 
+def _result(entry):
+    """A pending exchange's averaged delta, waiting for it if in flight."""
+    return entry if isinstance(entry, torch.Tensor) else entry.result()
+
+
 class OuterSync:
     """The meetings of one rank's parameters with their data-parallel
     replicas (module docstring). ``exchange_group``: the data-parallel group
@@ -150,9 +155,8 @@ class OuterSync:
             lands = step if step >= self.last_step else step + self.delay
             self.pending[f] = [lands, self._executor.submit(self._average, f, self._delta(f))]
         for f, (at, _) in sorted(self.pending.items()):
-            if at <= step or step >= self.last_step:
-                self.settle()
-                self._apply(f, self.pending.pop(f)[1], self.mix)
+            if at <= step or step >= self.last_step:  # waits for this exchange only
+                self._apply(f, _result(self.pending.pop(f)[1]), self.mix)
 
     def close(self) -> None:
         if self._executor is not None:
@@ -162,8 +166,7 @@ class OuterSync:
     def settle(self) -> None:
         """Waits for the exchanges in flight (their results stay pending)."""
         for entry in self.pending.values():
-            if not isinstance(entry[1], torch.Tensor):
-                entry[1] = entry[1].result()
+            entry[1] = _result(entry[1])
 
     @torch.no_grad()
     def meet(self, f: int) -> None:
@@ -242,7 +245,7 @@ class OuterSync:
         return out
 
     def small_state(self) -> dict:
-        lands = {f: at for f, (at, _) in self.pending.items() if at is not None}
+        lands = {f: at for f, (at, _) in self.pending.items()}
         return {"calls": dict(self.state.calls), "memory": dict(self.state.memory), "lands": lands}
 
     def load_small_state(self, state: dict) -> None:
