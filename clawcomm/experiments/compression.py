@@ -38,7 +38,6 @@ import sys
 import time
 
 from clawcomm.experiments import lab, layout, tasks
-from clawcomm.experiments.layout import parse_layout
 from clawcomm.experiments.methods import COMPUTE, parse_method
 
 DEFAULT = (
@@ -219,7 +218,7 @@ def run(args) -> int:
     args.batch = batch if args.batch is None else args.batch
     args.lr = lr if args.lr is None else args.lr
     try:
-        args.dp, args.pp = parse_layout(args.layout) if args.layout else (args.nproc or 2, 1)
+        args.dp, args.pp = layout.parse_layout(args.layout) if args.layout else (args.nproc or 2, 1)
         if args.nproc not in (None, args.dp * args.pp):
             raise ValueError(f"--nproc {args.nproc} is not --layout {args.layout}'s dp x pp")
         args.nproc = args.dp * args.pp
