@@ -1,10 +1,10 @@
 """Each compression method's local pass on the CPU against the memory
 bandwidth it touches, in one run (issue 24's figure: at least 50%).
 
-For N float32 values (16M by default) it times, best of --repeats:
+For N float32 values (16M by default) it times, in --repeats rounds beside a copy:
 
-* the quantisers' encode (csrc/compress/quantize.cc): int8, int4, qsgd:4,
-  qsgd:2, terngrad read 4N bytes and write N bits/8; sign also reads and
+* the quantisers' encode (csrc/compress/quantize_avx2.cc on AVX2): int8,
+  int4, qsgd:4, qsgd:2, terngrad read 4N bytes and write N bits/8; sign also reads and
   writes its residual (12N more); the receiving side's decode-and-add of
   int8 reads N + 4N and writes 4N;
 * threshold's fold + scan (reads gradient and residual, writes both: 16N);
@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from clawcomm import _C
 from clawcomm.compression import CompressorState
@@ -46,44 +48,58 @@ def best_of(fn, repeats, setup=lambda: None):
 
 
 def passes(n: int, repeats: int) -> list[dict]:
+    """Each pass timed beside a copy: in each of `repeats` rounds, the copy
+    then every pass, each the best of two; a pass's share of the copy is the
+    median over rounds of its bandwidth against that round's copy, so a
+    machine whose speed drifts (a shared 2-core VM's does) does not tilt it."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal(n).astype(np.float32)
     dst = np.empty_like(x)
-    copy = best_of(lambda: np.copyto(dst, x), repeats)
-    copy_gbs = 8 * n / copy / 1e9
-    rows = [{"pass": "memcpy (reference)", "ms": copy * 1e3, "bytes": 8 * n}]
+    work = []  # (name, bytes touched, pass, setup)
     for name, bits, scale, block in [("int8", 8, "max", 256), ("int4", 4, "max", 256),
                                      ("qsgd:4", 4, "l2", 512), ("qsgd:2", 2, "l2", 128),
                                      ("terngrad", 2, "max", 256)]:  # fmt: skip
         codes = np.empty(n * bits // 8, np.uint8)
         scales = np.empty(n // block, np.float32)
         args = (x, codes, scales, bits, block, scale, True, 1)
-        t = best_of(lambda args=args: _C.compress.quantize(*args), repeats)
-        rows.append({"pass": f"{name} encode", "ms": t * 1e3, "bytes": 4 * n + n * bits // 8})
+        work.append((f"{name} encode", 4 * n + n * bits // 8,
+                     lambda args=args: _C.compress.quantize(*args), None))  # fmt: skip
     r = np.zeros(n, np.float32)
-    codes, scales = np.empty(n // 8, np.uint8), np.empty(n // 1024, np.float32)
-    t = best_of(lambda: _C.compress.quantize(x, codes, scales, 1, 1024, "mean_abs", False, 1, r),
-                repeats)  # fmt: skip
-    rows.append({"pass": "sign encode + residual", "ms": t * 1e3, "bytes": 16 * n + n // 8})
+    codes1, scales1 = np.empty(n // 8, np.uint8), np.empty(n // 1024, np.float32)
+    work.append(("sign encode + residual", 16 * n + n // 8,
+                 lambda: _C.compress.quantize(x, codes1, scales1, 1, 1024, "mean_abs", False, 1, r),
+                 None))  # fmt: skip
     codes8, scales8 = np.empty(n, np.uint8), np.empty(n // 256, np.float32)
     _C.compress.quantize(x, codes8, scales8, 8, 256)
     out = np.zeros(n, np.float32)
-    t = best_of(lambda: _C.compress.dequantize(codes8, scales8, out, 8, 256, "max", 0.5, True),
-                repeats)  # fmt: skip
-    rows.append({"pass": "int8 decode + add", "ms": t * 1e3, "bytes": 9 * n})
+    work.append(("int8 decode + add", 9 * n,
+                 lambda: _C.compress.dequantize(codes8, scales8, out, 8, 256, "max", 0.5, True),
+                 None))  # fmt: skip
     grad, res = np.empty_like(x), np.zeros_like(x)
-    t = best_of(lambda: _C.compress.threshold_scan(res, 2.5, grad=grad), repeats,
-                setup=lambda: np.copyto(grad, x))  # fmt: skip
-    rows.append({"pass": "threshold:2.5 fold + scan", "ms": t * 1e3, "bytes": 16 * n})
+    work.append(("threshold:2.5 fold + scan", 16 * n,
+                 lambda: _C.compress.threshold_scan(res, 2.5, grad=grad),
+                 lambda: np.copyto(grad, x)))  # fmt: skip
     g, u, v = torch.from_numpy(x), torch.zeros(n), torch.zeros(n)
-    t = best_of(lambda: (u.mul_(0.9).add_(g), v.add_(u)), repeats)
-    rows.append({"pass": "dgc momentum correction", "ms": t * 1e3, "bytes": 24 * n})
+    work.append(("dgc momentum correction", 24 * n, lambda: (u.mul_(0.9).add_(g), v.add_(u)), None))
     vn = v.numpy()
-    t = best_of(lambda: _C.compress.topk(vn, n // 1000, "sampled", 1), repeats)
-    rows.append({"pass": "dgc top-0.1% of v", "ms": t * 1e3, "bytes": 4 * n})
+    work.append(("dgc top-0.1% of v", 4 * n,
+                 lambda: _C.compress.topk(vn, n // 1000, "sampled", 1), None))  # fmt: skip
+    copies, times = [], {name: [] for name, *_ in work}
+    shares = {name: [] for name, *_ in work}
+    for _ in tqdm(range(repeats), desc="rounds", leave=False):
+        copy = best_of(lambda: np.copyto(dst, x), 2)
+        copies.append(copy)
+        for name, nbytes, fn, setup in work:
+            t = best_of(fn, 2, setup or (lambda: None))
+            times[name].append(t)
+            shares[name].append((nbytes / t) / (8 * n / copy))
+    rows = [{"pass": "memcpy (reference)", "ms": statistics.median(copies) * 1e3, "bytes": 8 * n,
+             "share_of_copy": 1.0}]  # fmt: skip
+    for name, nbytes, _, _ in work:
+        rows.append({"pass": name, "ms": statistics.median(times[name]) * 1e3, "bytes": nbytes,
+                     "share_of_copy": statistics.median(shares[name])})  # fmt: skip
     for row in rows:
         row["gb_per_s"] = row["bytes"] / (row["ms"] / 1e3) / 1e9
-        row["share_of_copy"] = row["gb_per_s"] / copy_gbs
     return rows
 
 
@@ -120,11 +136,12 @@ def powersgd(repeats: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--mvalues", type=int, default=16, help="values, in millions (16)")
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=9, help="rounds (9)")
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args()
     rows = passes(args.mvalues << 20, args.repeats)
-    print(f"# {args.mvalues}M float32 values, best of {args.repeats}")
+    print(f"# {args.mvalues}M float32 values, medians of {args.repeats} rounds "
+          "(each pass the best of 2, beside that round's copy)")  # fmt: skip
     print(f"# {'pass':30s} {'ms':>8s} {'GB/s':>7s} {'vs copy':>8s}")
     for row in rows:
         print(f"  {row['pass']:30s} {row['ms']:8.2f} {row['gb_per_s']:7.2f} "

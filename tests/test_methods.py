@@ -362,27 +362,30 @@ def test_every_method_trains_inside_the_trainer(spec, zero):
 
 def test_every_simd_build_of_the_kernel_writes_the_same_codes():
     """The portable build (the scalar definition the CUDA kernel shares) and
-    the AVX2 and AVX-512 ones (8-lane loops; CLAWCOMM_SIMD caps the level)
-    give the same codes, scales and residuals bit for bit: every width and
-    scale, stochastic and to nearest, with and without error feedback, a
-    zero block and magnitudes from 1e-3 to 1e3 included."""
+    the AVX2 encoder that the AVX2 and AVX-512 levels run (CLAWCOMM_SIMD caps
+    the level) give the same codes, scales and residuals bit for bit: every
+    width and scale, stochastic and to nearest, with and without error
+    feedback, blocks that are a multiple of 32 values (packed 32 at a time)
+    and blocks of 8 and 40 (8 at a time after), a zero block and magnitudes
+    from 1e-3 to 1e3 included."""
     import subprocess
     import sys
 
     script = (
         "import numpy as np, sys; from clawcomm import _C\n"
-        "rng = np.random.default_rng(5); n = 8192\n"
+        "rng = np.random.default_rng(5); n = 10240\n"
         "x = (rng.standard_normal(n) * np.logspace(-3, 3, n)).astype(np.float32)\n"
         "x[256:512] = 0\n"
         "out = []\n"
         "for bits, scale in ((8, 'max'), (8, 'l2'), (4, 'max'), (4, 'l2'), (2, 'max'),\n"
         "                    (2, 'l2'), (1, 'mean_abs')):\n"
+        " for block in (256, 40, 8):\n"
         "  for stochastic in (True, False):\n"
         "    for feedback in (False, True):\n"
-        "      c = np.empty(n * bits // 8, np.uint8); s = np.empty(n // 256, np.float32)\n"
+        "      c = np.empty(n * bits // 8, np.uint8); s = np.empty(n // block, np.float32)\n"
         "      r = rng.standard_normal(n).astype(np.float32) if feedback else None\n"
-        "      _C.compress.quantize(x, c, s, bits, 256, scale, stochastic, 9, r)\n"
-        "      d = np.zeros(n, np.float32); _C.compress.dequantize(c, s, d, bits, 256, scale)\n"
+        "      _C.compress.quantize(x, c, s, bits, block, scale, stochastic, 9, r)\n"
+        "      d = np.zeros(n, np.float32); _C.compress.dequantize(c, s, d, bits, block, scale)\n"
         "      out += [c.tobytes(), s.tobytes(), d.tobytes(), b'' if r is None else r.tobytes()]\n"
         "sys.stdout.write(__import__('hashlib').sha256(b''.join(out)).hexdigest())\n"
     )
