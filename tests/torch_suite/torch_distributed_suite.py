@@ -6,6 +6,8 @@ Run the way torch's test/distributed/test_distributed_spawn.py runs it:
         python -m pytest tests/torch_suite/torch_distributed_suite.py -q
 
 and with BACKEND=gloo for the comparison (docs/torch_suite.md has the counts).
+CLAWCOMM_SUITE_START=fork forks the ranks instead of spawning them (much
+faster: each spawned rank imports torch's test modules again).
 
 Many tests are gated on the literal name (`BACKEND == "gloo"`). To run exactly
 the tests gloo runs, but on clawcomm, add CLAWCOMM_SUITE_AS_GLOO=1 with
@@ -56,10 +58,24 @@ if os.environ.get("CLAWCOMM_SUITE_AS_GLOO") == "1":
     dist.init_process_group, dist.new_group = init_process_group, new_group
 
 
-class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
+START = os.environ.get("CLAWCOMM_SUITE_START", "spawn")
+
+
+class TestDistBackendRanks(TestDistBackend, DistributedTest._DistTestBase):
+    """Ranks started as torch's test_distributed_spawn.py starts them, or
+    forked with CLAWCOMM_SUITE_START=fork (as torch's test_distributed_fork.py
+    did): a forked rank inherits this module instead of importing it again,
+    about 7 s of a 2-core machine's time per test (tests/test_torch_suite.py
+    forks)."""
+
     def setUp(self):
+        import torch.multiprocessing
+
         super().setUp()
-        self._spawn_processes()
+        if START == "fork":
+            self._start_processes(torch.multiprocessing.get_context("fork").Process)
+        else:
+            self._spawn_processes()
 
 
 if __name__ == "__main__":
