@@ -14,7 +14,8 @@
 //     of 8 codes into 32 bytes in order), then pairs of nibbles or quads of
 //     2-bit fields merged by multiply-adds, or signs taken by movemask. A
 //     block whose size is not a multiple of 32 ends 8 at a time through a
-//     64-bit word.
+//     64-bit word. The stored code's offset (level + 1) is added once per
+//     packed byte.
 // This took the stochastic encoders from 36-54% of a copy's bandwidth to
 // the figures in docs/compression.md.
 #include <immintrin.h>
@@ -110,17 +111,28 @@ CLAWCOMM_VEC F8 uniforms8(U8 v) {
   return __builtin_convertvector((I8)shiftRight8(v), F8) * (1.0f / 16777216.0f);
 }
 
-// The stored codes of values i..i+7 (one per 32-bit lane: the level + 1, or
-// the sign bit), their residuals written back (quant::encodeValue per lane).
+// What the stored code of a level l adds to it (l + 1 for bits >= 2: v +
+// 2^(bits-1) with v = l - q), in every field of a byte. It never carries out
+// of a field (l + 1 <= 2q + 1 fits), so the packers add it once per byte
+// after packing instead of once per value before.
+template <int kBits>
+constexpr uint8_t kCodeOffsets = kBits == 8   ? 0x01
+                                 : kBits == 4 ? 0x11
+                                 : kBits == 2 ? 0x55
+                                              : 0x00;
+
+// The fields of values i..i+7 (one per 32-bit lane: the level l, or the sign
+// bit), their residuals written back (quant::encodeValue per lane, less the
+// stored code's offset, which the packers add).
 template <int kBits, bool kStochastic, bool kResidual>
-CLAWCOMM_VEC I8 codes8(const float* x, float* r, size_t i, float scale, float inverse,
-                       U8 counters) {
+CLAWCOMM_VEC I8 fields8(const float* x, float* r, size_t i, float scale, float inverse,
+                        U8 counters) {
   const F8 a = values8<kResidual>(x, r, i);
-  I8 code;
+  I8 field;
   F8 decoded;
   if constexpr (kBits == 1) {
     const I8 up = a >= 0.0f;  // all ones where a >= 0
-    code = up & 1;
+    field = up & 1;
     decoded = (F8)(((U8)up & (U8)(F8{} + scale)) | (~(U8)up & (U8)(F8{} - scale)));
   } else {
     constexpr int q = (1 << (kBits - 1)) - 1;
@@ -131,19 +143,19 @@ CLAWCOMM_VEC I8 codes8(const float* x, float* r, size_t i, float scale, float in
     t = F8(_mm256_max_ps(__m256(F8{}), __m256(t)));
     t = F8(_mm256_min_ps(__m256(F8{} + float(2 * q)), __m256(t)));
     const I8 l = __builtin_convertvector(t, I8);  // floor: t >= 0
-    code = l + 1;
+    field = l;
     decoded = __builtin_convertvector(l - q, F8) * scale;
   }
   if constexpr (kResidual) store8(r + i, a - decoded);
-  return code;
+  return field;
 }
 
-// Eight codes (lane l's low byte) as bits-bit fields, lane l at bit
+// Eight fields (lane l's low byte) as bits-bit codes, lane l at bit
 // bits * l, written at out (kBits bytes).
 template <int kBits>
-CLAWCOMM_VEC void pack8(I8 code, uint8_t* out) {
+CLAWCOMM_VEC void pack8(I8 field, uint8_t* out) {
   uint64_t w;
-  const B8 bytes = __builtin_shufflevector((B32)code, (B32)code, 0, 4, 8, 12, 16, 20, 24, 28);
+  const B8 bytes = __builtin_shufflevector((B32)field, (B32)field, 0, 4, 8, 12, 16, 20, 24, 28);
   std::memcpy(&w, &bytes, sizeof w);
   if constexpr (kBits == 4) {
     w = (w | (w >> 4)) & 0x00ff00ff00ff00ffull;
@@ -156,26 +168,29 @@ CLAWCOMM_VEC void pack8(I8 code, uint8_t* out) {
   } else if constexpr (kBits == 1) {
     w = (w * 0x0102040810204080ull) >> 56;  // bit 0 of byte l to bit l
   }
-  std::memcpy(out, &w, kBits);  // little-endian: the low kBits bytes
+  w += 0x0101010101010101ull * kCodeOffsets<kBits>;  // only the low kBits bytes are kept
+  std::memcpy(out, &w, kBits);                       // little-endian: the low kBits bytes
 }
 
-// Thirty-two codes (four vectors in order) packed the same way, written at
+// Thirty-two fields (four vectors in order) packed the same way, written at
 // out (4 * kBits bytes).
 template <int kBits>
 CLAWCOMM_VEC void pack32(I8 c0, I8 c1, I8 c2, I8 c3, uint8_t* out) {
-  // Codes fit a byte, so saturation never bites: 32 bytes, each 128-bit half
-  // holding four codes of every vector, which the permute puts in order.
+  // Fields fit a byte, so saturation never bites: 32 bytes, each 128-bit
+  // half holding four fields of every vector, which the permute puts in order.
+  const __m256i offsets = _mm256_set1_epi8(char(kCodeOffsets<kBits>));
   const __m256i w = _mm256_packs_epi32(__m256i(c0), __m256i(c1));
   const __m256i z = _mm256_packs_epi32(__m256i(c2), __m256i(c3));
   const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(w, z),
                                                 _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   if constexpr (kBits == 8) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), b);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_add_epi8(b, offsets));
   } else if constexpr (kBits == 4) {
     // even + 16 * odd in each 16-bit lane, narrowed to bytes
     const __m256i m = _mm256_maddubs_epi16(b, _mm256_set1_epi16(0x1001));
     const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi16(m, m), 0x08);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(p));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
+                     _mm256_castsi256_si128(_mm256_add_epi8(p, offsets)));
   } else if constexpr (kBits == 2) {
     // c0 + 4 c1 in 16-bit lanes, then + 16 (c2 + 4 c3) in 32-bit ones;
     // each half's four bytes gathered, then the two halves side by side
@@ -186,7 +201,8 @@ CLAWCOMM_VEC void pack32(I8 c0, I8 c1, I8 c2, I8 c3, uint8_t* out) {
                          -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
     const __m256i s = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(d, low),
                                                   _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(s));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out),
+                     _mm256_castsi256_si128(_mm256_add_epi8(s, offsets)));
   } else {
     const uint32_t bits = uint32_t(_mm256_movemask_epi8(_mm256_slli_epi16(b, 7)));
     std::memcpy(out, &bits, sizeof bits);
@@ -207,17 +223,17 @@ CLAWCOMM_VEC F8 encodeBlock(const float* x, float* r, size_t block, const float*
       for (size_t j = i; j < i + 32; j += 8)
         part = addToScale8<kKind>(part, values8<kResidual>(next, nextR, j));
     }
-    const I8 c0 = codes8<kBits, kStochastic, kResidual>(x, r, i, scale, inverse, counters);
-    const I8 c1 = codes8<kBits, kStochastic, kResidual>(x, r, i + 8, scale, inverse, counters + 8);
+    const I8 c0 = fields8<kBits, kStochastic, kResidual>(x, r, i, scale, inverse, counters);
+    const I8 c1 = fields8<kBits, kStochastic, kResidual>(x, r, i + 8, scale, inverse, counters + 8);
     const I8 c2 =
-        codes8<kBits, kStochastic, kResidual>(x, r, i + 16, scale, inverse, counters + 16);
+        fields8<kBits, kStochastic, kResidual>(x, r, i + 16, scale, inverse, counters + 16);
     const I8 c3 =
-        codes8<kBits, kStochastic, kResidual>(x, r, i + 24, scale, inverse, counters + 24);
+        fields8<kBits, kStochastic, kResidual>(x, r, i + 24, scale, inverse, counters + 24);
     pack32<kBits>(c0, c1, c2, c3, codes + i * kBits / 8);
   }
   for (; i < block; i += 8, counters += 8) {
     if (next) part = addToScale8<kKind>(part, values8<kResidual>(next, nextR, i));
-    pack8<kBits>(codes8<kBits, kStochastic, kResidual>(x, r, i, scale, inverse, counters),
+    pack8<kBits>(fields8<kBits, kStochastic, kResidual>(x, r, i, scale, inverse, counters),
                  codes + i * kBits / 8);
   }
   return part;
