@@ -175,9 +175,12 @@ inline void checkSameDtype(const char* op, const at::Tensor& a, const at::Tensor
                     ")");
 }
 
-// A contiguous view of `t`, or a contiguous copy when `t` is strided.
-inline at::Tensor flat(const at::Tensor& t) {
-  return t.contiguous().view({-1});
+// `t`'s values as one contiguous buffer for the engine, which reads numel()
+// values from data_ptr(): `t` itself when it is contiguous, else a
+// contiguous copy. (Not a flat view: a view is a new TensorImpl with
+// autograd's view bookkeeping, about a microsecond a call.)
+inline at::Tensor asBuffer(const at::Tensor& t) {
+  return t.contiguous();
 }
 
 // Flattens a list into one new contiguous buffer.

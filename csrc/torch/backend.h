@@ -139,7 +139,7 @@ class ClawcommBackend : public c10d::Backend {
     checkTensors(op, tensors);
     const at::Tensor& t = single(op, tensors);
     if (auto work = device_->send(t, dstRank, uint64_t(tag))) return track(work);
-    at::Tensor buf = flat(t);
+    at::Tensor buf = asBuffer(t);
     return launch(OpType::SEND, {t}, {reads(buf)}, nullptr, [&](auto cb) {
       return comm_->send(buf.data_ptr(), size_t(buf.nbytes()), dstRank, uint64_t(tag), cb);
     });
@@ -170,7 +170,7 @@ class ClawcommBackend : public c10d::Backend {
     if (srcRank >= 0) {
       if (auto work = device_->recv(t, srcRank, uint64_t(tag))) return track(work);
     }
-    at::Tensor buf = flat(t);
+    at::Tensor buf = asBuffer(t);
     return launch(type, {t}, {writes(buf)}, copyBack(buf, t), [&](auto cb) {
       return comm_->recv(buf.data_ptr(), size_t(buf.nbytes()), srcRank, uint64_t(tag), cb);
     });

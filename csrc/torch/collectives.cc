@@ -16,7 +16,7 @@ c10::intrusive_ptr<c10d::Work> ClawcommBackend::allreduce(TensorList& tensors,
   const at::Tensor& t = single(op, tensors);
   const ReduceOp redop = toReduceOp(op, opts.reduceOp);
   if (auto work = device_->allReduce(t, dt, redop, isAsync(opts))) return track(work);
-  at::Tensor buf = flat(t);
+  at::Tensor buf = asBuffer(t);
   return launch(OpType::ALLREDUCE, {t}, {updates(buf)}, copyBack(buf, t), [&](auto cb) {
     return comm_->allReduce(buf.data_ptr(), size_t(buf.numel()), dt, redop, cb);
   });
@@ -113,7 +113,7 @@ c10::intrusive_ptr<c10d::Work> ClawcommBackend::reduce(TensorList& tensors,
   const at::Tensor& t = single(op, tensors);
   const ReduceOp redop = toReduceOp(op, opts.reduceOp);
   const int root = rootOf(op, opts.rootRank);
-  at::Tensor buf = flat(t);
+  at::Tensor buf = asBuffer(t);
   return launch(OpType::REDUCE, {t}, {updates(buf)}, copyBack(buf, t), [&](auto cb) {
     return comm_->reduce(buf.data_ptr(), size_t(buf.numel()), dt, redop, root, cb);
   });
@@ -127,7 +127,7 @@ c10::intrusive_ptr<c10d::Work> ClawcommBackend::broadcast(TensorList& tensors,
   const at::Tensor& t = single(op, tensors);
   const int root = rootOf(op, opts.rootRank);
   if (auto work = device_->broadcast(t, dt, root, isAsync(opts))) return track(work);
-  at::Tensor buf = flat(t);
+  at::Tensor buf = asBuffer(t);
   return launch(OpType::BROADCAST, {t}, {updates(buf)}, copyBack(buf, t), [&](auto cb) {
     return comm_->broadcast(buf.data_ptr(), size_t(buf.numel()), dt, root, cb);
   });
@@ -150,7 +150,7 @@ c10::intrusive_ptr<c10d::Work> ClawcommBackend::allgather(std::vector<TensorList
   checkNumel(op, "this rank's output slot", outs[getRank()].numel(), in.numel());
   const std::vector<size_t> counts = numels(outs);
   const int64_t total = std::accumulate(counts.begin(), counts.end(), int64_t(0));
-  at::Tensor src = flat(in);
+  at::Tensor src = asBuffer(in);
   at::Tensor buf = at::empty({total}, in.options());
   return launch(
       OpType::ALLGATHER, outs, {reads(src), writes(buf)}, [buf, outs] { splitInto(buf, outs); },
@@ -164,8 +164,8 @@ c10::intrusive_ptr<c10d::Work> ClawcommBackend::_allgather_base(
   const DataType dt = checkTensors(op, {input, output});
   checkNumel(op, "the output", output.numel(), input.numel() * getSize());
   if (auto work = device_->allGather(output, input, dt, isAsync(opts))) return track(work);
-  at::Tensor src = flat(input);
-  at::Tensor buf = flat(output);
+  at::Tensor src = asBuffer(input);
+  at::Tensor buf = asBuffer(output);
   std::vector<size_t> counts(static_cast<size_t>(getSize()), static_cast<size_t>(input.numel()));
   return launch(
       OpType::_ALLGATHER_BASE, {output}, {reads(src), writes(buf)}, copyBack(buf, output),
@@ -248,7 +248,7 @@ c10::intrusive_ptr<c10d::Work> ClawcommBackend::reduce_scatter(
   checkNumel(op, "the output", out.numel(), inputs[0][getRank()].numel());
   const ReduceOp redop = toReduceOp(op, opts.reduceOp);
   at::Tensor src = concat(inputs[0]);
-  at::Tensor buf = flat(out);
+  at::Tensor buf = asBuffer(out);
   const std::vector<size_t> counts = numels(inputs[0]);
   return launch(
       OpType::REDUCE_SCATTER, {out}, {reads(src), writes(buf)}, copyBack(buf, out), [&](auto cb) {
@@ -265,8 +265,8 @@ c10::intrusive_ptr<c10d::Work> ClawcommBackend::_reduce_scatter_base(
   const ReduceOp redop = toReduceOp(op, opts.reduceOp);
   if (auto work = device_->reduceScatter(output, input, dt, redop, isAsync(opts)))
     return track(work);
-  at::Tensor src = flat(input);
-  at::Tensor buf = flat(output);
+  at::Tensor src = asBuffer(input);
+  at::Tensor buf = asBuffer(output);
   std::vector<size_t> counts(static_cast<size_t>(getSize()), static_cast<size_t>(output.numel()));
   return launch(OpType::_REDUCE_SCATTER_BASE, {output}, {reads(src), writes(buf)},
                 copyBack(buf, output), [&](auto cb) {
@@ -349,8 +349,8 @@ c10::intrusive_ptr<c10d::Work> ClawcommBackend::alltoall_base(at::Tensor& output
   if (inputSplits.empty() && outputSplits.empty()) {
     if (auto work = device_->allToAll(output, input, dt, isAsync(opts))) return track(work);
   }
-  at::Tensor src = flat(input);
-  at::Tensor buf = flat(output);
+  at::Tensor src = asBuffer(input);
+  at::Tensor buf = asBuffer(output);
   return launch(OpType::ALLTOALL_BASE, {output}, {reads(src), writes(buf)}, copyBack(buf, output),
                 [&](auto cb) {
                   return comm_->allToAll(src.data_ptr(), sendCounts, buf.data_ptr(), recvCounts, dt,
@@ -389,7 +389,7 @@ c10::intrusive_ptr<c10d::Work> ClawcommBackend::gather(std::vector<TensorList>& 
   const DataType dt = checkTensors(op, inputs);
   const at::Tensor& in = single(op, inputs);
   const int root = rootOf(op, opts.rootRank);
-  at::Tensor src = flat(in);
+  at::Tensor src = asBuffer(in);
   TensorList outs;
   at::Tensor buf;
   if (getRank() == root) {
@@ -435,7 +435,7 @@ c10::intrusive_ptr<c10d::Work> ClawcommBackend::scatter(TensorList& outputs,
                       "clawcomm::scatter: only the root (rank ", root, ") takes input tensors");
     src = at::empty({0}, out.options());
   }
-  at::Tensor buf = flat(out);
+  at::Tensor buf = asBuffer(out);
   return launch(
       OpType::SCATTER, {out}, {reads(src), writes(buf)}, copyBack(buf, out), [&](auto cb) {
         return comm_->scatter(src.data_ptr(), buf.data_ptr(), size_t(out.numel()), dt, root, cb);

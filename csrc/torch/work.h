@@ -4,6 +4,8 @@
 // several. (A CUDA IPC call's Work is torch/device_path.h's DeviceWork.)
 #pragma once
 
+#include <ATen/record_function.h>
+
 #include "torch/adapter_helpers.h"
 
 namespace clawcomm {
@@ -114,8 +116,8 @@ struct Completion {
 };
 
 inline c10::intrusive_ptr<c10::ivalue::Future> makeFuture(std::vector<c10::Device> devices = {}) {
-  return c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
-                                                  std::move(devices));
+  static const c10::TypePtr kTensors = c10::ListType::create(c10::TensorType::get());  // one type
+  return c10::make_intrusive<c10::ivalue::Future>(kTensors, std::move(devices));
 }
 
 // The span torch.profiler shows for an op ("clawcomm:allreduce"): c10d's
@@ -148,9 +150,13 @@ class ClawcommWork : public c10d::Work {
  public:
   // With torch.profiler on, c10d's Work opens a span titled
   // profilingTitle(type) here; profilingEnd() closes it when the engine is done.
+  // (Without a profiler's callbacks there is no span to open: c10d's Work
+  // would still build a RecordFunction and copy the inputs to find that out.)
   ClawcommWork(int rank, OpType type, std::shared_ptr<Completion> completion,
                const TensorList& inputs)
-      : Work(rank, type, profilingTitle(type), inputs), completion_(std::move(completion)) {}
+      : Work(rank, type, at::hasCallbacks() ? profilingTitle(type) : nullptr,
+             at::hasCallbacks() ? std::optional<TensorList>(inputs) : std::nullopt),
+        completion_(std::move(completion)) {}
 
   // The profiler's end-of-span callback (empty when not profiling), handed
   // to the engine's completion callback.
