@@ -244,6 +244,7 @@ CLAWCOMM_AVX2 void encodeAll(size_t block, const float* x, float* r, size_t n, u
                              uint8_t* codes, float* scales) {
   const size_t blocks = n / block;
   const size_t bytes = block * kBits / 8;
+  if (blocks == 0) return;  // nothing to read, not even the first block
   F8 part = scaleParts<kKind, kResidual>(x, r, block);
   for (size_t b = 0; b < blocks; ++b) {
     const size_t o = b * block;
