@@ -154,9 +154,7 @@ class ClawcommWork : public c10d::Work {
   // would still build a RecordFunction and copy the inputs to find that out.)
   ClawcommWork(int rank, OpType type, std::shared_ptr<Completion> completion,
                const TensorList& inputs)
-      : Work(rank, type, at::hasCallbacks() ? profilingTitle(type) : nullptr,
-             at::hasCallbacks() ? std::optional<TensorList>(inputs) : std::nullopt),
-        completion_(std::move(completion)) {}
+      : ClawcommWork(rank, type, std::move(completion), inputs, at::hasCallbacks()) {}
 
   // The profiler's end-of-span callback (empty when not profiling), handed
   // to the engine's completion callback.
@@ -198,6 +196,12 @@ class ClawcommWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return completion_->future; }
 
  private:
+  ClawcommWork(int rank, OpType type, std::shared_ptr<Completion> completion,
+               const TensorList& inputs, bool profiled)
+      : Work(rank, type, profiled ? profilingTitle(type) : nullptr,
+             profiled ? std::optional<TensorList>(inputs) : std::nullopt),
+        completion_(std::move(completion)) {}
+
   bool isDone() const { return request_->isCompleted() || completion_->future->completed(); }
 
   std::shared_ptr<Completion> completion_;
