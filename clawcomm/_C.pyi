@@ -417,6 +417,15 @@ class Engine:
         """
         Sends to `dst` while receiving from `src`.
         """
+    def split(
+        self,
+        color: typing.SupportsInt | typing.SupportsIndex,
+        key: typing.Any = None,
+        timeout: typing.SupportsFloat | typing.SupportsIndex = 0.0,
+    ) -> Engine | None:
+        """
+        A new engine of the ranks that pass the same color (>= 0), ordered by key (default: this rank), set up over this engine's connections: every rank of this engine calls it, in the same order among its collectives; color=-1 joins none and returns None. timeout: seconds for the setup and the new engine's operations (0: this one's).
+        """
     def transport_of(self, peer: typing.SupportsInt | typing.SupportsIndex) -> str: ...
     @property
     def flight_record_path(self) -> str:

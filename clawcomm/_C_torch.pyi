@@ -6,10 +6,22 @@ import datetime
 import torch.distributed as dist
 from typing_extensions import CapsuleType
 
+class ClawcommOptions:  # a c10d::Backend::Options at run time
+    """The clawcomm backend's options (torch's Backend.Options), which split_group may copy."""
+
+    backend: str
+    _timeout: datetime.timedelta
+    def __init__(self, timeout: datetime.timedelta) -> None: ...
+    def __copy__(self) -> ClawcommOptions: ...
+    def __deepcopy__(self, memo: dict) -> ClawcommOptions: ...
+
 class ClawcommBackend(dist.ProcessGroup):  # a c10d::Backend at run time
     def __init__(
         self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta
     ) -> None: ...
+    @property
+    def options(self) -> ClawcommOptions:
+        """The backend's options (torch's split_group copies them)."""
     def transport_of(self, peer: int) -> str:
         """How this rank reaches `peer`: 'shm', 'tcp' or 'self'."""
     def all_reduce_algorithm(self, nbytes: int) -> str:

@@ -21,6 +21,7 @@ except ModuleNotFoundError as e:  # the engine (clawcomm._C) works without torch
     __all__: list[str] = []
 else:
     from clawcomm._backend import BACKEND_NAME, backend_of, comm_stats, engine_of, register
+    from clawcomm.groups import split_group
 
-    __all__ = ["BACKEND_NAME", "backend_of", "comm_stats", "engine_of", "register"]
+    __all__ = ["BACKEND_NAME", "backend_of", "comm_stats", "engine_of", "register", "split_group"]
     register()

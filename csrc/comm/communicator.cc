@@ -32,24 +32,38 @@ std::set<Communicator*>& registry() {
   static auto* live = new std::set<Communicator*>();  // never destroyed: used at exit
   return *live;
 }
+// How many communicators are alive: asked by every collective, so not the
+// registry's lock (Settings::inlineMaxBytes says why it matters).
+std::atomic<int> liveCommunicators{0};
 }  // namespace
+
+Connections Communicator::connectThrough(Store& store, int rank, int size,
+                                         std::chrono::milliseconds timeout,
+                                         const Settings& settings) {
+  CLAWCOMM_ARG_CHECK(size >= 1 && rank >= 0 && rank < size, "clawcomm: rank ", rank,
+                     " is not in a group of ", size, " ranks");
+  checkTransportSetting(settings.transport);
+  checkAlgorithmSetting(settings.algo);
+  return rendezvous(store, rank, size, settings, Clock::now() + timeout);
+}
 
 Communicator::Communicator(std::shared_ptr<Store> store, int rank, int size,
                            std::chrono::milliseconds timeout, Settings settings)
-    : store_(store),
+    : Communicator(store, rank, size, timeout, settings,
+                   connectThrough(*store, rank, size, timeout, settings)) {}
+
+Communicator::Communicator(std::shared_ptr<Store> store, int rank, int size,
+                           std::chrono::milliseconds timeout, Settings settings, Connections conns)
+    : store_(std::move(store)),
       rank_(rank),
       size_(size),
       timeoutMs_(timeout.count()),
       settings_(std::move(settings)),
       recorder_(settings_.recorderEntries) {
-  CLAWCOMM_ARG_CHECK(size >= 1 && rank >= 0 && rank < size, "clawcomm: rank ", rank,
-                     " is not in a group of ", size, " ranks");
-  checkTransportSetting(settings_.transport);
-  checkAlgorithmSetting(settings_.algo);
-  Connections conns = rendezvous(*store, rank, size, settings_, Clock::now() + this->timeout());
   jobToken_ = conns.jobToken;
   storeNamespace_ = conns.storeNamespace;
   topology_ = Topology(conns.hostOf);
+  hosts_ = conns.hosts;
   transports_.resize(size_t(size));
   for (int p = 0; p < size; ++p) transports_[p] = p == rank ? "self" : conns.toRank[p]->kind();
   const int localRanks = conns.sameHostRanks;
@@ -64,6 +78,7 @@ Communicator::Communicator(std::shared_ptr<Store> store, int rank, int size,
   // rebuilt one included).
   messenger_->setEpoch(uint32_t(std::stoull(jobToken_.empty() ? "0" : jobToken_, nullptr, 16)));
   thread_ = std::thread([this] { progressLoop(); });
+  liveCommunicators.fetch_add(1);
   std::lock_guard<std::mutex> lock(registryMutex);
   registry().insert(this);
 }
@@ -71,19 +86,21 @@ Communicator::Communicator(std::shared_ptr<Store> store, int rank, int size,
 std::shared_ptr<Communicator> Communicator::create(std::shared_ptr<Store> store, int rank, int size,
                                                    std::chrono::milliseconds timeout,
                                                    Settings settings) {
-  return std::shared_ptr<Communicator>(
-      new Communicator(std::move(store), rank, size, timeout, std::move(settings)),
-      [](Communicator* c) {
-        if (c->onProgressThread() || c->runningInlineHere()) {
-          // The last reference went away inside a completion callback, on
-          // the progress thread (which cannot join itself) or on a caller
-          // running a small op inline (whose op is not finished): let
-          // another thread shut down once the callback has returned.
-          std::thread([c] { delete c; }).detach();
-        } else {
-          delete c;
-        }
-      });
+  return own(new Communicator(std::move(store), rank, size, timeout, std::move(settings)));
+}
+
+std::shared_ptr<Communicator> Communicator::own(Communicator* c) {
+  return std::shared_ptr<Communicator>(c, [](Communicator* c) {
+    if (c->onProgressThread() || c->runningInlineHere()) {
+      // The last reference went away inside a completion callback, on
+      // the progress thread (which cannot join itself) or on a caller
+      // running a small op inline (whose op is not finished): let
+      // another thread shut down once the callback has returned.
+      std::thread([c] { delete c; }).detach();
+    } else {
+      delete c;
+    }
+  });
 }
 
 Communicator::~Communicator() {
@@ -94,6 +111,7 @@ Communicator::~Communicator() {
     std::abort();
   }
   shutdown();
+  liveCommunicators.fetch_sub(1);
   std::lock_guard<std::mutex> lock(registryMutex);
   registry().erase(this);
 }
@@ -162,8 +180,11 @@ RequestPtr Communicator::enqueueCollective(const OpSignature& sig, size_t bytes,
     // drives the messenger and issue order is kept.
     // CLAWCOMM_INLINE_BYTES=0 keeps every collective off the caller's
     // thread, a blocking call's too.
-    const bool inlineAllowed =
-        bytes <= settings_.inlineMaxBytes || (Blocking::active() && settings_.inlineMaxBytes > 0);
+    // One the caller does not wait for: only while no other group of this
+    // process could need the caller meanwhile (Settings::inlineMaxBytes).
+    const bool inlineAllowed = (Blocking::active() && settings_.inlineMaxBytes > 0) ||
+                               (bytes <= settings_.inlineMaxBytes &&
+                                liveCommunicators.load(std::memory_order_relaxed) == 1);
     runHere = inlineAllowed && queue_.empty() && !threadBusy_ && !inlineBusy_;
     if (runHere) {
       inlineBusy_ = true;

@@ -29,6 +29,7 @@
 
 #include "algorithms/topology.h"
 #include "comm/recorder.h"
+#include "comm/rendezvous.h"
 #include "comm/request.h"
 #include "common/dtype.h"
 #include "common/op.h"
@@ -76,6 +77,31 @@ class Communicator {
   static std::shared_ptr<Communicator> create(std::shared_ptr<Store> store, int rank, int size,
                                               std::chrono::milliseconds timeout,
                                               Settings settings = Settings::fromEnv());
+  // How a group splits (split()).
+  struct SplitOptions {
+    // For the new group's setup and its operations; zero: this group's.
+    std::chrono::milliseconds timeout{0};
+    // Where the new group's setups key (the CUDA IPC group's); null: this
+    // group's store.
+    std::shared_ptr<Store> store;
+    // If not empty: the ranks of this group the new one must have, in its
+    // rank order (torch's split names them); a split that gives this rank
+    // another group fails, on every rank.
+    std::vector<int> members;
+  };
+  static constexpr int kNoColor = -1;
+
+  // Splits this group, as MPI_Comm_split and ncclCommSplit do: every rank of
+  // it calls split, in the same order among its collectives; the ranks that
+  // pass the same color >= 0 form a new group, ordered by `key` (ties by
+  // their rank here), and a rank that passes kNoColor joins none and gets
+  // null. No store round trips: the new group's members swap their
+  // addresses and settle their setup over this group's connections, and
+  // take its hosts, settings and token from it (comm/split.cc says more).
+  // Blocks; a failure on any rank fails it on every rank.
+  std::shared_ptr<Communicator> split(int color, int key, SplitOptions options);
+  std::shared_ptr<Communicator> split(int color, int key) { return split(color, key, {}); }
+
   // Calls shutdown(); on the progress thread it would have to join itself,
   // so there it reports the misuse and ends the process (use create()).
   ~Communicator();
@@ -210,6 +236,16 @@ class Communicator {
  private:
   struct Op;
 
+  // Checks the arguments and connects a new group through `store`.
+  static Connections connectThrough(Store& store, int rank, int size,
+                                    std::chrono::milliseconds timeout, const Settings& settings);
+  // A group over connections already made (the public constructor's, or a
+  // split's).
+  Communicator(std::shared_ptr<Store> store, int rank, int size, std::chrono::milliseconds timeout,
+               Settings settings, Connections conns);
+  // Shared ownership with the safe deleter (create() says why).
+  static std::shared_ptr<Communicator> own(Communicator* c);
+
   // `bytes`: the op's payload on this rank, which decides whether it may run
   // inline on the caller's thread (Settings::inlineMaxBytes).
   RequestPtr enqueueCollective(const OpSignature& sig, size_t bytes,
@@ -247,6 +283,7 @@ class Communicator {
   std::unique_ptr<Messenger> messenger_;
   std::vector<std::string> transports_;
   Topology topology_;
+  std::vector<std::string> hosts_;  // each rank's host identity, for split()
   mutable std::mutex choiceMutex_;
   mutable std::map<std::pair<OpType, size_t>, Algorithm> choices_;  // guarded by it
   std::string jobToken_;
@@ -274,6 +311,7 @@ class Communicator {
   std::string failure_;              // guarded by mutex_: abortReason_ or the first failure
   std::atomic<bool> failed_{false};  // !failure_.empty()
   uint64_t setups_ = 0;              // guarded by mutex_: setupNamespace() calls so far
+  uint64_t splits_ = 0;              // guarded by mutex_: split() calls so far
 
   std::mutex listenersMutex_;  // held while listeners run
   std::map<int, std::function<void(const std::string&)>> listeners_;

@@ -93,6 +93,87 @@ void closeGeneration(Store& store, const std::string& arrivals, int64_t end) {
   }
 }
 
+// The group's keys in the store, under its namespace: what this rank sets
+// (`published` collects the keys, without the prefix, for the failure
+// notice) and what it waits for.
+class StoreBoard {
+ public:
+  StoreBoard(Store& store, std::string ns, int rank, Clock::time_point deadline,
+             std::vector<std::string>& published)
+      : store_(store),
+        ns_(std::move(ns)),
+        rank_(rank),
+        deadline_(deadline),
+        published_(published),
+        started_(Clock::now()) {}
+
+  void publish(const std::string& key, const std::vector<uint8_t>& value) {
+    store_.set(ns_ + key, value);
+    published_.push_back(key);
+  }
+
+  // Waits for `key`, which rank `p` sets; the error names the rank that
+  // never came, or says why it failed.
+  std::vector<uint8_t> waitFor(const std::string& key, int p, const char* what) {
+    std::vector<uint8_t> value;
+    try {
+      value = store_.get(ns_ + key, deadline_ + kGrace);
+    } catch (const TimeoutError& e) {
+      throw TimeoutError(CLAWCOMM_CONCAT(
+          "clawcomm: rank ", rank_, " gave up setting up the group after ",
+          std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - started_).count(),
+          " ms: rank ", p, " never ", what, " (it died, hangs, or did not create the group; ",
+          e.what(), ")"));
+    }
+    const std::string text = stringOf(value);
+    if (text.compare(0, kFailed.size(), kFailed) == 0) {
+      throw Error(CLAWCOMM_CONCAT("clawcomm: rank ", rank_, " cannot set up the group: rank ", p,
+                                  " failed: ", text.substr(kFailed.size())));
+    }
+    return value;
+  }
+
+ private:
+  Store& store_;
+  std::string ns_;
+  int rank_;
+  Clock::time_point deadline_;
+  std::vector<std::string>& published_;
+  Clock::time_point started_;
+};
+
+// The addresses and the "connected" word, through the store: a key per
+// rank, each read when it is needed.
+class StoreExchange final : public SetupExchange {
+ public:
+  StoreExchange(StoreBoard& board, int rank, int size) : board_(board), rank_(rank), size_(size) {}
+
+  void publish(const std::vector<std::string>& addresses) override {
+    const auto& registry = transportRegistry();
+    for (size_t i = 0; i < registry.size(); ++i) {
+      board_.publish(CLAWCOMM_CONCAT("addr/", registry[i].name, "/", rank_), bytesOf(addresses[i]));
+    }
+  }
+
+  std::string addressOf(int peer, size_t transport) override {
+    return stringOf(
+        board_.waitFor(CLAWCOMM_CONCAT("addr/", transportRegistry()[transport].name, "/", peer),
+                       peer, "published its address"));
+  }
+
+  void connected() override {
+    board_.publish("connected/" + std::to_string(rank_), bytesOf("1"));
+    for (int p = 0; p < size_; ++p) {
+      if (p != rank_) board_.waitFor("connected/" + std::to_string(p), p, "finished connecting");
+    }
+  }
+
+ private:
+  StoreBoard& board_;
+  int rank_;
+  int size_;
+};
+
 // Connects this rank; `published` collects the keys it set (without the
 // prefix), for the failure notice.
 Connections connectAll(Store& store, const std::string& ns, int rank, int size,
@@ -100,33 +181,7 @@ Connections connectAll(Store& store, const std::string& ns, int rank, int size,
                        std::vector<std::string>& published) {
   Connections out;
   out.storeNamespace = ns;
-  auto& conns = out.toRank;
-  conns.resize(static_cast<size_t>(size));
-  auto publish = [&](const std::string& key, const std::vector<uint8_t>& value) {
-    store.set(ns + key, value);
-    published.push_back(key);
-  };
-  const auto started = Clock::now();
-  // Waits for `key`, which rank `p` sets; the error names the rank that
-  // never came, or says why it failed.
-  auto waitFor = [&](const std::string& key, int p, const char* what) {
-    std::vector<uint8_t> value;
-    try {
-      value = store.get(ns + key, deadline + kGrace);
-    } catch (const TimeoutError& e) {
-      throw TimeoutError(CLAWCOMM_CONCAT(
-          "clawcomm: rank ", rank, " gave up setting up the group after ",
-          std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - started).count(),
-          " ms: rank ", p, " never ", what, " (it died, hangs, or did not create the group; ",
-          e.what(), ")"));
-    }
-    const std::string text = stringOf(value);
-    if (text.compare(0, kFailed.size(), kFailed) == 0) {
-      throw Error(CLAWCOMM_CONCAT("clawcomm: rank ", rank, " cannot set up the group: rank ", p,
-                                  " failed: ", text.substr(kFailed.size())));
-    }
-    return value;
-  };
+  StoreBoard board(store, ns, rank, deadline, published);
 
   // 1. The job token: random, from rank 0. Every TCP connection presents it
   //    and it names the shm segments, so two jobs never cross.
@@ -135,20 +190,22 @@ Connections connectAll(Store& store, const std::string& ns, int rank, int size,
     const uint64_t token = (uint64_t(rd()) << 32) ^ rd() ^ uint64_t(getpid());
     char hex[17];
     std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(token));
-    publish("token", bytesOf(hex));
+    board.publish("token", bytesOf(hex));
   }
-  const std::string tokenHex = stringOf(waitFor("token", 0, "published the job token"));
-  out.jobToken = tokenHex;
-  const uint64_t token = std::stoull(tokenHex, nullptr, 16);
+  GroupPlan plan;
+  plan.rank = rank;
+  plan.size = size;
+  plan.tokenHex = stringOf(board.waitFor("token", 0, "published the job token"));
+  out.jobToken = plan.tokenHex;
 
   // 2. Where everybody runs, and the settings every rank must share.
   const std::string host = settings.hostId.empty() ? hostIdentity() : settings.hostId;
   const std::string mySettings = settings.mustMatch();
-  publish("host/" + std::to_string(rank), bytesOf(host + "\n" + mySettings));
-  std::vector<RankInfo> ranks(static_cast<size_t>(size));
+  board.publish("host/" + std::to_string(rank), bytesOf(host + "\n" + mySettings));
+  plan.ranks.resize(static_cast<size_t>(size));
   for (int p = 0; p < size; ++p) {
     const std::string theirs = stringOf(
-        waitFor("host/" + std::to_string(p), p, "joined"));  // "host\nNAME=value|NAME=value..."
+        board.waitFor("host/" + std::to_string(p), p, "joined"));  // "host\nNAME=value|..."
     const size_t cut = theirs.find('\n');
     const std::string differ = settingsThatDiffer(theirs.substr(cut + 1), mySettings);
     if (!differ.empty()) {
@@ -156,24 +213,49 @@ Connections connectAll(Store& store, const std::string& ns, int rank, int size,
                                             " run with different settings (", differ,
                                             "); these must match on every rank"));
     }
-    ranks[p].rank = p;
-    ranks[p].host = theirs.substr(0, cut);
-    if (p != rank) out.sameHostRanks += ranks[p].host == host;
+    plan.ranks[p].rank = p;
+    plan.ranks[p].host = theirs.substr(0, cut);
+    if (p != rank) out.sameHostRanks += plan.ranks[p].host == host;
   }
-  std::vector<std::string> hostNames;
-  out.hostOf.assign(size_t(size), 0);
-  for (int p = 0; p < size; ++p) {
-    auto it = std::find(hostNames.begin(), hostNames.end(), ranks[p].host);
-    out.hostOf[size_t(p)] = int(it - hostNames.begin());
-    if (it == hostNames.end()) hostNames.push_back(ranks[p].host);
+  for (const RankInfo& r : plan.ranks) out.hosts.push_back(r.host);
+  out.hostOf = hostNumbers(out.hosts);
+
+  // 3-6. The endpoints, their addresses through the store, every pair.
+  StoreExchange exchange(board, rank, size);
+  out.toRank = connectPeers(plan, settings, exchange, deadline);
+  return out;
+}
+
+}  // namespace
+
+std::vector<int> hostNumbers(const std::vector<std::string>& hosts) {
+  std::vector<int> out;
+  std::vector<std::string> seen;
+  for (const std::string& h : hosts) {
+    auto it = std::find(seen.begin(), seen.end(), h);
+    out.push_back(int(it - seen.begin()));
+    if (it == seen.end()) seen.push_back(h);
   }
+  return out;
+}
+
+std::vector<std::unique_ptr<Connection>> connectPeers(const GroupPlan& plan,
+                                                      const Settings& settings,
+                                                      SetupExchange& exchange,
+                                                      Clock::time_point deadline) {
+  const int rank = plan.rank;
+  const int size = plan.size;
+  const auto& ranks = plan.ranks;
+  const uint64_t token = std::stoull(plan.tokenHex, nullptr, 16);
+  std::vector<std::string> hosts;
+  for (const RankInfo& r : ranks) hosts.push_back(r.host);
 
   // 3. Each pair's transport: the forced one, which must be able to connect
   //    it, or the first in the registry that can. With sparse shared-memory
   //    peers (CLAWCOMM_SHM_PEERS), a pair of one host that the reducing
   //    collectives do not use goes on to TCP over loopback. Every rank
   //    evaluates the same rule, so both ends of a pair agree.
-  const Topology topology(out.hostOf);
+  const Topology topology(hostNumbers(hosts));
   std::vector<int> hostRanks(size_t(topology.hosts()), 0);
   for (int p = 0; p < size; ++p) ++hostRanks[size_t(topology.hostOf(p))];
   const auto sparse = [&](int a) {
@@ -203,43 +285,42 @@ Connections connectAll(Store& store, const std::string& ns, int rank, int size,
     CLAWCOMM_CHECK(false, "no transport connects rank ", a, " with rank ", b);
     return 0;
   };
-  std::vector<const TransportEntry*> chosen(static_cast<size_t>(size), nullptr);
+  std::vector<size_t> chosen(static_cast<size_t>(size), 0);
   std::vector<bool> used(registry.size(), false);
   for (int p = 0; p < size; ++p) {
     if (p == rank) continue;
-    const size_t i = choose(rank, p);
-    chosen[p] = &registry[i];
-    used[i] = true;
+    chosen[p] = choose(rank, p);
+    used[chosen[p]] = true;
   }
 
   // 4. Create the endpoints this rank needs and publish their addresses
   //    (an empty one for a transport it does not use).
   std::vector<std::unique_ptr<Endpoint>> endpoints(registry.size());
+  std::vector<std::string> addresses(registry.size());
   // If anything below throws, the endpoints' destructors clean up (shm
   // names, this rank's and any peer's, and listening sockets).
   for (size_t i = 0; i < registry.size(); ++i) {
-    if (used[i]) {
-      EndpointSetup setup{tokenHex, token, rank, size, &settings, {}};
-      // Whom each rank of this host reaches through transport i.
-      setup.peersOf.resize(size_t(size));
-      for (int q = 0; q < size; ++q) {
-        if (topology.hostOf(q) != topology.hostOf(rank)) continue;
-        for (int r = 0; r < size; ++r) {
-          if (r != q && choose(q, r) == i) setup.peersOf[size_t(q)].push_back(r);
-        }
+    if (!used[i]) continue;
+    EndpointSetup setup{plan.tokenHex, token, rank, size, &settings, {}};
+    // Whom each rank of this host reaches through transport i.
+    setup.peersOf.resize(size_t(size));
+    for (int q = 0; q < size; ++q) {
+      if (topology.hostOf(q) != topology.hostOf(rank)) continue;
+      for (int r = 0; r < size; ++r) {
+        if (r != q && choose(q, r) == i) setup.peersOf[size_t(q)].push_back(r);
       }
-      endpoints[i] = registry[i].makeEndpoint(setup);
     }
-    publish(CLAWCOMM_CONCAT("addr/", registry[i].name, "/", rank),
-            bytesOf(endpoints[i] ? endpoints[i]->address() : ""));
+    endpoints[i] = registry[i].makeEndpoint(setup);
+    addresses[i] = endpoints[i]->address();
   }
+  exchange.publish(addresses);
 
   // 5. Connect every pair, each through its transport's endpoint.
+  std::vector<std::unique_ptr<Connection>> conns(static_cast<size_t>(size));
   for (int p = 0; p < size; ++p) {
     if (p == rank) continue;
-    const size_t i = size_t(chosen[p] - registry.data());
-    const std::string addr = stringOf(
-        waitFor(CLAWCOMM_CONCAT("addr/", registry[i].name, "/", p), p, "published its address"));
+    const size_t i = chosen[p];
+    const std::string addr = exchange.addressOf(p, i);
     conns[p] = endpoints[i]->connect(p, addr, deadline);
     if (settings.debug) {
       std::cerr << "clawcomm: rank " << rank << " -> rank " << p << " over " << registry[i].name
@@ -249,17 +330,12 @@ Connections connectAll(Store& store, const std::string& ns, int rank, int size,
 
   // 6. Once everybody has mapped and connected, nothing needs the names any
   //    more: unlink the segments so a crash cannot leak them.
-  publish("connected/" + std::to_string(rank), bytesOf("1"));
-  for (int p = 0; p < size; ++p) {
-    if (p != rank) waitFor("connected/" + std::to_string(p), p, "finished connecting");
-  }
+  exchange.connected();
   for (auto& e : endpoints) {
     if (e) e->finishSetup();
   }
-  return out;
+  return conns;
 }
-
-}  // namespace
 
 Connections rendezvous(Store& store, int rank, int size, const Settings& settings,
                        Clock::time_point deadline) {

@@ -2,13 +2,20 @@
 // which ranks share a host, create the endpoints each rank needs, exchange
 // their addresses, connect every pair, and drop the setup resources (shm
 // names, listening sockets) once every rank is connected.
+//
+// The steps from the endpoints on (connectPeers) are shared with a group
+// split from another (comm/split.cc), which knows the token and the hosts
+// already and swaps the addresses over its parent's connections instead of
+// the store: the SetupExchange is the seam between the two.
 #pragma once
 
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "common/settings.h"
 #include "common/store.h"
+#include "transport/registry.h"
 #include "transport/transport.h"
 
 namespace clawcomm {
@@ -16,10 +23,50 @@ namespace clawcomm {
 struct Connections {
   std::vector<std::unique_ptr<Connection>> toRank;  // one per rank, null for this rank
   int sameHostRanks = 1;                            // ranks on this rank's host, itself included
-  std::vector<int> hostOf = {0};  // each rank's host, numbered by first appearance
-  std::string jobToken;           // the group's random token (hex)
-  std::string storeNamespace;     // this group's store keys' prefix ("clawcomm/<generation>/")
+  std::vector<int> hostOf = {0};   // each rank's host, numbered by first appearance
+  std::string jobToken;            // the group's random token (hex)
+  std::string storeNamespace;      // this group's store keys' prefix ("clawcomm/<generation>/")
+  std::vector<std::string> hosts;  // each rank's host identity (RankInfo::host)
 };
+
+// What the ranks of a new group swap once they agree on who is where: each
+// rank's endpoint addresses, then word that it has connected. Each call
+// blocks until every rank has made it (or throws naming the rank that
+// failed or never came).
+class SetupExchange {
+ public:
+  virtual ~SetupExchange() = default;
+  // This rank's address for each transport of the registry, in its order
+  // ("" for a transport this rank does not use).
+  virtual void publish(const std::vector<std::string>& addresses) = 0;
+  // Rank `peer`'s address for the registry's transport `transport`.
+  virtual std::string addressOf(int peer, size_t transport) = 0;
+  // Says that this rank has connected to all its peers; returns once every
+  // rank has.
+  virtual void connected() = 0;
+};
+
+// Who a new group is: this rank, the group's random token (hex), and where
+// every rank runs.
+struct GroupPlan {
+  int rank = 0;
+  int size = 1;
+  std::string tokenHex;
+  std::vector<RankInfo> ranks;
+};
+
+// Each host identity's number, numbered by first appearance (Topology's
+// hostOf).
+std::vector<int> hostNumbers(const std::vector<std::string>& hosts);
+
+// Chooses each pair's transport, creates this rank's endpoints, swaps their
+// addresses through `exchange`, connects every pair, and drops the setup
+// resources once every rank has connected. Returns one connection per rank
+// (null for this rank).
+std::vector<std::unique_ptr<Connection>> connectPeers(const GroupPlan& plan,
+                                                      const Settings& settings,
+                                                      SetupExchange& exchange,
+                                                      Clock::time_point deadline);
 
 // Connects this rank to every other through the transport registry
 // (transport/registry.h).

@@ -89,7 +89,11 @@ struct Settings {
   // being handed to the progress thread, which saves two thread wake-ups.
   // Larger ones run on the progress thread, so that the caller can compute
   // while they move, unless the caller waits for them anyway (a blocking
-  // call: Communicator::Blocking). 0 disables both.
+  // call: Communicator::Blocking). 0 disables both. A collective the caller
+  // does not wait for runs inline only while its communicator is the only
+  // one in the process: with two, running it on the caller's thread would
+  // make it wait, and ranks that issue ops of two groups in crossing orders
+  // would wait for each other.
   size_t inlineMaxBytes = size_t(1) << 20;
   // CLAWCOMM_PROGRESS_NICE (0..19): the nice value of each communicator's
   // progress thread. A higher value makes the thread give way to the

@@ -10,6 +10,7 @@
 #include "comm/communicator.h"
 #include "common/errors.h"
 #include "python/buffers.h"
+#include "python/gil.h"
 #include "reduce/reduce_kernels.h"
 
 namespace py = pybind11;
@@ -238,6 +239,24 @@ void bindEngine(py::module_& m) {
           py::arg("reason") = "abort() was called",
           "From any thread: fails the operation in flight and every later one with "
           "'rank R aborted: reason', wakes every waiter and tells the peers; the process goes on.")
+      .def(
+          "split",
+          [](Communicator& c, int color, py::object key, double timeoutSeconds) {
+            Communicator::SplitOptions options;
+            options.timeout = std::chrono::milliseconds(int64_t(timeoutSeconds * 1000));
+            const int k = key.is_none() ? c.rank() : py::cast<int>(key);
+            std::shared_ptr<Communicator> child;
+            {
+              py::gil_scoped_release release;
+              child = c.split(color, k, options);
+            }
+            return child ? py::cast(heldWithoutGil(child)) : py::none();
+          },
+          py::arg("color"), py::arg("key") = py::none(), py::arg("timeout") = 0.0,
+          "A new engine of the ranks that pass the same color (>= 0), ordered by key (default: "
+          "this rank), set up over this engine's connections: every rank of this engine calls "
+          "it, in the same order among its collectives; color=-1 joins none and returns None. "
+          "timeout: seconds for the setup and the new engine's operations (0: this one's).")
       .def(
           "flight_record", [](const Communicator& c) { return c.flightRecord(); },
           "The last operations of this communicator, oldest first, as JSON (the flight "

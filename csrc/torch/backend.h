@@ -13,6 +13,7 @@
 // process_group.cc.
 #pragma once
 
+#include <algorithm>
 #include <map>
 #include <optional>
 #include <thread>
@@ -27,6 +28,12 @@
 namespace clawcomm {
 namespace adapter {
 
+// The backend's options: torch's own, copyable. split_group deep-copies the
+// parent's options when it is given none, and c10d's base class cannot be.
+struct ClawcommOptions : c10d::Backend::Options {
+  explicit ClawcommOptions(std::chrono::milliseconds timeout) : Options("clawcomm", timeout) {}
+};
+
 class ClawcommBackend : public c10d::Backend {
  public:
   ClawcommBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
@@ -39,6 +46,12 @@ class ClawcommBackend : public c10d::Backend {
     } catch (...) {
       rethrowForTorch(std::current_exception());
     }
+  }
+
+  // A group split from another (split()), over its own communicator.
+  ClawcommBackend(std::shared_ptr<StoreAdapter> store, std::shared_ptr<Communicator> comm)
+      : Backend(comm->rank(), comm->size()), store_(std::move(store)), comm_(std::move(comm)) {
+    device_ = std::make_unique<DevicePath>(comm_, getRank());
   }
 
   // torch may destroy a backend from Python, holding the GIL: the device
@@ -59,6 +72,47 @@ class ClawcommBackend : public c10d::Backend {
   void setSequenceNumberForGroup() override {}
   uint64_t getSequenceNumberForGroup() override { return comm_->collectivesIssued(); }
   Communicator& communicator() { return *comm_; }
+
+  // torch's split_group (ProcessGroup::splitGroup): every rank of this group
+  // calls it, each with the ranks of the group it joins (or of another, if
+  // it joins none: then it returns null). The new group is set up over this
+  // one's connections, without the store (Communicator::split); `store`
+  // keys its later setups (the CUDA IPC group's).
+  bool supportsSplitting() const override { return true; }
+  c10::intrusive_ptr<c10d::Backend> split(const c10::intrusive_ptr<c10d::Store>& store,
+                                          const std::vector<int>& ranks,
+                                          const c10::intrusive_ptr<Options>& opts) override {
+    const auto it = std::find(ranks.begin(), ranks.end(), getRank());
+    const bool member = it != ranks.end();
+    Communicator::SplitOptions options;
+    if (opts) options.timeout = opts->timeout;
+    std::shared_ptr<StoreAdapter> childStore;
+    if (member) {
+      childStore = std::make_shared<StoreAdapter>(store);
+      options.store = childStore;
+      options.members = ranks;
+    }
+    // Ranks of one group agree on its color: the smallest of its ranks.
+    const int color =
+        member ? *std::min_element(ranks.begin(), ranks.end()) : Communicator::kNoColor;
+    std::shared_ptr<Communicator> child;
+    try {
+      // It blocks on the other ranks: without the GIL, if torch's binding
+      // called it with it.
+      std::optional<pybind11::gil_scoped_release> nogil;
+      if (PyGILState_Check()) nogil.emplace();
+      child = comm_->split(color, int(it - ranks.begin()), options);
+    } catch (...) {
+      rethrowForTorch(std::current_exception());
+    }
+    if (!child) return nullptr;
+    return c10::make_intrusive<ClawcommBackend>(std::move(childStore), std::move(child));
+  }
+  // What split_group copies when it is given no options: the name and the
+  // timeout.
+  c10::intrusive_ptr<Options> getBackendOptions() override {
+    return c10::make_intrusive<ClawcommOptions>(comm_->timeout());
+  }
   // Per CUDA device used so far: "ok" where collectives go through CUDA
   // IPC, else why not (they are staged through host memory).
   std::map<int, std::string> cudaIpcStatus() const { return device_->status(); }

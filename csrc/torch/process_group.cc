@@ -13,11 +13,26 @@ PYBIND11_MODULE(_C_torch, m) {
   using clawcomm::adapter::ClawcommBackend;
   m.doc() = "clawcomm's torch.distributed adapter: the c10d backend over clawcomm._C's engine.";
   py::module::import("torch.distributed");
+  using clawcomm::adapter::ClawcommOptions;
+  py::class_<ClawcommOptions, c10d::Backend::Options, c10::intrusive_ptr<ClawcommOptions>>(
+      m, "ClawcommOptions",
+      "The clawcomm backend's options (torch's Backend.Options), which split_group may copy.")
+      .def(py::init<std::chrono::milliseconds>(), py::arg("timeout"))
+      .def("__copy__",
+           [](const ClawcommOptions& o) { return c10::make_intrusive<ClawcommOptions>(o); })
+      .def(
+          "__deepcopy__",
+          [](const ClawcommOptions& o, py::dict) {
+            return c10::make_intrusive<ClawcommOptions>(o);
+          },
+          py::arg("memo"));
   py::class_<ClawcommBackend, c10d::Backend, c10::intrusive_ptr<ClawcommBackend>>(m,
                                                                                   "ClawcommBackend")
       .def(py::init<const c10::intrusive_ptr<c10d::Store>&, int, int, std::chrono::milliseconds>(),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
            py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("options", &ClawcommBackend::getBackendOptions,
+                             "The backend's options (torch's split_group copies them).")
       .def(
           "transport_of",
           [](ClawcommBackend& b, int peer) { return b.communicator().transportOf(peer); },
