@@ -54,6 +54,7 @@ mps_off() { echo quit | nvidia-cuda-mps-control 2>/dev/null; sleep 1; }
 gpu_tests() {
   mps_on
   python3 -m pytest -q -p no:cacheprovider -n 6 tests/test_gpu_kernels.py tests/test_gpu.py \
+    tests/test_split.py::test_torch_split_group_on_cuda \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -30
   mps_off
 }

@@ -248,3 +248,35 @@ def _options(rank, n):
 def test_the_backend_options_can_be_copied():
     # torch's split_group deep-copies them when it is given none.
     assert run_ranks(_options, 1, pg_timeout=42) == [("clawcomm", 42.0)]
+
+
+HAVE_GPU = torch.backends.cuda.is_built() and torch.cuda.device_count() > 0
+
+
+def _torch_split_group_on_cuda(rank, n, path):
+    # torch's own split_group, which wants the default group bound to a
+    # device (init_process_group(device_id=...)) and an accelerator.
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    dist.init_process_group(
+        "clawcomm", init_method=f"file://{path}", rank=rank, world_size=n, device_id=dev
+    )
+    try:
+        group = dist.split_group(split_ranks=[[0, 2], [1]])
+        mine = [0, 2] if rank != 1 else [1]
+        on_gpu = torch.full((100_000,), float(rank), device=dev)
+        dist.all_reduce(on_gpu, group=group)
+        on_cpu = torch.full((5,), float(rank))
+        dist.all_reduce(on_cpu, group=group)
+        assert dist.get_process_group_ranks(group) == mine
+        return on_gpu[0].item(), on_cpu[0].item(), float(sum(mine))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_GPU, reason="no CUDA GPU (CUDA tests run on the GPU machine)")
+def test_torch_split_group_on_cuda(tmp_path):
+    got = run_ranks(_torch_split_group_on_cuda, 3, str(tmp_path / "store"), init=False)
+    for on_gpu, on_cpu, want in got:
+        assert on_gpu == on_cpu == want
