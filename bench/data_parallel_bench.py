@@ -1,9 +1,12 @@
-"""Step time of data-parallel training under four setups, in one run:
+"""Step time of data-parallel training under five setups, in one run:
 
-1. dp-overlap:   clawcomm.parallel.DataParallel, buckets reduced during backward;
+1. dp-overlap:   clawcomm.parallel.DataParallel(overlap=True), buckets reduced
+                 during backward;
 2. dp-after:     DataParallel(overlap=False), buckets reduced after backward;
-3. ddp-gloo:     torch DDP over gloo;
-4. ddp-clawcomm: torch DDP over clawcomm.
+3. dp-auto:      DataParallel() (overlap="auto", the default): the first steps
+                 time both ways and keep the faster; the table says which;
+4. ddp-gloo:     torch DDP over gloo;
+5. ddp-clawcomm: torch DDP over clawcomm.
 
 Models: an MLP (25M parameters), a small transformer encoder (27M), and
 two whose backward waits instead of computing, as layers running on an
@@ -50,7 +53,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from clawcomm.parallel import DataParallel
 from clawcomm.testing import run_ranks
 
-SETUPS = ["dp-overlap", "dp-after", "ddp-gloo", "ddp-clawcomm"]
+SETUPS = ["dp-overlap", "dp-after", "dp-auto", "ddp-gloo", "ddp-clawcomm"]
 
 
 class AcceleratedLayer(torch.autograd.Function):
@@ -139,9 +142,11 @@ def make_model(name: str):
 
 def _wrap(setup, model, gloo, cap):
     if setup == "dp-overlap":
-        return DataParallel(model, bucket_cap_mb=cap)
+        return DataParallel(model, bucket_cap_mb=cap, overlap=True)
     if setup == "dp-after":
         return DataParallel(model, bucket_cap_mb=cap, overlap=False)
+    if setup == "dp-auto":
+        return DataParallel(model, bucket_cap_mb=cap)
     if setup == "ddp-gloo":
         return DDP(model, process_group=gloo, bucket_cap_mb=cap)
     return DDP(model, bucket_cap_mb=cap)
@@ -202,8 +207,9 @@ def _rank(rank, world, models, steps, repeats, modes):
             # DataParallel layout (DDP's default caps are the same: 1 MB, 25 MB).
             layout = [torch.zeros(b.numel) for b in wrapped["dp-overlap"].buckets]
             best: dict[str, float] = {}
-            for m, opt in runners.values():  # warm-up (and the buckets' rebuild)
-                _timed_steps(m, batch, loss_fn, opt, 2, control, none)
+            # Warm-up (and the buckets' rebuild; dp-auto's trial steps too).
+            for key, (m, opt) in runners.items():
+                _timed_steps(m, batch, loss_fn, opt, 10 if key == "dp-auto" else 2, control, none)
             for _ in range(repeats):
                 for key, (m, opt) in runners.items():
                     t = _timed_steps(m, batch, loss_fn, opt, steps, control, none)
@@ -224,6 +230,7 @@ def _rank(rank, world, models, steps, repeats, modes):
                     "sync_ms": (best[s] - best["compute"]) * 1e3,
                     "buckets": len(layout),
                 }
+            rows["dp-auto"]["choice"] = wrapped["dp-auto"].overlap_choice
             out[name]["modes"][mode] = rows
             del wrapped, runners, optims
     return out
@@ -246,6 +253,12 @@ def print_table(result, world):
                     f"{row['overlap']:>8.0%}{row['step_ms'] / rows['ddp-gloo']['step_ms']:>8.2f}"
                     f"{row['step_ms'] / rows['ddp-clawcomm']['step_ms']:>7.2f}"
                 )
+            c = rows["dp-auto"].get("choice")
+            if c:
+                way = "during" if c["overlap"] else "after"
+                print(f"  # dp-auto reduces {way} backward (trial medians: "
+                      f"{c['during_backward_ms']:.1f} ms during, "
+                      f"{c['after_backward_ms']:.1f} ms after)")  # fmt: skip
 
 
 def plot(result, path):

@@ -96,6 +96,7 @@ def _train(rank, world, opts):
             opt.zero_grad(set_to_none=step % 2 == 0)  # both ways of zeroing
     result = {k: [p.detach().clone() for p in m.parameters()] for k, m in models.items()}
     result["buckets"] = [b.params for b in dp.buckets]
+    result["choice"] = dp.overlap_choice
     return result
 
 
@@ -119,6 +120,45 @@ def _assert_close(results, atol=1e-6, against=("ref", "ddp")):
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_matches_single_process_and_ddp(world_size, overlap):
     _assert_close(run_ranks(_train, world_size, {"overlap": overlap}))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_auto_overlap_switches_mid_run_and_still_matches(world_size):
+    """overlap="auto" (the default): after the first step, eight trial
+    steps alternate the two ways; every rank then keeps the same one, and
+    the weights follow single-process training throughout."""
+    results = run_ranks(_train, world_size, {"overlap": "auto", "steps": 12})
+    _assert_close(results)
+    choices = [r["choice"] for r in results]
+    assert choices[0] is not None and choices[0]["trial_steps"] == 4
+    assert all(c == choices[0] for c in choices), choices
+
+
+def _choose(rank, world, during_ms, after_ms):
+    from clawcomm.parallel.overlap_choice import OverlapChooser
+
+    chooser = OverlapChooser(None, rank, trial_steps=2)
+    decided = None
+    while decided is None:
+        overlap = chooser.begin()
+        time.sleep((during_ms if overlap else after_ms)[rank] / 1e3)
+        decided = chooser.end()
+    return decided, chooser.choice
+
+
+@pytest.mark.parametrize(
+    "during, after, want",
+    [
+        ((5, 5), (60, 60), True),  # the backward waits: overlap hides the reduction
+        ((60, 60), (5, 5), False),  # CPU-bound: overlap slows backward down
+        ((5, 80), (40, 40), False),  # one slow rank decides for all: max(5, 80) > 40
+    ],
+)
+def test_the_faster_way_wins_by_the_slowest_rank(during, after, want):
+    got = run_ranks(_choose, 2, during, after)
+    assert [g[0] for g in got] == [want, want]
+    assert got[0][1] == got[1][1]
+    assert got[0][1]["during_backward_ms"] >= max(during)
 
 
 def test_matches_on_a_gloo_group():
@@ -305,6 +345,8 @@ def _bad(rank, world, what):
         DataParallel(nn.Linear(4, 4), compression="fp16", compression_warmup_steps=-2)
     elif what == "frozen":
         DataParallel(nn.Linear(4, 4).requires_grad_(False))
+    elif what == "overlap":
+        DataParallel(nn.Linear(4, 4), overlap="sometimes")
 
 
 @pytest.mark.parametrize(
@@ -314,6 +356,7 @@ def _bad(rank, world, what):
         ("cap", r"bucket_cap_mb must be a positive number, got 0"),
         ("first", r"first_bucket_mb must be a positive number, got -1"),
         ("accum", r"accumulation_steps must be an int >= 1, got 0"),
+        ("overlap", r"overlap must be True, False or 'auto', got 'sometimes'"),
         (
             "dtype",
             r"compression 'fp16' needs float32 gradients, parameter 'weight' is torch.float64",

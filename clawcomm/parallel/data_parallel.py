@@ -52,6 +52,7 @@ from torch.utils._pytree import tree_flatten
 
 from clawcomm.compression import Compressor, CompressorState, get_compressor
 from clawcomm.parallel.buckets import GradBucket
+from clawcomm.parallel.overlap_choice import OverlapChooser
 from clawcomm.parallel.reducer import GradReducer
 
 MB = 1 << 20
@@ -65,7 +66,9 @@ class DataParallel(nn.Module):
     bucket in ``compression_state`` (checkpoint it with its ``state_dict()``).
     The first ``compression_warmup_steps`` synchronised steps are reduced
     densely, as Deep Gradient Compression warms up.
-    ``overlap=False`` reduces every bucket after backward instead (the
+    ``overlap``: ``"auto"`` (the default) times both ways in the first
+    steps and keeps the faster (overlap_choice.py; ``overlap_choice`` reports
+    it), ``True`` reduces buckets during backward, ``False`` after it (the
     baseline overlap is measured against). ``find_unused_parameters`` lets a
     forward leave parameters out: their buckets are reduced with zeros from
     this rank, and a parameter no rank used keeps ``grad`` as it was.
@@ -80,7 +83,7 @@ class DataParallel(nn.Module):
         bucket_cap_mb: float = 25,
         first_bucket_mb: float = 1,
         compression: str | Compressor | None = None,
-        overlap: bool = True,
+        overlap: bool | str = "auto",
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
         accumulation_steps: int = 1,
@@ -97,6 +100,10 @@ class DataParallel(nn.Module):
         self.process_group = process_group
         self.bucket_cap_mb = bucket_cap_mb
         self.first_bucket_mb = first_bucket_mb
+        if overlap not in (True, False, "auto"):
+            raise ValueError(
+                f"DataParallel: overlap must be True, False or 'auto', got {overlap!r}"
+            )
         self.overlap = overlap
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
@@ -133,9 +140,11 @@ class DataParallel(nn.Module):
             first_bucket_mb=first_bucket_mb,
             compressor=self.compressor,
             compression_warmup_steps=warmup,
-            overlap=overlap,
+            overlap=overlap is not False,
             names=self._names,
         )
+        auto = overlap == "auto" and self.world_size > 1
+        self._chooser = OverlapChooser(process_group, self.rank) if auto else None
         weakref.finalize(self, self._reducer.close)
         self._hooks = [
             p.register_post_accumulate_grad_hook(_ready_hook(weakref.ref(self), i))
@@ -154,6 +163,13 @@ class DataParallel(nn.Module):
         return list(self._reducer.buckets)
 
     @property
+    def overlap_choice(self) -> dict | None:
+        """Under ``overlap="auto"``, once decided: ``{"overlap": bool,
+        "during_backward_ms", "after_backward_ms", "trial_steps"}`` (the
+        slowest rank's median backward-and-reduction time each way)."""
+        return self._chooser.choice if self._chooser is not None else None
+
+    @property
     def compression_state(self) -> CompressorState:
         """Error-feedback residuals (per bucket) and the step count;
         checkpoint it with its ``state_dict()``."""
@@ -170,6 +186,10 @@ class DataParallel(nn.Module):
         out = self.module(*args, **kwargs)
         if torch.is_grad_enabled() and self._sync and self.find_unused_parameters:
             self._unreached = self._unreached_params(out)
+        chooser = self._chooser
+        if torch.is_grad_enabled() and self._sync and chooser is not None:
+            if self._reducer.learned and not chooser.decided:
+                self._reducer.set_overlap(chooser.begin())
         return out
 
     @contextlib.contextmanager
@@ -255,6 +275,10 @@ class DataParallel(nn.Module):
         if not self._reducer.learned:
             self._rebuild()
         self._reducer.end_step()
+        if self._chooser is not None and not self._chooser.decided:
+            decided = self._chooser.end()
+            if decided is not None:
+                self._reducer.set_overlap(decided)
 
     def _unreached_params(self, out) -> list[int]:
         """Parameters the autograd graph of ``out`` does not reach: their

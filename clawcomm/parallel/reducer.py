@@ -209,6 +209,11 @@ class GradReducer(BucketBuffers):
         if self.overlap:
             self._launch_in_order()
 
+    def set_overlap(self, on: bool) -> None:
+        """From the next step: launch buckets as they fill (True), or all of
+        them in ``launch_all`` (False)."""
+        self.overlap = self._overlap_after = on
+
     def launch_all(self) -> None:
         """Launches every bucket not launched yet, in order."""
         self._launch_in_order(everything=True)
