@@ -187,7 +187,7 @@ def _timed_comm(buckets, group, average, steps, control):
     return _slowest_median(times, control)
 
 
-def _rank(rank, world, models, steps, repeats, modes):
+def _rank(rank, world, models, steps, repeats, modes, setups=tuple(SETUPS)):
     gloo = dist.new_group(backend="gloo")
     control = dist.new_group(backend="gloo")  # barriers and maxima, never timed
     out = {}
@@ -198,14 +198,15 @@ def _rank(rank, world, models, steps, repeats, modes):
         for mode in modes:
             none = mode == "none"
             plain = copy.deepcopy(base)
-            wrapped = {s: _wrap(s, copy.deepcopy(base), gloo, cap) for s in SETUPS}
+            wrapped = {s: _wrap(s, copy.deepcopy(base), gloo, cap) for s in setups}
             optims = {s: torch.optim.SGD(m.parameters(), lr=1e-6) for s, m in wrapped.items()}
             optims["compute"] = torch.optim.SGD(plain.parameters(), lr=1e-6)
-            runners = {s: (wrapped[s], optims[s]) for s in SETUPS}
+            runners = {s: (wrapped[s], optims[s]) for s in setups}
             runners["compute"] = (plain, optims["compute"])
             # The buckets each setup reduces, for the comm-alone figure: the
             # DataParallel layout (DDP's default caps are the same: 1 MB, 25 MB).
-            layout = [torch.zeros(b.numel) for b in wrapped["dp-overlap"].buckets]
+            dp = next(m for s, m in wrapped.items() if s.startswith("dp-"))
+            layout = [torch.zeros(b.numel) for b in dp.buckets]
             best: dict[str, float] = {}
             # Warm-up (and the buckets' rebuild; dp-auto's trial steps too).
             for key, (m, opt) in runners.items():
@@ -218,7 +219,7 @@ def _rank(rank, world, models, steps, repeats, modes):
                     t = _timed_comm(layout, group, avg, steps, control)
                     best[key] = min(best.get(key, t), t)
             rows = {}
-            for s in SETUPS:
+            for s in setups:
                 comm = best["comm-gloo" if s == "ddp-gloo" else "comm-clawcomm"]
                 hidden = min(max(best["compute"] + comm - best[s], 0.0), comm)
                 rows[s] = {
@@ -230,7 +231,8 @@ def _rank(rank, world, models, steps, repeats, modes):
                     "sync_ms": (best[s] - best["compute"]) * 1e3,
                     "buckets": len(layout),
                 }
-            rows["dp-auto"]["choice"] = wrapped["dp-auto"].overlap_choice
+            if "dp-auto" in rows:
+                rows["dp-auto"]["choice"] = wrapped["dp-auto"].overlap_choice
             out[name]["modes"][mode] = rows
             del wrapped, runners, optims
     return out
