@@ -11,6 +11,9 @@ ranks 0..n/2-1 and n/2..n-1) --rounds times each way, interleaved:
   split_group   clawcomm.split_group([lower, upper]): one call, over the
                 parent's connections (csrc/comm/split.cc), no store round
                 trips.
+  engine_split  the same split one layer down, on the world's engine
+                (clawcomm.engine_of().split(color)): no torch ProcessGroup
+                around it.
 
 then one all-reduce on the new group, and destroys it. The table gives the
 median and the best setup time of the slowest rank, milliseconds.
@@ -25,13 +28,14 @@ import json
 import statistics
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 import clawcomm
 from clawcomm.testing import run_ranks
 
-WAYS = ["new_group", "split_group"]
+WAYS = ["new_group", "split_group", "engine_split"]
 
 
 def _worker(rank: int, world: int, rounds: int) -> dict[str, list[float]]:
@@ -45,9 +49,18 @@ def _worker(rank: int, world: int, rounds: int) -> dict[str, list[float]]:
             if way == "new_group":
                 groups = [dist.new_group(h) for h in halves]
                 group = groups[halves.index(mine)]
-            else:
+            elif way == "split_group":
                 group = clawcomm.split_group(halves)
+            else:
+                engine = clawcomm.engine_of().split(halves.index(mine))
             times[way].append(time.perf_counter() - t0)
+            if way == "engine_split":
+                t = np.ones(1, np.float32)
+                engine.all_reduce(t)
+                assert t[0] == len(mine)
+                del engine
+                dist.barrier()
+                continue
             t = torch.ones(1)
             dist.all_reduce(t, group=group)
             assert t.item() == len(mine)
