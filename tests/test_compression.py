@@ -568,6 +568,11 @@ def test_the_lab_times_methods_to_a_target_and_projects_them():
     # Gathered pairs grow with the hosts faster than an all-reduce.
     assert topk["projected_step_ms"][512] - 30.0 > int8["projected_step_ms"][512] - 40.0
     assert "never" in lab.table(results)
+    # A loaded machine timed dense no slower than compute alone: the gap has
+    # no width; dense still closes none of it, the others' share is undefined.
+    compute["step_ms"] = 100.0
+    lab.analyse(results, None, "1gbit")
+    assert none["gap_closed"] == 0.0 and int8["gap_closed"] is None
 
 
 WIRE_SIZES = [0, 1, 5, 10_007]  # empty, one element, fewer than ranks, odd

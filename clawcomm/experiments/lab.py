@@ -82,8 +82,11 @@ def analyse(results: list[dict], target: float | None, link: str | None, model=N
         at = reached(r["curve"], target) if target is not None else None
         r["steps_to_target"] = at[0] if at else None
         r["seconds_to_target"] = at[3] if at else None  # measured: the steps' own time
-        r["gap_closed"] = None
-        if compute not in (None, r) and dense_at and at:
+        # Dense closes none of the gap by definition, even when a loaded
+        # machine timed its steps no slower than compute alone's (then the
+        # gap has no width and the others' share is undefined: None).
+        r["gap_closed"] = 0.0 if r is dense and at else None
+        if compute not in (None, r) and r is not dense and dense_at and at:
             # Compute alone over dense's steps to target: the time no method can beat.
             bound = dense_at[0] * compute["step_ms"] / 1e3
             if dense_at[3] > bound:
