@@ -14,6 +14,12 @@
 #include "transport/registry.h"
 
 namespace clawcomm {
+
+// Posted in place of every key a rank had yet to set when its setup fails,
+// so that whoever waits for one of them learns at once what went wrong (and
+// where), instead of timing out on the wrong rank.
+const std::string kSetupFailed = "!failed: ";
+
 namespace {
 
 // CLAWCOMM_SHM_PEERS=auto gives every pair of a host a ring up to this many
@@ -64,12 +70,6 @@ std::string settingsThatDiffer(const std::string& theirs, const std::string& min
   }
   return out;
 }
-
-// A store value that says its rank's setup failed, and why: posted in place
-// of every key that rank had yet to set, so that whoever waits for one of
-// them learns at once what went wrong (and where), instead of timing out on
-// the wrong rank.
-const std::string kFailed = "!failed: ";
 
 // Store waits run this much past the group's deadline: a rank whose own wait
 // on a dead peer (a socket, say) ran out at the deadline has that long to
@@ -126,9 +126,9 @@ class StoreBoard {
           e.what(), ")"));
     }
     const std::string text = stringOf(value);
-    if (text.compare(0, kFailed.size(), kFailed) == 0) {
+    if (text.compare(0, kSetupFailed.size(), kSetupFailed) == 0) {
       throw Error(CLAWCOMM_CONCAT("clawcomm: rank ", rank_, " cannot set up the group: rank ", p,
-                                  " failed: ", text.substr(kFailed.size())));
+                                  " failed: ", text.substr(kSetupFailed.size())));
     }
     return value;
   }
@@ -187,10 +187,7 @@ Connections connectAll(Store& store, const std::string& ns, int rank, int size,
   //    and it names the shm segments, so two jobs never cross.
   if (rank == 0) {
     std::random_device rd;
-    const uint64_t token = (uint64_t(rd()) << 32) ^ rd() ^ uint64_t(getpid());
-    char hex[17];
-    std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(token));
-    board.publish("token", bytesOf(hex));
+    board.publish("token", bytesOf(tokenHex((uint64_t(rd()) << 32) ^ rd() ^ uint64_t(getpid()))));
   }
   GroupPlan plan;
   plan.rank = rank;
@@ -227,6 +224,12 @@ Connections connectAll(Store& store, const std::string& ns, int rank, int size,
 }
 
 }  // namespace
+
+std::string tokenHex(uint64_t token) {
+  char hex[17];
+  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(token));
+  return hex;
+}
 
 std::vector<int> hostNumbers(const std::vector<std::string>& hosts) {
   std::vector<int> out;
@@ -366,7 +369,7 @@ Connections rendezvous(Store& store, int rank, int size, const Settings& setting
     for (const auto& t : transportRegistry()) {
       keys.push_back(CLAWCOMM_CONCAT("addr/", t.name, "/", rank));
     }
-    const std::string why = kFailed + e.what();
+    const std::string why = kSetupFailed + e.what();
     for (const auto& key : keys) {
       if (std::find(published.begin(), published.end(), key) != published.end()) continue;
       try {

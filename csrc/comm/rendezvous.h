@@ -55,6 +55,13 @@ struct GroupPlan {
   std::vector<RankInfo> ranks;
 };
 
+// The text a setup step posts in place of its value when this rank's setup
+// failed, followed by why: whoever reads it fails too, naming this rank.
+extern const std::string kSetupFailed;
+
+// A group's random token as its 16 hex digits (Connections::jobToken).
+std::string tokenHex(uint64_t token);
+
 // Each host identity's number, numbered by first appearance (Topology's
 // hostOf).
 std::vector<int> hostNumbers(const std::vector<std::string>& hosts);

@@ -34,6 +34,12 @@ class Request {
     return cv_.wait_for(lock, timeout, [&] { return done_; });
   }
 
+  // Waits for ever, then throws the operation's error, if any.
+  void wait() const {
+    waitFor(std::chrono::milliseconds(-1));
+    if (auto e = exception()) std::rethrow_exception(e);
+  }
+
   std::exception_ptr exception() const {
     std::lock_guard<std::mutex> lock(mutex_);
     return error_;

@@ -24,7 +24,6 @@
 // concurrently (a data-parallel and a pipeline group) must progress
 // independently.
 #include <algorithm>
-#include <cstdio>
 #include <numeric>
 #include <random>
 
@@ -36,19 +35,12 @@
 namespace clawcomm {
 namespace {
 
-const std::string kSplitFailed = "!failed: ";
-
 struct SplitEntry {
   int32_t color;
   int32_t key;
   uint64_t token;
 };
 static_assert(sizeof(SplitEntry) == 16, "a split entry is 16 bytes");
-
-void finish(const RequestPtr& r) {
-  r->waitFor(std::chrono::milliseconds(-1));
-  if (auto e = r->exception()) std::rethrow_exception(e);
-}
 
 // "<length>:<bytes>" for each string: addresses may hold any byte.
 std::string encode(const std::vector<std::string>& items) {
@@ -94,7 +86,7 @@ class ParentExchange final : public SetupExchange {
   // The steps still to come, carrying this rank's failure; never throws.
   void fail(const std::string& why) noexcept {
     try {
-      while (steps_ < 2) gather(kSplitFailed + why);
+      while (steps_ < 2) gather(kSetupFailed + why);
     } catch (...) {  // the parent failed too: its own error reaches every rank
     }
   }
@@ -106,11 +98,12 @@ class ParentExchange final : public SetupExchange {
     const int n = parent_.size();
     std::vector<int64_t> lengths(static_cast<size_t>(n));
     const int64_t myLength = int64_t(mine.size());
-    finish(parent_.allGather(&myLength, lengths.data(), std::vector<size_t>(size_t(n), 1),
-                             DataType::kInt64));
+    parent_
+        .allGather(&myLength, lengths.data(), std::vector<size_t>(size_t(n), 1), DataType::kInt64)
+        ->wait();
     std::vector<size_t> counts(lengths.begin(), lengths.end());
     std::string all(std::accumulate(counts.begin(), counts.end(), size_t(0)), '\0');
-    finish(parent_.allGather(mine.data(), all.data(), counts, DataType::kUInt8));
+    parent_.allGather(mine.data(), all.data(), counts, DataType::kUInt8)->wait();
     std::vector<std::string> out;
     size_t at = 0;
     for (size_t c : counts) {
@@ -122,9 +115,9 @@ class ParentExchange final : public SetupExchange {
 
   void throwIfFailed(const std::vector<std::string>& all, const char* what) {
     for (size_t p = 0; p < all.size(); ++p) {
-      if (all[p].compare(0, kSplitFailed.size(), kSplitFailed) == 0) {
+      if (all[p].compare(0, kSetupFailed.size(), kSetupFailed) == 0) {
         throw Error(CLAWCOMM_CONCAT("clawcomm: split: rank ", p, " could not ", what, ": ",
-                                    all[p].substr(kSplitFailed.size())));
+                                    all[p].substr(kSetupFailed.size())));
       }
     }
   }
@@ -149,13 +142,17 @@ std::shared_ptr<Communicator> Communicator::split(int color, int key, SplitOptio
   CLAWCOMM_ARG_CHECK(!onProgressThread(), "clawcomm: split: called from the progress thread");
   const std::chrono::milliseconds timeout =
       options.timeout.count() > 0 ? options.timeout : this->timeout();
+  // This thread waits for each of the parent's all-gathers: they may run on
+  // it, as blocking calls do, instead of going to the progress thread and back.
+  const Blocking blocking;
 
   // 1. Colors, keys and tokens.
   std::random_device rd;
   const SplitEntry mine{int32_t(color), int32_t(key), (uint64_t(rd()) << 32) ^ rd()};
   std::vector<SplitEntry> all(static_cast<size_t>(size_));
-  finish(allGather(&mine, all.data(), std::vector<size_t>(size_t(size_), sizeof(SplitEntry)),
-                   DataType::kUInt8));
+  allGather(&mine, all.data(), std::vector<size_t>(size_t(size_), sizeof(SplitEntry)),
+            DataType::kUInt8)
+      ->wait();
   uint64_t generation;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -184,10 +181,7 @@ std::shared_ptr<Communicator> Communicator::split(int color, int key, SplitOptio
     GroupPlan plan;
     plan.rank = rank;
     plan.size = int(members.size());
-    char hex[17];
-    std::snprintf(hex, sizeof(hex), "%016llx",
-                  static_cast<unsigned long long>(all[size_t(members[0])].token));
-    plan.tokenHex = hex;
+    plan.tokenHex = tokenHex(all[size_t(members[0])].token);
     Connections conns;
     conns.jobToken = plan.tokenHex;
     conns.storeNamespace = CLAWCOMM_CONCAT(storeNamespace_, "split/", generation, "/", color, "/");
@@ -197,13 +191,9 @@ std::shared_ptr<Communicator> Communicator::split(int color, int key, SplitOptio
       if (p != rank_) conns.sameHostRanks += hosts_[size_t(p)] == hosts_[size_t(rank_)];
     }
     conns.hostOf = hostNumbers(conns.hosts);
-    if (plan.size == 1) {
-      exchange.publish({});
-      exchange.connected();
-      conns.toRank.resize(1);
-    } else {
-      conns.toRank = connectPeers(plan, settings_, exchange, Clock::now() + timeout);
-    }
+    // A group of one too: it makes no endpoint and connects nothing, but
+    // still takes part in the exchange.
+    conns.toRank = connectPeers(plan, settings_, exchange, Clock::now() + timeout);
     return own(new Communicator(options.store ? options.store : store_, rank, plan.size, timeout,
                                 settings_, std::move(conns)));
   } catch (const std::exception& e) {
