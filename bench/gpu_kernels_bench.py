@@ -14,7 +14,8 @@ Bytes touched per element (float32 unless said): reduce 12 (read two,
 write one), fp16 encode 6, fp16 decode-add 10, 16-bit error feedback 14
 (read grad and residual, write residual and a 16-bit payload), top-k fold
 16 + selection 4 (the pass over the residual) = 20, scatter-add 8 per pair
-plus the sort.
+plus the sort, quantisation with feedback 12 + bits/8 + 4/block (the
+scales), decode-add 8 + bits/8 + 4/block.
 """
 
 from __future__ import annotations
@@ -159,6 +160,48 @@ def main() -> int:
         8,
         m,
     )
+    # Block quantisation with error feedback (compress/quantize.h on the GPU):
+    # read x and the residual, write the residual, the codes and the scales;
+    # decoding adds alpha * codes * scale into out (read codes, read and
+    # write out).
+    codes = torch.empty(n, dtype=torch.uint8, device="cuda")
+    scales = torch.empty(n // 64 + 1, device="cuda")
+    for bits, block, scale in ((8, 256, "max"), (2, 128, "l2")):
+        if n % block:
+            continue
+        row(
+            f"quantize {bits}-bit {scale} /{block} + feedback",
+            lambda bits=bits, block=block, scale=scale: K.quantize(
+                g.data_ptr(),
+                codes.data_ptr(),
+                scales.data_ptr(),
+                n,
+                bits,
+                block,
+                scale,
+                True,
+                7,
+                r.data_ptr(),
+                s(),
+            ),  # fmt: skip
+            12 + bits / 8 + 4 / block,
+        )
+        row(
+            f"dequantize {bits}-bit accumulate",
+            lambda bits=bits, block=block, scale=scale: K.dequantize(
+                codes.data_ptr(),
+                scales.data_ptr(),
+                out.data_ptr(),
+                n,
+                bits,
+                block,
+                scale,
+                1.0,
+                True,
+                s(),
+            ),  # fmt: skip
+            8 + bits / 8 + 4 / block,
+        )
     print(f"# {torch.cuda.get_device_name()}, n = {n:,} float32, best of {reps}")
     print(f"{'kernel':40s} {'time ms':>9s} {'GB/s':>8s} {'of copy':>8s}")
     results = []
