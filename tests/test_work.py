@@ -116,3 +116,26 @@ def test_an_async_collective_returns_at_once_and_a_blocking_one_keeps_its_place(
     assert pending, "the async all_reduce completed before its peer joined"
     for _, _, a, b in results:
         assert a == [3.0] * len(a) and b == [21.0] * len(b)
+
+
+def _into_leaves(rank, ws):
+    # Leaves that require grad, written in place under no_grad as the
+    # trainer's first broadcast does; non-contiguous, so each result is
+    # copied back into the caller's tensor on the thread that finishes it.
+    p = torch.full((6, 4), float(rank + 1)).t().requires_grad_()
+    q = torch.full((6, 4), float(rank + 1)).t().requires_grad_()
+    with torch.no_grad():
+        dist.broadcast(p, 0)
+        dist.all_reduce(q, async_op=True).wait()
+    return p.detach().unique().tolist(), q.detach().unique().tolist(), p.is_leaf
+
+
+def test_results_reach_leaves_that_require_grad_from_the_progress_thread():
+    """A collective finished on the progress thread (CLAWCOMM_INLINE_BYTES=0,
+    or any asynchronous call while two groups are alive) copies its result
+    into the caller's tensor there, where autograd's grad mode is the
+    thread's own, not the caller's no_grad: on a leaf that requires grad
+    the copy must not go through autograd (the CUDA trainer's first
+    broadcast failed so on an H100)."""
+    for p, q, leaf in run_ranks(_into_leaves, 2, env={"CLAWCOMM_INLINE_BYTES": "0"}):
+        assert p == [1.0] and q == [3.0] and leaf

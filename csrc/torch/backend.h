@@ -13,6 +13,8 @@
 // process_group.cc.
 #pragma once
 
+#include <ATen/core/grad_mode.h>
+
 #include <algorithm>
 #include <map>
 #include <optional>
@@ -285,6 +287,10 @@ class ClawcommBackend : public c10d::Backend {
     auto work = c10::make_intrusive<ClawcommWork>(getRank(), type, completion, completion->outputs);
     completion->profilingEnd = work->takeProfilingEnd();
     Request::Callback cb = [completion](std::exception_ptr error) {
+      // Often on the progress thread, whose grad mode is its own: copies into
+      // the caller's tensors (leaves that require grad among them, written
+      // under the caller's no_grad) must never go through autograd.
+      const at::NoGradGuard noGrad;
       std::optional<c10::StreamGuard> onStream;
       if (completion->staging) onStream.emplace(completion->staging->stream());
       try {

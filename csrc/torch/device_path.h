@@ -24,6 +24,8 @@
 //      an error, and abort the communicator so every rank learns.
 #pragma once
 
+#include <ATen/core/grad_mode.h>
+
 #include <algorithm>
 #include <map>
 #include <memory>
@@ -292,6 +294,7 @@ class DevicePath {
       if (after) {
         // By value: a receive runs it when it is launched, after this returns.
         r.streams.then = [ranOn, after = std::move(after)] {
+          const at::NoGradGuard noGrad;  // any thread; a copy into the caller's tensor
           c10::StreamGuard onStream(ranOn);
           after();
         };
