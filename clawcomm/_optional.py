@@ -12,6 +12,7 @@ EXTRAS = {
     "numba": ("codecs", "JIT-compiled codecs"),
     "cupy": ("cuda", "GPU arrays"),
     "tensorboard": ("tensorboard", "TensorBoard logs"),
+    "google": ("chakra", "Chakra execution traces (protobuf)"),
 }
 
 

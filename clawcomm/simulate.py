@@ -4,11 +4,15 @@ you do not have, from a model file (``clawcomm bench --calibrate``).
     clawcomm simulate --model model.json --hosts 128 --ranks-per-host 8 --size 1G
     clawcomm simulate --hosts 2 --ranks-per-host 4 --size 64M --check    # + the event simulator
     clawcomm simulate --hosts 64 --ranks-per-host 8 --params 1.3G --compression fp16 --overlap 0.5
+    clawcomm simulate --chakra DIR --model model.json [--project-hosts 64,512]
 
 Prints the nccl-tests table it predicts (time, algbw, busbw; for the
 all-reduce every algorithm and the one ``CLAWCOMM_ALGO=auto`` picks), the
 communication time of one data-parallel training step, and with --plot a
-picture of predicted busbw against size for 8 to 4096 ranks.
+picture of predicted busbw against size for 8 to 4096 ranks. With --chakra
+it replays Chakra execution traces instead (``clawcomm train --chakra``'s, or
+another tool's) and prints the predicted step and its critical path
+(clawcomm.chakra_replay).
 
 These are projections of a calibrated alpha-beta-gamma model
 (clawcomm.model; docs/algorithms.md): they know link bandwidths and
@@ -53,6 +57,17 @@ def add_arguments(p) -> None:
         type=float,
         default=0.0,
         help="the share of communication hidden behind backward (0..1)",
+    )
+    p.add_argument(
+        "--chakra",
+        metavar="DIR",
+        help="replay the Chakra execution traces in DIR (<prefix>.<rank>.et, comm_group.json)",
+    )
+    p.add_argument(
+        "--project-hosts",
+        default="",
+        metavar="N[,N...]",
+        help="with --chakra: also each collective as if its group spanned N hosts",
     )
     p.add_argument("--plot", metavar="FILE", help="busbw against size for 8..4096 ranks (PNG)")
     p.add_argument("--json", metavar="FILE", help="write the predictions as JSON")
@@ -150,9 +165,59 @@ def plot(path: str, model: CostModel, ranks_per_host: int, max_size: int) -> Non
     fig.savefig(path, dpi=110)
 
 
+def run_chakra(args, model: CostModel) -> int:
+    from clawcomm import chakra, chakra_replay
+
+    try:
+        projections = [int(h) for h in args.project_hosts.split(",") if h.strip()]
+        if any(h < 1 for h in projections):
+            raise ValueError(f"--project-hosts {args.project_hosts}: hosts must be at least 1")
+        trace = chakra.read(args.chakra)
+        known = all("host" in trace.metadata.get(r, {}) for r in trace.ranks)
+        host_of = None if known else (lambda r: r // args.ranks_per_host)
+        results = {0: chakra_replay.replay(trace, model, host_of)}
+        for h in projections:
+            results[h] = chakra_replay.replay(trace, model, host_of, project_hosts=h)
+    except (OSError, ValueError, ImportError) as e:
+        print(f"clawcomm simulate: error: {e}", file=sys.stderr)
+        return 2
+    where = "hosts from the traces" if known else f"{args.ranks_per_host} ranks per host"
+    nodes = sum(map(len, trace.ranks.values()))
+    print(
+        f"# clawcomm simulate --chakra {args.chakra}: {len(trace.ranks)} ranks ({where}), "
+        f"{nodes} nodes, model {args.model or 'default'}"
+    )
+    print(chakra_replay.report(results[0]))
+    for h in projections:
+        r = results[h]
+        shares = ", ".join(f"{k} {v / r.step:.0%}" for k, v in r.share().items() if v > 0)
+        print(
+            f"# projected, every collective's group over {h} hosts: step "
+            f"{r.step * 1e3:.2f} ms; critical path {shares}"
+        )
+    if args.json:
+        payload = {
+            h: {
+                "step_s": r.step,
+                "critical_path_s": r.share(),
+                "critical_path": [[s.rank, s.node.name, s.start, s.end] for s in r.critical],
+            }
+            for h, r in results.items()
+        }
+        with open(args.json, "w") as f:
+            json.dump({"model": asdict(model), "by_projected_hosts": payload}, f, indent=1)
+    return 0
+
+
 def run(args) -> int:
     try:
         model = CostModel.load(args.model) if args.model else CostModel()
+    except (OSError, ValueError) as e:
+        print(f"clawcomm simulate: error: {e}", file=sys.stderr)
+        return 2
+    if args.chakra:
+        return run_chakra(args, model)
+    try:
         if args.hosts < 1 or args.ranks_per_host < 1:
             raise ValueError("--hosts and --ranks-per-host must be at least 1")
         if not 0 <= args.overlap <= 1:

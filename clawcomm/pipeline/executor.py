@@ -75,6 +75,9 @@ class RunStats:
     # wait for a peer's tensor: posting sends and receives, bookkeeping.
     host: float = 0.0
     losses: list[torch.Tensor] = field(default_factory=list)
+    # Each send and receive between ranks: (action, bytes, when issued or
+    # waited for); what a Chakra trace of the step needs (train/chakra.py).
+    messages: list[tuple[Action, int, float]] = field(default_factory=list)
     start: float = 0.0
     end: float = 0.0
 
@@ -171,6 +174,7 @@ class PipelineExecutor:
             elif a.kind == SEND_B:
                 grad = self._gin.pop((a.stage, a.microbatch))
                 self._send(grad, a.stage - 1, self._tag(_GRAD, a.stage, a.microbatch))
+                stats.messages.append((a, grad.numel() * grad.element_size(), time.perf_counter()))
             elif a.kind == REDUCE_GRAD:
                 pass  # the trainer starts each reduction itself (see GradReducer)
         drain = time.perf_counter()
@@ -281,6 +285,7 @@ class PipelineExecutor:
             head[2 : 2 + t.dim()] = torch.tensor(t.shape)
             self._send(head, a.stage + 1, self._tag(_HEAD, a.stage + 1, 0))
         self._send(t, a.stage + 1, self._tag(_ACT, a.stage + 1, a.microbatch))
+        self._stats.messages.append((a, t.numel() * t.element_size(), time.perf_counter()))
 
     def _send(self, t: torch.Tensor, to_stage: int, tag: int) -> None:
         t = t.contiguous()
@@ -329,4 +334,5 @@ class PipelineExecutor:
         self._stats.recv_wait += t1 - t0
         what = "activation" if kind == RECV_F else "gradient"
         self._stats.waits.append((f"recv {what} s{s} mb{mb}", t0, t1))
+        self._stats.messages.append((Action(s, kind, mb), buf.numel() * buf.element_size(), t1))
         return buf

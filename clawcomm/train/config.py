@@ -133,6 +133,9 @@ class TrainConfig:
     trace: str = _opt("", "write a Chrome/Perfetto trace of every step, all ranks (JSON)")
     tensorboard: str = _opt("", "write the per-step metrics for TensorBoard to this folder")
     timeline: str = _opt("", "draw the last step, ranks against time (PNG; needs matplotlib)")
+    chakra: str = _opt(
+        "", "write the last step, all ranks, as a Chakra execution trace in this folder"
+    )
     quiet: bool = _opt(False, "no progress bar")
 
     def __post_init__(self):

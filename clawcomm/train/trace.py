@@ -66,6 +66,11 @@ def run_events(stats, accumulation_round: int | None = None) -> list[Event]:
             args["round"] = accumulation_round
         out.append((COMPUTE, f"{act.kind}{act.microbatch} s{act.stage}", s0, s1, args))
     out += [(COMM, what, s0, s1, {}) for what, s0, s1 in stats.waits]
+    for act, nbytes, t in stats.messages:  # instants: what a Chakra trace needs
+        args = {"kind": act.kind, "stage": act.stage, "mb": act.microbatch, "bytes": nbytes}
+        if accumulation_round is not None:
+            args["round"] = accumulation_round
+        out.append((COMM, str(act), t, t, args))
     return out
 
 

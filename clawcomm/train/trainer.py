@@ -212,7 +212,7 @@ class Trainer:
         self._checkpoint_group = None
         # Per-step events for --trace/--timeline (clawcomm.train.trace), or None.
         self.recorder = None
-        if cfg.trace or cfg.timeline:
+        if cfg.trace or cfg.timeline or cfg.chakra:
             self.recorder = trace.StepRecorder()
 
     # ---- setup ----------------------------------------------------------------------
@@ -358,6 +358,10 @@ class Trainer:
         Chrome trace and/or the timeline picture (collective)."""
         if self.recorder is not None:
             trace.write_recorded(self, trace_path, timeline_path)
+        if self.recorder is not None and self.cfg.chakra:
+            from clawcomm.train import chakra
+
+            chakra.write(self, self.cfg.chakra)
 
     def _zero_grads(self) -> None:
         if self.reducer is not None:

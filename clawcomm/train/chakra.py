@@ -1,0 +1,254 @@
+"""``clawcomm train --chakra DIR``: one recorded step of every rank as a
+Chakra execution trace (clawcomm/chakra.py), which ``clawcomm simulate
+--chakra DIR`` and ASTRA-sim replay.
+
+Each rank's graph follows its own action list (the schedule, in order, once
+per accumulation round), with times from the recorded step (trace.py):
+
+* a compute node per F, B, I and W action, lasting what it took plus the
+  host time before it that was not a wait for a peer (posting sends and
+  receives, bookkeeping), each after the rank's previous compute node
+  (``ctrl_deps``: one host thread runs them), and after the receive of its
+  input when that comes from another rank (``data_deps``);
+* a send node per SEND_F and SEND_B after the compute that produced the
+  tensor, and a receive node per RECV_F and RECV_B, with source,
+  destination, bytes and a tag that pairs them (the receiving stage, the
+  micro-batch, the round and the direction);
+* a collective node per data-parallel collective the engine ran in the step
+  (its flight record: kind and bytes, as they went on the wire: compressed
+  reductions count their compressed bytes), after the compute that was
+  running when it started; the process group is ``dp<pp rank>`` (the
+  second data-parallel communicator's ``dp<pp rank>.2``);
+* a prologue (the step's start to the rank's first action: slicing the
+  batch) and the optimizer (from the last data-parallel wait to the step's
+  end: clipping, the update, zeroing), after every collective that began
+  before it; collectives that begin after it (ZeRO's parameter gathers)
+  come after it, and it is shortened by the time they took.
+
+Every rank's file says its host (``host`` in the global metadata, torchrun's
+``GROUP_RANK``), so a replay knows which messages cross a link.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
+
+from clawcomm import chakra
+from clawcomm.pipeline.actions import RECV_B, RECV_F, SEND_B, SEND_F, B, F, I, W
+from clawcomm.pipeline.schedules import stage_to_rank
+from clawcomm.train import trace
+
+_OP_KINDS = {
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "broadcast",
+    "reduce",
+    "all_to_all",
+    "gather",
+    "scatter",
+    "barrier",
+}
+
+
+def _tag(receiving_stage: int, mb: int, rnd: int, backward: bool, cfg) -> int:
+    key = (rnd * cfg.num_stages + receiving_stage) * cfg.microbatches + mb
+    return 2 * key + int(backward)
+
+
+def rank_nodes(events: list, actions: list, grid, cfg) -> list[chakra.Node]:
+    """This rank's Chakra nodes for one recorded step (``events``: the
+    step's events from trace.StepRecorder; ``actions``: its action list)."""
+    rounds = cfg.accumulation
+    compute, sizes, waits, dp_ops = {}, {}, [], []
+    step = opt_from = None
+    for track, name, t0, t1, args in events:
+        rnd = args.get("round", 0)
+        if track == trace.COMPUTE and args.get("kind") in (F, B, I, W):
+            compute[(rnd, args["kind"], args["stage"], args["mb"])] = (t0, t1)
+        elif track == trace.COMM and "bytes" in args:
+            sizes[(rnd, args["kind"], args["stage"], args["mb"])] = args["bytes"]
+        elif track == trace.COMM and name == "dp reduction (exposed)":
+            opt_from = t1
+        elif track == trace.COMM:
+            waits.append((t0, t1))
+        elif track == trace.STEP:
+            step = (t0, t1)
+        elif track == trace.ENGINE and args.get("group", "").startswith("dp"):
+            dp_ops.append((t0, t1, name, args))
+    if step is None:
+        raise ValueError("chakra: the recorded step has no step event")
+    origin = step[0]
+    us = lambda t: int(round(t * 1e6))  # noqa: E731
+    nodes: list[chakra.Node] = []
+
+    def add(name, kind, **kw) -> chakra.Node:
+        n = chakra.Node(id=len(nodes), name=name, type=kind, **kw)
+        nodes.append(n)
+        return n
+
+    me = grid.rank
+    first = min([t0 for t0, _ in compute.values()] + [t0 for t0, _ in waits], default=origin)
+    prev = add("prologue", chakra.COMP_NODE, duration_us=us(first - origin))
+    prev_end = first
+    running = []  # (start, end, node id) of compute nodes, for the collectives
+    done = {}  # (round, kind, stage, mb) -> node id
+    last = cfg.num_stages - 1
+    for rnd in range(rounds):
+        sfx = f" r{rnd}" if rounds > 1 else ""
+        for a in actions:
+            key = (rnd, a.kind, a.stage, a.microbatch)
+            if a.is_compute:
+                t0, t1 = compute[key]
+                waited = sum(
+                    min(w1, t0) - max(w0, prev_end) for w0, w1 in waits if w1 > prev_end and w0 < t0
+                )
+                host = max(0.0, t0 - prev_end - waited)
+                deps = []
+                elsewhere = lambda s: stage_to_rank(s, cfg.pp) != grid.pp_rank  # noqa: E731
+                if a.kind == F and a.stage > 0 and elsewhere(a.stage - 1):
+                    deps.append(done[(rnd, RECV_F, a.stage, a.microbatch)])
+                if a.kind in (B, I) and a.stage < last and elsewhere(a.stage + 1):
+                    deps.append(done[(rnd, RECV_B, a.stage, a.microbatch)])
+                n = add(
+                    f"{a}{sfx}",
+                    chakra.COMP_NODE,
+                    duration_us=us(t1 - t0 + host),
+                    start_us=us(t0 - origin),
+                    data_deps=deps,
+                    ctrl_deps=[prev.id],
+                    attrs={"is_cpu_op": True},
+                )
+                done[key] = n.id
+                running.append((t0 - host, t1, n.id))
+                prev, prev_end = n, t1
+            elif a.kind in (SEND_F, SEND_B):
+                fwd = a.kind == SEND_F
+                to = a.stage + 1 if fwd else a.stage - 1
+                mb = a.microbatch
+                made = (
+                    done[(rnd, F, a.stage, mb)]
+                    if fwd
+                    else done.get((rnd, B, a.stage, mb), done.get((rnd, I, a.stage, mb)))
+                )
+                attrs = {
+                    "comm_src": me,
+                    "comm_dst": grid.rank_of(grid.dp_rank, stage_to_rank(to, cfg.pp)),
+                    "comm_size": sizes[key],
+                    "comm_tag": _tag(to, mb, rnd, not fwd, cfg),
+                }
+                n = add(f"{a}{sfx}", chakra.COMM_SEND_NODE, data_deps=[made], attrs=attrs)
+                done[key] = n.id
+            elif a.kind in (RECV_F, RECV_B):
+                fwd = a.kind == RECV_F
+                peer = a.stage - 1 if fwd else a.stage + 1
+                n = add(
+                    f"{a}{sfx}",
+                    chakra.COMM_RECV_NODE,
+                    attrs={
+                        "comm_src": grid.rank_of(grid.dp_rank, stage_to_rank(peer, cfg.pp)),
+                        "comm_dst": me,
+                        "comm_size": sizes[key],
+                        "comm_tag": _tag(a.stage, a.microbatch, rnd, not fwd, cfg),
+                    },
+                )
+                done[key] = n.id
+    # The optimizer: from the last data-parallel wait to the step's end,
+    # less the collectives that begin after that (they get nodes of their own).
+    opt_from = prev_end if opt_from is None else opt_from
+    before = sorted(op for op in dp_ops if op[0] < opt_from)
+    after = sorted(op for op in dp_ops if op[0] >= opt_from)
+    colls = []
+    for t0, _t1, name, args in before:
+        during = [nid for s0, _s1, nid in running if s0 <= t0] or [0]
+        colls.append(_collective(add, name, args, grid, [during[-1]]).id)
+    opt_end = step[1] if not after else after[0][0]
+    opt = add(
+        "optimizer",
+        chakra.COMP_NODE,
+        duration_us=us(opt_end - opt_from),
+        data_deps=colls,
+        ctrl_deps=[prev.id],
+        attrs={"is_cpu_op": True},
+    )
+    dep = opt.id
+    for _t0, _t1, name, args in after:
+        dep = _collective(add, name, args, grid, [dep]).id
+    return nodes
+
+
+def _collective(add, name: str, args: dict, grid, deps: list[int]) -> chakra.Node:
+    op = name.split()[-2] if "#" in name else name.split()[-1]
+    if op not in _OP_KINDS:
+        raise ValueError(f"chakra: the data-parallel op {name!r} is not a collective")
+    pg = f"dp{grid.pp_rank}" + (".2" if args["group"] == "dp 2" else "")
+    seq = name.rsplit("#", 1)[-1] if "#" in name else ""
+    return add(
+        name,
+        chakra.COMM_COLL_NODE,
+        data_deps=deps,
+        attrs={
+            "comm_type": chakra.COLLECTIVES[op],
+            "comm_size": int(args["bytes"]),
+            "pg_name": pg,
+            "clawcomm_seq": int(seq) if seq.isdigit() else -1,
+        },
+    )
+
+
+def write(trainer, directory: str, step: int = -1) -> None:
+    """Every rank's recorded ``step`` (default: the last) as a Chakra trace
+    in ``directory``, written by rank 0 (collective)."""
+    g, cfg = trainer.grid, trainer.cfg
+    steps = trainer.recorder.steps
+    mine = rank_nodes(steps[step], trainer.executor.actions, g, cfg) if steps else []
+    host = int(os.environ.get("GROUP_RANK", "0"))
+    gathered = [(g.rank, host, mine)]
+    if dist.is_initialized():
+        out = [None] * dist.get_world_size() if g.rank == 0 else None
+        dist.gather_object((g.rank, host, mine), out, dst=0)
+        gathered = out
+    if g.rank != 0:
+        return
+    groups = {}
+    for p in range(cfg.pp):
+        members = g.replica_ranks(p)
+        groups[f"dp{p}"] = groups[f"dp{p}.2"] = members
+    for d in range(cfg.dp):
+        groups[f"pp{d}"] = g.pipeline_ranks(d)
+    ranks = {r: nodes for r, _h, nodes in gathered}
+    _keep_common_collectives(ranks, groups)
+    meta = {
+        r: {"host": h, "clawcomm_label": f"dp {r % cfg.dp}, pp {r // cfg.dp}"}
+        for r, h, _ in gathered
+    }
+    chakra.write(directory, chakra.Trace(ranks=ranks, groups=groups, metadata=meta))
+
+
+def _keep_common_collectives(ranks: dict, groups: dict) -> None:
+    """A collective that one member's window caught and another's did not
+    (it began as a step ended) would never complete in a replay: keep the
+    sequence numbers every member of its group recorded."""
+    seqs: dict[tuple[int, str], set] = {}
+    for r, nodes in ranks.items():
+        for n in nodes:
+            if n.type == chakra.COMM_COLL_NODE:
+                seqs.setdefault((r, n.attrs["pg_name"]), set()).add(n.attrs["clawcomm_seq"])
+    for pg, members in groups.items():
+        sets = [seqs.get((r, pg), set()) for r in members]
+        common = set.intersection(*sets) if sets else set()
+        for r in members:
+            nodes = ranks.get(r, [])
+            gone = {
+                n.id
+                for n in nodes
+                if n.type == chakra.COMM_COLL_NODE
+                and n.attrs["pg_name"] == pg
+                and n.attrs["clawcomm_seq"] not in common
+            }
+            for n in nodes:
+                n.data_deps = [d for d in n.data_deps if d not in gone]
+                n.ctrl_deps = [d for d in n.ctrl_deps if d not in gone]
+            ranks[r] = [n for n in nodes if n.id not in gone]
