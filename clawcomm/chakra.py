@@ -10,6 +10,9 @@ compute (``COMP_NODE``, with ``duration_micros``), a collective
 ``comm_tag``), with the nodes it waits for in ``data_deps`` and
 ``ctrl_deps``. ``comm_group.json`` beside the files maps each ``pg_name``
 to its ranks, as ASTRA-sim's ``--comm-group-configuration`` takes it.
+Integer attributes are written in the types ASTRA-sim's trace feeder reads
+(``comm_src``, ``comm_dst`` and ``comm_tag`` as int32, the others as
+int64); any numeric type reads back.
 
 The messages are those of Chakra's ``schema/protobuf/et_def.proto`` (same
 package, names and field numbers), built here from a descriptor so that
@@ -204,10 +207,20 @@ def _attrs(attrs) -> dict:
     return {k: v for k, v in out.items() if v is not None}
 
 
+# The attributes ASTRA-sim's trace feeder reads as int32 (attr.int32_val());
+# every other integer is written as int64, which it reads for comm_type,
+# comm_size and num_ops, as Chakra's own converters write them.
+_INT32_ATTRS = {"comm_src", "comm_dst", "comm_tag", "comm_priority", "tensor_loc"}
+
+
 def _make_attr(M, name: str, value):
     a = M["AttributeProto"](name=name)
     if isinstance(value, bool):
         a.bool_val = value
+    elif isinstance(value, int) and name in _INT32_ATTRS:
+        if not -(1 << 31) <= value < 1 << 31:
+            raise ValueError(f"Chakra attribute {name}={value} does not fit an int32")
+        a.int32_val = value
     elif isinstance(value, int):
         a.int64_val = value
     elif isinstance(value, float):

@@ -62,6 +62,26 @@ def test_written_traces_read_back_the_same(tmp_path):
     assert back.metadata == trace.metadata
 
 
+def test_attributes_are_written_in_the_types_astra_sims_feeder_reads(tmp_path):
+    """Its feeder reads comm_src, comm_dst and comm_tag with int32_val() and
+    comm_type and comm_size with int64_val(): another type reads as 0."""
+    attrs = {"comm_src": 3, "comm_dst": 1, "comm_tag": 7, "comm_size": 1 << 33, "comm_type": 2,
+             "is_cpu_op": True, "pg_name": "dp0"}  # fmt: skip
+    trace = chakra.Trace({0: [chakra.Node(0, "s", chakra.COMM_SEND_NODE, attrs=attrs)]}, {})
+    chakra.write(str(tmp_path), trace)
+    M = chakra._schema()
+    blobs = list(chakra._read_messages((tmp_path / "clawcomm.0.et").read_bytes()))
+    node = M["Node"]()
+    node.ParseFromString(blobs[1])
+    kinds = {a.name: a.WhichOneof("value") for a in node.attr}
+    assert kinds == {"comm_src": "int32_val", "comm_dst": "int32_val", "comm_tag": "int32_val",
+                     "comm_size": "int64_val", "comm_type": "int64_val",
+                     "is_cpu_op": "bool_val", "pg_name": "string_val"}  # fmt: skip
+    with pytest.raises(ValueError, match="int32"):
+        bad = chakra.Node(0, "s", chakra.COMM_SEND_NODE, attrs={"comm_tag": 1 << 40})
+        chakra.write(str(tmp_path), chakra.Trace({0: [bad]}, {}))
+
+
 def test_the_reference_replays_to_the_step_worked_by_hand():
     """One rank per host: the message crosses the link, the all-reduce is
     the model's for 2 hosts x 1; rank 1 is the critical path."""
