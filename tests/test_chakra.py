@@ -13,8 +13,6 @@ all-reduce 1 MiB in group "0".
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -27,7 +25,6 @@ from clawcomm.testing import run_ranks  # noqa: E402
 
 HERE = os.path.dirname(__file__)
 REFERENCE = os.path.join(HERE, "data", "chakra_reference")
-ROOT = os.path.dirname(HERE)
 MODEL = CostModel(shm_alpha=5e-6, shm_beta=1 / 4e9, net_alpha=40e-6, net_beta=1 / 1e9, gamma=1e-10)
 
 
@@ -156,18 +153,20 @@ def test_a_truncated_file_is_an_error(tmp_path):
         chakra.read(str(tmp_path))
 
 
-def test_clawcomm_simulate_replays_a_folder_and_refuses_a_missing_one(tmp_path):
+def test_clawcomm_simulate_replays_a_folder_and_refuses_a_missing_one(tmp_path, capsys):
+    from clawcomm.cli import main
+
     out = str(tmp_path / "o.json")
-    cmd = [sys.executable, "-m", "clawcomm.cli", "simulate", "--chakra", REFERENCE,
-           "--ranks-per-host", "1", "--project-hosts", "64", "--json", out]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert "predicted step: " in proc.stdout and "critical path" in proc.stdout
-    assert "over 64 hosts" in proc.stdout
-    assert (tmp_path / "o.json").exists()
-    cmd[4] = str(tmp_path / "missing")
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "error" in proc.stderr
+    argv = ["simulate", "--chakra", REFERENCE, "--ranks-per-host", "1", "--project-hosts", "64",
+            "--json", out]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "predicted step: " in printed and "critical path" in printed
+    assert "over 64 hosts" in printed
+    assert os.path.exists(out)
+    argv[2] = str(tmp_path / "missing")
+    assert main(argv) == 2
+    assert "error" in capsys.readouterr().err
 
 
 # ---- the trainer's own traces ----------------------------------------------------
