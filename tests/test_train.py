@@ -5,6 +5,7 @@ torchrun."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -297,3 +298,24 @@ def test_a_missing_text_or_a_broken_config_is_an_error_not_a_traceback(tmp_path)
     assert f"{toml}: not valid TOML: Invalid value (at line 2, column 6)" in proc.stderr
     proc = _cli("--config", str(tmp_path / "absent.toml"))
     assert proc.returncode == 2 and "absent.toml: cannot read the settings" in proc.stderr
+
+
+def test_a_checkpoint_dir_alone_keeps_the_last_step_and_says_so(tmp_path, capsys):
+    """--checkpoint-dir without --checkpoint-every saves after the last step
+    (it saved nothing), every save is announced with its step, folder and
+    time, and --resume on a folder with no checkpoint says it starts fresh."""
+    from clawcomm.train import checkpoint
+    from clawcomm.train.cli import train_rank
+    from clawcomm.train.config import TrainConfig
+
+    ck = str(tmp_path / "ck")
+    cfg = TrainConfig(model="mlp", hidden=32, quiet=True, checkpoint_dir=ck, resume=True, steps=3)
+    train_rank(cfg)
+    out = capsys.readouterr().out
+    assert f"--resume: no checkpoint in {ck} yet; starting from step 0" in out, out
+    assert checkpoint.latest(ck) is not None and checkpoint.latest(ck).endswith("3")
+    assert f"clawcomm train: checkpoint of step 3 in {ck}: saved in " in out, out
+    train_rank(dataclasses.replace(cfg, steps=5))
+    out = capsys.readouterr().out
+    assert "resumed from step 3" in out and "checkpoint of step 5" in out, out
+    assert checkpoint.latest(ck).endswith("5")

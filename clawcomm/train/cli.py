@@ -87,7 +87,14 @@ def train_rank(cfg: TrainConfig, announce: bool = True) -> list[dict]:
     if cfg.resume and cfg.checkpoint_dir:
         from clawcomm.train import checkpoint
 
-        if checkpoint.latest(cfg.checkpoint_dir) is not None:
+        if checkpoint.latest(cfg.checkpoint_dir) is None:
+            if rank == 0 and announce:  # right for a first attempt, but said
+                print(
+                    f"clawcomm train: --resume: no checkpoint in {cfg.checkpoint_dir} yet; "
+                    "starting from step 0",
+                    flush=True,
+                )
+        else:
             t0 = time.perf_counter()
             start = trainer.load_checkpoint(cfg.checkpoint_dir)
             events.log("resumed", step=start, load_s=time.perf_counter() - t0)
@@ -103,6 +110,14 @@ def train_rank(cfg: TrainConfig, announce: bool = True) -> list[dict]:
         if first[0]:
             first[0] = False
             events.log("first_step", step=m["step"])
+        if "checkpoint_ms" in m and rank == 0 and announce:
+            from tqdm import tqdm
+
+            how = "state copied, files written meanwhile" if cfg.async_checkpoint else "saved"
+            tqdm.write(
+                f"clawcomm train: checkpoint of step {m['step']} in {cfg.checkpoint_dir}: "
+                f"{how} in {m['checkpoint_ms']:.0f} ms"
+            )
         drill = rank == cfg.kill_rank and events.attempt == 0 and m["step"] == cfg.kill_at_step
         if drill:  # the fault drill: die as a crashed or preempted process would
             events.log("killed", step=m["step"])

@@ -116,9 +116,9 @@ class TrainConfig:
     )
     # checkpoints
     checkpoint_dir: str = _opt(
-        "", "save atomic checkpoints here (DCP; a `latest` file names the last)"
+        "", "save atomic checkpoints here after the last step (DCP; `latest` names the newest)"
     )
-    checkpoint_every: int = _opt(0, "save a checkpoint every this many steps and after the last")
+    checkpoint_every: int = _opt(0, "also save every this many steps (0: after the last only)")
     keep_checkpoints: int = _opt(2, "checkpoints kept (older ones are removed)")
     async_checkpoint: bool = _opt(
         False, "save asynchronously: training goes on while the files are written"

@@ -436,8 +436,8 @@ class Trainer:
         """Runs ``steps`` steps (default: the config's, less those already
         done) over ``batches``. Rank 0 writes each step's metrics to
         ``metrics_file`` (JSON lines, appended to when resuming) and shows a
-        progress bar. With ``checkpoint_dir`` and ``checkpoint_every``, a
-        checkpoint is saved every that many steps and after the last; the
+        progress bar. With ``checkpoint_dir``, a checkpoint is saved after the
+        last step, and every ``checkpoint_every`` steps if that is set; the
         step's metrics then carry ``checkpoint_ms``. Returns the metrics of
         every step."""
         steps = self.cfg.steps - self.step_index if steps is None else steps
@@ -453,11 +453,8 @@ class Trainer:
             ) as sink:
                 for k, batch in zip(range(steps), batches, strict=False):
                     m = self.step(batch)
-                    if (
-                        checkpoint_dir
-                        and checkpoint_every
-                        and (self.step_index % checkpoint_every == 0 or k == steps - 1)
-                    ):
+                    every = checkpoint_every and self.step_index % checkpoint_every == 0
+                    if checkpoint_dir and (every or k == steps - 1):
                         t0 = time.perf_counter()
                         self.save_checkpoint(
                             checkpoint_dir, keep_checkpoints, asynchronous=self.cfg.async_checkpoint
