@@ -32,7 +32,7 @@ import tempfile
 from clawcomm import chakra
 from clawcomm.chakra_replay import replay
 from clawcomm.model import CostModel
-from clawcomm.testing.netns import Cluster, unavailable
+from clawcomm.testing.netns import Cluster, failed, unavailable
 
 RUNS = [
     ("dense", []),
@@ -72,10 +72,8 @@ def main(argv: list[str] | None = None) -> int:
                      "--schedule", "1f1b", "--steps", str(args.steps), "--quiet",
                      "--metrics", metrics, "--chakra", folder, *extra]  # fmt: skip
             runs = cluster.torchrun(train, 2, timeout=1800)
-            for r in runs:
-                if r.returncode != 0:
-                    print(f"--- host {r.host} exited with {r.returncode} ---\n{r.output[-4000:]}")
-                    return 1
+            if failed(runs):
+                return 1
             steps = [m for m in map(json.loads, open(metrics)) if "loss" in m]
             last, median = (
                 steps[-1]["step_ms"],

@@ -20,7 +20,7 @@ import os
 import sys
 import tempfile
 
-from clawcomm.testing.netns import Cluster, unavailable
+from clawcomm.testing.netns import Cluster, failed, unavailable
 
 
 def bound(hosts: int, per_host: int) -> float:
@@ -61,10 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     rate = None if args.rate == "none" else args.rate
     with Cluster(args.hosts, rate=rate) as cluster:
         runs = cluster.torchrun(bench, args.ranks_per_host, timeout=args.timeout)
-    for r in runs:
-        if r.returncode != 0:
-            print(f"--- host {r.host} exited with {r.returncode} ---\n{r.output[-4000:]}")
-            return 1
+    if failed(runs):
+        return 1
     print(runs[0].output.split("*" * 41)[-1].strip())
     summarize(out, args.hosts, args.ranks_per_host, args.rate)
     return 0

@@ -64,7 +64,7 @@ def worker() -> None:
 
 
 def main() -> int:
-    from clawcomm.testing.netns import Cluster, unavailable
+    from clawcomm.testing.netns import Cluster, failed, unavailable
 
     why = unavailable()
     if why:
@@ -74,10 +74,8 @@ def main() -> int:
     for hosts in (2, 4, 8):
         with Cluster(hosts, rate="1gbit") as cluster:
             runs = cluster.torchrun([os.path.abspath(__file__), "--worker"], 1, timeout=600)
-        for run in runs:
-            if run.returncode != 0:
-                print(f"--- host {run.host} exited with {run.returncode} ---\n{run.output[-3000:]}")
-                return 1
+        if failed(runs):
+            return 1
         line = next(x for x in runs[0].output.splitlines() if x.startswith("RESULT "))
         ranks = json.loads(line[len("RESULT ") :])
         for mode in PATTERNS:

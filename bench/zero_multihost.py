@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 
-from clawcomm.testing.netns import Cluster, unavailable
+from clawcomm.testing.netns import Cluster, failed, unavailable
 
 RUNS = [
     ("dense", []),
@@ -64,10 +64,8 @@ def main(argv: list[str] | None = None) -> int:
                      "--steps", str(args.steps), "--quiet", "--metrics", metrics,
                      *extra]  # fmt: skip
             runs = cluster.torchrun(train, 2, timeout=args.timeout)
-            for r in runs:
-                if r.returncode != 0:
-                    print(f"--- host {r.host} exited with {r.returncode} ---\n{r.output[-4000:]}")
-                    return 1
+            if failed(runs):
+                return 1
             across = (sum(_sent(cluster, h) for h in range(2)) - before) / args.steps
             steps = [m for m in map(json.loads, open(metrics)) if "loss" in m]
             step_ms = statistics.median(m["step_ms"] for m in steps[len(steps) // 2 :])

@@ -109,6 +109,17 @@ class HostRun:
     output: str
 
 
+def failed(runs: list[HostRun]) -> bool:
+    """Prints the end of what the first host that exited non-zero (or was
+    killed) printed; True if one did. For scripts that run a job on every
+    host and stop at the first failure."""
+    for r in runs:
+        if r.returncode != 0:
+            print(f"--- host {r.host} exited with {r.returncode} ---\n{r.output[-4000:]}")
+            return True
+    return False
+
+
 class Cluster:
     """``hosts`` namespace hosts on one bridge; ``rate`` (tc's syntax:
     "1gbit", "10gbit", "200mbit") shapes every host's link, None leaves

@@ -40,18 +40,6 @@ from clawcomm.pipeline.actions import RECV_B, RECV_F, SEND_B, SEND_F, B, F, I, W
 from clawcomm.pipeline.schedules import stage_to_rank
 from clawcomm.train import trace
 
-_OP_KINDS = {
-    "all_reduce",
-    "all_gather",
-    "reduce_scatter",
-    "broadcast",
-    "reduce",
-    "all_to_all",
-    "gather",
-    "scatter",
-    "barrier",
-}
-
 
 def _tag(receiving_stage: int, mb: int, rnd: int, backward: bool, cfg) -> int:
     key = (rnd * cfg.num_stages + receiving_stage) * cfg.microbatches + mb
@@ -180,11 +168,10 @@ def rank_nodes(events: list, actions: list, grid, cfg) -> list[chakra.Node]:
 
 
 def _collective(add, name: str, args: dict, grid, deps: list[int]) -> chakra.Node:
-    op = name.split()[-2] if "#" in name else name.split()[-1]
-    if op not in _OP_KINDS:
+    op, seq = args["op"], args.get("seq")
+    if op not in chakra.COLLECTIVES:
         raise ValueError(f"chakra: the data-parallel op {name!r} is not a collective")
     pg = f"dp{grid.pp_rank}" + (".2" if args["group"] == "dp 2" else "")
-    seq = name.rsplit("#", 1)[-1] if "#" in name else ""
     return add(
         name,
         chakra.COMM_COLL_NODE,
@@ -193,7 +180,7 @@ def _collective(add, name: str, args: dict, grid, deps: list[int]) -> chakra.Nod
             "comm_type": chakra.COLLECTIVES[op],
             "comm_size": int(args["bytes"]),
             "pg_name": pg,
-            "clawcomm_seq": int(seq) if seq.isdigit() else -1,
+            "clawcomm_seq": -1 if seq is None else int(seq),
         },
     )
 

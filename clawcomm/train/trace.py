@@ -85,7 +85,8 @@ def engine_events(named_engines: dict, t0: float, t1: float) -> list[Event]:
             if op["state"] != "done" or s1 < t0 or s0 > t1 or label.startswith("dp") == p2p:
                 continue
             name = f"{label} {op['op']}" + (f" #{op['seq']}" if "seq" in op else "")
-            out.append((ENGINE, name, s0, s1, {"group": label, "bytes": op["bytes"]}))
+            args = {"group": label, "op": op["op"], "seq": op.get("seq"), "bytes": op["bytes"]}
+            out.append((ENGINE, name, s0, s1, args))
     return out
 
 
