@@ -39,6 +39,8 @@ def _describe(op: dict) -> str:
     if op["op"] in ("send", "recv"):
         direction = "to" if op["op"] == "send" else "from"
         return f"{what} of {op['bytes']} bytes {direction} rank {op['peer']}"
+    if op["op"] == "barrier" or not op.get("count"):
+        return what
     return f"{what} of {op['count']} {op['dtype']} elements"
 
 

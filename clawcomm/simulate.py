@@ -46,7 +46,10 @@ def add_arguments(p) -> None:
         action="store_true",
         help="also run the event simulator (clawcomm.simulator) where it is cheap (<= 64 ranks)",
     )
-    p.add_argument("--params", type=parse_size, default=0, help="a training step: parameters")
+    p.add_argument(
+        "--params", type=parse_count, default=0,
+        help="a training step: parameters (decimal: 1.3G = 1.3e9)",
+    )  # fmt: skip
     p.add_argument(
         "--compression",
         default="none",
@@ -73,8 +76,32 @@ def add_arguments(p) -> None:
     p.add_argument("--json", metavar="FILE", help="write the predictions as JSON")
 
 
+def parse_count(text: str) -> int:
+    """'350M', '1.3G', '7e9' -> a count (decimal multiples: parameters, not bytes)."""
+    import argparse
+
+    t = text.strip()
+    scale = {"k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}.get(t[-1:], 1)
+    try:
+        n = float(t[:-1] if scale != 1 else t) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count (e.g. 350M, 1.3G)") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative")
+    return int(n)
+
+
 def _size(n: float) -> str:
-    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+    """Bytes in binary units, as -b/-e read them: 1 GiB is 2**30 bytes."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:g} {unit}"
+    return f"{n:g} B"
+
+
+def _count(n: float) -> str:
+    """A count (parameters) in decimal units."""
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if n >= scale:
             return f"{n / scale:g}{unit}"
     return f"{n:g}"
@@ -249,13 +276,13 @@ def run(args) -> int:
     print(text)
     largest = sizes[-1]
     print(f"# auto picks {choose('all_reduce', largest, layout, model)} for a "
-          f"{_size(largest)}B all-reduce")  # fmt: skip
+          f"{_size(largest)} all-reduce")  # fmt: skip
     payload = {"layout": [args.hosts, args.ranks_per_host], "model": asdict(model),
                "records": records}  # fmt: skip
     if step:
         what, t = step
         exposed = t * (1 - args.overlap)
-        print(f"# training step, {_size(args.params)} parameters: {what}: {t * 1e3:.1f} ms, "
+        print(f"# training step, {_count(args.params)} parameters: {what}: {t * 1e3:.1f} ms, "
               f"{exposed * 1e3:.1f} ms exposed with {args.overlap:.0%} overlapped")  # fmt: skip
         payload["training_step"] = {"what": what, "comm_s": t, "exposed_s": exposed}
     if args.json:

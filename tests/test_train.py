@@ -148,7 +148,7 @@ def test_learning_rate_scaling_warm_up_and_decay():
     t = trainer(lr_scaling="linear", base_batch=4, lr_decay="none", lr=0.01)
     assert t.cfg.lr_factor(0) == pytest.approx(2.0)  # effective batch 8 against 4
     assert "lr 0.02 = 0.01 at base batch 4, linear scaling" in t.describe()
-    assert "effective batch 8 = micro-batch 4 x 2 micro-batches x 1 accumulation x dp 1" in (
+    assert "global batch 8 = micro-batch 4 x 2 micro-batches x 1 accumulation x dp 1" in (
         t.describe()
     )
     t = trainer(lr_scaling="sqrt", base_batch=2, lr_decay="none")
@@ -227,7 +227,7 @@ def test_cli_with_a_toml_config_writes_metrics(tmp_path):
     metrics = tmp_path / "m.jsonl"
     proc = _cli("--config", str(toml), "--steps", "3", "--metrics", str(metrics), "--quiet")
     assert proc.returncode == 0, proc.stderr
-    assert "effective batch 8 = micro-batch 2 x 4 micro-batches" in proc.stdout
+    assert "global batch 8 = micro-batch 2 x 4 micro-batches" in proc.stdout
     assert "schedule zb1" in proc.stdout and "final loss" in proc.stdout
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]  # --steps beat the file's 50
@@ -242,7 +242,7 @@ def test_toml_errors_name_the_key(tmp_path):
     assert proc.returncode == 2 and "unknown setting 'micro-batchsize'" in proc.stderr
     toml.write_text('steps = "ten"\n')
     proc = _cli("--config", str(toml))
-    assert proc.returncode == 2 and "steps = 'ten' is not a int" in proc.stderr
+    assert proc.returncode == 2 and "steps = 'ten' is not an integer" in proc.stderr
 
 
 def test_torchrun_runs_the_same_trainer(tmp_path):
@@ -314,8 +314,14 @@ def test_a_checkpoint_dir_alone_keeps_the_last_step_and_says_so(tmp_path, capsys
     out = capsys.readouterr().out
     assert f"--resume: no checkpoint in {ck} yet; starting from step 0" in out, out
     assert checkpoint.latest(ck) is not None and checkpoint.latest(ck).endswith("3")
-    assert f"clawcomm train: checkpoint of step 3 in {ck}: saved in " in out, out
+    assert f"clawcomm train: checkpoint of step 3 saved in {ck}/step-00000003 (" in out, out
+    assert " MB, " in out.split("step-00000003 (")[1].splitlines()[0], out
     train_rank(dataclasses.replace(cfg, steps=5))
     out = capsys.readouterr().out
     assert "resumed from step 3" in out and "checkpoint of step 5" in out, out
     assert checkpoint.latest(ck).endswith("5")
+    train_rank(dataclasses.replace(cfg, steps=6, async_checkpoint=True))  # said when durable
+    out = capsys.readouterr().out
+    assert "checkpoint of step 6: state copied in " in out, out
+    assert f"; {ck}/step-00000006 is written meanwhile" in out, out
+    assert f"clawcomm train: checkpoint {ck}/step-00000006 durable (" in out, out

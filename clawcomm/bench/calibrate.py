@@ -142,10 +142,10 @@ def run(path: str, torchrun: bool) -> int:
     model.save(path, measured_on=where, not_measured=missing, points=numbers["points"])
     print(f"clawcomm bench --calibrate: wrote {path} ({where})")
     for what, alpha, beta in (
-        ("shared memory", model.shm_alpha, model.shm_beta),
-        ("network:     ", model.net_alpha, model.net_beta),
+        ("shared memory:", model.shm_alpha, model.shm_beta),
+        ("network:", model.net_alpha, model.net_beta),
     ):
-        print(f"  {what}: alpha {alpha * 1e6:.1f} us, {1 / beta / 1e9:.3f} GB/s")
+        print(f"  {what:<15}alpha {alpha * 1e6:.1f} us, {1 / beta / 1e9:.3f} GB/s")
     print(f"  reduction:     {1 / model.gamma / 1e9:.2f} GB/s")
     if missing:
         print(f"  not measured (no such peer), defaults kept: {', '.join(missing)}")

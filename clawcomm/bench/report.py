@@ -29,9 +29,11 @@ def format_tables(records, reference_of, world_size: int, header: str = "") -> s
     """The tables, one per (collective, redop). `reference_of(collective)`
     names the variant the ratio columns divide by."""
     out = []
+    ratios = False  # a table with a ratio column, which the footer explains
     for (coll, redop), rows in _groups(records).items():
         reference = reference_of(coll)
         variants = _variants(rows, reference)
+        ratios = ratios or len(variants) > 1
         by = {(r["size"], r["variant"]): r for r in rows}
         sizes = sorted({r["size"] for r in rows})
         out.append(f"#\n# {coll}, {world_size} ranks{header}")
@@ -67,9 +69,11 @@ def format_tables(records, reference_of, world_size: int, header: str = "") -> s
         out.append("# Avg bus bandwidth    : " + "   ".join(avgs))
         notes = sorted({f"{r['variant']}: {r['error']}" for r in rows if "error" in r})
         out += [f"# n/a  {n}" for n in notes]
-    out.append(
-        "#\n# ratio = that variant's time / the first variant's time (above 1: the first is faster)"
-    )
+    if ratios:
+        out.append(
+            "#\n# ratio = that variant's time / the first variant's time "
+            "(above 1: the first is faster)"
+        )
     return "\n".join(out)
 
 

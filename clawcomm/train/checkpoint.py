@@ -18,12 +18,14 @@ layout can find its part:
                                counts and small per-bucket tensors (PowerSGD's
                                Q), the learned bucket order and counts
     meta                       format, step, model (names and shapes),
-                               compressor, optimizer, layout
+                               compressor, optimizer, layout, and the global
+                               batch a resume keeps (clawcomm.train.resume)
 
 Parameters and optimizer state are replicated over data-parallel ranks and
 split over pipeline stages; DCP writes each key once. Loading asks each rank
 for the keys of the parameters it holds now, so a checkpoint taken at dp2 x
-pp2 loads at dp1 x pp4. What only makes sense at the same layout (RNG
+pp2 loads at dp1 x pp4 (with the same global batch: ``--resume`` derives
+the accumulation from it). What only makes sense at the same layout (RNG
 streams, the reducer's bucket order) is restored only there; residuals of a
 different data-parallel width are averaged, which keeps the mean update
 they still owe.
@@ -38,14 +40,17 @@ checkpoint (or no ``latest`` at all before the first one); leftover
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
-import random
 import shutil
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
+
+from clawcomm.train import rng
 
 FORMAT = 1
 LATEST = "latest"
@@ -61,6 +66,16 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def _single_process():
+    """DCP without a process group: asked for (no_dist), yet torch warns
+    that it assumes it; the warning is ours to keep from the user."""
+    with warnings.catch_warnings():
+        if not dist.is_initialized():
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
 
 
 def _rank() -> int:
@@ -101,6 +116,11 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:.1f} MB"
 
 
+def size_bytes(path: str) -> int:
+    """The bytes of the files under ``path`` (a checkpoint's folder)."""
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
 def _check_room(sd, root: str, name: str) -> None:
     """Refuses a save that cannot fit, on every rank alike (before DCP's
     collectives, which would otherwise be left half-entered)."""
@@ -129,31 +149,6 @@ def latest(root: str) -> str | None:
     if not os.path.exists(os.path.join(path, ".metadata")):
         raise CheckpointError(f"{root}/latest names {name!r}, which is not a complete checkpoint")
     return path
-
-
-def _rng_state() -> bytes:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    try:
-        import numpy as np
-
-        state["numpy"] = np.random.get_state()
-    except ImportError:
-        pass
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return pickle.dumps(state)
-
-
-def _set_rng_state(blob: bytes) -> None:
-    state = pickle.loads(blob)
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "numpy" in state:
-        import numpy as np
-
-        np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _layout(trainer) -> dict:
@@ -227,7 +222,7 @@ def state_dict(trainer) -> dict:
     for kind_name, seg in _residual_segments(trainer).items():
         kind, name = kind_name.split("/", 1)
         sd[f"{kind}/dp{d}/{name}"] = seg
-    sd[f"rng/rank{rank}"] = _rng_state()
+    sd[f"rng/rank{rank}"] = rng.state()
     r, outer = trainer.reducer, trainer.outer
     if outer is not None:
         sd.update(outer.tensors(_names(trainer), d))
@@ -250,6 +245,11 @@ def state_dict(trainer) -> dict:
                 "optimizer": _optimizer_name(trainer),
                 "layout": _layout(trainer),
                 "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                # the batch a resume keeps (clawcomm.train.resume)
+                "global_batch": trainer.cfg.effective_batch,
+                "accumulation": trainer.cfg.accumulation,
+                "micro_batch_size": trainer.cfg.micro_batch_size,
+                "microbatches": trainer.cfg.microbatches,
             }
         )
     return sd
@@ -260,9 +260,11 @@ class PendingSave:
     ``wait()`` waits for the files and commits the checkpoint (the renames),
     as a synchronous save does at its end."""
 
-    def __init__(self, future, commit):
+    def __init__(self, future, commit, path: str):
         self._future = future
         self._commit = commit
+        self.path = path  # the checkpoint's folder once committed
+        self.started = time.perf_counter()
 
     def wait(self) -> None:
         if self._future is None:
@@ -308,11 +310,12 @@ def save(trainer, root: str, keep: int = 2, asynchronous: bool = False, group=No
 
     if asynchronous:
         future = dcp.async_save(sd, storage_writer=writer, process_group=group)
-        return PendingSave(future, commit)
+        return PendingSave(future, commit, final)
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        dcp.save(sd, storage_writer=writer)
+        with _single_process():
+            dcp.save(sd, storage_writer=writer, no_dist=not dist.is_initialized())
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         # The disk filled up meanwhile (another writer), or the write failed
         # otherwise: say where and how much room is left, in place of torch's
@@ -359,6 +362,10 @@ def _prune(root: str, keep: int, newest: str) -> None:
 
 
 def _check(meta: dict, trainer, path: str) -> None:
+    """Raises CheckpointError when the checkpoint ``meta`` (at ``path``)
+    cannot be loaded into ``trainer``: another model, compressor, sync,
+    optimizer, replica count for a delayed sync, or global batch."""
+
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{path}: format {meta.get('format')}, this clawcomm reads {FORMAT}")
     mine = _model_shapes(trainer)
@@ -391,6 +398,12 @@ def _check(meta: dict, trainer, path: str) -> None:
             f"its own weights; this run has dp {trainer.cfg.dp} (load it at dp "
             f"{meta['layout']['dp']})"
         )
+    saved, now = meta.get("global_batch"), trainer.cfg.effective_batch
+    if saved is not None and saved != now and not trainer.cfg.allow_batch_change:
+        raise CheckpointError(
+            f"{path} was trained with a global batch of {saved}, this run's is {now}: set "
+            f"global_batch {saved} to keep it, or allow_batch_change"
+        )
     if meta["optimizer"] != _optimizer_name(trainer):
         raise CheckpointError(
             f"{path} was made with optimizer {meta['optimizer']}, this run uses "
@@ -418,7 +431,8 @@ def load(trainer, path: str) -> int:
     own = f"trainer/rank{rank}"
     if own in have:
         head[own] = None
-    dcp.load(head, storage_reader=dcp.FileSystemReader(path))
+    with _single_process():
+        dcp.load(head, storage_reader=dcp.FileSystemReader(path), no_dist=not dist.is_initialized())
     meta = pickle.loads(head["meta"])
     _check(meta, trainer, path)
     same_layout = meta["layout"] == _layout(trainer)
@@ -456,7 +470,8 @@ def load(trainer, path: str) -> int:
     rng_key = f"rng/rank{rank}"
     if same_layout and rng_key in have:
         request[rng_key] = None
-    dcp.load(request, storage_reader=reader)
+    with _single_process():
+        dcp.load(request, storage_reader=reader, no_dist=not dist.is_initialized())
 
     optim: dict = {}
     for key, (p, k) in optim_keys.items():
@@ -479,7 +494,7 @@ def load(trainer, path: str) -> int:
                 torch.stack([request[k] for k in keys]).mean(0).reshape(-1)
             )
     if rng_key in request:
-        _set_rng_state(request[rng_key])
+        rng.restore(request[rng_key])
     trainer.step_index = int(meta["step"])
     _barrier()
     return trainer.step_index

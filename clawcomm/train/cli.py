@@ -24,6 +24,7 @@ import sys
 import time
 
 from clawcomm.train import config as config_mod
+from clawcomm.train import resume, stop
 from clawcomm.train.config import TrainConfig
 
 
@@ -66,11 +67,10 @@ def train_rank(cfg: TrainConfig, announce: bool = True) -> list[dict]:
     """Runs the training on this rank (the process group is up); returns
     the metrics of every step (rank 0's carry the bubble prediction)."""
     import signal
-    import threading
 
     import torch.distributed as dist
 
-    from clawcomm.train import models
+    from clawcomm.train import checkpoint, models
     from clawcomm.train.data import global_batches
     from clawcomm.train.trainer import Trainer
 
@@ -85,8 +85,6 @@ def train_rank(cfg: TrainConfig, announce: bool = True) -> list[dict]:
         print(trainer.describe(), flush=True)
     start = 0
     if cfg.resume and cfg.checkpoint_dir:
-        from clawcomm.train import checkpoint
-
         if checkpoint.latest(cfg.checkpoint_dir) is None:
             if rank == 0 and announce:  # right for a first attempt, but said
                 print(
@@ -111,30 +109,33 @@ def train_rank(cfg: TrainConfig, announce: bool = True) -> list[dict]:
             first[0] = False
             events.log("first_step", step=m["step"])
         if "checkpoint_ms" in m and rank == 0 and announce:
-            from tqdm import tqdm
-
-            how = "state copied, files written meanwhile" if cfg.async_checkpoint else "saved"
-            tqdm.write(
-                f"clawcomm train: checkpoint of step {m['step']} in {cfg.checkpoint_dir}: "
-                f"{how} in {m['checkpoint_ms']:.0f} ms"
-            )
+            say(saved_line(m, cfg.async_checkpoint))
         drill = rank == cfg.kill_rank and events.attempt == 0 and m["step"] == cfg.kill_at_step
         if drill:  # the fault drill: die as a crashed or preempted process would
             events.log("killed", step=m["step"])
             os.kill(os.getpid(), signal.SIGKILL)
 
-    # torchrun ends the other ranks (SIGTERM) as soon as it sees one die,
-    # which can be before a rank busy computing reaches its next collective
-    # and hears of the death itself: the events then say it was ended.
-    old_term = None
-    if events.path and threading.current_thread() is threading.main_thread():
+    def durable(path: str, seconds: float) -> None:
+        if announce:
+            size = checkpoint.size_bytes(path) / 1e6
+            say(f"clawcomm train: checkpoint {path} durable ({size:.1f} MB, {seconds:.2f} s)")
 
-        def on_term(signum, frame):
-            events.log("terminated")
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
+    def on_signal(signum: int) -> None:
+        # torchrun ends the other ranks (SIGTERM) as soon as it sees one
+        # die, which can be before a rank busy computing reaches its next
+        # collective and hears of the death itself: the events then say it
+        # was ended.
+        events.log("terminated", signal=stop.name(signum))
+        if rank == 0 and announce:
+            say(
+                f"clawcomm train: {stop.name(signum)}: every rank finishes step "
+                f"{trainer.step_index + 1}, "
+                + ("saves, " if cfg.checkpoint_dir else "")
+                + "and stops (a second signal stops at once)"
+            )
 
-        old_term = signal.signal(signal.SIGTERM, on_term)
+    trainer.on_durable = durable if rank == 0 else None
+    trainer.stop = stop.StopRequest(on_signal).install()
     try:
         return trainer.fit(
             global_batches(ds, cfg.effective_batch, cfg.seed, start=start),
@@ -149,12 +150,50 @@ def train_rank(cfg: TrainConfig, announce: bool = True) -> list[dict]:
         events.log("failed", error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
         raise
     finally:
-        if old_term is not None:
-            signal.signal(signal.SIGTERM, old_term)
+        trainer.stop.uninstall()
         trainer.close()
 
 
+def say(line: str) -> None:
+    """One line on rank 0 that leaves the progress bar where it is."""
+    from tqdm import tqdm
+
+    tqdm.write(line)
+    sys.stdout.flush()
+
+
+def saved_line(m: dict, asynchronous: bool) -> str:
+    from clawcomm.train import checkpoint
+
+    if asynchronous:
+        return (
+            f"clawcomm train: checkpoint of step {m['step']}: state copied in "
+            f"{m['checkpoint_ms']:.0f} ms; {m['checkpoint']} is written meanwhile"
+        )
+    size = checkpoint.size_bytes(m["checkpoint"]) / 1e6
+    return (
+        f"clawcomm train: checkpoint of step {m['step']} saved in {m['checkpoint']} "
+        f"({size:.1f} MB, {m['checkpoint_ms']:.0f} ms)"
+    )
+
+
+def stopped_line(metrics: list[dict], signum: int = 0) -> str:
+    """The run's last line when a signal stopped it, or ''. ``signum``: the
+    signal the launcher took (its ranks heard it as SIGTERM)."""
+    if not metrics or not metrics[-1].get("stopped_by"):
+        return ""
+    m = metrics[-1]
+    signum = signum or m["stopped_by"]
+    where = (
+        f"; checkpoint {m['checkpoint']}: add --resume to the same command to go on"
+        if "checkpoint" in m
+        else "; nothing saved (no --checkpoint-dir)"
+    )
+    return f"clawcomm train: stopped by {stop.name(signum)} after step {m['step']}{where}"
+
+
 def _spawned(rank, world, cfg):
+    stop.ignore_sigint()  # the launcher passes a Ctrl-C on as one SIGTERM
     return train_rank(cfg)
 
 
@@ -164,9 +203,12 @@ def summary(metrics: list[dict], cfg: TrainConfig) -> str:
     if not metrics:
         return "no steps run"
     tail = metrics[len(metrics) // 2 :] or metrics  # steady state: the second half
-    med = {k: statistics.median(m[k] for m in tail if k in m) for k in tail[-1]}
+    numbers = [k for k, v in tail[-1].items() if isinstance(v, int | float)]
+    med = {k: statistics.median(m[k] for m in tail if k in m) for k in numbers}
     lines = [
-        f"final loss {metrics[-1]['loss']:.4f} after {len(metrics)} steps "
+        f"{len(metrics)} steps; the wait model's layers only wait (it has no loss)"
+        if cfg.model == "wait"
+        else f"final loss {metrics[-1]['loss']:.4f} after {len(metrics)} steps "
         f"(first {metrics[0]['loss']:.4f})",
         f"median of the second half: step {med['step_ms']:.1f} ms, "
         f"{med['samples_per_s']:.1f} samples/s"
@@ -191,9 +233,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg.check(world)
         build_check(cfg)
-    except ValueError as e:
+        cfg, changed = resume.plan(cfg)
+    except ValueError as e:  # (a CheckpointError too)
         print(f"clawcomm train: error: {e}", file=sys.stderr)
         return 2
+    if changed and int(os.environ.get("RANK", "0")) == 0:
+        print(changed, flush=True)
     if torchrun:
         import torch.distributed as dist
 
@@ -205,22 +250,37 @@ def run(args: argparse.Namespace) -> int:
             metrics = train_rank(cfg)
             if dist.get_rank() == 0:
                 print(summary(metrics, cfg))
+                if stopped_line(metrics):
+                    print(stopped_line(metrics), flush=True)
         finally:
             dist.destroy_process_group()
-        return 0
+        return (
+            stop.exit_status(metrics[-1]["stopped_by"])
+            if metrics and metrics[-1].get("stopped_by")
+            else 0
+        )
     from clawcomm.testing import RankFailure, run_ranks
 
-    try:
-        results = run_ranks(
-            _spawned, world, cfg, backend=args.backend, timeout=24 * 3600, pg_timeout=300,
-            env={"CLAWCOMM_TRANSPORT": args.transport},
-        )  # fmt: skip
-    except RankFailure as e:
-        first = min(e.errors)
-        print(f"clawcomm train: rank {first} failed:\n{e.errors[first]}", file=sys.stderr)
-        return 1
-    print(summary(results[0], cfg))
-    return 0
+    with stop.Launcher() as launcher:
+        try:
+            results = run_ranks(
+                _spawned, world, cfg, backend=args.backend, timeout=24 * 3600, pg_timeout=300,
+                env={"CLAWCOMM_TRANSPORT": args.transport},
+            )  # fmt: skip
+        except RankFailure as e:
+            if launcher.killed:
+                print(f"clawcomm train: stopped at once by a second {stop.name(launcher.signum)}",
+                      file=sys.stderr)  # fmt: skip
+                return stop.exit_status(launcher.signum)
+            first = min(e.errors)
+            print(f"clawcomm train: rank {first} failed:\n{e.errors[first]}", file=sys.stderr)
+            return 1
+    metrics = results[0]
+    print(summary(metrics, cfg))
+    if stopped_line(metrics, launcher.signum):
+        print(stopped_line(metrics, launcher.signum), flush=True)
+    signum = launcher.signum or (metrics[-1].get("stopped_by", 0) if metrics else 0)
+    return stop.exit_status(signum) if signum else 0
 
 
 def build_check(cfg: TrainConfig) -> None:

@@ -30,6 +30,15 @@ class TrainConfig:
     virtual_stages: int = _opt(1, "stages per rank (interleaved schedule: v)", flag="-v")
     accumulation: int = _opt(1, "schedule runs per optimizer step (gradient accumulation)")
     micro_batch_size: int = _opt(8, "samples per micro-batch")
+    global_batch: int = _opt(
+        0,
+        "samples per optimizer step, all replicas together: the accumulation is derived from it "
+        "(0: micro-batch-size x microbatches x accumulation x dp); --resume keeps the "
+        "checkpoint's",
+    )
+    allow_batch_change: bool = _opt(
+        False, "--resume: let the global batch differ from the checkpoint's (it is printed)"
+    )
     balance: str = _opt(
         "params", "cut stages by parameter count or measured time", ("params", "time")
     )
@@ -141,6 +150,14 @@ class TrainConfig:
     def __post_init__(self):
         if self.layers == 0:
             self.layers = {"gpt": 4, "mlp": 4, "wait": 8}.get(self.model, 4)
+        per = self.round_batch
+        if self.global_batch > 0 and per > 0 and self.global_batch % per == 0:
+            self.accumulation = self.global_batch // per  # check() refuses one that does not split
+
+    @property
+    def round_batch(self) -> int:
+        """Samples in one schedule run, all replicas: a global batch is a whole number of them."""
+        return self.micro_batch_size * self.microbatches * self.dp
 
     @property
     def num_stages(self) -> int:
@@ -218,6 +235,15 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.global_batch < 0:
+            raise ValueError(f"global_batch must be >= 0, got {self.global_batch}")
+        if self.global_batch and self.global_batch != self.effective_batch:
+            raise ValueError(
+                f"global_batch {self.global_batch} is not a whole number of schedule runs of "
+                f"micro_batch_size x microbatches x dp = {self.micro_batch_size} x "
+                f"{self.microbatches} x {self.dp} = {self.round_batch} samples; choose a multiple "
+                f"of {self.round_batch}, or another micro_batch_size or microbatches"
+            )
         if self.keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
         if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
@@ -312,6 +338,11 @@ def from_args(args: argparse.Namespace, toml_path: str | None = None) -> TrainCo
         v = getattr(args, f.name, None)
         if v is not None:
             values[f.name] = v
+    if values.get("global_batch") and values.get("accumulation", 1) != 1:
+        raise ValueError(
+            f"global_batch {values['global_batch']} and accumulation {values['accumulation']}: "
+            "give one of them (the global batch decides the accumulation)"
+        )
     return TrainConfig(**values)
 
 
@@ -339,7 +370,9 @@ def load_toml(path: str) -> dict:
         if want is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if not isinstance(value, want) or (want is int and isinstance(value, bool)):
-            raise ValueError(f"{path}: {key} = {value!r} is not a {want.__name__}")
+            kinds = {int: "an integer", float: "a number", bool: "true or false"}
+            kind = kinds.get(want, "a string")
+            raise ValueError(f"{path}: {key} = {value!r} is not {kind}")
         out[name] = value
     return out
 

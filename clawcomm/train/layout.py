@@ -177,7 +177,16 @@ def describe(cfg, cuts: list[int], peak_lr: float, zero: bool) -> str:
     """What rank 0 prints at start: the effective batch, the scaled LR, the
     layout, how replicas synchronise, and the stages."""
     base = cfg.base_batch or cfg.effective_batch
-    stages = ", ".join(f"{s}: layers {cuts[s]}-{cuts[s + 1] - 1}" for s in range(cfg.num_stages))
+
+    def layers(s: int) -> str:
+        lo, hi = cuts[s], cuts[s + 1] - 1
+        return f"layer {lo}" if lo == hi else f"layers {lo}-{hi}"
+
+    if cfg.num_stages == 1:
+        stages = f"1 stage ({layers(0)})"
+    else:
+        parts = ", ".join(f"{s}: {layers(s)}" for s in range(cfg.num_stages))
+        stages = f"{cfg.num_stages} stages ({parts})"
     sync = ""
     if cfg.sync != "every-step" and cfg.dp > 1:
         sync = (
@@ -185,8 +194,15 @@ def describe(cfg, cuts: list[int], peak_lr: float, zero: bool) -> str:
             + (f" in {cfg.fragments} fragments" if cfg.fragments > 1 else "")
             + (f", {cfg.sync_delay} steps behind (mix {cfg.sync_mix})" if cfg.sync_delay else "")
         )
+    compression = ""
+    if cfg.compression and cfg.dp > 1:
+        what = "the gradients" if cfg.sync == "every-step" else "each meeting's exchange"
+        warm = f" after {cfg.compression_warmup} dense steps" if cfg.compression_warmup else ""
+        compression = f"\ncompression {cfg.compression} on {what} between replicas{warm}"
+    elif cfg.compression:
+        compression = f"\ncompression {cfg.compression} is off: at dp 1 no replicas exchange"
     return (
-        f"effective batch {cfg.effective_batch} = micro-batch {cfg.micro_batch_size} x "
+        f"global batch {cfg.effective_batch} = micro-batch {cfg.micro_batch_size} x "
         f"{cfg.microbatches} micro-batches x {cfg.accumulation} accumulation x dp {cfg.dp}\n"
         f"lr {peak_lr * cfg.batch_scale():.4g} = {peak_lr:.4g} at base "
         f"batch {base}, {cfg.lr_scaling} scaling; {cfg.warmup_steps} warm-up steps, "
@@ -196,5 +212,6 @@ def describe(cfg, cuts: list[int], peak_lr: float, zero: bool) -> str:
         + sync
         + f", schedule {cfg.schedule}"
         + (f" (v={cfg.virtual_stages})" if cfg.virtual_stages > 1 else "")
-        + f", {cfg.num_stages} stages ({stages})"
+        + f", {stages}"
+        + compression
     )

@@ -61,6 +61,7 @@ class RankSample:
     optim_bytes: float = 0.0
     param_peak_bytes: float = 0.0
     grad_peak_bytes: float = 0.0
+    stop: float = 0.0  # the signal that asked this rank to stop (clawcomm.train.stop), or 0
     # The mean time of F, B, I and W of each local stage, stage by stage.
     costs: list[float] = field(default_factory=list)
 

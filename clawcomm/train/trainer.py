@@ -210,6 +210,12 @@ class Trainer:
         self._deferring = False  # inside fit: the step's gathers may land in the next one
         self._pending_save = None
         self._checkpoint_group = None
+        # SIGTERM/SIGINT (clawcomm.train.stop): the request this rank raises,
+        # and the signal every rank agreed to stop on after the last step.
+        self.stop = None
+        self.stopped_by = 0
+        # Rank 0, when an asynchronous save is committed: on_durable(path).
+        self.on_durable = None
         # Per-step events for --trace/--timeline (clawcomm.train.trace), or None.
         self.recorder = None
         if cfg.trace or cfg.timeline or cfg.chakra:
@@ -261,8 +267,10 @@ class Trainer:
             host=totals.host / max(1, totals.computes), gpu_mb=peak_mb(self.device),
             costs=totals.mean_costs(sorted(self.local)),
             **held_bytes(self.params, self.reducer, self.optimizer, self.zero, self.units),
+            stop=self.stop.signum if self.stop is not None else 0,
         )  # fmt: skip
         rows = gather(sample)
+        self.stopped_by = int(max(r.stop for r in rows))  # every rank reads the same rows
         check_memory(rows, cfg.max_memory_mb, self.step_index + 1)
         grad_norm = math.sqrt(sum(r.sumsq for r in rows) / cfg.dp)
         loss = sum(r.loss for r in rows) / count
@@ -414,6 +422,8 @@ class Trainer:
         if self._pending_save is not None:
             pending, self._pending_save = self._pending_save, None
             pending.wait()
+            if self.on_durable is not None and self.grid.rank == 0:
+                self.on_durable(pending.path, time.perf_counter() - pending.started)
 
     def load_checkpoint(self, path: str) -> int:
         """Loads a checkpoint (or ``path``'s latest one), at this run's layout
@@ -438,8 +448,11 @@ class Trainer:
         ``metrics_file`` (JSON lines, appended to when resuming) and shows a
         progress bar. With ``checkpoint_dir``, a checkpoint is saved after the
         last step, and every ``checkpoint_every`` steps if that is set; the
-        step's metrics then carry ``checkpoint_ms``. Returns the metrics of
-        every step."""
+        step's metrics then carry ``checkpoint_ms`` and ``checkpoint`` (its
+        folder). When a rank's ``stop`` request is raised (SIGTERM, SIGINT),
+        every rank stops after the same step, which is saved and carries
+        ``stopped_by`` (the signal's number). Returns the metrics of every
+        step."""
         steps = self.cfg.steps - self.step_index if steps is None else steps
         out = []
         rank0 = self.grid.rank == 0
@@ -453,17 +466,22 @@ class Trainer:
             ) as sink:
                 for k, batch in zip(range(steps), batches, strict=False):
                     m = self.step(batch)
+                    if self.stopped_by:
+                        m["stopped_by"] = self.stopped_by
                     every = checkpoint_every and self.step_index % checkpoint_every == 0
-                    if checkpoint_dir and (every or k == steps - 1):
+                    if checkpoint_dir and (every or k == steps - 1 or self.stopped_by):
                         t0 = time.perf_counter()
-                        self.save_checkpoint(
+                        saved = self.save_checkpoint(
                             checkpoint_dir, keep_checkpoints, asynchronous=self.cfg.async_checkpoint
                         )
                         m["checkpoint_ms"] = 1e3 * (time.perf_counter() - t0)
+                        m["checkpoint"] = saved if isinstance(saved, str) else saved.path
                     out.append(m)
                     sink.write(m)
                     if log is not None:
                         log(m)
+                    if self.stopped_by:
+                        break
         finally:
             self._deferring = False
         if self.units is not None:

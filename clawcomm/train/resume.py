@@ -1,0 +1,102 @@
+"""What ``--resume`` decides before the trainer is built: the global batch.
+
+A checkpoint records its global batch (samples per optimizer step, every
+replica together). A resume at another layout keeps it: the gradient
+accumulation is derived from it, as torchtitan derives it from its fixed
+global batch, so that the learning rate, its scaling and the data order
+stay the same. Where no whole accumulation gives it, the resume is refused
+with the flags that fix it; ``--allow-batch-change`` is the only way to
+change it, and the change is printed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+
+from clawcomm.train.config import TrainConfig
+
+
+class BatchChangeError(ValueError):
+    """A resume that would change the global batch without --allow-batch-change."""
+
+
+def plan(cfg: TrainConfig) -> tuple[TrainConfig, str]:
+    """``keep_batch`` for ``cfg``'s latest checkpoint, when it resumes from one."""
+    from clawcomm.train import checkpoint
+
+    found = checkpoint.latest(cfg.checkpoint_dir) if cfg.resume and cfg.checkpoint_dir else None
+    if found is None:
+        return cfg, ""
+    return keep_batch(cfg, read_meta(found), found)
+
+
+def read_meta(path: str) -> dict:
+    """The checkpoint's own record (step, layout, global batch, ...), read by
+    this rank alone (no collective)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    head = {"meta": None}
+    with warnings.catch_warnings():  # ("... assuming the intent is to load in a single process")
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(head, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    return pickle.loads(head["meta"])
+
+
+def _layout(dp, pp, v, acc, mbs, mb) -> str:
+    stages = f" x v {v}" if v > 1 else ""
+    return f"dp {dp} x pp {pp}{stages}, {mb} micro-batches of {mbs}, accumulation {acc}"
+
+
+def keep_batch(cfg: TrainConfig, meta: dict, path: str) -> tuple[TrainConfig, str]:
+    """This run's config for resuming from ``meta`` (the checkpoint at
+    ``path``), and the line that says what changed ('' when nothing did).
+    Raises BatchChangeError naming the batch and the flags that fix it."""
+    saved = meta.get("global_batch")
+    was = meta.get("layout", {})
+    if saved is None:  # a checkpoint from before the global batch was recorded
+        return cfg, ""
+    before = _layout(
+        was.get("dp"), was.get("pp"), was.get("virtual_stages", 1), meta.get("accumulation"),
+        meta.get("micro_batch_size"), meta.get("microbatches"),
+    )  # fmt: skip
+    if saved != cfg.effective_batch:
+        if cfg.allow_batch_change:
+            return cfg, (
+                f"clawcomm train: --resume: the global batch changes from {saved} to "
+                f"{cfg.effective_batch} (--allow-batch-change): {before} then, "
+                f"{_describe(cfg)} now"
+            )
+        fix = "; or --allow-batch-change to change it"
+        if cfg.global_batch:
+            raise BatchChangeError(
+                f"--resume: {path} was trained with a global batch of {saved}, and "
+                f"--global-batch asks for {cfg.global_batch}: drop --global-batch to keep "
+                f"{saved}{fix}"
+            )
+        if saved % cfg.round_batch:
+            raise BatchChangeError(
+                f"--resume: {path} was trained with a global batch of {saved} ({before}); here "
+                f"a schedule run is micro-batch-size x microbatches x dp = "
+                f"{cfg.micro_batch_size} x {cfg.microbatches} x {cfg.dp} = {cfg.round_batch} "
+                f"samples, which does not divide it: choose --micro-batch-size or --microbatches "
+                f"so that it does{fix}"
+            )
+        cfg = dataclasses.replace(cfg, global_batch=saved)
+    elif (was.get("dp"), was.get("pp")) == (cfg.dp, cfg.pp) and meta.get(
+        "accumulation"
+    ) == cfg.accumulation:
+        return cfg, ""
+    return cfg, (
+        f"clawcomm train: --resume at another layout keeps the global batch of {saved}: "
+        f"{before} then, {_describe(cfg)} now"
+    )
+
+
+def _describe(cfg: TrainConfig) -> str:
+    return _layout(
+        cfg.dp, cfg.pp, cfg.virtual_stages, cfg.accumulation, cfg.micro_batch_size,
+        cfg.microbatches,
+    )  # fmt: skip
