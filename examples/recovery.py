@@ -2,6 +2,7 @@
 resumes from its last checkpoint, ending with the uninterrupted run's loss.
 
     python3 examples/recovery.py                   # GPT, 4 local ranks, dp 2 x pp 2
+    python3 examples/recovery.py --layout 2x1 --zero 3 --model mlp
     python3 examples/recovery.py --model mlp --steps 16 --kill-at-step 7
 
 1. The uninterrupted job: ``clawcomm train`` on spawned ranks.
@@ -75,13 +76,24 @@ def main(argv=None) -> int:
     p.add_argument("--dir", help="work folder (default: a temporary one)")
     p.add_argument("--json", help="write the figures here")
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (0)")
+    p.add_argument("--layout", default="2x2", help="dp x pp (2x2: 4 ranks)")
     args = p.parse_args(argv)
-    work = args.dir or tempfile.mkdtemp(prefix="clawcomm-recovery-")
-    os.makedirs(work, exist_ok=True)
+    try:
+        dp, pp = (int(x) for x in args.layout.split("x"))
+    except ValueError:
+        p.error(f"--layout {args.layout!r} is not DPxPP (2x2, say)")
+    if args.dir:
+        os.makedirs(args.dir, exist_ok=True)
+        return run(args, args.dir, dp, pp)
+    with tempfile.TemporaryDirectory(prefix="clawcomm-recovery-") as work:  # nothing left behind
+        return run(args, work, dp, pp)
+
+
+def run(args, work: str, dp: int, pp: int) -> int:
     ckpt = os.path.join(work, "ckpt")
     shutil.rmtree(ckpt, ignore_errors=True)
     common = [
-        "--dp", "2", "--pp", "2", "--model", args.model, "--steps", str(args.steps),
+        "--dp", str(dp), "--pp", str(pp), "--model", args.model, "--steps", str(args.steps),
         "--microbatches", "4", "--micro-batch-size", "4", "--zero", str(args.zero), "--quiet",
     ]  # fmt: skip
     if args.model == "gpt":
@@ -101,7 +113,7 @@ def main(argv=None) -> int:
             "-m",
             "torch.distributed.run",
             "--nproc-per-node",
-            "4",
+            str(dp * pp),
             "--max-restarts",
             "1",
             "--monitor-interval",

@@ -62,9 +62,7 @@ def test_a_batch_that_cannot_be_kept_is_refused_and_a_change_is_said(tmp_path):
     assert allowed.effective_batch == 32
     assert "the global batch changes from 8 to 32 (--allow-batch-change)" in line
     # the trainer's own load refuses it too (a library user who skips plan())
-    with pytest.raises(
-        RankFailure, match="global batch of 8, this run.s is 16"
-    ):
+    with pytest.raises(RankFailure, match="global batch of 8, this run.s is 16"):
         run_ranks(_run, 2, dataclasses.replace(cfg, dp=2), 3, True, timeout=300)
 
 

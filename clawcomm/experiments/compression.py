@@ -264,6 +264,10 @@ def run(args) -> int:
 
         progress = tqdm(total=len(runs) * max(1, len(links)), file=sys.stderr, unit="run",
                         leave=False)  # fmt: skip
+    # A DDP's first construction imports torch._dynamo (2-3 s of CPU): once
+    # here, and every rank forked for every method has it.
+    import torch._dynamo  # noqa: F401
+
     groups: dict[str, list[dict]] = {}
     try:
         if links:

@@ -17,13 +17,11 @@ from __future__ import annotations
 def digits(seed: int):
     import numpy as np
 
-    from clawcomm._optional import require
+    from clawcomm import digits as bundled
 
-    load_digits = require("sklearn.datasets", "--model mlp (the digits data)").load_digits
-
-    d = load_digits()
-    x = (d.data / 16.0).astype(np.float32)
-    y = d.target.astype(np.int64)
+    data, target = bundled.load()
+    x = (data / 16.0).astype(np.float32)
+    y = target
     order = np.random.default_rng(seed).permutation(len(x))
     cut = int(0.8 * len(x))
     return x[order[:cut]], y[order[:cut]], x[order[cut:]], y[order[cut:]]

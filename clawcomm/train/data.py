@@ -59,13 +59,11 @@ class Digits:
     def __init__(self, seed: int = 0, split: float = 0.8):
         import numpy as np
 
-        from clawcomm._optional import require
+        from clawcomm import digits
 
-        load_digits = require("sklearn.datasets", "--model mlp (the digits data)").load_digits
-
-        d = load_digits()
-        x = torch.from_numpy((d.data / 16.0).astype(np.float32))
-        y = torch.from_numpy(d.target.astype(np.int64))
+        data, target = digits.load()
+        x = torch.from_numpy((data / 16.0).astype(np.float32))
+        y = torch.from_numpy(target)
         order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
         cut = int(split * len(x))
         self.x, self.y = x[order[:cut]], y[order[:cut]]
