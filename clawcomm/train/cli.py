@@ -259,8 +259,8 @@ def run(args: argparse.Namespace) -> int:
             if metrics and metrics[-1].get("stopped_by")
             else 0
         )
-    # Imported once here rather than by every forked rank: the optimizer's
-    # first step imports torch._dynamo (2.5 s of CPU), a save DCP (1.5 s).
+    # Imported once here rather than by every forked rank: an optimizer's
+    # construction imports torch._dynamo (2.5 s of CPU), a save DCP (1.5 s).
     import torch._dynamo  # noqa: F401
 
     from clawcomm.testing import RankFailure, run_ranks
