@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import datetime
 import os
 
 import torch.distributed as dist
@@ -13,7 +12,10 @@ from clawcomm import _C, _C_torch
 BACKEND_NAME = "clawcomm"
 
 
-def _create_backend(store, rank: int, size: int, timeout: datetime.timedelta):
+def _create_backend(opts, backend_options=None):
+    """torch's extended creator: ``opts`` (c10d's DistributedBackendOptions)
+    carries the group's global ranks, which errors and flight records name."""
+    store, rank, size, timeout = opts.store, opts.group_rank, opts.group_size, opts.timeout
     # torchrun's agent keeps one store for every restart of a job, and the
     # keys of the previous attempt are still there (checked with torch
     # 2.13): a restarted rank could read its predecessors' token and
@@ -21,7 +23,11 @@ def _create_backend(store, rank: int, size: int, timeout: datetime.timedelta):
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is not None:
         store = dist.PrefixStore(f"clawcomm-attempt-{attempt}/", store)
-    return _C_torch.ClawcommBackend(store, rank, size, timeout)
+    backend = _C_torch.ClawcommBackend(store, rank, size, timeout)
+    ranks = list(opts.global_ranks_in_group or [])
+    if len(ranks) == size:  # (the world's is empty: its ranks are the global ones)
+        backend._set_global_ranks(ranks)
+    return backend
 
 
 def register() -> None:
@@ -41,7 +47,7 @@ def register() -> None:
     # and ranks forked from this process can still use the GPU.
     cuda = torch.backends.cuda.is_built() and torch.cuda.device_count() > 0
     devices = ["cpu", "cuda"] if cuda else ["cpu"]
-    dist.Backend.register_backend(BACKEND_NAME, _create_backend, devices=devices)
+    dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True, devices=devices)
     # Stop every progress thread before Python finalizes: a thread that runs a
     # completion callback during finalization would be killed mid-way.
     atexit.register(_C._shutdown_all)

@@ -49,13 +49,27 @@ def diagnose(records: dict[int, dict]) -> list[str]:
     if not records:
         return ["no flight records found"]
     size = max(r["size"] for r in records.values())
+    # A group that is not the world: its records say the job's rank of each
+    # of its ranks, which the report names first.
+    mapping = next((r["global_ranks"] for r in records.values() if "global_ranks" in r), None)
+
+    def who(r: int) -> str:
+        return f"rank {mapping[r]} (group rank {r})" if mapping else f"rank {r}"
+
+    def whom(ranks: list[int]) -> str:
+        return (
+            f"ranks {[mapping[r] for r in ranks]} (group ranks {ranks})"
+            if mapping
+            else (f"ranks {ranks}")
+        )
+
     lines = []
     for rank in sorted(records):
-        lines.append(f"rank {rank} failed: {records[rank]['why']}")
+        lines.append(f"{who(rank)} failed: {records[rank]['why']}")
     silent = [r for r in range(size) if r not in records]
     if silent:
         lines.append(
-            f"ranks {silent} wrote no flight record: they did not see the failure (still running, "
+            f"{whom(silent)} wrote no flight record: they did not see the failure (still running, "
             "killed, or stuck outside clawcomm)"
         )
     collectives = {
@@ -69,23 +83,23 @@ def diagnose(records: dict[int, dict]) -> list[str]:
         at = {rank: ops[seq] for rank, ops in collectives.items() if seq in ops}
         kinds = {(op["op"], op["count"], op["dtype"]) for op in at.values()}
         if len(kinds) > 1:
-            calls = ", ".join(f"rank {r}: {_describe(op)}" for r, op in sorted(at.items()))
+            calls = ", ".join(f"{who(r)}: {_describe(op)}" for r, op in sorted(at.items()))
             lines.append(f"collective #{seq} differs between ranks: {calls}")
         else:
             op = next(iter(at.values()))
-            states = ", ".join(f"rank {r} {o['state']}" for r, o in sorted(at.items()))
+            states = ", ".join(f"{who(r)} {o['state']}" for r, o in sorted(at.items()))
             lines.append(f"first collective not completed everywhere: {_describe(op)} ({states})")
         missing = [r for r in range(size) if r in collectives and seq not in collectives[r]]
         for r in missing:
             last = max(collectives[r], default=None)
             before = f"its last collective was #{last}" if last is not None else "it issued none"
-            lines.append(f"rank {r} is missing from collective #{seq}: {before}")
+            lines.append(f"{who(r)} is missing from collective #{seq}: {before}")
         if silent:
-            lines.append(f"ranks {silent} may be missing from collective #{seq} (no record)")
+            lines.append(f"{whom(silent)} may be missing from collective #{seq} (no record)")
     for rank, rec in sorted(records.items()):
         for op in rec["ops"]:
             if "seq" not in op and op["state"] in ("queued", "started", "failed"):
-                lines.append(f"rank {rank}: {_describe(op)} {op['state']}, not completed")
+                lines.append(f"{who(rank)}: {_describe(op)} {op['state']}, not completed")
     return lines
 
 

@@ -27,6 +27,7 @@ import json
 import sys
 from dataclasses import asdict
 
+from clawcomm import outputs
 from clawcomm.bench.cli import parse_size
 from clawcomm.model import ALGORITHMS, CostModel, Layout, busbw_factor, choose, predict
 
@@ -233,13 +234,16 @@ def run_chakra(args, model: CostModel) -> int:
         }
         with open(args.json, "w") as f:
             json.dump({"model": asdict(model), "by_projected_hosts": payload}, f, indent=1)
+        outputs.wrote("clawcomm simulate", "results", args.json)
     return 0
 
 
 def run(args) -> int:
     try:
         model = CostModel.load(args.model) if args.model else CostModel()
-    except (OSError, ValueError) as e:
+        outputs.check("--json", args.json)
+        outputs.check("--plot", args.plot)
+    except (OSError, ValueError) as e:  # (an outputs.OutputError too)
         print(f"clawcomm simulate: error: {e}", file=sys.stderr)
         return 2
     if args.chakra:
@@ -288,7 +292,8 @@ def run(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(payload, f, indent=1)
+        outputs.wrote("# clawcomm simulate", "results", args.json)
     if args.plot:
         plot(args.plot, model, args.ranks_per_host, args.size)
-        print(f"# plot: {args.plot}")
+        outputs.wrote("# clawcomm simulate", "plot", args.plot)
     return 0

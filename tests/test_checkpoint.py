@@ -114,9 +114,10 @@ def test_no_checkpoint_and_a_dangling_latest_are_errors(tmp_path):
 
 
 def test_a_process_killed_while_saving_leaves_a_loadable_checkpoint(tmp_path):
-    """bench/checkpoint_bench.py runs 100 of these trials."""
+    """bench/checkpoint_bench.py runs 100 of these trials (here: two, one
+    killed at once after the first save, one later)."""
     rng = random.Random(0)
-    for trial in range(4):
+    for trial in range(2):
         root = str(tmp_path / f"t{trial}")
         last, loaded = kill_mid_save_trial(root, rng.uniform(0.0, 0.4))
         assert loaded in (last, last + 1), (last, loaded)  # the kill may follow a rename

@@ -194,14 +194,31 @@ def _cli(*args, timeout=300, **kw):
     )  # fmt: skip
 
 
+def _refused(*args):
+    """``clawcomm train ARGS`` in this process, for a command refused before
+    any rank starts (what it prints, the parent prints): (status, stderr)."""
+    import contextlib
+    import io
+
+    from clawcomm.train.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # argparse's refusal
+            code = e.code
+    return code, err.getvalue()
+
+
 @pytest.mark.parametrize("kw,world,message", BAD)
 def test_the_cli_refuses_bad_configurations_before_starting(kw, world, message):
     args = []
     for k, v in kw.items():
         args += [f"--{k.replace('_', '-')}", str(v)]
-    proc = _cli("--model", "mlp", "--nproc", str(world), *args)
-    assert proc.returncode == 2, proc.stderr
-    assert re.search(message, proc.stderr), proc.stderr
+    code, err = _refused("--model", "mlp", "--nproc", str(world), *args)
+    assert code == 2, err
+    assert re.search(message, err), err
 
 
 def test_loss_that_averages_is_refused():
@@ -238,11 +255,11 @@ def test_cli_with_a_toml_config_writes_metrics(tmp_path):
 def test_toml_errors_name_the_key(tmp_path):
     toml = tmp_path / "bad.toml"
     toml.write_text("micro-batchsize = 4\n")
-    proc = _cli("--config", str(toml))
-    assert proc.returncode == 2 and "unknown setting 'micro-batchsize'" in proc.stderr
+    code, err = _refused("--config", str(toml))
+    assert code == 2 and "unknown setting 'micro-batchsize'" in err
     toml.write_text('steps = "ten"\n')
-    proc = _cli("--config", str(toml))
-    assert proc.returncode == 2 and "steps = 'ten' is not an integer" in proc.stderr
+    code, err = _refused("--config", str(toml))
+    assert code == 2 and "steps = 'ten' is not an integer" in err
 
 
 def test_torchrun_runs_the_same_trainer(tmp_path):
@@ -288,16 +305,16 @@ def test_metrics_split_compute_exposed_communication_and_bytes_per_group(tmp_pat
 
 
 def test_a_missing_text_or_a_broken_config_is_an_error_not_a_traceback(tmp_path):
-    proc = _cli("--model", "gpt", "--text", str(tmp_path / "missing.txt"), "--nproc", "1")
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    assert "missing.txt' is not a file" in proc.stderr, proc.stderr
+    code, err = _refused("--model", "gpt", "--text", str(tmp_path / "missing.txt"), "--nproc", "1")
+    assert code == 2 and "Traceback" not in err, err
+    assert "missing.txt' is not a file" in err, err
     toml = tmp_path / "broken.toml"
     toml.write_text("steps = 3\ndp = \n")
-    proc = _cli("--config", str(toml))
-    assert proc.returncode == 2, proc.stderr
-    assert f"{toml}: not valid TOML: Invalid value (at line 2, column 6)" in proc.stderr
-    proc = _cli("--config", str(tmp_path / "absent.toml"))
-    assert proc.returncode == 2 and "absent.toml: cannot read the settings" in proc.stderr
+    code, err = _refused("--config", str(toml))
+    assert code == 2, err
+    assert f"{toml}: not valid TOML: Invalid value (at line 2, column 6)" in err
+    code, err = _refused("--config", str(tmp_path / "absent.toml"))
+    assert code == 2 and "absent.toml: cannot read the settings" in err
 
 
 def test_a_checkpoint_dir_alone_keeps_the_last_step_and_says_so(tmp_path, capsys):

@@ -14,6 +14,12 @@ blocks and writes a model file (clawcomm.model.CostModel) for
 Building blocks, not whole collectives, as ASTRA-sim and SimAI calibrate:
 the collectives are then predicted from these, and bench/model_validation.py
 compares the predictions with measured times.
+
+Each figure is measured ROUNDS times (the ping-pongs in rounds that
+alternate shared memory and TCP, so that a slow stretch of the machine hits
+both alike); the model takes the median, the file records every round's
+value and the spread (the largest over the smallest), and a spread over
+SPREAD_WARN, or shared memory slower than TCP, is printed as a warning.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ import time
 import numpy as np
 
 SIZES = [8, 1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20]
+ROUNDS = 5
+SPREAD_WARN = 1.25  # the largest round over the smallest
 
 
 def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
@@ -36,7 +44,7 @@ def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
     return max(t0 - s0 * beta, 1e-7), beta
 
 
-def _ping_pong(engine, me: int, peer: int, first: bool, budget_s: float = 0.4):
+def _ping_pong(engine, me: int, peer: int, first: bool, budget_s: float = 0.1):
     """One-way seconds per size between `me` and `peer` (best of repeats)."""
     out = []
     for size in SIZES:
@@ -63,11 +71,40 @@ def _gamma() -> float:
     n = 16 << 20  # float32: 64 MiB
     dst, src = np.ones(n, dtype=np.float32), np.ones(n, dtype=np.float32)
     best = float("inf")
-    for _ in range(5):
+    for _ in range(3):
         t0 = time.perf_counter()
         _C.kernels.reduce(dst, src, "sum")
         best = min(best, time.perf_counter() - t0)
     return best / (4 * n)
+
+
+def summarise(rounds: list[dict]) -> tuple[dict, dict]:
+    """(median of each figure over the rounds, {figure: {"rounds": [...],
+    "spread": largest / smallest}})."""
+    out, spread = {}, {}
+    for key in rounds[0]:
+        values = [r[key] for r in rounds]
+        out[key] = float(np.median(values))
+        spread[key] = {"rounds": values, "spread": max(values) / max(min(values), 1e-30)}
+    return out, spread
+
+
+def warnings_of(model, spread: dict) -> list[str]:
+    """What a user should not trust in a calibration: a spread over
+    SPREAD_WARN, shared memory slower than TCP."""
+    out = []
+    for key, s in spread.items():
+        if s["spread"] > SPREAD_WARN:
+            out.append(
+                f"{key} varied {s['spread']:.2f}x over {len(s['rounds'])} rounds: the machine was "
+                "busy or its speed changed; calibrate again on a quiet machine"
+            )
+    if "shm_alpha" in spread and "net_alpha" in spread and model.shm_alpha > model.net_alpha:
+        out.append(
+            f"shared memory came out slower than TCP (alpha {model.shm_alpha * 1e6:.1f} us "
+            f"against {model.net_alpha * 1e6:.1f} us): not what the machine does at rest"
+        )
+    return out
 
 
 def calibrate_rank(rank: int, world: int, transports: list[str]) -> dict | None:
@@ -85,23 +122,27 @@ def calibrate_rank(rank: int, world: int, transports: list[str]) -> dict | None:
     plan = [peers["shm"] if peers["shm"] is not None else -1,
             peers["tcp"] if peers["tcp"] is not None else -1]  # fmt: skip
     dist.broadcast_object_list(plan, src=0)
-    results: dict[str, list] = {}
-    for kind, peer in zip(("shm", "tcp"), plan, strict=True):
-        dist.barrier()
-        if peer < 0:
-            continue
+    rounds: list[dict] = []
+    points: dict[str, list] = {}
+    for _ in range(ROUNDS):
+        figures: dict = {}
+        for kind, prefix, peer in zip(("shm", "tcp"), ("shm", "net"), plan, strict=True):
+            dist.barrier()
+            if peer < 0:
+                continue
+            if rank == 0:
+                points[kind] = _ping_pong(engine, 0, peer, first=True)
+                figures[f"{prefix}_alpha"], figures[f"{prefix}_beta"] = _fit(points[kind])
+            elif rank == peer:
+                _ping_pong(engine, peer, 0, first=False)
         if rank == 0:
-            results[kind] = _ping_pong(engine, 0, peer, first=True)
-        elif rank == peer:
-            _ping_pong(engine, peer, 0, first=False)
+            figures["gamma"] = _gamma()
+            rounds.append(figures)
     dist.barrier()
     if rank != 0:
         return None
-    out: dict = {"gamma": _gamma(), "points": results}
-    for kind, prefix in (("shm", "shm"), ("tcp", "net")):
-        if kind in results:
-            out[f"{prefix}_alpha"], out[f"{prefix}_beta"] = _fit(results[kind])
-    return out
+    out, spread = summarise(rounds)
+    return {**out, "points": points, "spread": spread}
 
 
 def _local_rank(rank: int, world: int) -> dict | None:
@@ -139,14 +180,19 @@ def run(path: str, torchrun: bool) -> int:
     keys = ("shm_alpha", "shm_beta", "net_alpha", "net_beta", "gamma")
     model = CostModel(**{k: numbers.get(k, getattr(defaults, k)) for k in keys})
     missing = [k for k in ("shm", "tcp") if k not in numbers["points"]]
-    model.save(path, measured_on=where, not_measured=missing, points=numbers["points"])
-    print(f"clawcomm bench --calibrate: wrote {path} ({where})")
+    model.save(path, measured_on=where, not_measured=missing, points=numbers["points"],
+               rounds=ROUNDS, spread=numbers["spread"])  # fmt: skip
+    print(f"clawcomm bench --calibrate: wrote {path} ({where}; the median of {ROUNDS} rounds)")
     for what, alpha, beta in (
         ("shared memory:", model.shm_alpha, model.shm_beta),
         ("network:", model.net_alpha, model.net_beta),
     ):
         print(f"  {what:<15}alpha {alpha * 1e6:.1f} us, {1 / beta / 1e9:.3f} GB/s")
     print(f"  reduction:     {1 / model.gamma / 1e9:.2f} GB/s")
+    spreads = ", ".join(f"{k} {v['spread']:.2f}x" for k, v in numbers["spread"].items())
+    print(f"  spread (largest round / smallest): {spreads}")
+    for w in warnings_of(model, numbers["spread"]):
+        print(f"  warning: {w}")
     if missing:
         print(f"  not measured (no such peer), defaults kept: {', '.join(missing)}")
     return 0

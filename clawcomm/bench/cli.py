@@ -3,7 +3,7 @@ gloo, MPI and clawcomm's raw engine side by side in the same run.
 
     clawcomm bench                                  # all_reduce, 2 local ranks, 8 B .. 64 MiB
     clawcomm bench --nproc 4 -o all_reduce,all_gather -b 1K -e 16M --compare gloo,mpi
-    clawcomm bench --algo ring,tree,auto --json out.json --plot out.png
+    clawcomm bench --algo ring,tree,auto --json runs/out.json --plot runs/out.png
     torchrun --nnodes 2 --nproc-per-node 2 ... -m clawcomm.bench --compare gloo
 
 Flags follow nccl-tests: -b/-e/-f (sizes), -n (iterations per timed block;
@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 
+from clawcomm import outputs
 from clawcomm.bench.collectives import COLLECTIVES, DTYPE_ALIASES, REDOPS
 from clawcomm.testing import under_torchrun
 
@@ -307,7 +308,10 @@ def run(args, argv: list[str] | None = None) -> int:
                 raise ValueError("--device cuda compares with gloo and nccl, not raw or mpi")
         elif "nccl" in args.compare:
             raise ValueError("--compare nccl needs --device cuda")
-    except ValueError as e:
+        if not torchrun or os.environ.get("RANK") == "0":
+            outputs.check("--json", args.json)
+            outputs.check("--plot", args.plot)
+    except ValueError as e:  # (an outputs.OutputError too)
         print(f"clawcomm bench: error: {e}", file=sys.stderr)
         return 2
 
@@ -412,6 +416,7 @@ def run(args, argv: list[str] | None = None) -> int:
                 "records": records,
             },
         )
+        outputs.wrote("clawcomm bench", "results", args.json)
     if args.plot:
         where = result.get("gpu") if args.device == "cuda" else info["cpu"]
         plot(
@@ -420,6 +425,7 @@ def run(args, argv: list[str] | None = None) -> int:
             d2d if args.device == "cuda" else memcpy,
             f"clawcomm bench, {world} ranks, {where}",
         )
+        outputs.wrote("clawcomm bench", "plot", args.plot)
     if wrong:
         print(f"# FAILED: {wrong} wrong or out-of-bounds elements", file=sys.stderr)
         return 1

@@ -3,7 +3,7 @@ compressor, on local ranks, with wire traffic measured by clawcomm.
 
     clawcomm experiment compression                     # 2 ranks, the default compressors
     clawcomm experiment compression --nproc 4 -c none,topk:0.01,topk:0.001 \\
-        --json out.json --plot out.png
+        --json runs/out.json --plot runs/out.png
     clawcomm experiment compression --model gpt         # the trainer's GPT
     clawcomm experiment compression --layout 2x2 -c none,int8,diloco:8:fragments=2:delay=1
 
@@ -37,6 +37,7 @@ import json
 import sys
 import time
 
+from clawcomm import outputs
 from clawcomm.experiments import lab, layout, tasks
 from clawcomm.experiments.methods import COMPUTE, parse_method
 
@@ -233,7 +234,9 @@ def run(args) -> int:
 
             if not (torch.backends.cuda.is_built() and torch.cuda.device_count() > 0):
                 raise ValueError("--device cuda: no CUDA GPU (or torch is a CPU build)")
-    except ValueError as e:
+        outputs.check("--json", args.json)
+        outputs.check("--plot", args.plot)
+    except ValueError as e:  # (an outputs.OutputError too)
         print(f"clawcomm experiment compression: error: {e}", file=sys.stderr)
         return 2
     cfg = {
@@ -304,10 +307,13 @@ def run(args) -> int:
         )
         print(lab.table(results))
         report[link]["results"] = results
+    prog = "clawcomm experiment compression"
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": vars(args), "links": report}, f, indent=1)
+        outputs.wrote(prog, "results", args.json)
     if args.plot:
         ylabel = "training loss (full set)" if args.model == "mlp" else "held-out loss"
         lab.plot(groups, args.plot, task, ylabel)
+        outputs.wrote(prog, "plot", args.plot)
     return 0

@@ -45,8 +45,9 @@ def under_torchrun() -> bool:
 class RankFailure(AssertionError):
     """One or more ranks raised or hung. ``errors`` maps rank -> traceback text."""
 
-    def __init__(self, errors: dict[int, str]):
+    def __init__(self, errors: dict[int, str], pids: list[int] | None = None):
         self.errors = errors
+        self.pids = pids or []  # each rank's pid, where known
         text = "\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
         super().__init__(f"{len(errors)} rank(s) failed:\n{text}")
 
@@ -154,8 +155,17 @@ def run_ranks(
             if c.poll(remaining):
                 try:
                     status, value = pickle.loads(c.recv_bytes())
-                except EOFError:
-                    status, value = "error", "rank exited without reporting"
+                except EOFError:  # it died (a signal, os._exit) before it could report
+                    p.join(timeout=5)
+                    code = p.exitcode
+                    status, value = (
+                        "error",
+                        (
+                            f"rank died with exit code {code}"
+                            if code is not None
+                            else "rank exited without reporting"
+                        ),
+                    )
             else:
                 status, value = "error", None
             if status == "ok":
@@ -175,7 +185,7 @@ def run_ranks(
                 p.kill()
                 p.join()
         if errors and not allow_failures:
-            raise RankFailure(errors)
+            raise RankFailure(errors, [p.pid for p in procs])
         for rank, text in errors.items():
             results[rank] = RankFailure({rank: text})
         return results

@@ -1,7 +1,7 @@
 """``clawcomm train``: the trainer from the command line.
 
     clawcomm train --nproc 4 --dp 2 --pp 2 --schedule 1f1b --microbatches 8 --steps 300
-    clawcomm train --model mlp --pp 4 --schedule zb1 --microbatches 8 --metrics run.jsonl
+    clawcomm train --model mlp --pp 4 --schedule zb1 --microbatches 8 --metrics runs/run.jsonl
     clawcomm train --config run.toml --compression topk:0.01
     torchrun --nproc-per-node 4 -m clawcomm.train --dp 2 --pp 2      # one host or many
 
@@ -23,8 +23,9 @@ import os
 import sys
 import time
 
+from clawcomm import outputs
 from clawcomm.train import config as config_mod
-from clawcomm.train import resume, stop
+from clawcomm.train import failure, resume, stop
 from clawcomm.train.config import TrainConfig
 
 
@@ -148,6 +149,7 @@ def train_rank(cfg: TrainConfig, announce: bool = True) -> list[dict]:
         )
     except BaseException as e:
         events.log("failed", error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        failure.note_step(e, rank, trainer.step_index + 1)
         raise
     finally:
         trainer.stop.uninstall()
@@ -237,7 +239,19 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:  # (a CheckpointError too)
         print(f"clawcomm train: error: {e}", file=sys.stderr)
         return 2
-    if changed and int(os.environ.get("RANK", "0")) == 0:
+    try:  # every CLAWCOMM_* setting, once, before any rank starts
+        from clawcomm import _C
+
+        _C._check_settings()
+    except ValueError as e:
+        print(f"clawcomm train: error: {str(e).removeprefix('clawcomm: ')}", file=sys.stderr)
+        return 2
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    bad = outputs.check_all("clawcomm train", _outputs(cfg)) if rank0 else ""
+    if bad:
+        print(bad, file=sys.stderr)
+        return 2
+    if changed and rank0:
         print(changed, flush=True)
     if torchrun:
         import torch.distributed as dist
@@ -250,6 +264,7 @@ def run(args: argparse.Namespace) -> int:
             metrics = train_rank(cfg)
             if dist.get_rank() == 0:
                 print(summary(metrics, cfg))
+                _say_written(cfg)
                 if stopped_line(metrics):
                     print(stopped_line(metrics), flush=True)
         finally:
@@ -278,15 +293,37 @@ def run(args: argparse.Namespace) -> int:
                 print(f"clawcomm train: stopped at once by a second {stop.name(launcher.signum)}",
                       file=sys.stderr)  # fmt: skip
                 return stop.exit_status(launcher.signum)
-            first = min(e.errors)
-            print(f"clawcomm train: rank {first} failed:\n{e.errors[first]}", file=sys.stderr)
+            print(failure.summary(e.errors, e.pids, cfg.checkpoint_dir), file=sys.stderr)
             return 1
     metrics = results[0]
     print(summary(metrics, cfg))
+    _say_written(cfg)
     if stopped_line(metrics, launcher.signum):
         print(stopped_line(metrics, launcher.signum), flush=True)
     signum = launcher.signum or (metrics[-1].get("stopped_by", 0) if metrics else 0)
     return stop.exit_status(signum) if signum else 0
+
+
+def _outputs(cfg: TrainConfig) -> dict[str, tuple[str, bool]]:
+    """Every path the run writes: flag -> (path, whether it is a folder)."""
+    return {
+        "--metrics": (cfg.metrics, False),
+        "--trace": (cfg.trace, False),
+        "--timeline": (cfg.timeline, False),
+        "--tensorboard": (cfg.tensorboard, True),
+        "--chakra": (cfg.chakra, True),
+        "--checkpoint-dir": (cfg.checkpoint_dir, True),
+    }
+
+
+def _say_written(cfg: TrainConfig) -> None:
+    """One line for each file or folder the run wrote (checkpoints are said
+    as they are saved)."""
+    what = {"--metrics": "metrics", "--trace": "trace", "--timeline": "timeline",
+            "--tensorboard": "TensorBoard logs", "--chakra": "Chakra traces"}  # fmt: skip
+    for flag, (path, _) in _outputs(cfg).items():
+        if flag in what and path and os.path.exists(path):
+            outputs.wrote("clawcomm train", what[flag], path)
 
 
 def build_check(cfg: TrainConfig) -> None:

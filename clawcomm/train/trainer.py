@@ -8,13 +8,11 @@
 
 ``model`` is an ``nn.Sequential`` (cut into dp x pp-grid stages) or a list
 of stage modules. ``loss_fn(output, target)`` returns the loss *summed* over
-the micro-batch; the trainer divides by the number of items (target
-elements: tokens, or samples) in the effective batch, so the gradient is
-that of the mean over the effective batch whatever the layout and the
-accumulation (the normalisation torchtitan uses; the per-micro-batch mean
-is what made gradient accumulation wrong in Hugging Face's trainer until
-2024). Every rank builds the whole model from the same seed and keeps its
-stages.
+the micro-batch; the trainer divides by the number of items (tokens, or
+samples) in the global batch, so the gradient is that of the mean over it
+whatever the layout and the accumulation (torchtitan's normalisation; a
+per-micro-batch mean made accumulation wrong in Hugging Face's trainer
+until 2024). Every rank builds the whole model from one seed.
 
 One step (every rank):
 
@@ -31,8 +29,9 @@ One step (every rank):
 3. Wait for the reductions; sum tied gradients across the stages that share
    them (the GPT's embedding and output projection).
 4. One all-gather of each rank's figures (``metrics.RankSample``: loss,
-   squared gradient norm, bytes sent, busy time, action costs). Every rank
-   gets the global gradient norm (clipping, NaN/inf stop) and the loss;
+   squared gradient norm, bytes sent, busy time, action costs, a stop
+   request). Every rank gets the global gradient norm (clipping, NaN/inf
+   stop), the loss and whether to stop after this step (SIGTERM, SIGINT);
    rank 0 also the measured bubble and the schedule's predicted one.
 5. Clip, step the optimizer (ZeRO: on the shards, then all-gather).
 """
@@ -210,12 +209,9 @@ class Trainer:
         self._deferring = False  # inside fit: the step's gathers may land in the next one
         self._pending_save = None
         self._checkpoint_group = None
-        # SIGTERM/SIGINT (clawcomm.train.stop): the request this rank raises,
-        # and the signal every rank agreed to stop on after the last step.
-        self.stop = None
-        self.stopped_by = 0
-        # Rank 0, when an asynchronous save is committed: on_durable(path).
-        self.on_durable = None
+        # SIGTERM/SIGINT (clawcomm.train.stop): this rank's request, and the signal every
+        # rank agreed to stop on; on_durable(path, s): rank 0, an async save committed.
+        self.stop, self.stopped_by, self.on_durable = None, 0, None
         # Per-step events for --trace/--timeline (clawcomm.train.trace), or None.
         self.recorder = None
         if cfg.trace or cfg.timeline or cfg.chakra:
@@ -229,8 +225,7 @@ class Trainer:
     # ---- the step ---------------------------------------------------------------------
 
     def describe(self) -> str:
-        """What rank 0 prints at start: the effective batch, the scaled LR,
-        the layout and the stages."""
+        """What rank 0 prints at start: the batch, the LR, the layout, the stages."""
         return describe(self.cfg, self.cuts, self._peak_lr[0], self.zero is not None)
 
     def step(self, batch) -> dict:
@@ -363,13 +358,18 @@ class Trainer:
 
     def write_trace(self, trace_path: str | None, timeline_path: str | None) -> None:
         """Gathers every rank's recorded steps on rank 0 and writes the
-        Chrome trace and/or the timeline picture (collective)."""
-        if self.recorder is not None:
-            trace.write_recorded(self, trace_path, timeline_path)
-        if self.recorder is not None and self.cfg.chakra:
-            from clawcomm.train import chakra
+        Chrome trace and/or the timeline picture (collective). A write that
+        fails is said in one line (rank 0's), and the run's figures kept."""
+        from clawcomm import outputs
+        from clawcomm.train import chakra
 
-            chakra.write(self, self.cfg.chakra)
+        try:
+            if self.recorder is not None:
+                trace.write_recorded(self, trace_path, timeline_path)
+            if self.recorder is not None and self.cfg.chakra:
+                chakra.write(self, self.cfg.chakra)
+        except OSError as e:
+            outputs.failed("clawcomm train", "--trace/--timeline/--chakra", e.filename or "", e)
 
     def _zero_grads(self) -> None:
         if self.reducer is not None:

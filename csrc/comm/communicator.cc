@@ -6,6 +6,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -42,9 +43,13 @@ Connections Communicator::connectThrough(Store& store, int rank, int size,
                                          const Settings& settings) {
   CLAWCOMM_ARG_CHECK(size >= 1 && rank >= 0 && rank < size, "clawcomm: rank ", rank,
                      " is not in a group of ", size, " ranks");
+  checkSettings(settings);
+  return rendezvous(store, rank, size, settings, Clock::now() + timeout);
+}
+
+void Communicator::checkSettings(const Settings& settings) {
   checkTransportSetting(settings.transport);
   checkAlgorithmSetting(settings.algo);
-  return rendezvous(store, rank, size, settings, Clock::now() + timeout);
 }
 
 Communicator::Communicator(std::shared_ptr<Store> store, int rank, int size,
@@ -325,7 +330,55 @@ void Communicator::endExternal(uint64_t record, bool ok) {
 }
 
 std::string Communicator::flightRecord(const std::string& why) const {
-  return recorder_.dumpJson(rank_, size_, why);
+  std::string json = recorder_.dumpJson(rank_, size_, why);
+  if (!globalRanks_.empty() && !json.empty() && json[0] == '{') {
+    std::string list;
+    for (int g : globalRanks_) list += CLAWCOMM_CONCAT(list.empty() ? "" : ",", g);
+    json.insert(1, CLAWCOMM_CONCAT("\"global_rank\":", globalRank(rank_), ",\"global_ranks\":[",
+                                   list, "],"));
+  }
+  return json;
+}
+
+void Communicator::setGlobalRanks(std::vector<int> ranks) {
+  CLAWCOMM_ARG_CHECK(ranks.empty() || int(ranks.size()) == size_, "clawcomm: ", ranks.size(),
+                     " global ranks for a group of ", size_);
+  bool identity = true;
+  for (size_t i = 0; i < ranks.size(); ++i) identity = identity && ranks[i] == int(i);
+  globalRanks_ = identity ? std::vector<int>{} : std::move(ranks);
+}
+
+std::string Communicator::inGlobalRanks(const std::string& text) const {
+  if (globalRanks_.empty()) return text;
+  std::string out;
+  size_t i = 0;
+  while (true) {
+    const size_t at = text.find("rank ", i);
+    if (at == std::string::npos) break;
+    size_t end = at + 5;
+    while (end < text.size() && std::isdigit(static_cast<unsigned char>(text[end]))) ++end;
+    const bool word = at == 0 || !std::isalpha(static_cast<unsigned char>(text[at - 1]));
+    out += text.substr(i, at + 5 - i);
+    i = end;
+    if (!word || end == at + 5 || end - at > 12) {
+      out += text.substr(at + 5, end - at - 5);
+      continue;
+    }
+    const int r = std::stoi(text.substr(at + 5, end - at - 5));
+    if (r >= size_) {
+      out += text.substr(at + 5, end - at - 5);
+      continue;
+    }
+    // "rank 1 (pid 42)" -> "rank 2 (group rank 1, pid 42)"; "rank 1" -> "rank 2 (group rank 1)"
+    out += CLAWCOMM_CONCAT(globalRank(r), " (group rank ", r);
+    if (text.compare(end, 2, " (") == 0) {
+      out += ", ";
+      i = end + 2;
+    } else {
+      out += ")";
+    }
+  }
+  return out + text.substr(i);
 }
 
 std::string Communicator::flightRecordPath() const {
@@ -349,6 +402,8 @@ std::string Communicator::dumpFlightRecord(const std::string& why) noexcept {
       if (!f) return "";
     }
     if (std::rename(tmp.c_str(), path.c_str()) != 0) return "";
+    pruneFlightRecords(settings_.flightDir, jobToken_, settings_.flightKeepDays,
+                       settings_.flightKeep);
     return path;
   } catch (...) {
     return "";

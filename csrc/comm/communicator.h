@@ -127,8 +127,22 @@ class Communicator {
   // interpreter exit, before Python finalization stops threads that touch it.
   static void shutdownAll();
 
+  // What a group's creation checks of the settings (Settings::fromEnv has
+  // read and range-checked each) before it connects: the transport and the
+  // algorithm names. Throws InvalidArgument naming the setting.
+  static void checkSettings(const Settings& settings);
+
   int rank() const { return rank_; }
   int size() const { return size_; }
+  // The job's (global) rank of each rank of this group, as the launcher
+  // numbers them (torch: global_ranks_in_group); a split group gets its
+  // members' from its parent. Errors and flight records then name global
+  // ranks first: "rank 2 (group rank 1, pid 42) died". Unknown (empty) or
+  // the identity leaves them as they are. Call it before any operation.
+  void setGlobalRanks(std::vector<int> ranks);
+  int globalRank(int groupRank) const {
+    return globalRanks_.empty() ? groupRank : globalRanks_[size_t(groupRank)];
+  }
   std::chrono::milliseconds timeout() const { return std::chrono::milliseconds(timeoutMs_); }
   // Applies to operations that start after the call.
   void setTimeout(std::chrono::milliseconds timeout) { timeoutMs_ = timeout.count(); }
@@ -287,6 +301,9 @@ class Communicator {
   mutable std::mutex choiceMutex_;
   mutable std::map<std::pair<OpType, size_t>, Algorithm> choices_;  // guarded by it
   std::string jobToken_;
+  std::vector<int> globalRanks_;  // empty: the group ranks are the global ones
+  // `text` with each "rank N" of this group as "rank G (group rank N)".
+  std::string inGlobalRanks(const std::string& text) const;
   std::string storeNamespace_;
   Recorder recorder_;
   Scratch scratch_;  // the collectives' working memory (one collective runs at a time)

@@ -30,25 +30,30 @@ struct Communicator::Op {
   uint64_t record = 0;  // its flight-recorder id
 };
 
+// The same error type as `e`, saying `text`.
+inline std::exception_ptr retyped(std::exception_ptr e, const std::string& text) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const TimeoutError&) {
+    return std::make_exception_ptr(TimeoutError(text));
+  } catch (const PeerError&) {
+    return std::make_exception_ptr(PeerError(text));
+  } catch (const MismatchError&) {
+    return std::make_exception_ptr(MismatchError(text));
+  } catch (const InvalidArgument&) {
+    return std::make_exception_ptr(InvalidArgument(text));
+  } catch (...) {
+    return std::make_exception_ptr(Error(text));
+  }
+}
+
+inline std::string errorText(std::exception_ptr e);
+
 // The same error type as `e`, with `prefix` before its text and `suffix`
 // after it.
 inline std::exception_ptr rewrapped(std::exception_ptr e, const std::string& prefix,
                                     const std::string& suffix) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const TimeoutError& x) {
-    return std::make_exception_ptr(TimeoutError(prefix + x.what() + suffix));
-  } catch (const PeerError& x) {
-    return std::make_exception_ptr(PeerError(prefix + x.what() + suffix));
-  } catch (const MismatchError& x) {
-    return std::make_exception_ptr(MismatchError(prefix + x.what() + suffix));
-  } catch (const InvalidArgument& x) {
-    return std::make_exception_ptr(InvalidArgument(prefix + x.what() + suffix));
-  } catch (const std::exception& x) {
-    return std::make_exception_ptr(Error(prefix + x.what() + suffix));
-  } catch (...) {
-    return std::make_exception_ptr(Error(prefix + "unknown error" + suffix));
-  }
+  return retyped(e, prefix + errorText(e) + suffix);
 }
 
 inline std::exception_ptr withContext(std::exception_ptr e, const std::string& message) {

@@ -1,6 +1,11 @@
 #include "comm/recorder.h"
 
+#include <algorithm>
+#include <filesystem>
 #include <sstream>
+#include <system_error>
+#include <utility>
+#include <vector>
 
 namespace clawcomm {
 namespace {
@@ -107,6 +112,30 @@ std::string Recorder::dumpJson(int rank, int size, const std::string& why) const
   }
   o << "]}";
   return o.str();
+}
+
+void pruneFlightRecords(const std::string& root, const std::string& current, int keepDays,
+                        size_t keepCount) noexcept {
+  namespace fs = std::filesystem;
+  try {
+    std::error_code ec;
+    const auto now = fs::file_time_type::clock::now();
+    const auto bound = now - std::chrono::hours(24) * keepDays;
+    std::vector<std::pair<fs::file_time_type, fs::path>> jobs;
+    for (const auto& e : fs::directory_iterator(root, ec)) {
+      if (!e.is_directory(ec) || e.path().filename() == current) continue;
+      const auto t = e.last_write_time(ec);
+      if (!ec) jobs.emplace_back(t, e.path());
+    }
+    std::sort(jobs.begin(), jobs.end(),
+              [](const auto& a, const auto& b) { return a.first > b.first; });
+    // `current` is one of the kept ones.
+    const size_t keepOthers = keepCount > 0 ? keepCount - 1 : 0;
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      if (i >= keepOthers || jobs[i].first < bound) fs::remove_all(jobs[i].second, ec);
+    }
+  } catch (...) {
+  }
 }
 
 }  // namespace clawcomm

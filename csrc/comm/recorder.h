@@ -9,7 +9,9 @@
 // turns it off). When the communicator fails (a timeout, a dead peer, a
 // mismatch) it dumps the ring as JSON (see dumpJson) to
 // CLAWCOMM_FLIGHT_DIR; `clawcomm flight DIR` reads every rank's dump and
-// says which ranks are missing from which operation.
+// says which ranks are missing from which operation. Each dump prunes the
+// folders of older jobs beside it (CLAWCOMM_FLIGHT_KEEP_DAYS,
+// CLAWCOMM_FLIGHT_KEEP), so that the folder never grows without bound.
 #pragma once
 
 #include <atomic>
@@ -63,5 +65,12 @@ class Recorder {
   std::unique_ptr<Slot[]> slots_;
   uint64_t next_ = 1;  // guarded by the communicator's lock
 };
+
+// Removes the job folders under `root` older than `keepDays` days, and the
+// oldest beyond the newest `keepCount`, never `current` (a folder name).
+// Errors (another rank pruning at once, a file that is not ours) are
+// ignored: pruning is housekeeping.
+void pruneFlightRecords(const std::string& root, const std::string& current, int keepDays,
+                        size_t keepCount) noexcept;
 
 }  // namespace clawcomm

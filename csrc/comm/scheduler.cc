@@ -16,8 +16,10 @@
 namespace clawcomm {
 
 std::exception_ptr Communicator::withFlightRecord(std::exception_ptr error) {
-  // The first failure leaves a flight record, named in the error.
+  // The first failure leaves a flight record, named in the error, and names
+  // the job's ranks (setGlobalRanks).
   if (broken_) return error;
+  if (!globalRanks_.empty()) error = retyped(error, inGlobalRanks(errorText(error)));
   const std::string path = dumpFlightRecord(errorText(error));
   if (path.empty()) return error;
   return withSuffix(error, CLAWCOMM_CONCAT(" (flight record: ", path, ")"));

@@ -194,8 +194,12 @@ std::shared_ptr<Communicator> Communicator::split(int color, int key, SplitOptio
     // A group of one too: it makes no endpoint and connects nothing, but
     // still takes part in the exchange.
     conns.toRank = connectPeers(plan, settings_, exchange, Clock::now() + timeout);
-    return own(new Communicator(options.store ? options.store : store_, rank, plan.size, timeout,
-                                settings_, std::move(conns)));
+    auto child = own(new Communicator(options.store ? options.store : store_, rank, plan.size,
+                                      timeout, settings_, std::move(conns)));
+    std::vector<int> global;
+    for (int p : members) global.push_back(globalRank(p));
+    child->setGlobalRanks(std::move(global));
+    return child;
   } catch (const std::exception& e) {
     exchange.fail(e.what());
     throw;

@@ -89,6 +89,9 @@ Settings Settings::fromEnv() {
     const char* tmp = env("TMPDIR");
     s.flightDir = std::string(tmp ? tmp : "/tmp") + "/clawcomm-flight";
   }
+  s.flightKeepDays =
+      int(envNumber("CLAWCOMM_FLIGHT_KEEP_DAYS", size_t(s.flightKeepDays), 0, 36500));
+  s.flightKeep = envNumber("CLAWCOMM_FLIGHT_KEEP", s.flightKeep, 1, 1000000);
   s.cudaIpcBytes = envNumber("CLAWCOMM_CUDA_IPC_BYTES", s.cudaIpcBytes, 4096, 64 * kGiB);
   s.cudaGraphBytes = envNumber("CLAWCOMM_CUDA_GRAPH_BYTES", s.cudaGraphBytes, 4096, 64 * kGiB);
   s.cudaP2pBytes = envNumber("CLAWCOMM_CUDA_P2P_BYTES", s.cudaP2pBytes, 0, 64 * kGiB);

@@ -129,6 +129,11 @@ struct Settings {
   // record, as <dir>/<job token>/rank<r>.json. Empty means
   // $TMPDIR/clawcomm-flight (/tmp/clawcomm-flight).
   std::string flightDir;
+  // CLAWCOMM_FLIGHT_KEEP_DAYS (default 7) and CLAWCOMM_FLIGHT_KEEP (default
+  // 50): a dump removes the job folders beside it older than the days, and
+  // the oldest beyond the count (comm/recorder.h).
+  int flightKeepDays = 7;
+  size_t flightKeep = 50;
   // CLAWCOMM_CUDA_IPC=auto|0. auto: CUDA tensors of a group whose ranks all
   // share one host go through CUDA IPC buffers and kernels (cuda/ipc.h)
   // when the setup probe passes; 0, or a failed probe, or ranks on several

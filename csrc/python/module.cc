@@ -6,6 +6,7 @@
 #include <memory>
 
 #include "comm/communicator.h"
+#include "common/settings.h"
 #include "python/engine_bindings.h"
 #include "python/gil.h"
 
@@ -40,6 +41,11 @@ PYBIND11_MODULE(_C, m) {
         return clawcomm::heldWithoutGil(*p);
       },
       py::arg("handle"), "The Engine behind a handle from ClawcommBackend._engine_handle().");
+  m.def(
+      "_check_settings",
+      [] { clawcomm::Communicator::checkSettings(clawcomm::Settings::fromEnv()); },
+      "Reads every CLAWCOMM_* setting as a communicator would; raises ValueError naming the "
+      "first bad one (a launcher checks them once, before it starts any rank).");
   m.def("_shutdown_all", &clawcomm::Communicator::shutdownAll,
         py::call_guard<py::gil_scoped_release>(),
         "Shuts down every live communicator (registered with atexit by clawcomm).");

@@ -74,6 +74,9 @@ class ClawcommBackend : public c10d::Backend {
   void setSequenceNumberForGroup() override {}
   uint64_t getSequenceNumberForGroup() override { return comm_->collectivesIssued(); }
   Communicator& communicator() { return *comm_; }
+  // The job's rank of each rank of this group (torch's
+  // global_ranks_in_group), for errors and flight records.
+  void setGlobalRanks(std::vector<int> ranks) { comm_->setGlobalRanks(std::move(ranks)); }
 
   // torch's split_group (ProcessGroup::splitGroup): every rank of this group
   // calls it, each with the ranks of the group it joins (or of another, if

@@ -33,6 +33,8 @@ PYBIND11_MODULE(_C_torch, m) {
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("options", &ClawcommBackend::getBackendOptions,
                              "The backend's options (torch's split_group copies them).")
+      .def("_set_global_ranks", &ClawcommBackend::setGlobalRanks, py::arg("ranks"),
+           "The job's rank of each rank of this group: errors and flight records name them.")
       .def(
           "transport_of",
           [](ClawcommBackend& b, int peer) { return b.communicator().transportOf(peer); },

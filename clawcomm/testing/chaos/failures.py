@@ -188,10 +188,35 @@ def _arguments_trial(rank, ws, store_path):
     return out
 
 
+def _parsed(var: str, value: str) -> tuple[str, str, str]:
+    """One case through the engine's own reading of the settings (what a
+    group's creation reads first), in this process."""
+    from clawcomm import _C
+
+    os.environ[var] = value
+    try:
+        _C._check_settings()
+        return var, value, "accepted"
+    except ValueError as e:
+        return var, value, "named" if var in str(e) else f"unclear: {e}"
+    finally:
+        del os.environ[var]
+
+
 def settings(trials: int = 1, seed: int = 0) -> Score:
+    """Every numeric setting with every nonsense value, and every choice
+    setting with a wrong choice, through the engine's reading of the
+    settings; and through a group's creation on two ranks, each setting and
+    each nonsense value at least once (every numeric setting goes through
+    the same reader, so the whole matrix there would only repeat it)."""
     score = Score("settings")
-    cases = [(v, x) for v in NUMERIC_SETTINGS for x in NONSENSE] + list(CHOICE_SETTINGS.items())
+    matrix = [(v, x) for v in NUMERIC_SETTINGS for x in NONSENSE] + list(CHOICE_SETTINGS.items())
+    width = max(len(NUMERIC_SETTINGS), len(NONSENSE))
+    cases = [(NUMERIC_SETTINGS[i % len(NUMERIC_SETTINGS)], NONSENSE[i % len(NONSENSE)])
+             for i in range(width)] + list(CHOICE_SETTINGS.items())  # fmt: skip
     for _ in range(trials):
+        for r in (_parsed(var, value) for var, value in matrix):
+            score.add(r[2] == "named", wrong=r[2] == "accepted", note=str(r))
         results, hung = run_trial(_settings_trial, 2, cases, limit=300)
         for r in results[0] if isinstance(results[0], list) else []:
             score.add(r[2] == "named", hang=hung, wrong=r[2] == "accepted", note=str(r))
