@@ -594,6 +594,11 @@ def _feed_frames(data: str, recv_bytes: typing.SupportsInt | typing.SupportsInde
     Test hook: parses `data` as the frames rank 1 sends rank 0, then receives a point-to-point message of recv_bytes (tag 0) if recv_bytes >= 0. Returns the error raised, or ''.
     """
 
+def _check_settings() -> None:
+    """
+    Reads every CLAWCOMM_* setting as a communicator would; raises ValueError naming the first bad one (a launcher checks them once, before it starts any rank).
+    """
+
 def _shutdown_all() -> None:
     """
     Shuts down every live communicator (registered with atexit by clawcomm).

@@ -22,6 +22,8 @@ class ClawcommBackend(dist.ProcessGroup):  # a c10d::Backend at run time
     @property
     def options(self) -> ClawcommOptions:
         """The backend's options (torch's split_group copies them)."""
+    def _set_global_ranks(self, ranks: list[int]) -> None:
+        """The job's rank of each rank of this group: errors and flight records name them."""
     def transport_of(self, peer: int) -> str:
         """How this rank reaches `peer`: 'shm', 'tcp' or 'self'."""
     def all_reduce_algorithm(self, nbytes: int) -> str:

@@ -5,10 +5,7 @@ experiment, against values computed locally and single-process references."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -504,16 +501,16 @@ def test_non_float32_tensors_are_refused():
     assert run_ranks(body, 1) == [True]
 
 
-def test_experiment_runs_and_writes_results(tmp_path):
+def test_experiment_runs_and_writes_results(tmp_path, capsys):
+    """In this process (the command line as typed; its ranks are forked)."""
+    from clawcomm.cli import main
+
     out = tmp_path / "e.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    p = subprocess.run(
-        [sys.executable, "-m", "clawcomm.cli", "experiment", "compression", "--methods",
-         "none,fp16,topk:0.05,diloco:8+int8", "--steps", "40", "--warmup", "5", "--json",
-         str(out), "--plot", str(tmp_path / "e.png"), "--quiet"],
-        capture_output=True, text=True, timeout=600, env=env,
-    )  # fmt: skip
-    assert p.returncode == 0, p.stderr[-3000:]
+    argv = ["experiment", "compression", "--methods", "none,fp16,topk:0.05,diloco:8+int8",
+            "--steps", "40", "--warmup", "5", "--json", str(out), "--plot",
+            str(tmp_path / "e.png"), "--quiet"]  # fmt: skip
+    assert main(argv) == 0
+    stdout = capsys.readouterr().out
     data = json.loads(out.read_text())["links"]["one host"]
     by = {r["compressor"]: r for r in data["results"]}
     assert 0.49 < by["fp16"]["bytes_per_step"] / by["none"]["bytes_per_step"] < 0.52
@@ -524,17 +521,12 @@ def test_experiment_runs_and_writes_results(tmp_path):
     assert data["target_loss"] == pytest.approx(1.05 * by["none"]["final_loss"], abs=1e-4)
     assert by["none"]["steps_to_target"] and by["none"]["gap_closed"] == 0.0
     assert set(by["none"]["projected_step_ms"]) == {"8", "64", "512"}
-    assert "gap closed" in p.stdout and (tmp_path / "e.png").stat().st_size > 5000
-    bad = subprocess.run(
-        [sys.executable, "-m", "clawcomm.cli", "experiment", "compression", "-c", "topk:2.0"],
-        capture_output=True, text=True, env=env,
-    )  # fmt: skip
-    assert bad.returncode == 2 and "ratio 2.0 is not in (0, 1]" in bad.stderr
-    bad = subprocess.run(
-        [sys.executable, "-m", "clawcomm.cli", "experiment", "compression", "-c", "diloco:0"],
-        capture_output=True, text=True, env=env,
-    )  # fmt: skip
-    assert bad.returncode == 2 and "H must be >= 1" in bad.stderr
+    assert "gap closed" in stdout and (tmp_path / "e.png").stat().st_size > 5000
+    assert f"wrote results {out}" in stdout
+    assert main(["experiment", "compression", "-c", "topk:2.0"]) == 2
+    assert "ratio 2.0 is not in (0, 1]" in capsys.readouterr().err
+    assert main(["experiment", "compression", "-c", "diloco:0"]) == 2
+    assert "H must be >= 1" in capsys.readouterr().err
 
 
 def test_the_lab_times_methods_to_a_target_and_projects_them():

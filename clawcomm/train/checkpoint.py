@@ -70,8 +70,7 @@ def _fsync_dir(path: str) -> None:
 
 @contextlib.contextmanager
 def _single_process():
-    """DCP without a process group: asked for (no_dist), yet torch warns
-    that it assumes it; the warning is ours to keep from the user."""
+    """DCP without a process group: torch warns that it assumes one process (ours to keep)."""
     with warnings.catch_warnings():
         if not dist.is_initialized():
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
@@ -309,7 +308,8 @@ def save(trainer, root: str, keep: int = 2, asynchronous: bool = False, group=No
             _commit(root, tmp, final, name, keep)
 
     if asynchronous:
-        future = dcp.async_save(sd, storage_writer=writer, process_group=group)
+        with _single_process():
+            future = dcp.async_save(sd, storage_writer=writer, process_group=group)
         return PendingSave(future, commit, final)
     from torch.distributed.checkpoint.api import CheckpointException
 
