@@ -22,6 +22,7 @@ reductions stay inside a host. Needs root and iproute2.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import shutil
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     model = CostModel.load(args.model)
     work = tempfile.mkdtemp(prefix="clawcomm-chakra-")
+    atexit.register(shutil.rmtree, work, True)  # (--keep copies what is worth keeping)
     rows = []
     print(f"# dp 2 x pp 2 (1f1b), 2 hosts x 2 ranks, links {args.rate}, {args.steps} steps; "
           f"model {args.model}")  # fmt: skip
