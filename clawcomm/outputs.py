@@ -47,17 +47,6 @@ def check(flag: str, path: str, folder: bool = False) -> None:
         raise OutputError(f"{flag} {path}: cannot write there ({reason})") from None
 
 
-def check_all(prog: str, outputs: dict[str, tuple[str, bool]]) -> str:
-    """``check`` for each ``flag: (path, folder)``; returns the first error
-    as the line ``prog`` prints, or ''."""
-    for flag, (path, folder) in outputs.items():
-        try:
-            check(flag, path, folder)
-        except OutputError as e:
-            return f"{prog}: error: {e}"
-    return ""
-
-
 def wrote(prog: str, what: str, path: str) -> None:
     """The line a command prints when it has written ``path``."""
     print(f"{prog}: wrote {what} {path}", flush=True)

@@ -69,7 +69,7 @@ def _fsync_dir(path: str) -> None:
 
 
 @contextlib.contextmanager
-def _single_process():
+def single_process():
     """DCP without a process group: torch warns that it assumes one process (ours to keep)."""
     with warnings.catch_warnings():
         if not dist.is_initialized():
@@ -308,13 +308,13 @@ def save(trainer, root: str, keep: int = 2, asynchronous: bool = False, group=No
             _commit(root, tmp, final, name, keep)
 
     if asynchronous:
-        with _single_process():
+        with single_process():
             future = dcp.async_save(sd, storage_writer=writer, process_group=group)
         return PendingSave(future, commit, final)
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        with _single_process():
+        with single_process():
             dcp.save(sd, storage_writer=writer, no_dist=not dist.is_initialized())
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         # The disk filled up meanwhile (another writer), or the write failed
@@ -431,7 +431,7 @@ def load(trainer, path: str) -> int:
     own = f"trainer/rank{rank}"
     if own in have:
         head[own] = None
-    with _single_process():
+    with single_process():
         dcp.load(head, storage_reader=dcp.FileSystemReader(path), no_dist=not dist.is_initialized())
     meta = pickle.loads(head["meta"])
     _check(meta, trainer, path)
@@ -470,7 +470,7 @@ def load(trainer, path: str) -> int:
     rng_key = f"rng/rank{rank}"
     if same_layout and rng_key in have:
         request[rng_key] = None
-    with _single_process():
+    with single_process():
         dcp.load(request, storage_reader=reader, no_dist=not dist.is_initialized())
 
     optim: dict = {}

@@ -232,24 +232,18 @@ def run(args: argparse.Namespace) -> int:
 
     torchrun = under_torchrun()
     world = int(os.environ["WORLD_SIZE"]) if torchrun else (args.nproc or cfg.dp * cfg.pp)
-    try:
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    try:  # (a CheckpointError and an outputs.OutputError are ValueErrors too)
+        from clawcomm import _C
+
         cfg.check(world)
         build_check(cfg)
         cfg, changed = resume.plan(cfg)
-    except ValueError as e:  # (a CheckpointError too)
-        print(f"clawcomm train: error: {e}", file=sys.stderr)
-        return 2
-    try:  # every CLAWCOMM_* setting, once, before any rank starts
-        from clawcomm import _C
-
-        _C._check_settings()
+        _C._check_settings()  # every CLAWCOMM_* setting, once, before any rank starts
+        for flag, (path, folder) in _outputs(cfg).items() if rank0 else ():
+            outputs.check(flag, path, folder)
     except ValueError as e:
         print(f"clawcomm train: error: {str(e).removeprefix('clawcomm: ')}", file=sys.stderr)
-        return 2
-    rank0 = int(os.environ.get("RANK", "0")) == 0
-    bad = outputs.check_all("clawcomm train", _outputs(cfg)) if rank0 else ""
-    if bad:
-        print(bad, file=sys.stderr)
         return 2
     if changed and rank0:
         print(changed, flush=True)
@@ -263,17 +257,10 @@ def run(args: argparse.Namespace) -> int:
         try:
             metrics = train_rank(cfg)
             if dist.get_rank() == 0:
-                print(summary(metrics, cfg))
-                _say_written(cfg)
-                if stopped_line(metrics):
-                    print(stopped_line(metrics), flush=True)
+                _finish(metrics, cfg)
         finally:
             dist.destroy_process_group()
-        return (
-            stop.exit_status(metrics[-1]["stopped_by"])
-            if metrics and metrics[-1].get("stopped_by")
-            else 0
-        )
+        return _status(metrics)
     # Imported once here rather than by every forked rank: an optimizer's
     # construction imports torch._dynamo (2.5 s of CPU), a save DCP (1.5 s).
     import torch._dynamo  # noqa: F401
@@ -295,12 +282,24 @@ def run(args: argparse.Namespace) -> int:
                 return stop.exit_status(launcher.signum)
             print(failure.summary(e.errors, e.pids, cfg.checkpoint_dir), file=sys.stderr)
             return 1
-    metrics = results[0]
+    _finish(results[0], cfg, launcher.signum)
+    return _status(results[0], launcher.signum)
+
+
+def _finish(metrics: list[dict], cfg: TrainConfig, signum: int = 0) -> None:
+    """What a run ends with on rank 0 (or the launcher): the summary, the
+    files written, and how a signal stopped it. ``signum``: the signal the
+    launcher took, which its ranks heard as SIGTERM."""
     print(summary(metrics, cfg))
     _say_written(cfg)
-    if stopped_line(metrics, launcher.signum):
-        print(stopped_line(metrics, launcher.signum), flush=True)
-    signum = launcher.signum or (metrics[-1].get("stopped_by", 0) if metrics else 0)
+    line = stopped_line(metrics, signum)
+    if line:
+        print(line, flush=True)
+
+
+def _status(metrics: list[dict], signum: int = 0) -> int:
+    """The exit status: 128 + the signal that stopped the run, else 0."""
+    signum = signum or (metrics[-1].get("stopped_by", 0) if metrics else 0)
     return stop.exit_status(signum) if signum else 0
 
 

@@ -34,13 +34,12 @@ def plan(cfg: TrainConfig) -> tuple[TrainConfig, str]:
 def read_meta(path: str) -> dict:
     """The checkpoint's own record (step, layout, global batch, ...), read by
     this rank alone (no collective)."""
-    import warnings
-
     import torch.distributed.checkpoint as dcp
 
+    from clawcomm.train.checkpoint import single_process
+
     head = {"meta": None}
-    with warnings.catch_warnings():  # ("... assuming the intent is to load in a single process")
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+    with single_process():
         dcp.load(head, storage_reader=dcp.FileSystemReader(path), no_dist=True)
     return pickle.loads(head["meta"])
 

@@ -357,16 +357,16 @@ class Trainer:
         self.recorder.add_step(events)
 
     def write_trace(self, trace_path: str | None, timeline_path: str | None) -> None:
-        """Gathers every rank's recorded steps on rank 0 and writes the
-        Chrome trace and/or the timeline picture (collective). A write that
-        fails is said in one line (rank 0's), and the run's figures kept."""
+        """Gathers every rank's recorded steps on rank 0 and writes the trace,
+        timeline, Chakra files (collective); a failed write is one line."""
         from clawcomm import outputs
-        from clawcomm.train import chakra
 
         try:
             if self.recorder is not None:
                 trace.write_recorded(self, trace_path, timeline_path)
             if self.recorder is not None and self.cfg.chakra:
+                from clawcomm.train import chakra
+
                 chakra.write(self, self.cfg.chakra)
         except OSError as e:
             outputs.failed("clawcomm train", "--trace/--timeline/--chakra", e.filename or "", e)

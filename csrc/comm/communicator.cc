@@ -330,14 +330,7 @@ void Communicator::endExternal(uint64_t record, bool ok) {
 }
 
 std::string Communicator::flightRecord(const std::string& why) const {
-  std::string json = recorder_.dumpJson(rank_, size_, why);
-  if (!globalRanks_.empty() && !json.empty() && json[0] == '{') {
-    std::string list;
-    for (int g : globalRanks_) list += CLAWCOMM_CONCAT(list.empty() ? "" : ",", g);
-    json.insert(1, CLAWCOMM_CONCAT("\"global_rank\":", globalRank(rank_), ",\"global_ranks\":[",
-                                   list, "],"));
-  }
-  return json;
+  return recorder_.dumpJson(rank_, size_, why, globalRanks_);
 }
 
 void Communicator::setGlobalRanks(std::vector<int> ranks) {

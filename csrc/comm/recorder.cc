@@ -85,9 +85,16 @@ void Recorder::finished(uint64_t id, bool ok) {
   }
 }
 
-std::string Recorder::dumpJson(int rank, int size, const std::string& why) const {
+std::string Recorder::dumpJson(int rank, int size, const std::string& why,
+                               const std::vector<int>& globalRanks) const {
   std::ostringstream o;
-  o << "{\"rank\":" << rank << ",\"size\":" << size << ",\"why\":" << quoted(why) << ",\"ops\":[";
+  o << "{\"rank\":" << rank << ",\"size\":" << size;
+  if (!globalRanks.empty()) {
+    o << ",\"global_rank\":" << globalRanks[size_t(rank)] << ",\"global_ranks\":[";
+    for (size_t i = 0; i < globalRanks.size(); ++i) o << (i ? "," : "") << globalRanks[i];
+    o << "]";
+  }
+  o << ",\"why\":" << quoted(why) << ",\"ops\":[";
   uint64_t newest = 0;
   for (size_t i = 0; i < size_; ++i) newest = std::max(newest, slots_[i].id.load(kRelaxed));
   bool first = true;

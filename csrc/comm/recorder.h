@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "common/op.h"
 
@@ -41,8 +42,11 @@ class Recorder {
 
   // {"rank":..,"size":..,"why":..,"ops":[{"id","seq","op","dtype","count",
   //  "peer","root","algo","bytes","state","start_us","end_us"}, ...]} with
-  // the records oldest first; times in microseconds of steady_clock.
-  std::string dumpJson(int rank, int size, const std::string& why) const;
+  // the records oldest first; times in microseconds of steady_clock. With
+  // `globalRanks` (the job's rank of each group rank) also "global_rank"
+  // and "global_ranks".
+  std::string dumpJson(int rank, int size, const std::string& why,
+                       const std::vector<int>& globalRanks = {}) const;
 
  private:
   struct Slot {
