@@ -563,9 +563,10 @@ def _choose_algorithm(
     host_of: list[int],
     model: dict,
     algo: str = "auto",
+    transport: str = "auto",
 ) -> str:
     """
-    The algorithm `op` (all_reduce, reduce_scatter, all_gather, broadcast, reduce) of nbytes runs on that layout under CLAWCOMM_ALGO=algo.
+    The algorithm `op` (all_reduce, reduce_scatter, all_gather, broadcast, reduce) of nbytes runs on that layout under CLAWCOMM_ALGO=algo and CLAWCOMM_TRANSPORT=transport.
     """
 
 def _collective_cost(

@@ -37,9 +37,13 @@ __all__ = [
 PIECE_BYTES = 4 << 20
 MAX_PIECES = 16
 
-# Mirrors csrc/algorithms/algorithms.h: direct reduce-scatter and all-gather
-# run on one host of at most this many ranks.
+# Mirrors csrc/algorithms/algorithms.h: direct algorithms run on one host of
+# at most this many ranks.
 DIRECT_MAX_RANKS = 16
+
+# Mirrors csrc/common/settings.h: frames of at least this many bytes go by
+# single copy (CLAWCOMM_SINGLE_COPY_BYTES's default).
+SINGLE_COPY_BYTES = 1 << 20
 
 # Which algorithms each collective has: the engine's table
 # (csrc/algorithms/selection.cc), its names and its order (ties in cost go
@@ -48,7 +52,7 @@ ALGORITHMS = {
     "all_reduce": ("ring", "tree", "hierarchical"),
     "reduce_scatter": ("ring", "hierarchical", "direct"),
     "all_gather": ("ring", "hierarchical", "direct"),
-    "broadcast": ("scatter_allgather", "tree"),
+    "broadcast": ("direct", "scatter_allgather", "tree"),
     "reduce": ("reducescatter_gather", "tree"),
 }
 
@@ -283,6 +287,19 @@ def direct_all_gather(N: float, layout: Layout, m: CostModel) -> float:
     return m.shm_alpha + (n - 1) * N / n * m.shm_beta
 
 
+def direct_broadcast(N: float, layout: Layout, m: CostModel) -> float:
+    """direct_broadcast.cc, one host: from the single-copy size every peer
+    reads the root at once (one copy of N), below it the root copies N into
+    n-1 rings one after another; then the acknowledgement."""
+    if not _direct_layout(layout):
+        return math.inf
+    n = layout.size
+    if n <= 1:
+        return 0.0
+    copies = 1 if N >= SINGLE_COPY_BYTES else n - 1
+    return copies * (m.shm_alpha + N * m.shm_beta) + m.shm_alpha
+
+
 def _layout_algorithm(layout: Layout) -> str:
     """What the split algorithms run inside them (selection.cc's
     layoutAlgorithm): direct on one host, hierarchical over hosts of several
@@ -381,6 +398,7 @@ _FORMULAS = {
     ("all_gather", "hierarchical"): hierarchical_all_gather,
     ("reduce_scatter", "direct"): direct_reduce_scatter,
     ("all_gather", "direct"): direct_all_gather,
+    ("broadcast", "direct"): direct_broadcast,
     ("broadcast", "scatter_allgather"): scatter_allgather_broadcast,
     ("broadcast", "tree"): binomial_broadcast,
     ("reduce", "reducescatter_gather"): reducescatter_gather_reduce,

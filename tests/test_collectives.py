@@ -35,6 +35,10 @@ CONFIGS = {
         "CLAWCOMM_TRANSPORT": "shm",
         "CLAWCOMM_ALGO": "broadcast:scatter_allgather,reduce:reducescatter_gather",
     },
+    # Every op's direct algorithm where it has one: the broadcast's at every
+    # size (auto takes it from the single-copy size, 1 MiB, on 3 ranks or
+    # more), through the rings below that size.
+    "shm-direct": {"CLAWCOMM_TRANSPORT": "shm", "CLAWCOMM_ALGO": "direct"},
     # Tiny rings and segments: every frame wraps around the ring and every
     # chunk is cut into many segments.
     "shm-tiny-ring": {

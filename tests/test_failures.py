@@ -79,8 +79,9 @@ def _mismatch(rank, ws, kind):
         dist.all_reduce(t.double() if odd else t)
     elif kind == "redop":
         dist.all_reduce(t, dist.ReduceOp.MAX if odd else dist.ReduceOp.SUM)
-    elif kind == "root":
-        dist.broadcast(t, 1 if odd else 0)
+    elif kind in ("root", "root-large"):
+        # root-large: 2 MiB, by single copy where the broadcast is direct.
+        dist.broadcast(torch.ones(1 << 19) if kind == "root-large" else t, 1 if odd else 0)
     return "no error"
 
 
@@ -105,6 +106,18 @@ def test_mismatch_on_one_of_three_ranks_never_hangs(kind):
     failed = [r for r in results if isinstance(r, RankFailure)]
     assert len(failed) >= 2
     for r in failed:
+        text = _error_text(r)
+        assert any(k in text for k in (" called ", "timed out", "aborted", "shut down")), text
+
+
+@pytest.mark.parametrize("kind", ["root", "root-large"])
+def test_direct_broadcast_with_two_roots_never_hangs(kind):
+    # Ranks 0 and 1 broadcast from 0, rank 2 from 1: rank 0 waits for rank
+    # 2's acknowledgement and rank 2 for rank 1's data, until the timeout.
+    env = {"CLAWCOMM_ALGO": "broadcast:direct"}
+    results = run_ranks(_mismatch, 3, kind, env=env, pg_timeout=3, timeout=60, allow_failures=True)
+    assert isinstance(results[0], RankFailure) and isinstance(results[2], RankFailure), results
+    for r in (results[0], results[2]):
         text = _error_text(r)
         assert any(k in text for k in (" called ", "timed out", "aborted", "shut down")), text
 

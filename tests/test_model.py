@@ -118,21 +118,30 @@ def test_engine_reads_the_model_file(tmp_path):
         run_ranks(pick, 2, env={"CLAWCOMM_COST_MODEL": str(tmp_path / "broken.json")})
 
 
-def _pick(op, nbytes, host_of, algo="auto"):
-    return _C._choose_algorithm(op, nbytes, host_of, asdict(CostModel()), algo)
+def _pick(op, nbytes, host_of, algo="auto", transport="auto"):
+    return _C._choose_algorithm(op, nbytes, host_of, asdict(CostModel()), algo, transport)
 
 
 def test_every_collective_with_a_choice_takes_the_cheapest_algorithm():
-    """CLAWCOMM_ALGO=auto for each op: the split broadcast and reduce for
-    large messages from 8 ranks (measured: bench/results/split_broadcast_reduce.txt),
-    the trees below; direct reduce-scatter and all-gather on one host; and
-    always the row the cost model ranks first."""
+    """CLAWCOMM_ALGO=auto for each op: on one host the direct broadcast
+    from the single-copy size (1 MiB) and 3 ranks, the tree below and at 2
+    ranks (where the two are one step); the split broadcast and reduce for
+    large messages from 8 ranks over hosts, and the split reduce on one host
+    (measured: bench/results/split_broadcast_reduce.txt), the trees below;
+    direct reduce-scatter and all-gather on one host; and always the row the
+    cost model ranks first."""
     one_host4, one_host2, hosts2x2 = [0] * 4, [0] * 2, [0, 0, 1, 1]
-    one_host8 = [0] * 8
+    one_host8, hosts2x4 = [0] * 8, [0] * 4 + [1] * 4
     assert _pick("broadcast", 8, one_host8) == "tree"
-    assert _pick("broadcast", 64 << 20, one_host8) == "scatter_allgather"
-    assert _pick("broadcast", 64 << 20, one_host4) == "tree"
+    assert _pick("broadcast", 64 << 20, one_host8) == "direct"
+    assert _pick("broadcast", 64 << 20, hosts2x4) != "direct"  # one host only
+    assert _pick("broadcast", 64 << 20, one_host4) == "direct"
+    assert _pick("broadcast", 1 << 20, [0] * 3) == "direct"
+    assert _pick("broadcast", (1 << 20) - 4, [0] * 3) == "tree"
     assert _pick("broadcast", 64 << 20, one_host2) == "tree"
+    # Without single copy (TCP between every pair) the direct broadcast's
+    # root would copy the message once per peer.
+    assert _pick("broadcast", 64 << 20, one_host4, transport="tcp") == "tree"
     assert _pick("reduce", 8, one_host8) == "tree"
     assert _pick("reduce", 64 << 20, one_host8) == "reducescatter_gather"
     assert _pick("reduce", 64 << 20, one_host4) == "tree"
@@ -142,7 +151,7 @@ def test_every_collective_with_a_choice_takes_the_cheapest_algorithm():
     assert _pick("all_gather", 64 << 20, hosts2x2) == "hierarchical"
     model = asdict(CostModel())
     for op, algos in {
-        "broadcast": ["tree", "scatter_allgather"],
+        "broadcast": ["tree", "scatter_allgather", "direct"],
         "reduce": ["tree", "reducescatter_gather"],
         "reduce_scatter": ["ring", "direct", "hierarchical"],
         "all_gather": ["ring", "direct", "hierarchical"],
@@ -162,7 +171,7 @@ def test_clawcomm_algo_names_an_algorithm_per_op():
     assert _pick("all_reduce", 8, one_host4, forced) == "tree"  # not named: auto
     # A bare name applies to every op that has it; the others stay auto.
     assert _pick("reduce_scatter", 8, one_host4, "ring") == "ring"
-    assert _pick("broadcast", 64 << 20, [0] * 8, "ring") == "scatter_allgather"
+    assert _pick("broadcast", 64 << 20, [0] * 8, "ring") == "direct"
     assert _pick("reduce", 64 << 20, one_host4, "tree") == "tree"
     # One the layout cannot run gives the ring.
     assert _pick("reduce_scatter", 8, one_host4, "reduce_scatter:hierarchical") == "ring"
@@ -176,7 +185,7 @@ def test_clawcomm_algo_names_an_algorithm_per_op():
         ("butterfly", r"CLAWCOMM_ALGO=butterfly is not one of auto, ring, tree, hierarchical"),
         (
             "broadcast:ring",
-            r"broadcast has no algorithm 'ring' \(scatter_allgather, tree, or auto\)",
+            r"broadcast has no algorithm 'ring' \(direct, scatter_allgather, tree, or auto\)",
         ),
         ("gather:tree", r"'gather' is not an operation with a choice of algorithm"),
     ],

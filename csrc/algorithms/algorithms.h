@@ -66,6 +66,9 @@ void directAllGather(Channel& ch, const void* in, void* out, const std::vector<s
 constexpr int kDirectMaxRanks = 16;
 
 void binomialBroadcast(Channel& ch, void* buf, size_t bytes, int root);
+// The root sends to every peer at once; on one host, by single copy from
+// the single-copy size up (direct_broadcast.cc).
+void directBroadcast(Channel& ch, void* buf, size_t bytes, int root);
 
 // Reduces into `buf` on `root`. `buf` is the accumulator of every rank with
 // children in the tree, so such non-roots pass a scratch copy of their

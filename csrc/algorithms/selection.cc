@@ -20,7 +20,10 @@
 //                   pipelined in P pieces as the all-reduce
 //   all-gather      ring: n-1 copying steps of N/n; direct: one step of
 //                   n-1 messages of N/n; hierarchical: across, then inside
-//   broadcast       tree: ceil(log2 n) copies of N and an acknowledgement
+//   broadcast       direct (one host): every peer reads N from the root
+//                   at once by single copy, then acknowledges; below the
+//                   single-copy size the root's n-1 copies of N in turn;
+//                   tree: ceil(log2 n) copies of N and an acknowledgement
 //                   (across hosts: each parent's children queue on its
 //                   link); scatter_allgather: the root's n-1 messages of
 //                   N/n, then twice the layout's all-gather (the root sends
@@ -216,6 +219,19 @@ double binomialBroadcastCost(double N, const Topology& t, const CostModel& m) {
 
 constexpr double kNever = std::numeric_limits<double>::infinity();
 
+// direct_broadcast.cc, one host: from the single-copy size (the default
+// CLAWCOMM_SINGLE_COPY_BYTES; chooseAlgorithm passes it over where the
+// settings leave single copy off) every peer reads the root at once, one
+// copy of N; below it the root copies N into n-1 rings one after another.
+// Then the acknowledgement.
+double directBroadcastCost(double N, const Topology& t, const CostModel& m) {
+  const int n = t.size();
+  if (!directLayout(t)) return kNever;
+  if (n <= 1) return 0;
+  const double copies = N >= double(kDefaultSingleCopyBytes) ? 1 : n - 1;
+  return copies * (m.shmAlpha + N * m.shmBeta) + m.shmAlpha;
+}
+
 // hierarchical_gather_scatter.cc: rings inside each host over the whole
 // buffer and rings across hosts over the N/k each rank owns, k streams
 // sharing each link; the reduce-scatter inside first, the all-gather
@@ -338,6 +354,7 @@ const std::vector<CollectiveAlgorithm>& collectiveAlgorithms() {
       {OpType::kAllGather, Algorithm::kRing, "ring"},
       {OpType::kAllGather, Algorithm::kHierarchical, "hierarchical"},
       {OpType::kAllGather, Algorithm::kDirect, "direct"},
+      {OpType::kBroadcast, Algorithm::kDirect, "direct"},
       {OpType::kBroadcast, Algorithm::kScatterAllGather, "scatter_allgather"},
       {OpType::kBroadcast, Algorithm::kTree, "tree"},
       {OpType::kReduce, Algorithm::kReduceScatterGather, "reducescatter_gather"},
@@ -362,6 +379,7 @@ double collectiveCost(OpType op, Algorithm algo, double bytes, const Topology& t
     // ranks and the split from 8, for large messages.
     case OpType::kBroadcast:
       if (algo == Algorithm::kTree) return binomialBroadcastCost(bytes, topo, model);
+      if (algo == Algorithm::kDirect) return directBroadcastCost(bytes, topo, model);
       if (algo == Algorithm::kScatterAllGather) {
         return rootCost(topo, model, bytes / topo.size()) +
                2 * allGatherCost(layoutAlgorithm(topo), bytes, topo, model);
@@ -407,10 +425,17 @@ Algorithm chooseAlgorithm(OpType op, size_t bytes, const Topology& topo, const S
       return bytes <= settings.treeMaxBytes ? Algorithm::kTree : Algorithm::kRing;
     }
   }
+  // The direct broadcast pays only by single copy (its cost assumes the
+  // default size from which frames go by it), which needs shared memory
+  // between every pair.
+  const bool singleCopy = settings.singleCopy != Settings::SingleCopy::kOff &&
+                          bytes >= settings.singleCopyMinBytes && settings.transport != "tcp" &&
+                          settings.shmPeers != Settings::ShmPeers::kSparse;
   Algorithm best = Algorithm::kDefault;
   double bestCost = kNever;
   for (const CollectiveAlgorithm& a : collectiveAlgorithms()) {
     if (a.op != op) continue;
+    if (op == OpType::kBroadcast && a.id == Algorithm::kDirect && !singleCopy) continue;
     const double c = collectiveCost(op, a.id, double(bytes), topo, settings.costModel);
     if (best == Algorithm::kDefault || c <= bestCost) {
       best = a.id;

@@ -166,6 +166,10 @@ RequestPtr Communicator::broadcast(void* buf, size_t count, DataType dtype, int 
         sig, bytes, [=](Channel& ch) { scatterAllGatherBroadcast(ch, buf, count, root); },
         std::move(cb));
   }
+  if (sig.algo == Algorithm::kDirect) {
+    return enqueueCollective(
+        sig, bytes, [=](Channel& ch) { directBroadcast(ch, buf, bytes, root); }, std::move(cb));
+  }
   return enqueueCollective(
       sig, bytes, [=](Channel& ch) { binomialBroadcast(ch, buf, bytes, root); }, std::move(cb));
 }

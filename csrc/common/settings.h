@@ -11,6 +11,10 @@
 
 namespace clawcomm {
 
+// CLAWCOMM_SINGLE_COPY_BYTES's default (Settings::singleCopyMinBytes), which
+// the cost model assumes (algorithms/selection.cc).
+constexpr size_t kDefaultSingleCopyBytes = size_t(1) << 20;
+
 enum class SimdChoice { kAuto, kAvx512, kAvx2, kPortable };
 
 // CLAWCOMM_SIMD=auto|avx512|avx2|portable: the most the element-wise kernels
@@ -54,8 +58,8 @@ struct Settings {
   // so each direction of each pair decides by the reader's verdict and every
   // frame says how it travels (transport/shm/connection.h). Only frames of
   // operations where every rank sends and receives at once (send/recv,
-  // all-gather, all-to-all, gather, scatter) go by single copy; see
-  // Messenger::referenceSuits. auto: cma where the probe passes, the ring
+  // all-gather, all-to-all, gather, scatter, the direct broadcast) go by
+  // single copy; see Messenger::referenceSuits. auto: cma where the probe passes, the ring
   // elsewhere; cma: a failed probe is an error at setup; all: as cma, and the
   // frames of every operation (reductions and broadcast too); off: always
   // the ring.
@@ -67,7 +71,7 @@ struct Settings {
   // 4 KiB pages costs more than the ring's two copies). From 1 MiB one copy
   // wins (2 ranks, 2 MiB frames of an all-gather: 149 us against the ring's
   // 232; a 2 MiB send/recv pair 155 against 342; docs/benchmarks.md).
-  size_t singleCopyMinBytes = size_t(1) << 20;
+  size_t singleCopyMinBytes = kDefaultSingleCopyBytes;
   // CLAWCOMM_SEGMENT_BYTES: ring algorithms pipeline each chunk in segments of
   // at most this many bytes.
   size_t segmentBytes = size_t(1) << 20;

@@ -221,7 +221,9 @@ bool Messenger::progressSend(PeerState& ps) {
     const bool data =
         t.header.kind == FrameKind::kCollective || t.header.kind == FrameKind::kPointToPoint;
     if (t.done == 0 && data && !t.header.byReference && t.bytes >= ps.conn->referenceMinBytes() &&
-        (referenceSuits(t.header.opType) || ps.conn->referencesForEveryOp()) && referenceFits(ps)) {
+        (referenceSuits(t.header.opType, Algorithm(t.header.algo)) ||
+         ps.conn->referencesForEveryOp()) &&
+        referenceFits(ps)) {
       t.header.byReference = 1;
       t.referenceSeq = ++ps.referencesSent;
     }

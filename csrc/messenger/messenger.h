@@ -199,7 +199,7 @@ class Messenger {
   bool progressSend(PeerState& ps);
   bool progressRecv(int peer, PeerState& ps);
   // Single copy (references.cc). Whether frames of `op` go by reference.
-  static bool referenceSuits(OpType op);
+  static bool referenceSuits(OpType op, Algorithm algo);
   // Whether the next send to this peer may go by reference: the references
   // it awaits stay within the window.
   bool referenceFits(const PeerState& ps) const;

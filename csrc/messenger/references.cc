@@ -23,7 +23,7 @@ constexpr auto kParkTime = std::chrono::milliseconds(5);
 
 }  // namespace
 
-bool Messenger::referenceSuits(OpType op) {
+bool Messenger::referenceSuits(OpType op, Algorithm algo) {
   // Where data flows one way (broadcast, the tree of a reduce, the
   // reduce-scatter half of a ring), the ring's two copies run on two cores
   // at once, the sender's into the ring beside the receiver's out of it (or
@@ -31,12 +31,13 @@ bool Messenger::referenceSuits(OpType op) {
   // MiB reduce took 9.4 ms by reference and 5.4 ms through the ring here,
   // a broadcast 5.2 and 4.9 ms. Where every rank sends and receives at once
   // (send/recv pairs, all-gather, all-to-all) every core is busy either way,
-  // and one copy instead of two wins (docs/algorithms.md).
+  // and one copy instead of two wins (docs/algorithms.md). The direct
+  // broadcast is of the second kind: every peer reads the root at once.
   switch (op) {
+    case OpType::kBroadcast: return algo == Algorithm::kDirect;
     case OpType::kAllReduce:
     case OpType::kReduceScatter:
-    case OpType::kReduce:
-    case OpType::kBroadcast: return false;
+    case OpType::kReduce: return false;
     default: return true;
   }
 }

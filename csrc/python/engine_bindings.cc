@@ -170,18 +170,19 @@ void bindCostModel(py::module_& m) {
   m.def(
       "_choose_algorithm",
       [opOf](const std::string& op, double nbytes, std::vector<int> hostOf, const py::dict& model,
-             const std::string& algo) {
+             const std::string& algo, const std::string& transport) {
         Settings s;
         s.costModel = costModelOf(model);
         s.algo = algo;
+        s.transport = transport;
         checkAlgorithmSetting(algo);
         return std::string(
             algorithmName(chooseAlgorithm(opOf(op), size_t(nbytes), Topology(hostOf), s)));
       },
       py::arg("op"), py::arg("nbytes"), py::arg("host_of"), py::arg("model"),
-      py::arg("algo") = "auto",
+      py::arg("algo") = "auto", py::arg("transport") = "auto",
       "The algorithm `op` (all_reduce, reduce_scatter, all_gather, broadcast, reduce) of nbytes "
-      "runs on that layout under CLAWCOMM_ALGO=algo.");
+      "runs on that layout under CLAWCOMM_ALGO=algo and CLAWCOMM_TRANSPORT=transport.");
   m.def(
       "_collective_cost",
       [opOf](const std::string& op, const std::string& algo, double nbytes, std::vector<int> hostOf,

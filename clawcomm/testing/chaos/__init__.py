@@ -10,8 +10,9 @@ results (a collective that returned a wrong value instead of failing).
 
 Families:
   kill      SIGKILL of a random rank at a random moment, setup included,
-            over shm and TCP, 2 to 4 ranks, with messages small or large
-            enough to go by single copy.
+            over shm and TCP, 2 to 4 ranks, in a loop of all-reduce,
+            broadcast and all-gather, with messages small or large enough
+            to go by single copy.
   mismatch  one rank calls another collective: op, size, dtype, root,
             reduce op, or skips a call.
   settings  every numeric CLAWCOMM_* setting given nonsense, and arguments

@@ -17,6 +17,8 @@ def _kill_trial(rank, ws, store_path, victim, start_at, delay, count):
     import torch
     import torch.distributed as dist
 
+    from clawcomm._torch_names import all_gather_single
+
     time.sleep(max(0.0, start_at - time.time()))
     killed_at = start_at + delay
     if rank == victim:
@@ -24,9 +26,21 @@ def _kill_trial(rank, ws, store_path, victim, start_at, delay, count):
     try:
         join_group(rank, ws, store_path)
         x = torch.ones(count)
+        gathered = torch.empty(count * ws)
+        i = 0
         while time.time() < killed_at + TIMEOUT + 2 * SLACK:
-            dist.all_reduce(x)
+            # An all-reduce, a broadcast from each root in turn and an
+            # all-gather: at 4 MiB on shared memory the last two go by single
+            # copy (the broadcast from 3 ranks, direct), so the victim may die
+            # while a peer reads its memory.
+            if i % 3 == 0:
+                dist.all_reduce(x)
+            elif i % 3 == 1:
+                dist.broadcast(x, (i // 3) % ws)
+            else:
+                all_gather_single(gathered, x)
             x.fill_(1.0)
+            i += 1
         return ("no error", 0.0)
     except Exception as e:  # noqa: BLE001
         return (str(e), time.time() - killed_at)
@@ -39,8 +53,8 @@ def kill(trials: int, seed: int = 0) -> Score:
         ws = rng.choice([2, 3, 4])
         env = {"CLAWCOMM_TRANSPORT": rng.choice(["shm", "tcp"])}
         victim, delay = rng.randrange(ws), rng.uniform(0.0, 0.15)
-        # 16 KiB, or 4 MiB, whose frames go by single copy on shared memory:
-        # the victim may die while a peer reads its memory.
+        # 16 KiB, or 4 MiB, whose broadcast and all-gather frames go by
+        # single copy on shared memory (see _kill_trial).
         count = rng.choice([4096, 1 << 20])
         before = segments()
         results, hung = run_trial(_kill_trial, ws, victim, time.time() + 0.3, delay, count, env=env)

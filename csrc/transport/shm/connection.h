@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "common/settings.h"
 #include "transport/transport.h"
 
 namespace clawcomm {
@@ -32,10 +33,10 @@ namespace clawcomm {
 class ShmMapping;
 
 struct SingleCopyPolicy {
-  bool probe = true;                  // try cross-memory attach with every peer (auto, cma)
-  bool required = true;               // a failed probe is an error (cma, all)
-  bool everyOp = false;               // reductions and broadcast by reference too (all)
-  size_t minBytes = size_t(1) << 20;  // Settings::singleCopyMinBytes
+  bool probe = true;                          // try cross-memory attach with every peer (auto, cma)
+  bool required = true;                       // a failed probe is an error (cma, all)
+  bool everyOp = false;                       // reductions and broadcast by reference too (all)
+  size_t minBytes = kDefaultSingleCopyBytes;  // Settings::singleCopyMinBytes
 };
 
 class ShmEndpoint : public Endpoint {
