@@ -57,7 +57,9 @@ def run_once(path: str, log_dir: str, i: int) -> tuple[bool, float, str]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("files", nargs="*", help="test files (default: every multi-rank file)")
+    p.add_argument(
+        "files", nargs="*", help="test files or FILE::test ids (default: every multi-rank file)"
+    )
     p.add_argument("--times", type=int, default=20)
     p.add_argument("--logs", default="/tmp/clawcomm-repeat", help="where failed runs' logs go")
     p.add_argument("--json", metavar="FILE")
@@ -65,7 +67,8 @@ def main() -> int:
     if args.times < 1:
         p.error(f"--times must be at least 1, got {args.times}")
     files = args.files or multi_rank_files()
-    missing = [f for f in files if not os.path.exists(os.path.join(ROOT, f))]
+    # A file, or one test of it (pytest's node id: FILE::test[params]).
+    missing = [f for f in files if not os.path.exists(os.path.join(ROOT, f.split("::")[0]))]
     if missing:
         p.error(f"no such test file: {', '.join(missing)}")
     os.makedirs(args.logs, exist_ok=True)
