@@ -590,6 +590,11 @@ def _engine_from_handle(handle: typing_extensions.CapsuleType) -> Engine:
     The Engine behind a handle from ClawcommBackend._engine_handle().
     """
 
+def _peer_dies_just_after_its_last_write() -> bool:
+    """
+    Test hook: whether a shared-memory peer that writes its last frame and exits just as this rank looks at its process is taken for dead with nothing written (it must not be).
+    """
+
 def _feed_frames(data: str, recv_bytes: typing.SupportsInt | typing.SupportsIndex = -1) -> str:
     """
     Test hook: parses `data` as the frames rank 1 sends rank 0, then receives a point-to-point message of recv_bytes (tag 0) if recv_bytes >= 0. Returns the error raised, or ''.

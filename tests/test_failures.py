@@ -62,6 +62,15 @@ def test_killed_rank_fails_every_survivor_naming_it(env):
     assert _segments() <= before
 
 
+def test_a_peer_that_exits_right_after_its_last_write_is_not_taken_for_dead():
+    # The health check looks at the peer's process before its ring: looked
+    # at the other way round, a peer that wrote its last frame and exited
+    # between the two looks seemed to have died with nothing written.
+    from clawcomm import _C
+
+    assert _C._peer_dies_just_after_its_last_write() is False
+
+
 # --- mismatched collectives --------------------------------------------------
 
 

@@ -25,6 +25,8 @@ size_t padTo8(size_t n) {
   return (n + 7) & ~size_t(7);
 }
 
+}  // namespace
+
 OpSignature signatureOf(const FrameHeader& h) {
   OpSignature s;
   s.type = h.opType;
@@ -36,8 +38,6 @@ OpSignature signatureOf(const FrameHeader& h) {
   s.algo = Algorithm(h.algo);
   return s;
 }
-
-}  // namespace
 
 Messenger::Messenger(int rank, int size, std::vector<std::unique_ptr<Connection>> connections,
                      int spinMicros, int yieldMicros)

@@ -77,6 +77,9 @@ struct FrameHeader {
 static_assert(sizeof(FrameHeader) == 64, "frame header is 64 bytes");
 constexpr uint32_t kFrameMagic = 0x434c4d46;  // "CLMF", FrameHeader::magic
 
+// The signature a collective frame carries.
+OpSignature signatureOf(const FrameHeader& h);
+
 // What a frame sent by reference carries in place of its payload.
 struct Reference {
   uint64_t address;  // of the payload, in the sender's memory
@@ -222,6 +225,7 @@ class Messenger {
   static void deliver(Transfer& stash, Transfer& recv);
   void checkPeers(const std::vector<TransferPtr>& waitingOn);
   std::string describeWait(const Transfer& t) const;
+  std::string whatWasAwaited(int peer, const std::vector<TransferPtr>& waitingOn) const;
 
   int rank_;
   int size_;

@@ -126,6 +126,27 @@ std::string Messenger::describeWait(const Transfer& t) const {
   return CLAWCOMM_CONCAT("rank ", t.peer, " to send ", t.bytes, " bytes (", t.done, " received)");
 }
 
+std::string Messenger::whatWasAwaited(int peer, const std::vector<TransferPtr>& waitingOn) const {
+  // What this rank waited for from a peer that died, and a frame of the
+  // peer's read but not yet claimed by a receive: the facts a lost message
+  // would be traced by.
+  std::string what;
+  for (const auto& t : waitingOn) {
+    if (!t->complete && t->peer == peer) {
+      what = CLAWCOMM_CONCAT(" while rank ", rank_, " waits for ", describeWait(*t));
+      break;
+    }
+  }
+  const PeerState& ps = peers_[peer];
+  if (ps.headerFill == kHeaderBytes && !ps.target) {
+    FrameHeader h;
+    std::memcpy(&h, ps.header, kHeaderBytes);
+    what += CLAWCOMM_CONCAT(" (its frame ", h.step, " of ", signatureOf(h).describe(),
+                            " read, no receive posted for it)");
+  }
+  return what;
+}
+
 void Messenger::checkPeers(const std::vector<TransferPtr>& waitingOn) {
   for (const auto& t : waitingOn) {
     if (!t->complete && t->peer >= 0 && peers_[t->peer].closed) {
@@ -153,6 +174,7 @@ void Messenger::checkPeers(const std::vector<TransferPtr>& waitingOn) {
       peers_[p].conn->checkPeer(needed[p]);
     } catch (const PeerError& e) {
       failures += failures.empty() ? e.what() : std::string("; ") + e.what();
+      if (needed[p]) failures += whatWasAwaited(p, waitingOn);
     }
   }
   if (!failures.empty()) throw PeerError(failures);

@@ -15,6 +15,7 @@
 #include "common/errors.h"
 #include "messenger/messenger.h"
 #include "python/engine_bindings.h"
+#include "transport/shm/connection.h"
 
 namespace clawcomm {
 namespace {
@@ -97,9 +98,20 @@ std::string dropLastReferenceInCallback(bool small) {
   return where.get_future().get();
 }
 
+// A peer that writes its last frame and exits just as this rank looks
+// whether its process is gone: peerLeftNothing must not call it dead.
+bool peerDiesJustAfterItsLastWrite() {
+  bool written = false;
+  return peerLeftNothing([&] { return written = true; }, [] { return false; },
+                         [&] { return written; });
+}
+
 }  // namespace
 
 void bindTestHooks(pybind11::module_& m) {
+  m.def("_peer_dies_just_after_its_last_write", &peerDiesJustAfterItsLastWrite,
+        "Test hook: whether a shared-memory peer that writes its last frame and exits just as "
+        "this rank looks at its process is taken for dead with nothing written (it must not be).");
   m.def("_drop_last_reference_in_callback", &dropLastReferenceInCallback,
         pybind11::arg("small") = false, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "Test hook: a one-rank communicator's last reference dropped inside its completion "

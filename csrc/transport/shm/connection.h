@@ -21,6 +21,7 @@
 // its sibling ranks, and only processes under that launcher, read it.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -31,6 +32,13 @@
 namespace clawcomm {
 
 class ShmMapping;
+
+// Whether a peer this rank waits on has died with nothing left to read:
+// `gone` (its process has exited), and then neither `closed` (it shut the
+// stream down) nor `unread` (bytes it wrote wait in the ring). `gone` is
+// looked at first (connection.cc says why); a seam for tests.
+bool peerLeftNothing(const std::function<bool()>& gone, const std::function<bool()>& closed,
+                     const std::function<bool()>& unread);
 
 struct SingleCopyPolicy {
   bool probe = true;                          // try cross-memory attach with every peer (auto, cma)
