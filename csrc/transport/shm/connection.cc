@@ -87,8 +87,11 @@ int slotOf(const std::vector<int>& peers, int writer) {
 // True when `pid` has exited (gone, or a zombie not yet reaped).
 bool processGone(int pid) {
   if (kill(pid, 0) != 0 && errno == ESRCH) return true;
+  errno = 0;
   std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  if (!stat) return true;
+  // Only a missing entry means gone: out of file descriptors (EMFILE) or
+  // memory, this rank cannot tell, and looks again at the next check.
+  if (!stat) return errno == ENOENT || errno == ESRCH;
   std::string line;
   std::getline(stat, line);
   const size_t close = line.rfind(')');
