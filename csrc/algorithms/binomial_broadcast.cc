@@ -20,8 +20,6 @@
 // send, compare nothing, and return different data without an error. The
 // acknowledgements are received through a view of their own, so that
 // waiting for a send does not wait for a child's whole subtree.
-#include <numeric>
-#include <vector>
 
 #include "algorithms/algorithms.h"
 #include "algorithms/ring.h"
@@ -42,9 +40,7 @@ void binomialBroadcast(Channel& ch, void* buf, size_t bytes, int root) {
     }
     mask <<= 1;
   }
-  std::vector<int> everyone(static_cast<size_t>(n));
-  std::iota(everyone.begin(), everyone.end(), 0);
-  Channel acks(ch, everyone);
+  Channel acks(ch, everyRank(n));
   for (mask >>= 1; mask > 0; mask >>= 1) {
     if (v + mask < n) {
       const int child = ringIndex(v + mask + root, n);

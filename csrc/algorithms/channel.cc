@@ -2,10 +2,17 @@
 
 #include <algorithm>
 #include <cstring>
+#include <numeric>
 
 #include "common/errors.h"
 
 namespace clawcomm {
+
+std::vector<int> everyRank(int n) {
+  std::vector<int> all(static_cast<size_t>(n));
+  std::iota(all.begin(), all.end(), 0);
+  return all;
+}
 
 Channel::Channel(Messenger& messenger, const OpSignature& sig, Clock::time_point deadline,
                  const Settings& settings, const Topology& topology, Scratch* scratch)

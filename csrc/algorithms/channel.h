@@ -24,6 +24,9 @@
 
 namespace clawcomm {
 
+// 0 .. n-1: the members of a view over a whole channel of n ranks.
+std::vector<int> everyRank(int n);
+
 class Channel {
  public:
   // `scratch`: the communicator's reusable buffers (null: the channel's own).
@@ -31,6 +34,8 @@ class Channel {
           const Settings& settings, const Topology& topology, Scratch* scratch = nullptr);
   // The view of `parent` over `members` (ranks of the parent's numbering,
   // this rank among them): member i is rank i of the view.
+  // everyRank(size()) gives a view of the whole group whose posted
+  // transfers are waited for apart from the rest.
   Channel(Channel& parent, const std::vector<int>& members);
   Channel(const Channel&) = delete;
   Channel& operator=(const Channel&) = delete;

@@ -12,8 +12,6 @@
 // frame, as in the binomial broadcast, so that ranks that disagree about
 // the root fail instead of returning different data.
 // Bytes each peer receives: N; steps: 1 (+1 acknowledgement).
-#include <numeric>
-#include <vector>
 
 #include "algorithms/algorithms.h"
 #include "algorithms/ring.h"
@@ -29,9 +27,7 @@ void directBroadcast(Channel& ch, void* buf, size_t bytes, int root) {
     ch.wait();
     return;
   }
-  std::vector<int> everyone(static_cast<size_t>(n));
-  std::iota(everyone.begin(), everyone.end(), 0);
-  Channel acks(ch, everyone);
+  Channel acks(ch, everyRank(n));
   for (int s = 1; s < n; ++s) {
     const int p = ringIndex(r + s, n);
     acks.recv(p, nullptr, 0);

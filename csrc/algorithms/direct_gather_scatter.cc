@@ -16,7 +16,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <numeric>
 
 #include "algorithms/algorithms.h"
 #include "algorithms/ring.h"
@@ -28,12 +27,6 @@ std::vector<size_t> offsetsOf(const std::vector<size_t>& counts, size_t es) {
   std::vector<size_t> off(counts.size() + 1, 0);
   for (size_t c = 0; c < counts.size(); ++c) off[c + 1] = off[c] + counts[c] * es;
   return off;
-}
-
-std::vector<int> everyone(int n) {
-  std::vector<int> all(static_cast<size_t>(n));
-  std::iota(all.begin(), all.end(), 0);
-  return all;
 }
 
 }  // namespace
@@ -56,7 +49,7 @@ void directReduceScatter(Channel& ch, const void* in, void* out,
     if (counts[0]) std::memcpy(dst, src, counts[0] * es);
     return;
   }
-  Channel sends(ch, everyone(n));  // waited for last: the input is not written
+  Channel sends(ch, everyRank(n));  // waited for last: the input is not written
   for (size_t j = 0; j < segments.count(); ++j) {
     for (int s = 1; s < n; ++s) {
       const int q = ringIndex(r + s, n);

@@ -59,10 +59,10 @@ struct Settings {
   // frame says how it travels (transport/shm/connection.h). Only frames of
   // operations where every rank sends and receives at once (send/recv,
   // all-gather, all-to-all, gather, scatter, the direct broadcast) go by
-  // single copy; see Messenger::referenceSuits. auto: cma where the probe passes, the ring
-  // elsewhere; cma: a failed probe is an error at setup; all: as cma, and the
-  // frames of every operation (reductions and broadcast too); off: always
-  // the ring.
+  // single copy; see Messenger::referenceSuits. auto: cma where the probe
+  // passes, the ring elsewhere; cma: a failed probe is an error at setup;
+  // all: as cma, and the frames of every operation (reductions and
+  // broadcast too); off: always the ring.
   enum class SingleCopy { kAuto, kCma, kAll, kOff };
   SingleCopy singleCopy = SingleCopy::kAuto;
   // CLAWCOMM_SINGLE_COPY_BYTES: frames of at least this many payload bytes
