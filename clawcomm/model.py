@@ -49,7 +49,7 @@ SINGLE_COPY_BYTES = 1 << 20
 # (csrc/algorithms/selection.cc), its names and its order (ties in cost go
 # to the later row).
 ALGORITHMS = {
-    "all_reduce": ("ring", "tree", "hierarchical"),
+    "all_reduce": ("oneshot", "twoshot", "ring", "tree", "hierarchical"),
     "reduce_scatter": ("ring", "hierarchical", "direct"),
     "all_gather": ("ring", "hierarchical", "direct"),
     "broadcast": ("direct", "scatter_allgather", "tree"),
@@ -300,6 +300,30 @@ def direct_broadcast(N: float, layout: Layout, m: CostModel) -> float:
     return copies * (m.shm_alpha + N * m.shm_beta) + m.shm_alpha
 
 
+def one_shot_all_reduce(N: float, layout: Layout, m: CostModel) -> float:
+    """mesh_all_reduce.cc: one step in which every rank sends N to each of
+    its n-1 peers (on one host, its copies into n-1 rings; across hosts,
+    every message leaving a host shares its link), then n-1 reductions of
+    N. Any layout."""
+    n = layout.size
+    if n <= 1:
+        return 0.0
+    k = layout.ranks_per_host
+    local, leaving = k - 1, k * (n - k)
+    cost = m.shm_alpha + local * N * m.shm_beta if local > 0 else 0.0
+    if leaving > 0:
+        cost = max(cost, m.net_alpha + leaving * N * m.net_beta)
+    return cost + (n - 1) * N * m.gamma
+
+
+def two_shot_all_reduce(N: float, layout: Layout, m: CostModel) -> float:
+    """The direct reduce-scatter, then the direct all-gather: one host. At 2
+    ranks those are the ring's two messages, and cost what it costs."""
+    if layout.size == 2 and _direct_layout(layout):
+        return ring_all_reduce(N, layout, m)
+    return direct_reduce_scatter(N, layout, m) + direct_all_gather(N, layout, m)
+
+
 def _layout_algorithm(layout: Layout) -> str:
     """What the split algorithms run inside them (selection.cc's
     layoutAlgorithm): direct on one host, hierarchical over hosts of several
@@ -392,6 +416,8 @@ _FORMULAS = {
     ("all_reduce", "ring"): ring_all_reduce,
     ("all_reduce", "tree"): tree_all_reduce,
     ("all_reduce", "hierarchical"): hierarchical_all_reduce,
+    ("all_reduce", "oneshot"): one_shot_all_reduce,
+    ("all_reduce", "twoshot"): two_shot_all_reduce,
     ("reduce_scatter", "ring"): ring_reduce_scatter,
     ("all_gather", "ring"): ring_all_gather,
     ("reduce_scatter", "hierarchical"): hierarchical_reduce_scatter,

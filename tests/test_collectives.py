@@ -39,6 +39,14 @@ CONFIGS = {
     # size (auto takes it from the single-copy size, 1 MiB, on 3 ranks or
     # more), through the rings below that size.
     "shm-direct": {"CLAWCOMM_TRANSPORT": "shm", "CLAWCOMM_ALGO": "direct"},
+    # The mesh all-reduces at every size: one-shot (every rank sends its
+    # input to every peer and folds all of them in rank order; auto takes it
+    # for small messages from 3 ranks) on both transports, and two-shot (the
+    # direct reduce-scatter, then the direct all-gather; auto's for large
+    # messages from 3 ranks on one host).
+    "shm-oneshot": {"CLAWCOMM_TRANSPORT": "shm", "CLAWCOMM_ALGO": "all_reduce:oneshot"},
+    "tcp-oneshot": {"CLAWCOMM_TRANSPORT": "tcp", "CLAWCOMM_ALGO": "all_reduce:oneshot"},
+    "shm-twoshot": {"CLAWCOMM_TRANSPORT": "shm", "CLAWCOMM_ALGO": "all_reduce:twoshot"},
     # Tiny rings and segments: every frame wraps around the ring and every
     # chunk is cut into many segments.
     "shm-tiny-ring": {
@@ -378,7 +386,9 @@ def test_every_op_matches_local_reference(world_size, config):
     assert not failures, "\n".join(failures[:40])
 
 
-@pytest.mark.parametrize("config", ["shm-ring", "tcp-ring", "shm-tree", "tcp-striped", "shm-split"])
+@pytest.mark.parametrize(
+    "config", ["shm-ring", "tcp-ring", "shm-tree", "tcp-striped", "shm-split", "shm-twoshot"]
+)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_large_messages(world_size, config):
     results = run_ranks(run_sweeps, world_size, [sweep_large], env=CONFIGS[config], timeout=300)
@@ -445,8 +455,9 @@ def test_auto_picks_hierarchical_for_large_buffers_across_hosts():
 
         return [backend_of().all_reduce_algorithm(b) for b in (8, 64 << 20)]
 
-    assert run_ranks(algos, 4, rank_env=_hosts(2, 2))[0] == ["tree", "hierarchical"]
-    assert run_ranks(algos, 4)[0] == ["tree", "ring"]  # one host
+    # Small ones: the one-shot mesh, one round of messages to every peer.
+    assert run_ranks(algos, 4, rank_env=_hosts(2, 2))[0] == ["oneshot", "hierarchical"]
+    assert run_ranks(algos, 4)[0] == ["oneshot", "twoshot"]  # one host
 
 
 def test_sparse_shared_memory_peers():
@@ -485,6 +496,10 @@ def test_transport_override():
     assert results[0][0] == ["self", "tcp"]
 
 
-def test_auto_algorithm_uses_tree_for_small_messages():
+def test_auto_algorithm_uses_the_mesh_for_small_messages():
+    # From 3 ranks one step of messages to every peer beats recursive
+    # doubling's log2 n steps; at 2 the two are the same exchange.
     results = run_ranks(_transports, 4, env={"CLAWCOMM_ALGO": "auto"})
+    assert results[0][1] == "oneshot"
+    results = run_ranks(_transports, 2, env={"CLAWCOMM_ALGO": "auto"})
     assert results[0][1] == "tree"

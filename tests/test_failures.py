@@ -47,7 +47,15 @@ def _killed_mid_collective(rank, ws):
     return errors, time.monotonic() - start
 
 
-@pytest.mark.parametrize("env", TRANSPORTS, ids=["shm", "tcp"])
+@pytest.mark.parametrize(
+    "env",
+    TRANSPORTS
+    + [
+        {"CLAWCOMM_TRANSPORT": "shm", "CLAWCOMM_ALGO": "all_reduce:oneshot"},
+        {"CLAWCOMM_TRANSPORT": "shm", "CLAWCOMM_ALGO": "all_reduce:twoshot"},
+    ],
+    ids=["shm", "tcp", "shm-oneshot", "shm-twoshot"],
+)
 def test_killed_rank_fails_every_survivor_naming_it(env):
     before = _segments()
     results = run_ranks(
@@ -127,6 +135,21 @@ def test_direct_broadcast_with_two_roots_never_hangs(kind):
     results = run_ranks(_mismatch, 3, kind, env=env, pg_timeout=3, timeout=60, allow_failures=True)
     assert isinstance(results[0], RankFailure) and isinstance(results[2], RankFailure), results
     for r in (results[0], results[2]):
+        text = _error_text(r)
+        assert any(k in text for k in (" called ", "timed out", "aborted", "shut down")), text
+
+
+@pytest.mark.parametrize("algo", ["oneshot", "twoshot"])
+@pytest.mark.parametrize("kind", ["op", "count", "dtype"])
+def test_a_mismatched_mesh_all_reduce_never_hangs(kind, algo):
+    # Every rank sends to every peer at once: the ranks that receive rank
+    # 2's frames name the mismatch, the rest fail by abort or timeout.
+    env = {"CLAWCOMM_ALGO": f"all_reduce:{algo}"}
+    results = run_ranks(_mismatch, 3, kind, env=env, pg_timeout=3, timeout=60, allow_failures=True)
+    failed = [r for r in results if isinstance(r, RankFailure)]
+    assert len(failed) >= 2, results
+    assert any(" called " in _error_text(r) for r in failed), results
+    for r in failed:
         text = _error_text(r)
         assert any(k in text for k in (" called ", "timed out", "aborted", "shut down")), text
 
@@ -325,7 +348,7 @@ def test_a_bad_progress_nice_value_is_refused():
     "env,message",
     [
         ({"CLAWCOMM_TRANSPORT": "rdma"}, r"CLAWCOMM_TRANSPORT=rdma is not one of auto, shm, tcp"),
-        ({"CLAWCOMM_ALGO": "butterfly"}, r"CLAWCOMM_ALGO=butterfly is not one of auto, ring, tree"),
+        ({"CLAWCOMM_ALGO": "butterfly"}, r"CLAWCOMM_ALGO=butterfly is not one of auto, oneshot,"),
     ],
 )
 def test_unknown_transport_or_algorithm_names_the_choices(env, message):

@@ -149,8 +149,23 @@ def test_every_collective_with_a_choice_takes_the_cheapest_algorithm():
     assert _pick("reduce_scatter", 8, one_host4) == "direct"
     assert _pick("all_gather", 64 << 20, one_host4) == "direct"
     assert _pick("all_gather", 64 << 20, hosts2x2) == "hierarchical"
+    # The mesh all-reduces: one-shot for small messages from 3 ranks (at 2
+    # it is the tree's one exchange, and the tie goes to the tree), two-shot
+    # for large ones on one host (the ring's bytes in 2 steps instead of
+    # 2(n-1)); across hosts the one-shot while one round of messages beats
+    # log2 n rounds.
+    assert _pick("all_reduce", 8, one_host2) == "tree"
+    assert _pick("all_reduce", 64 << 20, one_host2) == "ring"
+    assert _pick("all_reduce", 8, one_host4) == "oneshot"
+    assert _pick("all_reduce", 8, [0] * 3) == "oneshot"
+    assert _pick("all_reduce", 1 << 20, one_host4) == "twoshot"
+    assert _pick("all_reduce", 64 << 20, hosts2x2) == "hierarchical"
+    assert _pick("all_reduce", 8, [0, 1, 2]) == "oneshot"
+    assert _pick("all_reduce", 8, list(range(8))) == "oneshot"
+    assert _pick("all_reduce", 64 << 10, list(range(8))) == "tree"
     model = asdict(CostModel())
     for op, algos in {
+        "all_reduce": ["oneshot", "twoshot", "ring", "tree", "hierarchical"],
         "broadcast": ["tree", "scatter_allgather", "direct"],
         "reduce": ["tree", "reducescatter_gather"],
         "reduce_scatter": ["ring", "direct", "hierarchical"],
@@ -168,7 +183,7 @@ def test_clawcomm_algo_names_an_algorithm_per_op():
     forced = "broadcast:scatter_allgather,reduce:tree"
     assert _pick("broadcast", 8, one_host4, forced) == "scatter_allgather"
     assert _pick("reduce", 64 << 20, one_host4, forced) == "tree"
-    assert _pick("all_reduce", 8, one_host4, forced) == "tree"  # not named: auto
+    assert _pick("all_reduce", 8, one_host4, forced) == "oneshot"  # not named: auto
     # A bare name applies to every op that has it; the others stay auto.
     assert _pick("reduce_scatter", 8, one_host4, "ring") == "ring"
     assert _pick("broadcast", 64 << 20, [0] * 8, "ring") == "direct"
@@ -182,7 +197,7 @@ def test_clawcomm_algo_names_an_algorithm_per_op():
 @pytest.mark.parametrize(
     "value,message",
     [
-        ("butterfly", r"CLAWCOMM_ALGO=butterfly is not one of auto, ring, tree, hierarchical"),
+        ("butterfly", r"CLAWCOMM_ALGO=butterfly is not one of auto, oneshot, twoshot, ring, tree"),
         (
             "broadcast:ring",
             r"broadcast has no algorithm 'ring' \(direct, scatter_allgather, tree, or auto\)",

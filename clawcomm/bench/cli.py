@@ -35,6 +35,8 @@ ALGO_CHOICES = (
     "ring",
     "tree",
     "hierarchical",
+    "oneshot",
+    "twoshot",
     "direct",
     "scatter_allgather",
     "reducescatter_gather",

@@ -18,6 +18,11 @@ namespace clawcomm {
 // divides.
 void ringAllReduce(Channel& ch, void* buf, size_t count);
 void treeAllReduce(Channel& ch, void* buf, size_t count);
+// The mesh (mesh_all_reduce.cc): every rank sends its input to every peer
+// and folds all n in rank order (one-shot, any layout); or the direct
+// reduce-scatter, then the direct all-gather (two-shot, one host).
+void oneShotAllReduce(Channel& ch, void* buf, size_t count);
+void twoShotAllReduce(Channel& ch, void* buf, size_t count);
 // Shared memory inside each host, the network across them
 // (hierarchical_all_reduce.cc); the ring where the channel's topology is
 // not two or more hosts with the same number (two or more) of ranks each.
@@ -62,8 +67,9 @@ void hierarchicalAllGather(Channel& ch, void* buf, const std::vector<size_t>& co
 void directReduceScatter(Channel& ch, const void* in, void* out, const std::vector<size_t>& counts);
 void directAllGather(Channel& ch, const void* in, void* out, const std::vector<size_t>& counts);
 // Direct algorithms run on one host of at most this many ranks (beyond,
-// CLAWCOMM_SHM_PEERS may leave pairs on TCP).
+// CLAWCOMM_SHM_PEERS may leave pairs on TCP): directLayout.
 constexpr int kDirectMaxRanks = 16;
+bool directLayout(const Topology& topo);
 
 void binomialBroadcast(Channel& ch, void* buf, size_t bytes, int root);
 // The root sends to every peer at once; on one host, by single copy from
@@ -93,8 +99,6 @@ void disseminationBarrier(Channel& ch);
 // `buf` is left as it was). `count` elements of the channel's dtype.
 void scatterAllGatherBroadcast(Channel& ch, void* buf, size_t count, int root);
 void reduceScatterGatherReduce(Channel& ch, void* buf, size_t count, int root);
-// `count` cut into `parts` chunks, the first count % parts one larger.
-std::vector<size_t> splitCounts(size_t count, int parts);
 
 // One algorithm of one collective: a row of the table in selection.cc, by
 // the name CLAWCOMM_ALGO and the flight record give it.

@@ -21,21 +21,11 @@
 #include "algorithms/ring.h"
 
 namespace clawcomm {
-namespace {
-
-std::vector<size_t> offsetsOf(const std::vector<size_t>& counts, size_t es) {
-  std::vector<size_t> off(counts.size() + 1, 0);
-  for (size_t c = 0; c < counts.size(); ++c) off[c + 1] = off[c] + counts[c] * es;
-  return off;
-}
-
-}  // namespace
-
 void directReduceScatter(Channel& ch, const void* in, void* out,
                          const std::vector<size_t>& counts) {
   const int n = ch.size(), r = ch.rank();
   const size_t es = ch.elementBytes();
-  const std::vector<size_t> off = offsetsOf(counts, es);
+  const std::vector<size_t> off = byteOffsets(counts, es);
   const uint8_t* src = static_cast<const uint8_t*>(in);
   uint8_t* dst = static_cast<uint8_t*>(out);
   // Every chunk is cut into the same number of segments (at most
@@ -81,7 +71,7 @@ void directReduceScatter(Channel& ch, const void* in, void* out,
 void directAllGather(Channel& ch, const void* in, void* out, const std::vector<size_t>& counts) {
   const int n = ch.size(), r = ch.rank();
   const size_t es = ch.elementBytes();
-  const std::vector<size_t> off = offsetsOf(counts, es);
+  const std::vector<size_t> off = byteOffsets(counts, es);
   uint8_t* dst = static_cast<uint8_t*>(out);
   const size_t mine = counts[r] * es;
   for (int s = 1; s < n; ++s) {

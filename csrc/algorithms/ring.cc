@@ -11,6 +11,12 @@ std::vector<size_t> evenCounts(size_t count, int n) {
   return counts;
 }
 
+std::vector<size_t> byteOffsets(const std::vector<size_t>& counts, size_t elementBytes) {
+  std::vector<size_t> off(counts.size() + 1, 0);
+  for (size_t i = 0; i < counts.size(); ++i) off[i + 1] = off[i] + counts[i] * elementBytes;
+  return off;
+}
+
 std::vector<RingStep> reduceScatterSteps(int r, int n) {
   std::vector<RingStep> steps;
   for (int s = 0; s < n - 1; ++s) {

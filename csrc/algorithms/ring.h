@@ -70,8 +70,12 @@ class RingPipeline {
 std::vector<RingStep> reduceScatterSteps(int rank, int n);
 std::vector<RingStep> allGatherSteps(int rank, int n);
 
-// n chunk sizes that differ by at most one element.
+// n chunk sizes that differ by at most one element (the first count % n
+// one larger).
 std::vector<size_t> evenCounts(size_t count, int n);
+// Where each chunk of `counts` elements of `elementBytes` starts, back to
+// back, and (last) where they end.
+std::vector<size_t> byteOffsets(const std::vector<size_t>& counts, size_t elementBytes);
 
 // Chunk index `i` modulo the ring size, for negative i too.
 inline int ringIndex(int i, int n) {

@@ -22,33 +22,14 @@
 #include <numeric>
 
 #include "algorithms/algorithms.h"
+#include "algorithms/ring.h"
 
 namespace clawcomm {
-
-std::vector<size_t> splitCounts(size_t count, int parts) {
-  std::vector<size_t> counts(size_t(parts), count / size_t(parts));
-  for (size_t p = 0; p < count % size_t(parts); ++p) ++counts[p];
-  return counts;
-}
-
-namespace {
-
-std::vector<size_t> byteOffsets(const std::vector<size_t>& counts, size_t es) {
-  std::vector<size_t> off(counts.size() + 1, 0);
-  for (size_t p = 0; p < counts.size(); ++p) off[p + 1] = off[p] + counts[p] * es;
-  return off;
-}
-
-bool directLayout(const Topology& topo) {
-  return topo.hosts() == 1 && topo.size() <= kDirectMaxRanks;
-}
-
-}  // namespace
 
 void scatterAllGatherBroadcast(Channel& ch, void* buf, size_t count, int root) {
   const int n = ch.size(), r = ch.rank();
   const size_t es = ch.elementBytes();
-  const std::vector<size_t> counts = splitCounts(count, n);
+  const std::vector<size_t> counts = evenCounts(count, n);
   const std::vector<size_t> off = byteOffsets(counts, es);
   uint8_t* b = static_cast<uint8_t*>(buf);
   if (r == root) {
@@ -72,7 +53,7 @@ void scatterAllGatherBroadcast(Channel& ch, void* buf, size_t count, int root) {
 void reduceScatterGatherReduce(Channel& ch, void* buf, size_t count, int root) {
   const int n = ch.size(), r = ch.rank();
   const size_t es = ch.elementBytes();
-  const std::vector<size_t> counts = splitCounts(count, n);
+  const std::vector<size_t> counts = evenCounts(count, n);
   const std::vector<size_t> off = byteOffsets(counts, es);
   uint8_t* b = static_cast<uint8_t*>(buf);
   const Topology& topo = ch.topology();

@@ -35,6 +35,8 @@ const char* algorithmName(Algorithm a) {
     case Algorithm::kDirect: return "direct";
     case Algorithm::kScatterAllGather: return "scatter_allgather";
     case Algorithm::kReduceScatterGather: return "reducescatter_gather";
+    case Algorithm::kOneShot: return "oneshot";
+    case Algorithm::kTwoShot: return "twoshot";
   }
   return "unknown-algorithm";
 }

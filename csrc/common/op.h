@@ -42,6 +42,8 @@ enum class Algorithm : uint8_t {
   kDirect = 8,                // one host: every rank exchanges with every peer in one step
   kScatterAllGather = 9,      // broadcast: scatter from the root, then all-gather
   kReduceScatterGather = 10,  // reduce: reduce-scatter, then gather at the root
+  kOneShot = 11,              // all-reduce: every rank sends to every peer, folds all inputs
+  kTwoShot = 12,              // all-reduce: direct reduce-scatter, then direct all-gather
 };
 
 const char* algorithmName(Algorithm a);

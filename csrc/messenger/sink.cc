@@ -67,7 +67,9 @@ void ReceiveSink::take(size_t offset, const uint8_t* src, size_t n) const {
     case Kind::kCopy: std::memcpy(dst + offset, src, n); return;
     case Kind::kReduce: reduceInto(dtype, op, dst + offset, src, n / elementSize(dtype)); return;
     case Kind::kReduceFrom:
-      std::memcpy(dst + offset, local + offset, n);  // in cache for the reduction next
+      // In cache for the reduction next; `local` may be `dst` (an in-place
+      // reduce-scatter's own chunk).
+      if (dst != local) std::memcpy(dst + offset, local + offset, n);
       reduceInto(dtype, op, dst + offset, src, n / elementSize(dtype));
       return;
     case Kind::kDecode: toFloat32(dtype, src, f32 + at, n / 2, scale); return;

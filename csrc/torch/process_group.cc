@@ -45,7 +45,8 @@ PYBIND11_MODULE(_C_torch, m) {
             return b.communicator().allReduceAlgorithm(bytes);
           },
           py::arg("nbytes"),
-          "The algorithm all_reduce of `nbytes` bytes uses ('ring', 'tree', 'hierarchical').")
+          "The algorithm all_reduce of `nbytes` bytes uses ('oneshot', 'twoshot', 'ring', "
+          "'tree', 'hierarchical').")
       .def("cuda_ipc_status", &ClawcommBackend::cudaIpcStatus,
            "Per CUDA device index used so far: 'ok' where collectives go through CUDA IPC, "
            "else why they are staged through host memory.")
