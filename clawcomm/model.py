@@ -56,6 +56,10 @@ ALGORITHMS = {
     "reduce": ("reducescatter_gather", "tree"),
 }
 
+# The rows auto passes over (selection.cc's chooseAlgorithm): the two-shot
+# all-reduce runs only where named (measured behind the ring at 3 ranks).
+NAMED_ONLY = {("all_reduce", "twoshot")}
+
 
 @dataclass
 class CostModel:
@@ -447,8 +451,8 @@ def predict(collective: str, algo: str, nbytes: float, layout: Layout, model: Co
 
 def choose(collective: str, nbytes: float, layout: Layout, model: CostModel) -> str:
     """What CLAWCOMM_ALGO=auto picks, as the engine does: the cheapest of
-    the collective's algorithms, ties to the later row (one rank's
-    all-reduce: the tree, which returns at once)."""
+    the collective's algorithms but NAMED_ONLY, ties to the later row (one
+    rank's all-reduce: the tree, which returns at once)."""
     try:
         algos = ALGORITHMS[collective]
     except KeyError:
@@ -457,6 +461,8 @@ def choose(collective: str, nbytes: float, layout: Layout, model: CostModel) -> 
         return "tree"
     best, best_cost = algos[0], math.inf
     for a in algos:
+        if (collective, a) in NAMED_ONLY:
+            continue
         c = _FORMULAS[(collective, a)](float(nbytes), layout, model)
         if c <= best_cost:
             best, best_cost = a, c

@@ -42,8 +42,7 @@ CONFIGS = {
     # The mesh all-reduces at every size: one-shot (every rank sends its
     # input to every peer and folds all of them in rank order; auto takes it
     # for small messages from 3 ranks) on both transports, and two-shot (the
-    # direct reduce-scatter, then the direct all-gather; auto's for large
-    # messages from 3 ranks on one host).
+    # direct reduce-scatter, then the direct all-gather; only where named).
     "shm-oneshot": {"CLAWCOMM_TRANSPORT": "shm", "CLAWCOMM_ALGO": "all_reduce:oneshot"},
     "tcp-oneshot": {"CLAWCOMM_TRANSPORT": "tcp", "CLAWCOMM_ALGO": "all_reduce:oneshot"},
     "shm-twoshot": {"CLAWCOMM_TRANSPORT": "shm", "CLAWCOMM_ALGO": "all_reduce:twoshot"},
@@ -457,7 +456,7 @@ def test_auto_picks_hierarchical_for_large_buffers_across_hosts():
 
     # Small ones: the one-shot mesh, one round of messages to every peer.
     assert run_ranks(algos, 4, rank_env=_hosts(2, 2))[0] == ["oneshot", "hierarchical"]
-    assert run_ranks(algos, 4)[0] == ["oneshot", "twoshot"]  # one host
+    assert run_ranks(algos, 4)[0] == ["oneshot", "ring"]  # one host
 
 
 def test_sparse_shared_memory_peers():

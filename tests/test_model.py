@@ -150,22 +150,22 @@ def test_every_collective_with_a_choice_takes_the_cheapest_algorithm():
     assert _pick("all_gather", 64 << 20, one_host4) == "direct"
     assert _pick("all_gather", 64 << 20, hosts2x2) == "hierarchical"
     # The mesh all-reduces: one-shot for small messages from 3 ranks (at 2
-    # it is the tree's one exchange, and the tie goes to the tree), two-shot
-    # for large ones on one host (the ring's bytes in 2 steps instead of
-    # 2(n-1)); across hosts the one-shot while one round of messages beats
-    # log2 n rounds.
+    # it is the tree's one exchange, and the tie goes to the tree); across
+    # hosts while one round of messages beats log2 n rounds. The two-shot
+    # only where named.
     assert _pick("all_reduce", 8, one_host2) == "tree"
     assert _pick("all_reduce", 64 << 20, one_host2) == "ring"
     assert _pick("all_reduce", 8, one_host4) == "oneshot"
     assert _pick("all_reduce", 8, [0] * 3) == "oneshot"
-    assert _pick("all_reduce", 1 << 20, one_host4) == "twoshot"
+    assert _pick("all_reduce", 1 << 20, one_host4) == "ring"  # two-shot: named only
+    assert _pick("all_reduce", 1 << 20, one_host4, "all_reduce:twoshot") == "twoshot"
     assert _pick("all_reduce", 64 << 20, hosts2x2) == "hierarchical"
     assert _pick("all_reduce", 8, [0, 1, 2]) == "oneshot"
     assert _pick("all_reduce", 8, list(range(8))) == "oneshot"
     assert _pick("all_reduce", 64 << 10, list(range(8))) == "tree"
     model = asdict(CostModel())
     for op, algos in {
-        "all_reduce": ["oneshot", "twoshot", "ring", "tree", "hierarchical"],
+        "all_reduce": ["oneshot", "ring", "tree", "hierarchical"],
         "broadcast": ["tree", "scatter_allgather", "direct"],
         "reduce": ["tree", "reducescatter_gather"],
         "reduce_scatter": ["ring", "direct", "hierarchical"],

@@ -123,6 +123,13 @@ Algorithm chooseAlgorithm(OpType op, size_t bytes, const Topology& topo, const S
   for (const CollectiveAlgorithm& a : collectiveAlgorithms()) {
     if (a.op != op) continue;
     if (op == OpType::kBroadcast && a.id == Algorithm::kDirect && !singleCopy) continue;
+    // Nor the two-shot all-reduce, which it only runs where named: its
+    // model moves the ring's bytes in fewer steps, but the ring overlaps its
+    // all-gather steps with later segments' reduce-scatter and the two-shot
+    // runs its phases one after the other; on the 2-core machine it took
+    // 1.07-1.18x the ring's time at 3 ranks from 256 KiB and 0.74-1.05x at
+    // 4 (docs/algorithms.md).
+    if (a.id == Algorithm::kTwoShot) continue;
     const double c = collectiveCost(op, a.id, double(bytes), topo, settings.costModel);
     if (best == Algorithm::kDefault || c <= bestCost) {
       best = a.id;
