@@ -25,6 +25,13 @@ class compress:
         The inverse of encode_indices.
         """
     @staticmethod
+    def decode_rice(
+        data: bytes, count: typing.SupportsInt | typing.SupportsIndex
+    ) -> numpy.typing.NDArray[numpy.int32]:
+        """
+        The inverse of encode_rice.
+        """
+    @staticmethod
     def dequantize(
         codes: typing.SupportsInt | typing.SupportsIndex,
         scales: typing.SupportsInt | typing.SupportsIndex,
@@ -55,6 +62,11 @@ class compress:
     def encode_indices(idx: numpy.typing.NDArray[numpy.int32]) -> bytes:
         """
         Delta + LEB128 varint bytes of ascending int32 indices.
+        """
+    @staticmethod
+    def encode_rice(idx: numpy.typing.NDArray[numpy.int32]) -> bytes:
+        """
+        Golomb-Rice bytes of strictly ascending int32 indices, with the parameter that makes them shortest (compress/rice.h).
         """
     @staticmethod
     def scatter_add(

@@ -7,6 +7,7 @@
 #include "common/errors.h"
 #include "compress/feedback16.h"
 #include "compress/quantize.h"
+#include "compress/rice.h"
 #include "compress/threshold_scan.h"
 #include "compress/topk.h"
 #include "compress/varint.h"
@@ -248,6 +249,36 @@ void bindCompress(py::module_& m) {
         return idx;
       },
       py::arg("data"), py::arg("count"), "The inverse of encode_indices.");
+  c.def(
+      "encode_rice",
+      [](IndexArray idx) {
+        const size_t count = size_t(idx.size());
+        std::string out;
+        size_t n;
+        {
+          py::gil_scoped_release release;
+          const int k = riceParameter(idx.data(), count);
+          out.resize(maxRiceBytes(count, k));
+          n = encodeRice(idx.data(), count, k, reinterpret_cast<uint8_t*>(&out[0]));
+        }
+        return py::bytes(out.data(), n);
+      },
+      py::arg("idx").noconvert(),
+      "Golomb-Rice bytes of strictly ascending int32 indices, with the parameter that makes "
+      "them shortest (compress/rice.h).");
+  c.def(
+      "decode_rice",
+      [](py::bytes data, size_t count) {
+        const std::string s = data;
+        IndexArray idx(static_cast<py::ssize_t>(count));
+        {
+          py::gil_scoped_release release;
+          decodeRice(reinterpret_cast<const uint8_t*>(s.data()), s.size(), idx.mutable_data(),
+                     count);
+        }
+        return idx;
+      },
+      py::arg("data"), py::arg("count"), "The inverse of encode_rice.");
 }
 
 }  // namespace clawcomm
