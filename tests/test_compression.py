@@ -150,7 +150,7 @@ def test_kernel_argument_errors():
         ("topk:0.1:fast", "selection 'fast' is not exact or sampled"),
         ("zip", "unknown compressor 'zip'"),
         ("fp16:3", "fp16 takes no arguments"),
-        ("topk:0.1+fp8", "only '+fp16' or '+bf16' may follow"),
+        ("topk:0.1+fp8", "may come '+fp16' or '+bf16', then '+ec'"),
         ("fp16+fp16", "fp16 has no values to send as fp16"),
         ("int8:3", "block 3 is not a positive multiple of 8"),
         ("int4:big", "block 'big' is not an integer"),

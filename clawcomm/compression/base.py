@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import zlib
 
 import torch
@@ -137,6 +138,32 @@ class Compressor:
 
     def with_values(self, values: str, spec: str) -> Compressor:
         raise ValueError(f"compressor spec {spec!r}: {self.spec} has no values to send as {values}")
+
+    # Whether its all-reduce sends (index, value) pairs that ``+ec`` can code
+    # losslessly (entropy.py), and whether they are coded.
+    codes_pairs = False
+    coded = False
+
+    def with_coding(self, spec: str) -> Compressor:
+        """The same method with ``+ec``: its all-reduce's pairs coded
+        losslessly on the wire (CPU tensors)."""
+        if not self.codes_pairs:
+            raise ValueError(
+                f"compressor spec {spec!r}: {self.spec} has no coded wire (+ec codes the pairs "
+                "of topk, threshold and dgc)"
+            )
+        coded = copy.copy(self)
+        coded.coded = True
+        coded.spec = f"{self.spec}+ec"
+        return coded
+
+    def check_coded_device(self, tensor: torch.Tensor) -> None:
+        """Raises ValueError where ``+ec`` is asked of a CUDA tensor."""
+        if self.coded and tensor.is_cuda:
+            raise ValueError(
+                f"clawcomm.compression: {self.spec} codes CPU tensors' pairs; this one is on "
+                f"{tensor.device} (drop +ec there)"
+            )
 
     def __repr__(self) -> str:
         return f"<compressor {self.spec}>"

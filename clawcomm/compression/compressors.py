@@ -120,6 +120,7 @@ class TopK(Compressor):
     """
 
     uses_error_feedback = True
+    codes_pairs = True
 
     def __init__(self, k, selection="sampled", values="fp32", form="auto"):
         self.k = k
@@ -165,6 +166,7 @@ class TopK(Compressor):
 
     def _reduce(self, tensor, state, key, group, scale):
         flat_f32(tensor, "topk")
+        self.check_coded_device(tensor)
         k = _k_of(self.k, tensor.numel())
         seed = shared_seed(state, key)
         if tensor.is_cuda:
@@ -178,7 +180,15 @@ class TopK(Compressor):
         residual = state.residual(key, tensor) if state is not None else None
         idx, val = self._select(tensor, residual, k, seed)
         sparse_all_reduce(
-            idx, val, tensor, group, self.values, self.form, scale=scale, out_zeroed=True
+            idx,
+            val,
+            tensor,
+            group,
+            self.values,
+            self.form,
+            scale=scale,
+            out_zeroed=True,
+            coded=self.coded,
         )
 
     def _select(self, tensor, residual, k, seed):

@@ -1,7 +1,7 @@
 """Compressor specs: strings such as "fp16", "topk:0.01", "powersgd:4",
 "dgc:0.001:warmup=200" and combinations such as "topk:0.01+fp16".
 
-Grammar: ``BASE[+VALUES]`` where BASE is one of
+Grammar: ``BASE[+VALUES][+ec]`` where BASE is one of
 
 * ``none``, ``fp16``, ``bf16`` (compressors.py);
 * ``int8[:BLOCK]``, ``int4[:BLOCK]``, ``qsgd:BITS[:BLOCK]``,
@@ -15,7 +15,8 @@ K is a ratio in (0, 1] (written with a decimal point, "0.01") or a count
 (an integer, "1000"), and VALUES (``fp16`` or ``bf16``) sets the type the
 values travel in: the sparse values of topk, randomk, threshold and dgc, or
 PowerSGD's factors. The quantisers have no float values to send that way,
-and say so.
+and say so. ``+ec`` codes the sparse methods' pairs losslessly on the wire
+(topk, threshold, dgc; entropy.py).
 
 Researchers add their own with ``register_compressor(name, factory)``: the
 factory receives the spec's arguments (the parts after ``name:``) as strings
@@ -72,14 +73,20 @@ def get_compressor(spec: str | Compressor) -> Compressor:
             f"compressor spec {spec!r}: unknown compressor {name!r} "
             f"(known: {', '.join(available())})"
         )
-    values = None
-    if extra:
-        if len(extra) > 1 or extra[0] not in ("fp16", "bf16"):
+    values, coded = None, False
+    for item in extra:
+        if item in ("fp16", "bf16") and values is None and not coded:
+            values = item
+        elif item == "ec" and not coded:
+            coded = True
+        else:
             raise ValueError(
-                f"compressor spec {spec!r}: only '+fp16' or '+bf16' may follow a compressor"
+                f"compressor spec {spec!r}: after a compressor may come '+fp16' or '+bf16', "
+                "then '+ec'"
             )
-        values = extra[0]
     compressor = _FACTORIES[name](*args, spec=spec)
     if values is not None:
         compressor = compressor.with_values(values, spec)
+    if coded:
+        compressor = compressor.with_coding(spec)
     return compressor

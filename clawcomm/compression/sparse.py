@@ -78,12 +78,15 @@ def sparse_all_reduce(
     *,
     scale: float = 1.0,
     out_zeroed: bool = False,
+    coded: bool = False,
 ) -> None:
     """``out`` (float32) becomes ``scale`` times the sum over the group of
     every rank's sparse tensor (idx, val); ``scale=1/world_size`` gives the
     mean at no extra pass. Ranks may pass different numbers of pairs.
     ``out`` is zeroed first, unless the caller says it already holds zeros
-    (``out_zeroed``: a 64 MiB memset costs more than the rest of the call)."""
+    (``out_zeroed``: a 64 MiB memset costs more than the rest of the call).
+    ``coded``: the gathered pairs travel coded losslessly (entropy.py; CPU
+    tensors), the same sum bit for bit in fewer bytes."""
     if form not in ("auto", "gather", "reduce_scatter"):
         raise ValueError(f"sparse_all_reduce: form {form!r} is not auto, gather or reduce_scatter")
     if values not in VALUE_DTYPES:
@@ -94,9 +97,9 @@ def sparse_all_reduce(
     if not out_zeroed:
         out.zero_()
     if form == "gather":
-        _gather_form(idx, val, out, group, values, n, scale)
+        _gather_form(idx, val, out, group, values, n, scale, coded)
     else:
-        _reduce_scatter_form(idx, val, out, group, values, n, scale)
+        _reduce_scatter_form(idx, val, out, group, values, n, scale, coded)
 
 
 def _all_counts(count: int, group, n: int) -> list[int]:
@@ -105,7 +108,10 @@ def _all_counts(count: int, group, n: int) -> list[int]:
     return counts.tolist()
 
 
-def _gather_form(idx, val, out, group, values, n, scale):
+def _gather_form(idx, val, out, group, values, n, scale, coded=False):
+    if coded:
+        _coded_gather_form(idx, val, out, group, values, n, scale)
+        return
     numel = out.numel()
     k = max(_all_counts(idx.numel(), group, n))
     if k == 0:
@@ -162,7 +168,7 @@ def sparse_reduce_scatter(
         _scatter_add(out, local, got_val.to(torch.float32), scale)
 
 
-def _reduce_scatter_form(idx, val, out, group, values, n, scale):
+def _reduce_scatter_form(idx, val, out, group, values, n, scale, coded=False):
     numel = out.numel()
     rank = dist.get_rank(group)
     lo, hi = numel * rank // n, numel * (rank + 1) // n
@@ -171,4 +177,39 @@ def _reduce_scatter_form(idx, val, out, group, values, n, scale):
     piece = torch.zeros(hi - lo, dtype=torch.float32)
     sparse_reduce_scatter(idx, val, piece, numel, group, values)
     nz = torch.nonzero(piece).flatten().to(torch.int32)
-    _gather_form(nz + lo, piece[nz.long()], out, group, values, n, scale)
+    _gather_form(nz + lo, piece[nz.long()], out, group, values, n, scale, coded)
+
+
+# numpy's view of each wire type (bfloat16 as its bits).
+_NUMPY_WIRE = {"fp32": np.float32, "fp16": np.float16, "bf16": np.int16}
+
+
+def _coded_gather_form(idx, val, out, group, values, n, scale):
+    """The gather form with each rank's pairs sorted by index and coded
+    (entropy.py): the messages' lengths are all-gathered, then the messages,
+    padded to the longest. Pairs with the same index are summed first (what
+    the scatter-add would do)."""
+    from clawcomm.compression.entropy import decode_pairs, encode_pairs
+
+    idx, order = torch.sort(idx.to(torch.int32))
+    val = val[order]
+    if idx.numel() > 1 and bool((idx[1:] == idx[:-1]).any()):
+        idx, inverse = torch.unique_consecutive(idx, return_inverse=True)
+        val = torch.zeros(idx.numel(), dtype=val.dtype).index_add_(0, inverse, val)
+    wire = val.to(VALUE_DTYPES[values])
+    if values == "bf16":
+        wire = wire.view(torch.int16)
+    mine = torch.from_numpy(encode_pairs(idx.numpy(), wire.numpy()).copy())
+    sizes = _all_counts(mine.numel(), group, n)
+    longest = max(sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: mine.numel()] = mine
+    gathered = torch.empty(n * longest, dtype=torch.uint8)
+    all_gather_single(gathered, padded, group=group)
+    messages = gathered.numpy()
+    for r in range(n):
+        i, v = decode_pairs(messages[r * longest : r * longest + sizes[r]], _NUMPY_WIRE[values])
+        v = torch.from_numpy(v)
+        if values == "bf16":
+            v = v.view(torch.bfloat16)
+        _scatter_add(out, torch.from_numpy(i), v.to(torch.float32), scale)

@@ -63,6 +63,7 @@ class _Sparsifier(Compressor):
 
     uses_error_feedback = True
     reduces_scatter = True
+    codes_pairs = True
     values = "fp32"
 
     def all_reduce(self, tensor, state, key, group):
@@ -73,12 +74,13 @@ class _Sparsifier(Compressor):
 
     def _reduce(self, tensor, state, key, group, scale):
         flat_f32(tensor, self.spec)
+        self.check_coded_device(tensor)
         idx, val = self._select(tensor.view(-1), state, key, group)
         if tensor.is_cuda:
             device_sparse_sum(idx, val, tensor.view(-1), group, self.values, scale)
         else:
             sparse_all_reduce(idx, val, tensor.view(-1), group, self.values, scale=scale,
-                              out_zeroed=True)  # fmt: skip
+                              out_zeroed=True, coded=self.coded)  # fmt: skip
 
     def reduce_scatter_mean(self, tensor, out, state, key, group):
         flat_f32(tensor, self.spec)

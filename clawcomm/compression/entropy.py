@@ -1,0 +1,120 @@
+"""Lossless coding of a sparse message (``topk:0.01+ec`` and the other
+sparse methods with ``+ec``): the same pairs, in fewer bytes.
+
+What a top-k message spends its bytes on, and what coding does with it:
+
+* **Indices**, sorted: the gaps between them are close to geometric (about
+  8.1 bits of entropy at 1% density), so a Golomb-Rice code with the
+  parameter fitted to the message (``_C.compress.encode_rice``, C++) takes
+  within 1-2% of that, against 32 bits raw.
+* **Values**: the selected entries of a gradient have similar magnitudes,
+  so the most significant byte of each (its sign and the top of its
+  exponent) holds a few bits of information in 8. That byte plane goes
+  through zlib's Huffman coder (``Z_HUFFMAN_ONLY``, the standard library's
+  well-kept coder, no new dependency); the other planes, mostly mantissa
+  bits that no lossless coder shrinks, travel raw. A plane whose code is
+  not smaller travels raw as well.
+
+A message: a 16-byte header (pairs, index bytes, top-plane bytes, value
+width, flags), the Rice stream, the top plane, the other planes one after
+another. Decoding gives back the exact pairs, bit for bit.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+import numpy as np
+
+from clawcomm import _C
+
+__all__ = ["decode_pairs", "encode_pairs", "entropy_bits"]
+
+_HEADER = struct.Struct("<IIIBBxx")  # pairs, index bytes, top-plane bytes, width, flags
+_TOP_CODED = 1
+
+
+def entropy_bits(symbols: np.ndarray) -> float:
+    """The empirical (order-0) entropy of ``symbols``, in bits for all of
+    them: the floor of any code that codes them one at a time."""
+    if symbols.size == 0:
+        return 0.0
+    _, counts = np.unique(symbols, return_counts=True)
+    p = counts / symbols.size
+    return float(-(counts * np.log2(p)).sum())
+
+
+def _huffman(plane: np.ndarray) -> bytes:
+    c = zlib.compressobj(9, zlib.DEFLATED, -15, 9, zlib.Z_HUFFMAN_ONLY)
+    return c.compress(plane.tobytes()) + c.flush()
+
+
+# Per value width: the unsigned view, and the planes below the top byte
+# (shift, type), least significant first.
+_LAYOUT = {
+    2: (np.uint16, [(0, np.uint8)]),
+    4: (np.uint32, [(0, np.uint16), (16, np.uint8)]),
+}
+
+
+def _layout(width: int, what: str):
+    try:
+        return _LAYOUT[width]
+    except KeyError:
+        raise ValueError(f"{what}: {width}-byte values; 2 or 4 bytes are coded") from None
+
+
+def encode_pairs(idx: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """One message (uint8) for strictly ascending int32 ``idx`` and their
+    ``values`` (2 or 4 bytes each: float32, float16, or bfloat16 as its
+    uint16 bits). Raises ValueError if the indices are not strictly
+    ascending."""
+    k = idx.size
+    if values.size != k:
+        raise ValueError(f"encode_pairs: {k} indices but {values.size} values")
+    width = values.dtype.itemsize
+    unsigned, lower = _layout(width, "encode_pairs")
+    index_bytes = _C.compress.encode_rice(np.ascontiguousarray(idx, np.int32))
+    u = np.ascontiguousarray(values).view(unsigned)
+    top = (u >> (8 * width - 8)).astype(np.uint8)  # the sign and the top of the exponent
+    coded = _huffman(top) if k else b""
+    flags = _TOP_CODED if len(coded) < k else 0
+    top_bytes = coded if flags else top.tobytes()
+    rest = b"".join((u >> shift).astype(t).tobytes() for shift, t in lower)
+    header = _HEADER.pack(k, len(index_bytes), len(top_bytes), width, flags)
+    return np.frombuffer(header + index_bytes + top_bytes + rest, np.uint8)
+
+
+def decode_pairs(message: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """The (indices, values) ``encode_pairs`` coded, values as ``dtype``.
+    Raises ValueError on a message that is cut short or malformed."""
+    data = np.ascontiguousarray(message, np.uint8)
+    if data.size < _HEADER.size:
+        raise ValueError(f"decode_pairs: {data.size} bytes, shorter than the header")
+    k, index_bytes, top_bytes, width, flags = _HEADER.unpack_from(data)
+    dtype = np.dtype(dtype)
+    if width != dtype.itemsize:
+        raise ValueError(f"decode_pairs: {width}-byte values in the message, {dtype} expected")
+    unsigned, lower = _layout(width, "decode_pairs")
+    at = _HEADER.size
+    need = at + index_bytes + top_bytes + k * (width - 1)
+    if data.size < need:
+        raise ValueError(f"decode_pairs: {data.size} bytes, the header says {need}")
+    idx = _C.compress.decode_rice(data[at : at + index_bytes].tobytes(), k)
+    at += index_bytes
+    top = data[at : at + top_bytes].tobytes()
+    if flags & _TOP_CODED:
+        try:
+            top = zlib.decompress(top, -15, k)
+        except zlib.error as e:
+            raise ValueError(f"decode_pairs: the value plane does not decode: {e}") from None
+    if len(top) != k:
+        raise ValueError(f"decode_pairs: the value plane has {len(top)} bytes, not {k}")
+    at += top_bytes
+    u = np.frombuffer(top, np.uint8).astype(unsigned) << unsigned(8 * width - 8)
+    for shift, t in lower:
+        size = k * np.dtype(t).itemsize
+        u |= data[at : at + size].view(t).astype(unsigned) << unsigned(shift)
+        at += size
+    return idx, u.view(dtype)
