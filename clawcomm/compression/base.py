@@ -139,18 +139,19 @@ class Compressor:
     def with_values(self, values: str, spec: str) -> Compressor:
         raise ValueError(f"compressor spec {spec!r}: {self.spec} has no values to send as {values}")
 
-    # Whether its all-reduce sends (index, value) pairs that ``+ec`` can code
-    # losslessly (entropy.py), and whether they are coded.
-    codes_pairs = False
+    # Whether ``+ec`` can code what its all-reduce sends losslessly
+    # (entropy.py: the sparse methods' pairs, the quantisers' codes), and
+    # whether it does.
+    codable = False
     coded = False
 
     def with_coding(self, spec: str) -> Compressor:
-        """The same method with ``+ec``: its all-reduce's pairs coded
+        """The same method with ``+ec``: what its all-reduce sends coded
         losslessly on the wire (CPU tensors)."""
-        if not self.codes_pairs:
+        if not self.codable:
             raise ValueError(
                 f"compressor spec {spec!r}: {self.spec} has no coded wire (+ec codes the pairs "
-                "of topk, threshold and dgc)"
+                "of topk, threshold and dgc and the codes of int8, int4, qsgd, terngrad and sign)"
             )
         coded = copy.copy(self)
         coded.coded = True
@@ -161,7 +162,7 @@ class Compressor:
         """Raises ValueError where ``+ec`` is asked of a CUDA tensor."""
         if self.coded and tensor.is_cuda:
             raise ValueError(
-                f"clawcomm.compression: {self.spec} codes CPU tensors' pairs; this one is on "
+                f"clawcomm.compression: {self.spec} codes CPU tensors' messages; this one is on "
                 f"{tensor.device} (drop +ec there)"
             )
 

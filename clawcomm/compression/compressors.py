@@ -120,7 +120,7 @@ class TopK(Compressor):
     """
 
     uses_error_feedback = True
-    codes_pairs = True
+    codable = True
 
     def __init__(self, k, selection="sampled", values="fp32", form="auto"):
         self.k = k

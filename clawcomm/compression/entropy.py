@@ -1,5 +1,12 @@
-"""Lossless coding of a sparse message (``topk:0.01+ec`` and the other
-sparse methods with ``+ec``): the same pairs, in fewer bytes.
+"""Lossless coding on the wire (``+ec``): the same messages, in fewer bytes.
+
+Sparse methods (``topk:0.01+ec``, threshold, dgc) send (index, value)
+pairs; block quantisers (``int4+ec``, ``qsgd:4+ec``, int8, terngrad, sign)
+send packed codes, whose levels carry fewer bits of information than their
+width (most fall near the middle of the scale), coded by zlib's Huffman
+coder with a table per message (``encode_bytes``). Messages of different
+lengths then travel with their lengths first (``gather_messages``,
+``exchange_messages``).
 
 What a top-k message spends its bytes on, and what coding does with it:
 
@@ -26,10 +33,21 @@ import struct
 import zlib
 
 import numpy as np
+import torch
+import torch.distributed as dist
 
 from clawcomm import _C
+from clawcomm._torch_names import all_gather_single
 
-__all__ = ["decode_pairs", "encode_pairs", "entropy_bits"]
+__all__ = [
+    "decode_bytes",
+    "decode_pairs",
+    "encode_bytes",
+    "encode_pairs",
+    "entropy_bits",
+    "exchange_messages",
+    "gather_messages",
+]
 
 _HEADER = struct.Struct("<IIIBBxx")  # pairs, index bytes, top-plane bytes, width, flags
 _TOP_CODED = 1
@@ -48,6 +66,67 @@ def entropy_bits(symbols: np.ndarray) -> float:
 def _huffman(plane: np.ndarray) -> bytes:
     c = zlib.compressobj(9, zlib.DEFLATED, -15, 9, zlib.Z_HUFFMAN_ONLY)
     return c.compress(plane.tobytes()) + c.flush()
+
+
+def _inflate(data: bytes, size: int, what: str) -> bytes:
+    try:
+        out = zlib.decompress(data, -15, size)
+    except zlib.error as e:
+        raise ValueError(f"{what}: the coded bytes do not decode: {e}") from None
+    if len(out) != size:
+        raise ValueError(f"{what}: {len(out)} bytes decoded, not {size}")
+    return out
+
+
+def encode_bytes(data: np.ndarray) -> np.ndarray:
+    """``data`` (uint8) coded: a tag byte, then its Huffman code, or the
+    bytes themselves where the code is not shorter."""
+    raw = np.ascontiguousarray(data, np.uint8)
+    coded = _huffman(raw) if raw.size else b""
+    if len(coded) < raw.size:
+        return np.frombuffer(bytes([1]) + coded, np.uint8)
+    return np.frombuffer(bytes([0]) + raw.tobytes(), np.uint8)
+
+
+def decode_bytes(message: np.ndarray, size: int) -> np.ndarray:
+    """The ``size`` bytes ``encode_bytes`` coded."""
+    data = np.ascontiguousarray(message, np.uint8)
+    if data.size == 0 or data[0] > 1:
+        raise ValueError("decode_bytes: no tag byte, or an unknown one")
+    body = data[1:].tobytes()
+    out = _inflate(body, size, "decode_bytes") if data[0] == 1 else body
+    if len(out) != size:
+        raise ValueError(f"decode_bytes: {len(out)} bytes, not {size}")
+    return np.frombuffer(out, np.uint8)
+
+
+def gather_messages(message: np.ndarray, group) -> list[np.ndarray]:
+    """Every rank's ``message`` (uint8, any length): the lengths are
+    all-gathered, then the messages, padded to the longest."""
+    n = dist.get_world_size(group)
+    sizes = torch.zeros(n, dtype=torch.int64)
+    all_gather_single(sizes, torch.tensor([message.size], dtype=torch.int64), group=group)
+    longest = int(sizes.max())
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: message.size] = torch.from_numpy(np.array(message, np.uint8))  # a writable copy
+    gathered = torch.empty(n * longest, dtype=torch.uint8)
+    all_gather_single(gathered, padded, group=group)
+    flat = gathered.numpy()
+    return [flat[r * longest : r * longest + int(sizes[r])] for r in range(n)]
+
+
+def exchange_messages(parts: list[np.ndarray], group) -> list[np.ndarray]:
+    """``parts[q]`` (uint8, any length) to rank q; returns the part each
+    rank sent to this one: the lengths go first, in an all-to-all."""
+    send = torch.tensor([p.size for p in parts], dtype=torch.int64)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    out = torch.empty(int(recv.sum()), dtype=torch.uint8)
+    flat = torch.from_numpy(np.concatenate([np.ascontiguousarray(p, np.uint8) for p in parts]))
+    dist.all_to_all_single(out, flat, recv.tolist(), send.tolist(), group=group)
+    cuts = np.cumsum([0] + recv.tolist())
+    got = out.numpy()
+    return [got[cuts[q] : cuts[q + 1]] for q in range(len(parts))]
 
 
 # Per value width: the unsigned view, and the planes below the top byte
@@ -105,10 +184,7 @@ def decode_pairs(message: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, np.n
     at += index_bytes
     top = data[at : at + top_bytes].tobytes()
     if flags & _TOP_CODED:
-        try:
-            top = zlib.decompress(top, -15, k)
-        except zlib.error as e:
-            raise ValueError(f"decode_pairs: the value plane does not decode: {e}") from None
+        top = _inflate(top, k, "decode_pairs: the value plane")
     if len(top) != k:
         raise ValueError(f"decode_pairs: the value plane has {len(top)} bytes, not {k}")
     at += top_bytes

@@ -34,12 +34,19 @@ scales and residuals for the same seed.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from clawcomm._torch_names import all_gather_single
 from clawcomm.compression import gpu
 from clawcomm.compression.base import Compressor, CompressorState, shared_seed, zeros_like_in
+from clawcomm.compression.entropy import (
+    decode_bytes,
+    encode_bytes,
+    exchange_messages,
+    gather_messages,
+)
 
 SCALES = ("max", "l2", "mean_abs")
 
@@ -119,6 +126,7 @@ class BlockQuantized(Compressor):
     that many standard deviations first (TernGrad)."""
 
     reduces_scatter = True
+    codable = True  # +ec: the codes of both stages Huffman-coded (entropy.py)
 
     def __init__(self, spec: str, codec: Codec, feedback: bool = False, clip_sigma=None):
         self.spec, self.codec = spec, codec
@@ -126,6 +134,7 @@ class BlockQuantized(Compressor):
         self.clip_sigma = clip_sigma
 
     def reduce_scatter_mean(self, tensor, out, state, key, group):
+        self.check_coded_device(tensor)
         n = dist.get_world_size(group)
         if tensor.numel() != n * out.numel():
             raise ValueError(
@@ -136,6 +145,7 @@ class BlockQuantized(Compressor):
         self._reduce_scatter(tensor, out, state, key, group, self._seed(state, key, group))
 
     def all_reduce_mean(self, tensor, state, key, group):
+        self.check_coded_device(tensor)
         n = dist.get_world_size(group)
         block, numel = self.codec.block, tensor.numel()
         part = -(-numel // (n * block)) * block  # every rank's part a whole number of blocks
@@ -163,9 +173,15 @@ class BlockQuantized(Compressor):
         if self.feedback and state is not None:
             second = zeros_like_in(state.memory, (key, "part"), mine)
         codes, scales = self.codec.encode(mine, seed ^ 0x5EC0D, second)
-        all_codes = codes.new_empty(n * codes.numel())
         all_scales = scales.new_empty(n * scales.numel())
-        all_gather_single(all_codes, codes, group=group)
+        if self.coded:
+            got = gather_messages(encode_bytes(codes.numpy()), group)
+            all_codes = torch.from_numpy(
+                np.concatenate([decode_bytes(m, codes.numel()) for m in got])
+            )
+        else:
+            all_codes = codes.new_empty(n * codes.numel())
+            all_gather_single(all_codes, codes, group=group)
         all_gather_single(all_scales, scales, group=group)
         self.codec.decode(all_codes, all_scales, flat)
         if padded:
@@ -208,11 +224,16 @@ class BlockQuantized(Compressor):
         codes, scales = self.codec.encode(rows, seed, res)
         if res is not None and res is not residual:
             residual.view(n, part).copy_(res.view(n, padded)[:, :part])
+        row, nb = self.codec.row_bytes(padded), padded // block
         got_codes, got_scales = torch.empty_like(codes), torch.empty_like(scales)
-        dist.all_to_all_single(got_codes, codes, group=group)
+        if self.coded:
+            rows_of = codes.numpy().reshape(n, row)
+            got = exchange_messages([encode_bytes(r) for r in rows_of], group)
+            got_codes = torch.from_numpy(np.concatenate([decode_bytes(m, row) for m in got]))
+        else:
+            dist.all_to_all_single(got_codes, codes, group=group)
         dist.all_to_all_single(got_scales, scales, group=group)
         target = out if padded == part else out.new_empty(padded)
-        row, nb = self.codec.row_bytes(padded), padded // block
         for j in range(n):
             self.codec.decode(got_codes[j * row : (j + 1) * row], got_scales[j * nb : (j + 1) * nb],
                               target, alpha=1.0 / n, accumulate=j > 0)  # fmt: skip

@@ -186,10 +186,9 @@ _NUMPY_WIRE = {"fp32": np.float32, "fp16": np.float16, "bf16": np.int16}
 
 def _coded_gather_form(idx, val, out, group, values, n, scale):
     """The gather form with each rank's pairs sorted by index and coded
-    (entropy.py): the messages' lengths are all-gathered, then the messages,
-    padded to the longest. Pairs with the same index are summed first (what
-    the scatter-add would do)."""
-    from clawcomm.compression.entropy import decode_pairs, encode_pairs
+    (entropy.py). Pairs with the same index are summed first (what the
+    scatter-add would do)."""
+    from clawcomm.compression.entropy import decode_pairs, encode_pairs, gather_messages
 
     idx, order = torch.sort(idx.to(torch.int32))
     val = val[order]
@@ -199,16 +198,8 @@ def _coded_gather_form(idx, val, out, group, values, n, scale):
     wire = val.to(VALUE_DTYPES[values])
     if values == "bf16":
         wire = wire.view(torch.int16)
-    mine = torch.from_numpy(encode_pairs(idx.numpy(), wire.numpy()).copy())
-    sizes = _all_counts(mine.numel(), group, n)
-    longest = max(sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[: mine.numel()] = mine
-    gathered = torch.empty(n * longest, dtype=torch.uint8)
-    all_gather_single(gathered, padded, group=group)
-    messages = gathered.numpy()
-    for r in range(n):
-        i, v = decode_pairs(messages[r * longest : r * longest + sizes[r]], _NUMPY_WIRE[values])
+    for message in gather_messages(encode_pairs(idx.numpy(), wire.numpy()), group):
+        i, v = decode_pairs(message, _NUMPY_WIRE[values])
         v = torch.from_numpy(v)
         if values == "bf16":
             v = v.view(torch.bfloat16)

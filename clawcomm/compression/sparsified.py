@@ -63,7 +63,7 @@ class _Sparsifier(Compressor):
 
     uses_error_feedback = True
     reduces_scatter = True
-    codes_pairs = True
+    codable = True
     values = "fp32"
 
     def all_reduce(self, tensor, state, key, group):
