@@ -1,7 +1,8 @@
-"""The lossless coding stage (``+ec``, clawcomm/compression/entropy.py):
-messages round-trip bit for bit, a top-k message at 1% takes at most 60% of
-its raw bytes, a coded all-reduce gives the uncoded one's result bit for bit
-in fewer bytes on the wire, and bad messages and specs are refused."""
+"""The lossless coding stage (``+ec``, clawcomm/compression/entropy.py and
+coding.py): messages round-trip bit for bit, a top-k message at 1% takes at
+most 60% of its raw bytes, a coded all-reduce gives the uncoded one's result
+bit for bit in fewer bytes on the wire, ``+ec`` codes where the link makes
+it pay and not in shared memory, and bad messages and specs are refused."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 import clawcomm
+import clawcomm.model
 from clawcomm.compression import CompressorState, compressed_all_reduce, get_compressor
 from clawcomm.compression.entropy import (
     decode_bytes,
@@ -36,9 +38,13 @@ def test_pairs_round_trip_bit_for_bit(dtype, k):
     # Random bits as values: NaNs, infinities and denormals come back too,
     # and the top plane, incompressible here, travels raw.
     values = rng.integers(0, 256, k * np.dtype(dtype).itemsize, dtype=np.uint8).view(dtype)
-    got_idx, got = decode_pairs(encode_pairs(idx, values), dtype)
-    np.testing.assert_array_equal(got_idx, idx)
-    np.testing.assert_array_equal(got.view(np.uint8), values.view(np.uint8))
+    for code in (True, False):  # coded, and sent as it is
+        got_idx, got = decode_pairs(encode_pairs(idx, values, code), dtype)
+        np.testing.assert_array_equal(got_idx, idx)
+        np.testing.assert_array_equal(got.view(np.uint8), values.view(np.uint8))
+    plain = encode_bytes(values.view(np.uint8), code=False)
+    assert plain[0] == 0 and plain.size == values.nbytes + 1
+    np.testing.assert_array_equal(decode_bytes(plain, values.nbytes), values.view(np.uint8))
 
 
 def test_a_top_k_message_at_one_percent_takes_at_most_60_percent():
@@ -102,6 +108,7 @@ def test_bad_messages_are_refused():
         ("randomk:0.01+ec", "has no coded wire"),
         ("topk:0.01+ec+fp16", r"may come '\+fp16' or '\+bf16', then '\+ec'"),
         ("topk:0.01+ec+ec", "then '\\+ec'"),
+        ("topk:0.01+ec:sometimes", "or '\\+ec:always'"),
     ],
 )
 def test_bad_coded_specs_are_refused(spec, message):
@@ -110,8 +117,9 @@ def test_bad_coded_specs_are_refused(spec, message):
 
 
 def test_coded_specs_round_trip():
-    for spec in ["topk:0.01+ec", "topk:0.01+fp16+ec", "dgc:0.01+ec", "threshold:0.5+bf16+ec"]:
+    for spec in ["topk:0.01+ec", "topk:0.01+fp16+ec:always", "dgc:0.01+ec", "int4+ec:always"]:
         assert get_compressor(spec).spec == spec
+    assert get_compressor("qsgd:4+ec:auto").spec == "qsgd:4+ec"
 
 
 # Each spec, and the most its coded all-reduce may send against the plain
@@ -136,7 +144,7 @@ def _coded_against_plain(rank, ws, numel):
     out = {}
     for spec in SPECS:
         for coded in (False, True):
-            name = f"{spec}+ec" if coded else spec
+            name = f"{spec}+ec:always" if coded else spec
             state = CompressorState()
             before = clawcomm.comm_stats()
             results = []
@@ -160,7 +168,7 @@ def test_a_coded_all_reduce_is_the_plain_one_in_fewer_bytes(world_size):
     numel = 200_000 + world_size
     for rank, out in enumerate(run_ranks(_coded_against_plain, world_size, numel)):
         for spec in SPECS:
-            plain, coded = out[spec], out[f"{spec}+ec"]
+            plain, coded = out[spec], out[f"{spec}+ec:always"]
             assert torch.equal(plain[0], coded[0]), (rank, spec)
             assert torch.equal(plain[1], coded[1]), (rank, spec)
             assert coded[2] < SPECS[spec] * plain[2], (rank, spec, coded[2] / plain[2])
@@ -174,3 +182,26 @@ def test_coding_is_refused_on_cuda_tensors():
     with pytest.raises(ValueError, match="codes CPU tensors' messages; this one is on cuda:0"):
         get_compressor("topk:0.01+ec").check_coded_device(OnCuda())
     get_compressor("topk:0.01").check_coded_device(OnCuda())  # uncoded: nothing to refuse
+
+
+def _auto(rank, ws, spec):
+    from clawcomm.compression.coding import coding_stats, reset_coding_stats
+
+    reset_coding_stats()
+    g = torch.from_numpy(np.random.default_rng(rank).standard_normal(400_000)).float()
+    compressed_all_reduce(g, spec, CompressorState())
+    return coding_stats()
+
+
+@pytest.mark.parametrize("spec", ["topk:0.01+ec", "qsgd:4+ec"])
+def test_ec_codes_where_the_link_makes_it_pay(tmp_path, spec):
+    """Shared memory at the model's 5 GB/s: coding costs more than it
+    saves, so nothing is coded; a model whose link moves 10 MB/s: every
+    message is, and the bits per element on the wire drop."""
+    fast = run_ranks(_auto, 2, spec)[0]
+    assert fast["messages"] > 0 and fast["coded"] == 0, fast
+    slow_model = tmp_path / "slow.json"
+    clawcomm.model.CostModel(shm_beta=1 / 10e6).save(str(slow_model))
+    slow = run_ranks(_auto, 2, spec, env={"CLAWCOMM_COST_MODEL": str(slow_model)})[0]
+    assert slow["coded"] == slow["messages"] > 0, slow
+    assert slow["bits_per_element"] < fast["bits_per_element"], (slow, fast)

@@ -143,19 +143,20 @@ class Compressor:
     # (entropy.py: the sparse methods' pairs, the quantisers' codes), and
     # whether it does.
     codable = False
-    coded = False
+    coded = ""  # "", or coding.py's "auto" (+ec) or "always" (+ec:always)
 
-    def with_coding(self, spec: str) -> Compressor:
+    def with_coding(self, spec: str, mode: str = "auto") -> Compressor:
         """The same method with ``+ec``: what its all-reduce sends coded
-        losslessly on the wire (CPU tensors)."""
+        losslessly on the wire where it pays (``mode`` auto) or always (CPU
+        tensors)."""
         if not self.codable:
             raise ValueError(
                 f"compressor spec {spec!r}: {self.spec} has no coded wire (+ec codes the pairs "
                 "of topk, threshold and dgc and the codes of int8, int4, qsgd, terngrad and sign)"
             )
         coded = copy.copy(self)
-        coded.coded = True
-        coded.spec = f"{self.spec}+ec"
+        coded.coded = mode
+        coded.spec = f"{self.spec}+ec" + ("" if mode == "auto" else f":{mode}")
         return coded
 
     def check_coded_device(self, tensor: torch.Tensor) -> None:

@@ -4,9 +4,8 @@ Sparse methods (``topk:0.01+ec``, threshold, dgc) send (index, value)
 pairs; block quantisers (``int4+ec``, ``qsgd:4+ec``, int8, terngrad, sign)
 send packed codes, whose levels carry fewer bits of information than their
 width (most fall near the middle of the scale), coded by zlib's Huffman
-coder with a table per message (``encode_bytes``). Messages of different
-lengths then travel with their lengths first (``gather_messages``,
-``exchange_messages``).
+coder with a table per message (``encode_bytes``). When a message is coded,
+and how messages of different lengths travel, is ``coding.py``'s.
 
 What a top-k message spends its bytes on, and what coding does with it:
 
@@ -33,11 +32,8 @@ import struct
 import zlib
 
 import numpy as np
-import torch
-import torch.distributed as dist
 
 from clawcomm import _C
-from clawcomm._torch_names import all_gather_single
 
 __all__ = [
     "decode_bytes",
@@ -45,12 +41,12 @@ __all__ = [
     "encode_bytes",
     "encode_pairs",
     "entropy_bits",
-    "exchange_messages",
-    "gather_messages",
+    "top_plane",
 ]
 
 _HEADER = struct.Struct("<IIIBBxx")  # pairs, index bytes, top-plane bytes, width, flags
 _TOP_CODED = 1
+_INDICES_RAW = 2  # int32 indices as they are: a message sent uncoded
 
 
 def entropy_bits(symbols: np.ndarray) -> float:
@@ -78,12 +74,12 @@ def _inflate(data: bytes, size: int, what: str) -> bytes:
     return out
 
 
-def encode_bytes(data: np.ndarray) -> np.ndarray:
+def encode_bytes(data: np.ndarray, code: bool = True) -> np.ndarray:
     """``data`` (uint8) coded: a tag byte, then its Huffman code, or the
-    bytes themselves where the code is not shorter."""
+    bytes themselves where the code is not shorter (or ``code`` is off)."""
     raw = np.ascontiguousarray(data, np.uint8)
-    coded = _huffman(raw) if raw.size else b""
-    if len(coded) < raw.size:
+    coded = _huffman(raw) if raw.size and code else None
+    if coded is not None and len(coded) < raw.size:
         return np.frombuffer(bytes([1]) + coded, np.uint8)
     return np.frombuffer(bytes([0]) + raw.tobytes(), np.uint8)
 
@@ -98,35 +94,6 @@ def decode_bytes(message: np.ndarray, size: int) -> np.ndarray:
     if len(out) != size:
         raise ValueError(f"decode_bytes: {len(out)} bytes, not {size}")
     return np.frombuffer(out, np.uint8)
-
-
-def gather_messages(message: np.ndarray, group) -> list[np.ndarray]:
-    """Every rank's ``message`` (uint8, any length): the lengths are
-    all-gathered, then the messages, padded to the longest."""
-    n = dist.get_world_size(group)
-    sizes = torch.zeros(n, dtype=torch.int64)
-    all_gather_single(sizes, torch.tensor([message.size], dtype=torch.int64), group=group)
-    longest = int(sizes.max())
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[: message.size] = torch.from_numpy(np.array(message, np.uint8))  # a writable copy
-    gathered = torch.empty(n * longest, dtype=torch.uint8)
-    all_gather_single(gathered, padded, group=group)
-    flat = gathered.numpy()
-    return [flat[r * longest : r * longest + int(sizes[r])] for r in range(n)]
-
-
-def exchange_messages(parts: list[np.ndarray], group) -> list[np.ndarray]:
-    """``parts[q]`` (uint8, any length) to rank q; returns the part each
-    rank sent to this one: the lengths go first, in an all-to-all."""
-    send = torch.tensor([p.size for p in parts], dtype=torch.int64)
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    out = torch.empty(int(recv.sum()), dtype=torch.uint8)
-    flat = torch.from_numpy(np.concatenate([np.ascontiguousarray(p, np.uint8) for p in parts]))
-    dist.all_to_all_single(out, flat, recv.tolist(), send.tolist(), group=group)
-    cuts = np.cumsum([0] + recv.tolist())
-    got = out.numpy()
-    return [got[cuts[q] : cuts[q + 1]] for q in range(len(parts))]
 
 
 # Per value width: the unsigned view, and the planes below the top byte
@@ -144,22 +111,38 @@ def _layout(width: int, what: str):
         raise ValueError(f"{what}: {width}-byte values; 2 or 4 bytes are coded") from None
 
 
-def encode_pairs(idx: np.ndarray, values: np.ndarray) -> np.ndarray:
+def top_plane(values: np.ndarray) -> np.ndarray:
+    """Each value's most significant byte (its sign and the top of its
+    exponent): the plane ``encode_pairs`` Huffman-codes."""
+    width = values.dtype.itemsize
+    unsigned, _ = _layout(width, "top_plane")
+    return (np.ascontiguousarray(values).view(unsigned) >> (8 * width - 8)).astype(np.uint8)
+
+
+def encode_pairs(idx: np.ndarray, values: np.ndarray, code: bool = True) -> np.ndarray:
     """One message (uint8) for strictly ascending int32 ``idx`` and their
     ``values`` (2 or 4 bytes each: float32, float16, or bfloat16 as its
-    uint16 bits). Raises ValueError if the indices are not strictly
-    ascending."""
+    uint16 bits); with ``code`` off, the same layout uncoded. Raises
+    ValueError if the indices are not strictly ascending."""
     k = idx.size
     if values.size != k:
         raise ValueError(f"encode_pairs: {k} indices but {values.size} values")
     width = values.dtype.itemsize
     unsigned, lower = _layout(width, "encode_pairs")
-    index_bytes = _C.compress.encode_rice(np.ascontiguousarray(idx, np.int32))
+    idx = np.ascontiguousarray(idx, np.int32)
+    if code:
+        index_bytes = _C.compress.encode_rice(idx)
+    else:
+        if k > 1 and not bool((idx[1:] > idx[:-1]).all()):
+            raise ValueError("encode_pairs: the indices are not above the previous one")
+        index_bytes = idx.tobytes()
     u = np.ascontiguousarray(values).view(unsigned)
-    top = (u >> (8 * width - 8)).astype(np.uint8)  # the sign and the top of the exponent
-    coded = _huffman(top) if k else b""
-    flags = _TOP_CODED if len(coded) < k else 0
-    top_bytes = coded if flags else top.tobytes()
+    top = top_plane(values)
+    coded = _huffman(top) if k and code else None
+    flags = (_TOP_CODED if coded is not None and len(coded) < k else 0) | (
+        0 if code else _INDICES_RAW
+    )
+    top_bytes = coded if flags & _TOP_CODED else top.tobytes()
     rest = b"".join((u >> shift).astype(t).tobytes() for shift, t in lower)
     header = _HEADER.pack(k, len(index_bytes), len(top_bytes), width, flags)
     return np.frombuffer(header + index_bytes + top_bytes + rest, np.uint8)
@@ -180,7 +163,12 @@ def decode_pairs(message: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, np.n
     need = at + index_bytes + top_bytes + k * (width - 1)
     if data.size < need:
         raise ValueError(f"decode_pairs: {data.size} bytes, the header says {need}")
-    idx = _C.compress.decode_rice(data[at : at + index_bytes].tobytes(), k)
+    if flags & _INDICES_RAW:
+        if index_bytes != 4 * k:
+            raise ValueError(f"decode_pairs: {index_bytes} bytes of raw indices for {k}")
+        idx = data[at : at + index_bytes].view(np.int32).copy()
+    else:
+        idx = _C.compress.decode_rice(data[at : at + index_bytes].tobytes(), k)
     at += index_bytes
     top = data[at : at + top_bytes].tobytes()
     if flags & _TOP_CODED:

@@ -34,19 +34,13 @@ scales and residuals for the same seed.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from clawcomm._torch_names import all_gather_single
 from clawcomm.compression import gpu
 from clawcomm.compression.base import Compressor, CompressorState, shared_seed, zeros_like_in
-from clawcomm.compression.entropy import (
-    decode_bytes,
-    encode_bytes,
-    exchange_messages,
-    gather_messages,
-)
+from clawcomm.compression.coding import exchange_codes, gather_codes
 
 SCALES = ("max", "l2", "mean_abs")
 
@@ -175,10 +169,7 @@ class BlockQuantized(Compressor):
         codes, scales = self.codec.encode(mine, seed ^ 0x5EC0D, second)
         all_scales = scales.new_empty(n * scales.numel())
         if self.coded:
-            got = gather_messages(encode_bytes(codes.numpy()), group)
-            all_codes = torch.from_numpy(
-                np.concatenate([decode_bytes(m, codes.numel()) for m in got])
-            )
+            all_codes = torch.from_numpy(gather_codes(codes.numpy(), part, group, self.coded))
         else:
             all_codes = codes.new_empty(n * codes.numel())
             all_gather_single(all_codes, codes, group=group)
@@ -227,9 +218,8 @@ class BlockQuantized(Compressor):
         row, nb = self.codec.row_bytes(padded), padded // block
         got_codes, got_scales = torch.empty_like(codes), torch.empty_like(scales)
         if self.coded:
-            rows_of = codes.numpy().reshape(n, row)
-            got = exchange_messages([encode_bytes(r) for r in rows_of], group)
-            got_codes = torch.from_numpy(np.concatenate([decode_bytes(m, row) for m in got]))
+            rows = codes.numpy().reshape(n, row)
+            got_codes = torch.from_numpy(exchange_codes(rows, n * padded, group, self.coded))
         else:
             dist.all_to_all_single(got_codes, codes, group=group)
         dist.all_to_all_single(got_scales, scales, group=group)

@@ -1,7 +1,7 @@
 """Compressor specs: strings such as "fp16", "topk:0.01", "powersgd:4",
 "dgc:0.001:warmup=200" and combinations such as "topk:0.01+fp16".
 
-Grammar: ``BASE[+VALUES][+ec]`` where BASE is one of
+Grammar: ``BASE[+VALUES][+ec[:always]]`` where BASE is one of
 
 * ``none``, ``fp16``, ``bf16`` (compressors.py);
 * ``int8[:BLOCK]``, ``int4[:BLOCK]``, ``qsgd:BITS[:BLOCK]``,
@@ -15,8 +15,9 @@ K is a ratio in (0, 1] (written with a decimal point, "0.01") or a count
 (an integer, "1000"), and VALUES (``fp16`` or ``bf16``) sets the type the
 values travel in: the sparse values of topk, randomk, threshold and dgc, or
 PowerSGD's factors. The quantisers have no float values to send that way,
-and say so. ``+ec`` codes the sparse methods' pairs losslessly on the wire
-(topk, threshold, dgc; entropy.py).
+and say so. ``+ec`` codes what the sparse methods (topk, threshold, dgc)
+and the quantisers send losslessly, where it pays on the group's links;
+``+ec:always`` codes every message (entropy.py, coding.py).
 
 Researchers add their own with ``register_compressor(name, factory)``: the
 factory receives the spec's arguments (the parts after ``name:``) as strings
@@ -73,20 +74,20 @@ def get_compressor(spec: str | Compressor) -> Compressor:
             f"compressor spec {spec!r}: unknown compressor {name!r} "
             f"(known: {', '.join(available())})"
         )
-    values, coded = None, False
+    values, coded = None, ""
     for item in extra:
         if item in ("fp16", "bf16") and values is None and not coded:
             values = item
-        elif item == "ec" and not coded:
-            coded = True
+        elif item in ("ec", "ec:auto", "ec:always") and not coded:
+            coded = item.partition(":")[2] or "auto"
         else:
             raise ValueError(
                 f"compressor spec {spec!r}: after a compressor may come '+fp16' or '+bf16', "
-                "then '+ec'"
+                "then '+ec' (coded where it pays) or '+ec:always'"
             )
     compressor = _FACTORIES[name](*args, spec=spec)
     if values is not None:
         compressor = compressor.with_values(values, spec)
     if coded:
-        compressor = compressor.with_coding(spec)
+        compressor = compressor.with_coding(spec, coded)
     return compressor

@@ -78,15 +78,16 @@ def sparse_all_reduce(
     *,
     scale: float = 1.0,
     out_zeroed: bool = False,
-    coded: bool = False,
+    coded: str = "",
 ) -> None:
     """``out`` (float32) becomes ``scale`` times the sum over the group of
     every rank's sparse tensor (idx, val); ``scale=1/world_size`` gives the
     mean at no extra pass. Ranks may pass different numbers of pairs.
     ``out`` is zeroed first, unless the caller says it already holds zeros
     (``out_zeroed``: a 64 MiB memset costs more than the rest of the call).
-    ``coded``: the gathered pairs travel coded losslessly (entropy.py; CPU
-    tensors), the same sum bit for bit in fewer bytes."""
+    ``coded`` (``auto`` or ``always``, coding.py): the gathered pairs travel
+    coded losslessly where it pays, or always (CPU tensors): the same sum bit
+    for bit in fewer bytes."""
     if form not in ("auto", "gather", "reduce_scatter"):
         raise ValueError(f"sparse_all_reduce: form {form!r} is not auto, gather or reduce_scatter")
     if values not in VALUE_DTYPES:
@@ -108,9 +109,9 @@ def _all_counts(count: int, group, n: int) -> list[int]:
     return counts.tolist()
 
 
-def _gather_form(idx, val, out, group, values, n, scale, coded=False):
+def _gather_form(idx, val, out, group, values, n, scale, coded=""):
     if coded:
-        _coded_gather_form(idx, val, out, group, values, n, scale)
+        _coded_gather_form(idx, val, out, group, values, n, scale, coded)
         return
     numel = out.numel()
     k = max(_all_counts(idx.numel(), group, n))
@@ -168,7 +169,7 @@ def sparse_reduce_scatter(
         _scatter_add(out, local, got_val.to(torch.float32), scale)
 
 
-def _reduce_scatter_form(idx, val, out, group, values, n, scale, coded=False):
+def _reduce_scatter_form(idx, val, out, group, values, n, scale, coded=""):
     numel = out.numel()
     rank = dist.get_rank(group)
     lo, hi = numel * rank // n, numel * (rank + 1) // n
@@ -180,15 +181,11 @@ def _reduce_scatter_form(idx, val, out, group, values, n, scale, coded=False):
     _gather_form(nz + lo, piece[nz.long()], out, group, values, n, scale, coded)
 
 
-# numpy's view of each wire type (bfloat16 as its bits).
-_NUMPY_WIRE = {"fp32": np.float32, "fp16": np.float16, "bf16": np.int16}
-
-
-def _coded_gather_form(idx, val, out, group, values, n, scale):
-    """The gather form with each rank's pairs sorted by index and coded
-    (entropy.py). Pairs with the same index are summed first (what the
-    scatter-add would do)."""
-    from clawcomm.compression.entropy import decode_pairs, encode_pairs, gather_messages
+def _coded_gather_form(idx, val, out, group, values, n, scale, mode):
+    """The gather form with each rank's pairs sorted by index, coded where
+    ``mode`` says (coding.py). Pairs with the same index are summed first
+    (what the scatter-add would do)."""
+    from clawcomm.compression.coding import gather_pairs
 
     idx, order = torch.sort(idx.to(torch.int32))
     val = val[order]
@@ -198,8 +195,7 @@ def _coded_gather_form(idx, val, out, group, values, n, scale):
     wire = val.to(VALUE_DTYPES[values])
     if values == "bf16":
         wire = wire.view(torch.int16)
-    for message in gather_messages(encode_pairs(idx.numpy(), wire.numpy()), group):
-        i, v = decode_pairs(message, _NUMPY_WIRE[values])
+    for i, v in gather_pairs(idx.numpy(), wire.numpy(), out.numel(), group, mode):
         v = torch.from_numpy(v)
         if values == "bf16":
             v = v.view(torch.bfloat16)

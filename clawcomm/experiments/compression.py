@@ -157,6 +157,9 @@ def train(rank: int, world_size: int, spec: str, cfg: dict) -> dict | None:
     schedule = torch_lr_schedule(opt, cfg["steps"])
     every = max(1, cfg["steps"] // 50)
     # The curve: (step, loss, bytes sent so far, seconds of steps so far), measured.
+    from clawcomm.compression.coding import coding_stats, reset_coding_stats
+
+    reset_coding_stats()  # what +ec did in this run only
     start = _wire_bytes(device, groups)
     curve, step_seconds = [(0, evaluate()[0], 0, 0.0)], 0.0
     # Bytes count the compressed steps (all of them if the warm-up is longer than the run).
@@ -183,6 +186,7 @@ def train(rank: int, world_size: int, spec: str, cfg: dict) -> dict | None:
     sent = _wire_bytes(device, groups) - before
     final_loss, accuracy = evaluate()
     result = {
+        "coding": coding_stats() if "+ec" in spec else None,
         "compressor": spec,
         "bytes_per_step": sent / (cfg["steps"] - counted + 1),
         "step_ms": 1e3 * step_seconds / cfg["steps"],

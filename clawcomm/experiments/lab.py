@@ -125,6 +125,15 @@ def table(results: list[dict]) -> str:
             + (f" {closed:11.0%}" if closed is not None else f" {'-':>11}")
             + "  " + " / ".join(f"{proj[n]:.0f}" for n in HOSTS if n in proj)
         )  # fmt: skip
+    for r in results:
+        c = r.get("coding")
+        if c and c["messages"]:
+            lines.append(
+                f"# {r['compressor']}: {c['coded']} of {c['messages']} messages coded (+ec: where "
+                f"it pays), {c['bits_per_element']:.2f} bits per element sent, "
+                f"{c['sent_bytes'] / max(c['raw_bytes'], 1):.1%} of the uncoded bytes, "
+                f"{c['coding_s']:.2f} s coding"
+            )
     return "\n".join(lines)
 
 
