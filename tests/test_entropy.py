@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 import clawcomm
 import clawcomm.model
@@ -205,3 +206,39 @@ def test_ec_codes_where_the_link_makes_it_pay(tmp_path, spec):
     slow = run_ranks(_auto, 2, spec, env={"CLAWCOMM_COST_MODEL": str(slow_model)})[0]
     assert slow["coded"] == slow["messages"] > 0, slow
     assert slow["bits_per_element"] < fast["bits_per_element"], (slow, fast)
+
+
+def _reduce_scatter_coded_against_plain(rank, ws, numel):
+    """ZeRO's sharded reduction, each spec plain and coded: this rank's
+    part, the residual, and the bytes sent."""
+    out = {}
+    for spec in ("topk:0.01", "topk:0.02+bf16", "dgc:0.01", "int4", "qsgd:4"):
+        for name in (spec, f"{spec}+ec:always"):
+            c, state = get_compressor(name), CompressorState()
+            before = clawcomm.comm_stats()
+            parts = []
+            for step in range(2):
+                g = torch.from_numpy(
+                    np.random.default_rng(10 * step + rank).standard_normal(numel)
+                ).float()
+                part = torch.empty(numel // ws)
+                c.reduce_scatter_mean(g, part, state, 0, dist.group.WORLD)
+                parts.append(part)
+            after = clawcomm.comm_stats()
+            sent = sum(after[k]["bytes_sent"] - before[k]["bytes_sent"] for k in after)
+            residual = state.residuals.get(0, torch.zeros(0))
+            out[name] = (torch.stack(parts), residual.clone(), sent)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_coded_reduce_scatter_is_the_plain_one_in_fewer_bytes(world_size):
+    numel = 3 * 2**16 * world_size
+    for rank, out in enumerate(run_ranks(_reduce_scatter_coded_against_plain, world_size, numel)):
+        for name, coded in out.items():
+            if "+ec" not in name:
+                continue
+            plain = out[name.removesuffix("+ec:always")]
+            assert torch.equal(plain[0], coded[0]), (rank, name)
+            assert torch.equal(plain[1], coded[1]), (rank, name)
+            assert coded[2] < plain[2], (rank, name, coded[2] / plain[2])

@@ -29,7 +29,14 @@ import torch.distributed as dist
 from clawcomm._torch_names import all_gather_single
 from clawcomm.compression import entropy
 
-__all__ = ["coding_stats", "exchange_codes", "gather_codes", "gather_pairs", "reset_coding_stats"]
+__all__ = [
+    "coding_stats",
+    "exchange_codes",
+    "exchange_pairs",
+    "gather_codes",
+    "gather_pairs",
+    "reset_coding_stats",
+]
 
 MODES = ("auto", "always")
 
@@ -141,28 +148,52 @@ def exchange_messages(parts: list[np.ndarray], group) -> list[np.ndarray]:
     return [got[cuts[q] : cuts[q + 1]] for q in range(len(parts))]
 
 
-def gather_pairs(idx: np.ndarray, values: np.ndarray, numel: int, group, mode: str):
-    """Every rank's (indices, values): strictly ascending int32 ``idx`` of
-    a tensor of ``numel`` and ``values`` in their wire type (bfloat16 as
-    int16 bits), coded where ``mode`` says (``auto``: where it pays)."""
-    n, k = dist.get_world_size(group), idx.size
+def _encode_pairs(idx: np.ndarray, values: np.ndarray, numel: int, receivers: int, group, mode):
+    """One message of pairs, coded where ``mode`` says (``auto``: where it
+    pays), counted."""
+    k = idx.size
     raw = k * (4 + values.dtype.itemsize)
     code = mode == "always"
     if mode == "auto" and k:
         predicted = (k * _gap_bits(k, numel) + _histogram_bits(entropy.top_plane(values))) / 8
         predicted += k * (values.dtype.itemsize - 1)
-        code = _pays("pairs", raw, predicted, n - 1, group)
+        code = _pays("pairs", raw, predicted, receivers, group)
     message, took = _timed(lambda: entropy.encode_pairs(idx, values, code))
     if code:
         _learn("pairs", 0, raw, took)
     _count(k, raw, message.size, code)
+    return message, code
+
+
+def _decode_pairs(messages: list[np.ndarray], dtype, learn: bool) -> list:
     out = []
-    for m in gather_messages(message, group):
-        pair, took = _timed(lambda m=m: entropy.decode_pairs(m, values.dtype))
-        if code:
-            _learn("pairs", 1, pair[0].size * (4 + values.dtype.itemsize), took)
+    for m in messages:
+        pair, took = _timed(lambda m=m: entropy.decode_pairs(m, dtype))
+        if learn:
+            _learn("pairs", 1, pair[0].size * (4 + np.dtype(dtype).itemsize), took)
         out.append(pair)
     return out
+
+
+def gather_pairs(idx: np.ndarray, values: np.ndarray, numel: int, group, mode: str):
+    """Every rank's (indices, values): strictly ascending int32 ``idx`` of
+    a tensor of ``numel`` and ``values`` in their wire type (bfloat16 as
+    int16 bits), coded where ``mode`` says."""
+    receivers = dist.get_world_size(group) - 1
+    message, code = _encode_pairs(idx, values, numel, receivers, group, mode)
+    return _decode_pairs(gather_messages(message, group), values.dtype, code)
+
+
+def exchange_pairs(parts: list, sizes: list[int], group, mode: str):
+    """``parts[q]``, (indices, values) in rank q's slice of ``sizes[q]``
+    positions, to rank q; returns the pairs every rank sent to this one,
+    coded where ``mode`` says."""
+    messages, coded = [], False
+    for (idx, values), size in zip(parts, sizes, strict=True):
+        message, code = _encode_pairs(idx, values, size, 1, group, mode)
+        messages.append(message)
+        coded |= code
+    return _decode_pairs(exchange_messages(messages, group), parts[0][1].dtype, coded)
 
 
 def _code_codes(data: np.ndarray, receivers: int, group, mode: str) -> bool:
@@ -179,9 +210,8 @@ def gather_codes(codes: np.ndarray, elements: int, group, mode: str) -> np.ndarr
     if code:
         _learn("codes", 0, codes.size, took)
     _count(elements, codes.size, message.size, code)
-    got, took = _timed(
-        lambda: [entropy.decode_bytes(m, codes.size) for m in gather_messages(message, group)]
-    )
+    received = gather_messages(message, group)  # (the wait is not coding time)
+    got, took = _timed(lambda: [entropy.decode_bytes(m, codes.size) for m in received])
     if code:
         _learn("codes", 1, codes.size * len(got), took)
     return np.concatenate(got)
@@ -197,9 +227,8 @@ def exchange_codes(rows: np.ndarray, elements: int, group, mode: str) -> np.ndar
         _learn("codes", 0, rows.size, took)
     _count(elements, rows.size, sum(m.size for m in messages), code)
     width = rows.shape[1]
-    got, took = _timed(
-        lambda: [entropy.decode_bytes(m, width) for m in exchange_messages(messages, group)]
-    )
+    received = exchange_messages(messages, group)  # (the wait is not coding time)
+    got, took = _timed(lambda: [entropy.decode_bytes(m, width) for m in received])
     if code:
         _learn("codes", 1, rows.size, took)
     return np.concatenate(got)

@@ -148,6 +148,7 @@ class TopK(Compressor):
         feedback on the whole tensor: the residual is the size of the
         bucket) go each to the rank whose part holds them, summed there."""
         flat_f32(tensor, "topk")
+        self.check_coded_device(tensor)
         k = _k_of(self.k, tensor.numel())
         seed = shared_seed(state, key)
         residual = state.residual(key, tensor) if state is not None else None
@@ -162,7 +163,9 @@ class TopK(Compressor):
             idx, val = self._select(tensor, residual, k, seed)
         out.zero_()
         n = dist.get_world_size(group)
-        sparse_reduce_scatter(idx, val, out, tensor.numel(), group, self.values, scale=1.0 / n)
+        sparse_reduce_scatter(
+            idx, val, out, tensor.numel(), group, self.values, scale=1.0 / n, coded=self.coded
+        )
 
     def _reduce(self, tensor, state, key, group, scale):
         flat_f32(tensor, "topk")

@@ -138,12 +138,14 @@ def sparse_reduce_scatter(
     values: str = "fp32",
     *,
     scale: float = 1.0,
+    coded: str = "",
 ) -> None:
     """Adds to ``out`` (float32: this rank's slice of an index space of
     ``numel``, rank q's being [numel q / n, numel (q + 1) / n)) ``scale``
     times every rank's pairs (idx, val) that fall in it: each rank sends
     each other rank the pairs of its slice (one all-to-all of counts, one of
-    indices, one of values in the wire type ``values``). Ranks may pass
+    indices, one of values in the wire type ``values``; ``coded``: each
+    slice's pairs as one coded message, coding.py). Ranks may pass
     different numbers of pairs."""
     n = dist.get_world_size(group)
     rank = dist.get_rank(group)
@@ -151,6 +153,9 @@ def sparse_reduce_scatter(
     order = torch.argsort(idx)
     idx, val = idx[order].to(torch.int32), val[order]
     cuts = torch.searchsorted(idx, torch.tensor(bounds, dtype=torch.int32, device=idx.device))
+    if coded:
+        _coded_reduce_scatter(idx, val, cuts.tolist(), bounds, out, group, values, scale, coded)
+        return
     send = [int(cuts[q + 1] - cuts[q]) for q in range(n)]
     recv_t = torch.empty(n, dtype=torch.int64, device=idx.device)
     dist.all_to_all_single(
@@ -183,20 +188,50 @@ def _reduce_scatter_form(idx, val, out, group, values, n, scale, coded=""):
 
 def _coded_gather_form(idx, val, out, group, values, n, scale, mode):
     """The gather form with each rank's pairs sorted by index, coded where
-    ``mode`` says (coding.py). Pairs with the same index are summed first
-    (what the scatter-add would do)."""
+    ``mode`` says (coding.py)."""
     from clawcomm.compression.coding import gather_pairs
 
+    idx, val = _summed_pairs(idx, val)
+    for i, v in gather_pairs(idx.numpy(), _wire_numpy(val, values), out.numel(), group, mode):
+        _scatter_add(out, torch.from_numpy(i), _from_wire(v, values), scale)
+
+
+def _summed_pairs(idx, val):
+    """The pairs sorted by index, those with one index summed (what the
+    scatter-add would do): strictly ascending, as the coder needs."""
     idx, order = torch.sort(idx.to(torch.int32))
     val = val[order]
     if idx.numel() > 1 and bool((idx[1:] == idx[:-1]).any()):
         idx, inverse = torch.unique_consecutive(idx, return_inverse=True)
         val = torch.zeros(idx.numel(), dtype=val.dtype).index_add_(0, inverse, val)
+    return idx, val
+
+
+def _wire_numpy(val, values):
     wire = val.to(VALUE_DTYPES[values])
-    if values == "bf16":
-        wire = wire.view(torch.int16)
-    for i, v in gather_pairs(idx.numpy(), wire.numpy(), out.numel(), group, mode):
-        v = torch.from_numpy(v)
-        if values == "bf16":
-            v = v.view(torch.bfloat16)
-        _scatter_add(out, torch.from_numpy(i), v.to(torch.float32), scale)
+    return (wire.view(torch.int16) if values == "bf16" else wire).numpy()
+
+
+def _from_wire(v, values):
+    v = torch.from_numpy(v)
+    return (v.view(torch.bfloat16) if values == "bf16" else v).to(torch.float32)
+
+
+def _coded_reduce_scatter(idx, val, cuts, bounds, out, group, values, scale, mode):
+    """sparse_reduce_scatter with each slice's pairs (indices relative to
+    the slice) one coded message to its owner."""
+    from clawcomm.compression.coding import exchange_pairs
+
+    n = len(bounds) - 1
+    idx, val = _summed_pairs(idx[cuts[0] : cuts[-1]], val[cuts[0] : cuts[-1]])
+    cuts = torch.searchsorted(idx, torch.tensor(bounds, dtype=torch.int32)).tolist()
+    parts = [
+        (
+            (idx[cuts[q] : cuts[q + 1]] - bounds[q]).numpy(),
+            _wire_numpy(val[cuts[q] : cuts[q + 1]], values),
+        )
+        for q in range(n)
+    ]
+    sizes = [bounds[q + 1] - bounds[q] for q in range(n)]
+    for i, v in exchange_pairs(parts, sizes, group, mode):
+        _scatter_add(out, torch.from_numpy(i), _from_wire(v, values), scale)

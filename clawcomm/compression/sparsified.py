@@ -84,10 +84,13 @@ class _Sparsifier(Compressor):
 
     def reduce_scatter_mean(self, tensor, out, state, key, group):
         flat_f32(tensor, self.spec)
+        self.check_coded_device(tensor)
         idx, val = self._select(tensor.view(-1), state, key, group)
         out.zero_()
         n = dist.get_world_size(group)
-        sparse_reduce_scatter(idx, val, out, tensor.numel(), group, self.values, scale=1.0 / n)
+        sparse_reduce_scatter(
+            idx, val, out, tensor.numel(), group, self.values, scale=1.0 / n, coded=self.coded
+        )
 
 
 class Threshold(_Sparsifier):

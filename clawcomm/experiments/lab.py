@@ -17,7 +17,9 @@ gathers).
 ``--links 1gbit,10gbit`` runs every method on network-namespace hosts
 (``clawcomm.testing.netns``; two, or dp x pp with ``--layout``) whose links
 are shaped to that rate, one rank each, under torchrun: the step time is
-measured on that link, not modelled.
+measured on that link, not modelled. The ranks' cost model
+(``CLAWCOMM_COST_MODEL``, else the defaults) gets the shaped rate as the
+network's bandwidth, as a calibrated model would.
 Where namespaces cannot be made (no root, no iproute2) it says why and runs
 on one host.
 """
@@ -129,8 +131,8 @@ def table(results: list[dict]) -> str:
         c = r.get("coding")
         if c and c["messages"]:
             lines.append(
-                f"# {r['compressor']}: {c['coded']} of {c['messages']} messages coded (+ec: where "
-                f"it pays), {c['bits_per_element']:.2f} bits per element sent, "
+                f"# {r['compressor']}: {c['coded']} of {c['messages']} messages coded, "
+                f"{c['bits_per_element']:.2f} bits per element sent, "
                 f"{c['sent_bytes'] / max(c['raw_bytes'], 1):.1%} of the uncoded bytes, "
                 f"{c['coding_s']:.2f} s coding"
             )
@@ -179,11 +181,22 @@ def run_on_link(specs: list[str], cfg: dict, link: str, timeout: float, progress
     """Every method on namespace hosts (dp x pp of them, 2 by default; one
     rank each) whose links run at ``link``; raises RuntimeError with the
     hosts' output if a run fails."""
+    from dataclasses import replace
+
+    from clawcomm.model import CostModel
     from clawcomm.testing.netns import Cluster
 
     results = []
     hosts = cfg.get("dp", 2) * cfg.get("pp", 1)
     with Cluster(hosts, rate=link) as cluster, tempfile.TemporaryDirectory() as tmp:
+        # The ranks' cost model knows the link they run on, as a calibrated
+        # one would: the engine's choices and what +ec weighs its coding
+        # against see the shaped rate.
+        path = os.environ.get("CLAWCOMM_COST_MODEL")
+        model = CostModel.load(path) if path else CostModel()
+        link_model = os.path.join(tmp, "model.json")
+        replace(model, net_beta=1.0 / rate_bytes_per_s(link)).save(link_model)
+        env = {"OMP_NUM_THREADS": "1", "CLAWCOMM_COST_MODEL": link_model}
         for spec in specs:
             if progress is not None:
                 progress.set_description(f"{spec} @ {link}")
@@ -191,7 +204,7 @@ def run_on_link(specs: list[str], cfg: dict, link: str, timeout: float, progress
             argv = ["-m", "clawcomm.experiments.worker", spec, json.dumps(cfg), out]
             # Two hosts share this machine's cores: one thread per rank, as
             # torchrun itself sets when it starts several ranks on a host.
-            runs = cluster.torchrun(argv, 1, env={"OMP_NUM_THREADS": "1"}, timeout=timeout)
+            runs = cluster.torchrun(argv, 1, env=env, timeout=timeout)
             bad = [r for r in runs if r.returncode != 0]
             if bad:
                 raise RuntimeError(
