@@ -139,26 +139,30 @@ SPECS = {
 }
 
 
+def _steps(name, steps, seed, rank, numel, reduce):
+    """``steps`` calls of ``reduce(compressor, gradient, state)`` (which
+    returns the result) from a fresh state: the results, the residual left
+    for key 0, and the bytes this rank sent."""
+    c, state = get_compressor(name), CompressorState()
+    before = clawcomm.comm_stats()
+    results = []
+    for step in range(steps):
+        g = torch.from_numpy(np.random.default_rng(seed * step + rank).standard_normal(numel))
+        results.append(reduce(c, g.float(), state))
+    after = clawcomm.comm_stats()
+    sent = sum(after[k]["bytes_sent"] - before[k]["bytes_sent"] for k in after)
+    return torch.stack(results), state.residuals.get(0, torch.zeros(0)).clone(), sent
+
+
 def _coded_against_plain(rank, ws, numel):
     """Three steps with error feedback, each spec plain and coded: the
     results, and the bytes each sent."""
     out = {}
     for spec in SPECS:
-        for coded in (False, True):
-            name = f"{spec}+ec:always" if coded else spec
-            state = CompressorState()
-            before = clawcomm.comm_stats()
-            results = []
-            for step in range(3):
-                g = torch.from_numpy(
-                    np.random.default_rng(100 * step + rank).standard_normal(numel)
-                ).float()
-                compressed_all_reduce(g, name, state)
-                results.append(g)
-            after = clawcomm.comm_stats()
-            sent = sum(after[k]["bytes_sent"] - before[k]["bytes_sent"] for k in after)
-            residual = state.residuals.get(0, torch.zeros(0))
-            out[name] = (torch.stack(results), residual.clone(), sent)
+        for name in (spec, f"{spec}+ec:always"):
+            out[name] = _steps(
+                name, 3, 100, rank, numel, lambda c, g, st: compressed_all_reduce(g, c, st)
+            )
     return out
 
 
@@ -211,23 +215,16 @@ def test_ec_codes_where_the_link_makes_it_pay(tmp_path, spec):
 def _reduce_scatter_coded_against_plain(rank, ws, numel):
     """ZeRO's sharded reduction, each spec plain and coded: this rank's
     part, the residual, and the bytes sent."""
+
+    def reduce_scatter(c, g, state):
+        part = torch.empty(numel // ws)
+        c.reduce_scatter_mean(g, part, state, 0, dist.group.WORLD)
+        return part
+
     out = {}
     for spec in ("topk:0.01", "topk:0.02+bf16", "dgc:0.01", "int4", "qsgd:4"):
         for name in (spec, f"{spec}+ec:always"):
-            c, state = get_compressor(name), CompressorState()
-            before = clawcomm.comm_stats()
-            parts = []
-            for step in range(2):
-                g = torch.from_numpy(
-                    np.random.default_rng(10 * step + rank).standard_normal(numel)
-                ).float()
-                part = torch.empty(numel // ws)
-                c.reduce_scatter_mean(g, part, state, 0, dist.group.WORLD)
-                parts.append(part)
-            after = clawcomm.comm_stats()
-            sent = sum(after[k]["bytes_sent"] - before[k]["bytes_sent"] for k in after)
-            residual = state.residuals.get(0, torch.zeros(0))
-            out[name] = (torch.stack(parts), residual.clone(), sent)
+            out[name] = _steps(name, 2, 10, rank, numel, reduce_scatter)
     return out
 
 

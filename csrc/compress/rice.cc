@@ -9,17 +9,21 @@
 namespace clawcomm {
 namespace {
 
-// The gaps' bit count with parameter k.
-uint64_t riceBits(const int32_t* idx, size_t count, int k) {
-  uint64_t bits = 0;
+// The stream's bit count with parameters k-1, k and k+1 (0 where k-1 < 0),
+// in one pass over the gaps.
+void riceBits3(const int32_t* idx, size_t count, int k, uint64_t bits[3]) {
+  bits[0] = bits[1] = bits[2] = 0;
   int64_t prev = -1;
   for (size_t i = 0; i < count; ++i) {
     const uint32_t gap = uint32_t(int64_t(idx[i]) - prev - 1);
     prev = idx[i];
-    const uint32_t q = gap >> k;
-    bits += q < kEscapeQuotient ? q + 1 + uint64_t(k) : kEscapeQuotient + 32;
+    for (int j = 0; j < 3; ++j) {
+      const int kj = k - 1 + j;
+      if (kj < 0) continue;
+      const uint32_t q = gap >> kj;
+      bits[j] += q < kEscapeQuotient ? q + 1 + uint64_t(kj) : kEscapeQuotient + 32;
+    }
   }
-  return bits;
 }
 
 class BitWriter {
@@ -122,14 +126,17 @@ int riceParameter(const int32_t* idx, size_t count) {
   const double mean = (double(idx[count - 1]) + 1) / double(count);
   int guess = 0;
   while (guess < 30 && double(uint64_t(1) << (guess + 1)) <= mean * 0.69) ++guess;
+  // Ties keep the guess, then k-1 over k+1.
+  uint64_t bits[3];
+  riceBits3(idx, count, guess, bits);
   int best = guess;
-  uint64_t bestBits = riceBits(idx, count, guess);
-  for (int k : {guess - 1, guess + 1}) {
+  uint64_t bestBits = bits[1];
+  for (int j : {0, 2}) {
+    const int k = guess - 1 + j;
     if (k < 0 || k > 30) continue;
-    const uint64_t b = riceBits(idx, count, k);
-    if (b < bestBits) {
+    if (bits[j] < bestBits) {
       best = k;
-      bestBits = b;
+      bestBits = bits[j];
     }
   }
   return best;
