@@ -25,6 +25,13 @@ class compress:
         The inverse of encode_indices.
         """
     @staticmethod
+    def decode_rans(
+        data: numpy.typing.NDArray[numpy.uint8], count: typing.SupportsInt | typing.SupportsIndex
+    ) -> numpy.typing.NDArray[numpy.uint8]:
+        """
+        The inverse of encode_rans: `count` bytes from a uint8 array.
+        """
+    @staticmethod
     def decode_rice(
         data: bytes, count: typing.SupportsInt | typing.SupportsIndex
     ) -> numpy.typing.NDArray[numpy.int32]:
@@ -62,6 +69,11 @@ class compress:
     def encode_indices(idx: numpy.typing.NDArray[numpy.int32]) -> bytes:
         """
         Delta + LEB128 varint bytes of ascending int32 indices.
+        """
+    @staticmethod
+    def encode_rans(data: numpy.typing.NDArray[numpy.uint8]) -> bytes:
+        """
+        rANS bytes of a uint8 array, with its frequency table (compress/rans.h).
         """
     @staticmethod
     def encode_rice(idx: numpy.typing.NDArray[numpy.int32]) -> bytes:

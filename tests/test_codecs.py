@@ -93,3 +93,71 @@ def test_rice_refuses_bad_input():
         _C.compress.decode_rice(b"\x40\x00", 1)
     with pytest.raises(ValueError, match="empty stream"):
         _C.compress.decode_rice(b"", 1)
+
+
+def _rans_cases():
+    rng = np.random.default_rng(5)
+    normal = np.clip(np.rint(rng.standard_normal(200_000) * 20), -127, 127).astype(np.int8)
+    return {
+        "empty": np.zeros(0, np.uint8),
+        "one": np.array([7], np.uint8),
+        "odd": rng.integers(0, 256, 4099, dtype=np.uint8),  # not a multiple of the states
+        "constant": np.full(10_000, 3, np.uint8),  # one value: no words at all
+        "few-values": rng.integers(0, 5, 3001, dtype=np.uint8),  # a listed table
+        "every-value": np.arange(256, dtype=np.uint8),  # a bitmap, each value once
+        "skewed": (rng.random(100_000) < 0.02).astype(np.uint8) * 200,
+        "normal": normal.view(np.uint8),
+    }
+
+
+@pytest.mark.parametrize("case", list(_rans_cases()))
+def test_rans_round_trips(case):
+    data = _rans_cases()[case]
+    coded = np.frombuffer(_C.compress.encode_rans(data), np.uint8)
+    np.testing.assert_array_equal(_C.compress.decode_rans(coded, data.size), data)
+
+
+@pytest.mark.parametrize("case", ["skewed", "normal", "few-values"])
+def test_rans_codes_within_one_percent_of_the_entropy_and_below_zlibs_huffman(case):
+    """Against the bytes' order-0 entropy, and against a well-kept coder
+    (zlib's Huffman, Z_HUFFMAN_ONLY): never larger, and where one value
+    dominates far smaller (a Huffman code spends at least a bit a byte)."""
+    import zlib
+
+    data = _rans_cases()[case]
+    _, counts = np.unique(data, return_counts=True)
+    entropy = float(-(counts * np.log2(counts / data.size)).sum())
+    coded = 8 * len(_C.compress.encode_rans(data))
+    assert coded <= 1.01 * entropy + 8 * 600, (coded, entropy)
+    z = zlib.compressobj(9, zlib.DEFLATED, -15, 9, zlib.Z_HUFFMAN_ONLY)
+    huffman = 8 * len(z.compress(data.tobytes()) + z.flush())
+    assert coded <= huffman
+    if case == "skewed":  # 0.14 bits a byte of information
+        assert coded < 0.25 * huffman
+
+
+def test_rans_refuses_damaged_streams():
+    data = _rans_cases()["normal"]
+    coded = np.frombuffer(_C.compress.encode_rans(data), np.uint8)
+    with pytest.raises(ValueError, match="holds 200000 bytes, not 200001"):
+        _C.compress.decode_rans(coded, data.size + 1)
+    with pytest.raises(ValueError, match="bytes left after"):
+        _C.compress.decode_rans(np.concatenate([coded, np.zeros(4, np.uint8)]), data.size)
+    with pytest.raises(ValueError, match="ends"):
+        _C.compress.decode_rans(coded[:-4], data.size)
+    with pytest.raises(ValueError, match="ends in its table"):
+        _C.compress.decode_rans(coded[:5], data.size)
+    with pytest.raises(ValueError, match="bytes for an empty output"):
+        _C.compress.decode_rans(coded, 0)
+    # A flipped bit anywhere: an error or other bytes, never a crash; the
+    # final states catch nearly all of them.
+    rng = np.random.default_rng(0)
+    errors = 0
+    for _ in range(300):
+        damaged = coded.copy()
+        damaged[rng.integers(damaged.size)] ^= np.uint8(1 << rng.integers(8))
+        try:
+            _C.compress.decode_rans(damaged, data.size)
+        except ValueError:
+            errors += 1
+    assert errors >= 290

@@ -41,10 +41,11 @@ __all__ = [
 MODES = ("auto", "always")
 
 # Seconds per raw byte to encode and to decode, per kind of message; the
-# starting figures were measured on the 2-core reference machine (pairs:
-# 310 and 530 MB/s; quantiser codes through zlib: 150 and 200 MB/s), then
-# each coded message moves them a fifth of the way to what it took.
-_SPEED = {"pairs": [1 / 310e6, 1 / 530e6], "codes": [1 / 150e6, 1 / 200e6]}
+# starting figures were measured on the 2-core reference machine
+# (bench/coding_speed.py: pairs 450 and 440 MB/s, quantiser codes 170 and
+# 330), then each coded message moves them a fifth of the way to what it
+# took.
+_SPEED = {"pairs": [1 / 450e6, 1 / 440e6], "codes": [1 / 170e6, 1 / 330e6]}
 
 _STATS = dict.fromkeys(("messages", "coded", "elements", "raw_bytes", "sent_bytes"), 0)
 _STATS["coding_s"] = 0.0

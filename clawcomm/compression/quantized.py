@@ -120,7 +120,7 @@ class BlockQuantized(Compressor):
     that many standard deviations first (TernGrad)."""
 
     reduces_scatter = True
-    codable = True  # +ec: the codes of both stages Huffman-coded (entropy.py)
+    codable = True  # +ec: the codes of both stages rANS-coded (entropy.py)
 
     def __init__(self, spec: str, codec: Codec, feedback: bool = False, clip_sigma=None):
         self.spec, self.codec = spec, codec

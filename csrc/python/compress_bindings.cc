@@ -7,6 +7,7 @@
 #include "common/errors.h"
 #include "compress/feedback16.h"
 #include "compress/quantize.h"
+#include "compress/rans.h"
 #include "compress/rice.h"
 #include "compress/threshold_scan.h"
 #include "compress/topk.h"
@@ -19,6 +20,7 @@ namespace clawcomm {
 
 using FloatArray = py::array_t<float, py::array::c_style>;
 using IndexArray = py::array_t<int32_t, py::array::c_style>;
+using ByteArray = py::array_t<uint8_t, py::array::c_style>;
 
 QuantizeSpec quantizeSpec(int bits, size_t block, const std::string& scale, bool stochastic,
                           const char* op) {
@@ -36,7 +38,6 @@ QuantizeSpec quantizeSpec(int bits, size_t block, const std::string& scale, bool
 }
 
 void bindQuantize(py::module_& c) {
-  using ByteArray = py::array_t<uint8_t, py::array::c_style>;
   c.def(
       "quantize",
       [](FloatArray x, ByteArray codes, FloatArray scales, int bits, size_t block,
@@ -279,6 +280,32 @@ void bindCompress(py::module_& m) {
         return idx;
       },
       py::arg("data"), py::arg("count"), "The inverse of encode_rice.");
+  c.def(
+      "encode_rans",
+      [](ByteArray data) {
+        const size_t n = size_t(data.size());
+        std::string out(maxRansBytes(n), '\0');
+        size_t len;
+        {
+          py::gil_scoped_release release;
+          len = encodeRans(data.data(), n, reinterpret_cast<uint8_t*>(&out[0]));
+        }
+        return py::bytes(out.data(), len);
+      },
+      py::arg("data").noconvert(),
+      "rANS bytes of a uint8 array, with its frequency table (compress/rans.h).");
+  c.def(
+      "decode_rans",
+      [](ByteArray data, size_t count) {
+        ByteArray out(static_cast<py::ssize_t>(count));
+        {
+          py::gil_scoped_release release;
+          decodeRans(data.data(), size_t(data.size()), out.mutable_data(), count);
+        }
+        return out;
+      },
+      py::arg("data").noconvert(), py::arg("count"),
+      "The inverse of encode_rans: `count` bytes from a uint8 array.");
 }
 
 }  // namespace clawcomm

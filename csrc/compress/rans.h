@@ -1,0 +1,48 @@
+// Static rANS (range asymmetric numeral systems, Duda) coding of a byte
+// string: the entropy coder for the quantisers' packed codes and the top
+// byte plane of sparse values. A table of the message's byte frequencies,
+// scaled to 1 << kRansScaleBits, travels with it; the coder then spends
+// close to the order-0 entropy (within about 1% on the codes measured in
+// docs/coding.md), below one bit per byte where one byte value dominates,
+// where a Huffman code spends at least a whole bit.
+//
+// kRansStates states interleave over one stream (symbol i belongs to state
+// i % kRansStates), so decoding runs that many independent dependency
+// chains at once. The states are 64 bits and renormalise by 32-bit words,
+// as in Fabian Giesen's public-domain rans64.h: a state lives in
+// [kRansLow, kRansLow << 32), and a symbol moves at most one word.
+//
+// Stream: the input's length (a LEB128 varint); one byte, the number of
+// distinct byte values minus one; the values themselves (one byte each)
+// where there are fewer than 32, else a 32-byte bitmap; each value's
+// frequency minus one as a LEB128 varint, in ascending order of value; the
+// final states (little-endian uint64, state 0 first); then the
+// renormalisation words (little-endian uint32). An empty input gives an
+// empty stream.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace clawcomm {
+
+constexpr int kRansScaleBits = 12;
+constexpr int kRansStates = 4;  // 8 measured slower: the states spill
+constexpr uint64_t kRansLow = uint64_t(1) << 31;
+
+// Upper bound of encodeRans's output for `n` input bytes (a symbol costs
+// at most kRansScaleBits bits, the length and the table at most
+// 10 + 1 + 32 + 2 * 256 bytes).
+size_t maxRansBytes(size_t n);
+
+// Writes the stream of `in` (`n` bytes) into `out` (at least
+// maxRansBytes(n)); returns its length.
+size_t encodeRans(const uint8_t* in, size_t n, uint8_t* out);
+
+// Decodes `n` bytes from `in` (`bytes` long) into `out`; throws
+// InvalidArgument on a stream of another length, one that is cut short, has
+// bytes left over or a malformed table, or does not end in the states the
+// encoder started from (most damage to the words shows there).
+void decodeRans(const uint8_t* in, size_t bytes, uint8_t* out, size_t n);
+
+}  // namespace clawcomm
