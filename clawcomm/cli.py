@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     from clawcomm.bench import cli as bench_cli
     from clawcomm.experiments import compression as compression_experiment
     from clawcomm.train import cli as train_cli
+    from clawcomm.train import tokens
 
     parser = argparse.ArgumentParser(prog="clawcomm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -40,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         "data- and pipeline-parallel training on local ranks (or under torchrun)",
         train_cli,
     )
+    _add(sub, "tokenize", "turn a text file into token files for clawcomm train --data", tokens)
     _add(
         sub,
         "flight",
@@ -60,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         return compression_experiment.run(args)
     if args.command == "train":
         return train_cli.run(args)
+    if args.command == "tokenize":
+        return tokens.run(args)
     if args.command == "flight":
         return flight.run(args)
     if args.command == "simulate":

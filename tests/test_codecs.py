@@ -8,6 +8,7 @@ import pytest
 
 from clawcomm import _C
 from clawcomm.compression import codecs
+from clawcomm.testing import run_ranks
 
 CASES = [
     np.array([], np.int32),
@@ -161,3 +162,20 @@ def test_rans_refuses_damaged_streams():
         except ValueError:
             errors += 1
     assert errors >= 290
+
+
+def _decode_rans(rank, world, coded, n):
+    return _C.kernels.simd_level(), _C.compress.decode_rans(coded, n)
+
+
+def test_rans_decodes_the_same_bytes_with_and_without_avx2():
+    """The vector decoder (AVX2: 16 states as two vectors of 8) and the
+    symbol-by-symbol one (CLAWCOMM_SIMD=portable) on every case above."""
+    for case, data in _rans_cases().items():
+        coded = np.frombuffer(_C.compress.encode_rans(data), np.uint8)
+        [(level, got)] = run_ranks(
+            _decode_rans, 1, coded, data.size, env={"CLAWCOMM_SIMD": "portable"}, init=False
+        )
+        assert level == "portable"
+        np.testing.assert_array_equal(got, data, err_msg=case)
+        np.testing.assert_array_equal(_C.compress.decode_rans(coded, data.size), data)

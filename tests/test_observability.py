@@ -48,8 +48,8 @@ def test_trace_has_every_rank_both_tracks_and_nested_events_on_one_clock(tmp_pat
     assert {e["pid"] for e in spans} == {0, 1, 2, 3}
     for rank in range(4):
         mine = [e for e in spans if e["pid"] == rank]
-        cats = {e["cat"] for e in mine}
-        assert cats == {"compute", "communication", "steps", "engine ops"}, (rank, cats)
+        cats = {e["cat"] for e in mine}  # (and "data", where a step waited for its batch)
+        assert cats - {"data"} == {"compute", "communication", "steps", "engine ops"}, cats
         engine = [e for e in mine if e["cat"] == "engine ops"]
         assert any(e["name"].startswith("dp all_reduce") for e in engine), engine[:5]
         assert any(e["name"].startswith("pp send") for e in engine), engine[:5]

@@ -42,10 +42,10 @@ MODES = ("auto", "always")
 
 # Seconds per raw byte to encode and to decode, per kind of message; the
 # starting figures were measured on the 2-core reference machine
-# (bench/coding_speed.py: pairs 450 and 440 MB/s, quantiser codes 170 and
-# 330), then each coded message moves them a fifth of the way to what it
+# (bench/coding_speed.py: pairs 810 and 975 MB/s, quantiser codes 240 and
+# 700), then each coded message moves them a fifth of the way to what it
 # took.
-_SPEED = {"pairs": [1 / 450e6, 1 / 440e6], "codes": [1 / 170e6, 1 / 330e6]}
+_SPEED = {"pairs": [1 / 810e6, 1 / 975e6], "codes": [1 / 240e6, 1 / 700e6]}
 
 _STATS = dict.fromkeys(("messages", "coded", "elements", "raw_bytes", "sent_bytes"), 0)
 _STATS["coding_s"] = 0.0

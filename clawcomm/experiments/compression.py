@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -127,6 +128,7 @@ def train(rank: int, world_size: int, spec: str, cfg: dict) -> dict | None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from clawcomm.hooks import CompressionHookState, compression_hook
+    from clawcomm.train.energy import StepEnergy
 
     device = cfg.get("device", "cpu")
     if device == "cuda":
@@ -156,11 +158,14 @@ def train(rank: int, world_size: int, spec: str, cfg: dict) -> dict | None:
     # converged rather than the noise of the last mini-batches.
     schedule = torch_lr_schedule(opt, cfg["steps"])
     every = max(1, cfg["steps"] // 50)
-    # The curve: (step, loss, bytes sent so far, seconds of steps so far), measured.
+    # The curve: (step, loss, bytes sent so far, seconds of steps so far,
+    # joules of those steps on every metered rank or None), measured.
     from clawcomm.compression.coding import coding_stats, reset_coding_stats
 
     reset_coding_stats()  # what +ec did in this run only
     start = _wire_bytes(device, groups)
+    meter = StepEnergy(torch.device(device), int(os.environ.get("LOCAL_RANK", rank)))
+    joules, running = [0.0], 0.0  # this rank's, at each curve point, and so far
     curve, step_seconds = [(0, evaluate()[0], 0, 0.0)], 0.0
     # Bytes count the compressed steps (all of them if the warm-up is longer than the run).
     counted = cfg["warmup"] + 1 if cfg["warmup"] < cfg["steps"] else 1
@@ -170,6 +175,7 @@ def train(rank: int, world_size: int, spec: str, cfg: dict) -> dict | None:
             before = _wire_bytes(device, groups)
         x, y = batch()
         t0 = time.perf_counter()
+        meter.lap()  # (what came between steps, the evaluations, does not count)
         opt.zero_grad()
         loss_fn(ddp(x), y).backward()
         opt.step()
@@ -177,14 +183,17 @@ def train(rank: int, world_size: int, spec: str, cfg: dict) -> dict | None:
         if outer is not None:
             outer.after_step(step)
         step_seconds += time.perf_counter() - t0
+        running += max(meter.lap(), 0.0)
         if step % every == 0 or step == cfg["steps"]:
             curve.append((step, evaluate()[0], _wire_bytes(device, groups) - start, step_seconds))
+            joules.append(running)
     if outer is not None:
         outer.close()
     if device == "cuda":
         torch.cuda.synchronize()
     sent = _wire_bytes(device, groups) - before
     final_loss, accuracy = evaluate()
+    curve = _with_joules(curve, meter, joules)  # (after the bytes are counted: it sends some)
     result = {
         "coding": coding_stats() if "+ec" in spec else None,
         "compressor": spec,
@@ -194,9 +203,24 @@ def train(rank: int, world_size: int, spec: str, cfg: dict) -> dict | None:
         "test_accuracy": accuracy,
         "curve": curve,
         "parameters": sum(p.numel() for p in model.parameters()),
+        "ranks": world_size,
+        "energy_note": meter.reason if meter.meter is None else meter.meter.name,
     }
     dist.barrier()
     return result if rank == 0 else None
+
+
+def _with_joules(curve: list, meter, joules: list[float]) -> list:
+    """Each curve point with the joules of the steps up to it on every
+    metered rank (one all-reduce), or None where no rank has a meter."""
+    import torch
+    import torch.distributed as dist
+
+    mine = [*joules, 1.0] if meter.meter is not None else [0.0] * (len(joules) + 1)
+    total = torch.tensor(mine, dtype=torch.float64)
+    dist.all_reduce(total)
+    metered = total[-1] > 0
+    return [(*p, float(total[k]) if metered else None) for k, p in enumerate(curve)]
 
 
 def _no_exchange(state, bucket):

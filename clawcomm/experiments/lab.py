@@ -4,7 +4,10 @@ Per method (and link): bytes each rank sent per step, measured; the mean
 step time, measured; the final loss and accuracy and the gap to dense;
 steps and seconds to the target loss (the first evaluation at or below it;
 the seconds are the measured time of the steps up to it, evaluations
-excluded); for runs beside ``compute`` (the
+excluded), and what reaching it cost: device-seconds (those seconds times
+the ranks, each holding a device) and joules where the ranks have an
+energy meter (``clawcomm.train.energy``; "n/a" and why where they have
+none); for runs beside ``compute`` (the
 same steps with the gradient exchange removed, each rank training alone:
 the step time no compressor can beat), the share of the gap between dense
 and compute alone that the method closes in time to target; and the
@@ -84,6 +87,10 @@ def analyse(results: list[dict], target: float | None, link: str | None, model=N
         at = reached(r["curve"], target) if target is not None else None
         r["steps_to_target"] = at[0] if at else None
         r["seconds_to_target"] = at[3] if at else None  # measured: the steps' own time
+        # What reaching it cost: device-seconds (each rank holds a device),
+        # and joules where the ranks had a meter (energy.py).
+        r["device_s_to_target"] = at[3] * r.get("ranks", 2) if at else None
+        r["joules_to_target"] = at[4] if at and len(at) > 4 else None
         # Dense closes none of the gap by definition, even when a loaded
         # machine timed its steps no slower than compute alone's (then the
         # gap has no width and the others' share is undefined: None).
@@ -102,12 +109,17 @@ def analyse(results: list[dict], target: float | None, link: str | None, model=N
     return {"target_loss": target}
 
 
+def _cost(device_s: float | None, joules: float | None) -> str:
+    dev = f" {device_s:6.1f}" if device_s is not None else f" {'-':>6}"
+    return dev + (f" {joules:7.1f}" if joules is not None else f" {'n/a':>7}")
+
+
 def table(results: list[dict]) -> str:
     dense = next((r for r in results if r["compressor"] == "none"), results[0])
     width = max([18] + [len(r["compressor"]) for r in results])
     head = (
         f"# {'method':<{width}}  bytes/step  vs dense  step ms  final loss  test acc  loss gap"
-        "  to target: steps      s  gap closed  step ms at 8/64/512 hosts (model)"
+        "  to target: steps      s  dev-s       J  gap closed  step ms at 8/64/512 hosts (model)"
     )
     lines = [head]
     for r in results:
@@ -124,9 +136,13 @@ def table(results: list[dict]) -> str:
             f"{r['step_ms']:8.2f} {loss} {r['test_accuracy']:8.2%} "
             + (f"{gap:+9.2%}" if finite else "      n/a")
             + (f"  {steps:16d} {secs:6.1f}" if steps else f"  {'never':>16} {'-':>6}")
+            + _cost(r.get("device_s_to_target"), r.get("joules_to_target"))
             + (f" {closed:11.0%}" if closed is not None else f" {'-':>11}")
             + "  " + " / ".join(f"{proj[n]:.0f}" for n in HOSTS if n in proj)
         )  # fmt: skip
+    notes = {r.get("energy_note") for r in results} - {None, "RAPL", "NVML"}
+    if notes:
+        lines.append(f"# J: n/a, {'; '.join(sorted(notes))}")
     for r in results:
         c = r.get("coding")
         if c and c["messages"]:

@@ -127,6 +127,9 @@ class PipelineExecutor:
         self._in_meta: dict[int, tuple[torch.dtype, tuple[int, ...]]] = {}  # stage -> input
         self._sent_header: set[int] = set()
         self._head_recv: dict[int, tuple] = {}  # stage -> (work, header) in flight
+        # A list without backward actions (an evaluation's) keeps no
+        # activations for them.
+        self._backward_follows = any(a.kind in (B, I) for a in actions)
         # Before compute action k, post the receives listed here (the ones
         # that sit between k and the next compute action).
         self._prefetch: dict[int, list[int]] = {}
@@ -184,6 +187,9 @@ class PipelineExecutor:
         stats.end = time.perf_counter()
         if stats.end - drain > 20e-6:
             stats.waits.append(("sends in flight", drain, stats.end))
+        if not self._backward_follows:
+            self._x.clear()
+            self._out.clear()
         leftover = [k for k in (self._x, self._out, self._gin, self._recv) if k]
         if leftover:
             raise RuntimeError(

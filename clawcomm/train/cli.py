@@ -72,7 +72,6 @@ def train_rank(cfg: TrainConfig, announce: bool = True) -> list[dict]:
     import torch.distributed as dist
 
     from clawcomm.train import checkpoint, models
-    from clawcomm.train.data import global_batches
     from clawcomm.train.trainer import Trainer
 
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -137,23 +136,60 @@ def train_rank(cfg: TrainConfig, announce: bool = True) -> list[dict]:
 
     trainer.on_durable = durable if rank == 0 else None
     trainer.stop = stop.StopRequest(on_signal).install()
+    batches = _batches(cfg, trainer, ds, start)
     try:
         return trainer.fit(
-            global_batches(ds, cfg.effective_batch, cfg.seed, start=start),
+            batches,
             metrics_file=cfg.metrics or None,
             progress=not cfg.quiet,
             log=after_step,
             checkpoint_dir=cfg.checkpoint_dir or None,
             checkpoint_every=cfg.checkpoint_every,
             keep_checkpoints=cfg.keep_checkpoints,
+            val_batches=_held_out(cfg, trainer, ds),
         )
     except BaseException as e:
         events.log("failed", error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
         failure.note_step(e, rank, trainer.step_index + 1)
         raise
     finally:
+        if hasattr(batches, "close"):
+            batches.close()
         trainer.stop.uninstall()
         trainer.close()
+
+
+def _held_out(cfg: TrainConfig, trainer, ds) -> list | None:
+    """``--eval-batches`` batches of ``--data-val``, the same at every
+    evaluation (drawn with their own seed), or None."""
+    if not cfg.data_val:
+        return None
+    from clawcomm.train import tokens
+
+    val = tokens.TokenFile(cfg.data_val, cfg.seq_len, cfg.data_dtype)
+    if val.vocab > ds.vocab:
+        raise ValueError(
+            f"data_val {cfg.data_val} holds ids up to {val.vocab - 1}, past the vocabulary of "
+            f"{cfg.data} ({ds.vocab}): tokenise both with one tokeniser"
+        )
+    rows, need = trainer.data_rows()
+    return tokens.held_out(val, cfg.effective_batch, cfg.seed, rows, need, cfg.eval_batches)
+
+
+def _batches(cfg: TrainConfig, trainer, ds, start: int):
+    """The steps' batches: a token file's as this replica's rows, others
+    whole; prefetched on a thread (``--prefetch``)."""
+    from clawcomm.train import tokens
+    from clawcomm.train.data import global_batches
+
+    if isinstance(ds, tokens.TokenFile):
+        rows, need = trainer.data_rows()
+        batches = tokens.replica_batches(ds, cfg.effective_batch, cfg.seed, rows, need, start)
+    else:
+        batches = global_batches(ds, cfg.effective_batch, cfg.seed, start=start)
+    if cfg.prefetch <= 0:
+        return batches
+    return tokens.Prefetcher(batches, cfg.prefetch, pin=trainer.device.type == "cuda")
 
 
 def say(line: str) -> None:
@@ -211,15 +247,33 @@ def summary(metrics: list[dict], cfg: TrainConfig) -> str:
         f"{len(metrics)} steps; the wait model's layers only wait (it has no loss)"
         if cfg.model == "wait"
         else f"final loss {metrics[-1]['loss']:.4f} after {len(metrics)} steps "
-        f"(first {metrics[0]['loss']:.4f})",
+        f"(first {metrics[0]['loss']:.4f})"
+        + (f", held-out loss {metrics[-1]['val_loss']:.4f}" if "val_loss" in metrics[-1] else ""),
         f"median of the second half: step {med['step_ms']:.1f} ms, "
         f"{med['samples_per_s']:.1f} samples/s"
         + (f", {med['tokens_per_s']:.0f} tokens/s" if "tokens_per_s" in med else "")
         + f", bubble {med['bubble']:.3f}"
         + (f" (predicted {med['bubble_predicted']:.3f})" if "bubble_predicted" in med else "")
-        + f", {med['bytes_sent'] / 1e6:.2f} MB sent per step",
+        + f", {med['bytes_sent'] / 1e6:.2f} MB sent per step"
+        + (
+            f", data wait {med['data_wait_ms']:.2f} ms "
+            f"({100 * med['data_wait_ms'] / med['step_ms']:.1f}% of the step)"
+            if "data_wait_ms" in med
+            else ""
+        ),
+        _cost_line(med, metrics[0]),
     ]
     return "\n".join(lines)
+
+
+def _cost_line(med: dict, first: dict) -> str:
+    """What a step cost: device-seconds, and energy where it was metered."""
+    line = f"cost per step: {med.get('device_s', 0):.3f} device-s"
+    if "energy_j" in med:
+        return line + (
+            f", {med['energy_j']:.2f} J ({med['energy_per_sample_j'] * 1e3:.1f} mJ per sample)"
+        )
+    return line + f", energy n/a ({first.get('energy_note', 'not metered')})"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -55,6 +55,16 @@ class TrainConfig:
     seq_len: int = _opt(64, "gpt: tokens per sample")
     hidden: int = _opt(256, "mlp: hidden width")
     text: str = _opt("", "gpt: a UTF-8 text file (default: the Python docs bundled with CPython)")
+    data: str = _opt(
+        "",
+        "gpt: a token file (uint16/uint32 ids, as nanoGPT writes; `clawcomm tokenize` makes one), "
+        "each replica reading its own samples",
+    )
+    data_val: str = _opt("", "gpt: a held-out token file, for the validation loss")
+    data_dtype: str = _opt("uint16", "token files' ids without a meta.json", ("uint16", "uint32"))
+    prefetch: int = _opt(2, "batches prepared ahead on a background thread (0: none)")
+    eval_every: int = _opt(0, "held-out loss (--data-val) every N steps (0: after the last only)")
+    eval_batches: int = _opt(4, "held-out batches (of the global batch) per evaluation")
     wait_ms: str = _opt("4,4,4", "wait: forward, input-gradient, weight-gradient ms per layer")
     wait_width: int = _opt(256, "wait: width of each layer's (square) weight")
     # optimisation
@@ -191,16 +201,23 @@ class TrainConfig:
         return scale * decay
 
     def check_batch(self, batch) -> tuple:
-        """(inputs, targets) of ``batch``, which must hold the effective batch."""
-        x, y = batch
+        """(inputs, targets, whole) of ``batch``: the effective batch (whole),
+        or a ``tokens.ReplicaSlice``, this replica's rows of it (tensors None
+        on a rank that needs neither)."""
         n = self.effective_batch
-        if x.shape[0] != n or y.shape[0] != n:
+        whole = not hasattr(batch, "items")
+        x, y = batch if whole else (batch.x, batch.y)
+        rows = n if whole else n // self.dp
+        if any(t is not None and t.shape[0] != rows for t in (x, y)):
+            what = "the effective batch" if whole else "this replica's share of the batch"
             raise ValueError(
-                f"clawcomm.train: a batch must hold the effective batch of {n} samples "
-                f"({self.micro_batch_size} x {self.microbatches} x {self.accumulation} x dp "
-                f"{self.dp}); got inputs {tuple(x.shape)} and targets {tuple(y.shape)}"
+                f"clawcomm.train: a batch must hold {what}, {rows} samples "
+                f"({self.micro_batch_size} x {self.microbatches} x {self.accumulation}"
+                + (f" x dp {self.dp}" if whole else "")
+                + f"); got inputs {None if x is None else tuple(x.shape)} and targets "
+                f"{None if y is None else tuple(y.shape)}"
             )
-        return x, y
+        return x, y, whole
 
     def batch_scale(self) -> float:
         """The LR multiplier for the effective batch against ``base_batch``."""
@@ -293,11 +310,7 @@ class TrainConfig:
         check_schedule_args(self.schedule, self.pp, self.microbatches, self.virtual_stages)
         if self.model == "wait":
             self.wait_times()
-        if self.model == "gpt" and self.text:
-            import os
-
-            if not os.path.isfile(self.text):
-                raise ValueError(f"text {self.text!r} is not a file (gpt trains on a UTF-8 text)")
+        self._check_data()
         from clawcomm.train import device
 
         device.check(self.device)
@@ -305,6 +318,22 @@ class TrainConfig:
             from clawcomm.compression import get_compressor
 
             get_compressor(self.compression)
+
+    def _check_data(self) -> None:
+        import os
+
+        if self.model == "gpt" and self.text and not os.path.isfile(self.text):
+            raise ValueError(f"text {self.text!r} is not a file (gpt trains on a UTF-8 text)")
+        for name in ("data", "data_val"):
+            path = getattr(self, name)
+            if path and self.model != "gpt":
+                raise ValueError(f"{name} is a token file for gpt, not for model {self.model}")
+            if path and not os.path.isfile(path):
+                raise ValueError(f"{name} {path!r} is not a file (a token file of uint16/32 ids)")
+        if self.data and self.text:
+            raise ValueError("give text or data, not both: gpt trains on one corpus")
+        if self.data_val and not self.data:
+            raise ValueError("data_val is the held-out part of --data: give data too")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -5,6 +5,7 @@
   prose and code); ``--text FILE`` trains on any UTF-8 file instead.
 - Digits: scikit-learn's bundled 8x8 digits (1797 images, 10 classes).
 - Waiting: a small random tensor per sample (the waiting model ignores it).
+- Token files (``--data``): ``tokens.py``.
 
 ``global_batches`` yields one effective batch per step: ``batch`` samples
 drawn with a generator seeded by (seed, step). Every layout draws the same
@@ -89,9 +90,15 @@ class Noise:
         return torch.ones(len(index), self.width), torch.zeros(len(index), dtype=torch.int64)
 
 
+def step_indices(n: int, batch: int, seed: int, step: int) -> torch.Tensor:
+    """The ``batch`` sample indices of ``step``, drawn uniformly from
+    [0, n) with a generator seeded from seed and step: the one draw every
+    data source and layout shares."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    return torch.randint(0, n, (batch,), generator=g)
+
+
 def global_batches(dataset, batch: int, seed: int, start: int = 0):
-    """Effective batches for steps start, start+1, ...: ``batch`` indices
-    drawn uniformly (with a generator seeded from seed and step)."""
+    """Effective batches for steps start, start+1, ...: ``step_indices``."""
     for step in itertools.count(start):
-        g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-        yield dataset.batch(torch.randint(0, len(dataset), (batch,), generator=g))
+        yield dataset.batch(step_indices(len(dataset), batch, seed, step))

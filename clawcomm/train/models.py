@@ -201,20 +201,26 @@ def build(cfg):
     from clawcomm.train import data
 
     torch.manual_seed(cfg.seed)
-    if cfg.model == "gpt":
+    if cfg.model == "gpt" and cfg.data:
+        from clawcomm.train import tokens
+
+        ds = tokens.TokenFile(cfg.data, cfg.seq_len, cfg.data_dtype)
+        model = gpt(ds.vocab, cfg.dim, cfg.layers, cfg.heads, cfg.seq_len)
+        loss, tokens_per_sample = gpt_loss, cfg.seq_len
+    elif cfg.model == "gpt":
         text = data.default_text() if not cfg.text else open(cfg.text, encoding="utf-8").read()
         ds = data.CharText(text, cfg.seq_len)
         model = gpt(ds.vocab, cfg.dim, cfg.layers, cfg.heads, cfg.seq_len)
-        loss, tokens = gpt_loss, cfg.seq_len
+        loss, tokens_per_sample = gpt_loss, cfg.seq_len
     elif cfg.model == "mlp":
         ds = data.Digits(cfg.seed)
         model = mlp(64, cfg.hidden, cfg.layers, 10)
-        loss, tokens = classification_loss, 0
+        loss, tokens_per_sample = classification_loss, 0
     else:
         f, i, w = cfg.wait_times()
         ds = data.Noise(16)
         model = waiting(cfg.layers, cfg.wait_width, f, i, w)
-        loss, tokens = waiting_loss, 0
+        loss, tokens_per_sample = waiting_loss, 0
 
     def optimizer(params):
         if cfg.optimizer == "sgd":
@@ -224,7 +230,7 @@ def build(cfg):
         return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
     sample = ds.batch(torch.arange(cfg.micro_batch_size))[0]
-    return model, loss, optimizer, ds, tokens, sample
+    return model, loss, optimizer, ds, tokens_per_sample, sample
 
 
 def unique_params(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:

@@ -11,7 +11,7 @@ process of a host):
 * communication: every wait for a received activation or gradient, the
   final wait for sends, and the exposed part of the data-parallel
   reduction (what the step waited for after the pipeline drained);
-* the step itself;
+* the step itself, and the wait for its batch before it (a "data" track);
 * engine ops: the data-parallel group's collectives (the bucket reductions,
   which overlap compute) and the pipeline group's sends and receives, from
   the engine's flight recorder, whose clock (steady_clock) is the same.
@@ -30,8 +30,14 @@ import torch.distributed as dist
 
 # (track, name, start s, end s, args)
 Event = tuple[int, str, float, float, dict]
-COMPUTE, COMM, STEP, ENGINE = 0, 1, 2, 3
-TRACKS = {COMPUTE: "compute", COMM: "communication", STEP: "steps", ENGINE: "engine ops"}
+COMPUTE, COMM, STEP, ENGINE, DATA = 0, 1, 2, 3, 4
+TRACKS = {
+    COMPUTE: "compute",
+    COMM: "communication",
+    STEP: "steps",
+    ENGINE: "engine ops",
+    DATA: "data",  # the wait for the step's batch, before the step
+}
 COLORS = {"F": "#4C72B0", "B": "#DD8452", "I": "#C44E52", "W": "#55A868", "opt": "#8172B3"}
 
 
@@ -130,7 +136,7 @@ def draw_timeline(path: str, ranks: list, step: int = -1, title: str = "") -> No
     from matplotlib.patches import Patch
 
     rows = sorted(ranks, key=lambda r: r[0])
-    chosen = [r[2][step] for r in rows if r[2]]
+    chosen = [[e for e in r[2][step] if e[0] != DATA] for r in rows if r[2]]  # the step itself
     origin = min(e[2] for s in chosen for e in s)
     end = max(e[3] for s in chosen for e in s)
     fig, ax = plt.subplots(figsize=(11, 0.7 * len(rows) + 1.4))
@@ -162,6 +168,18 @@ def draw_timeline(path: str, ranks: list, step: int = -1, title: str = "") -> No
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def record_step(trainer, events, t0, t_pipe, dp_wait, t_opt, t_end, data_wait=None) -> None:
+    """Adds one step's events (those of its pipeline runs, ``events``) to
+    ``trainer.recorder``, with the wait for its batch (start, end) if any."""
+    if data_wait is not None and data_wait[1] > data_wait[0]:
+        events.append((DATA, "data wait", data_wait[0], data_wait[1], {}))
+    events.append((COMM, "dp reduction (exposed)", t_pipe, t_pipe + dp_wait, {}))
+    events.append((COMPUTE, "optimizer", t_opt, t_end, {"kind": "opt"}))
+    events.append((STEP, f"step {trainer.step_index + 1}", t0, t_end, {}))
+    events += engine_events(trainer.traffic.engines()[1], t0, t_end)
+    trainer.recorder.add_step(events)
 
 
 def write_recorded(trainer, trace_path: str | None, timeline_path: str | None) -> None:

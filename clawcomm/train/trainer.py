@@ -39,6 +39,7 @@ One step (every rank):
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable, Iterable
 
@@ -59,9 +60,9 @@ from clawcomm.train import trace
 from clawcomm.train.config import TrainConfig
 from clawcomm.train.device import for_rank as device_for_rank
 from clawcomm.train.device import peak_mb, reset_peak
+from clawcomm.train.energy import StepEnergy
 from clawcomm.train.layout import Grid, describe, sync_initial_weights, tied_parameters
 from clawcomm.train.metrics import (
-    MetricsSink,
     PipelineTotals,
     RankSample,
     Traffic,
@@ -214,6 +215,10 @@ class Trainer:
         self.stop, self.stopped_by, self.on_durable = None, 0, None
         # Per-step events for --trace/--timeline (clawcomm.train.trace), or None.
         self.recorder = None
+        self._data_wait: tuple[float, float] | None = None  # the step's wait for its batch
+        self.eval_executor: PipelineExecutor | None = None  # forward only (loop.evaluate)
+        local = int(os.environ.get("LOCAL_RANK", self.grid.rank))
+        self.energy = StepEnergy(self.device, local)  # this rank's joules per step, if metered
         if cfg.trace or cfg.timeline or cfg.chakra:
             self.recorder = trace.StepRecorder()
 
@@ -230,10 +235,11 @@ class Trainer:
 
     def step(self, batch) -> dict:
         """One optimizer step on ``batch`` = (inputs, targets), the whole
-        effective batch (every rank passes the same). Returns the metrics."""
+        effective batch (every rank passes the same), or a
+        ``tokens.ReplicaSlice`` (this replica's rows). Returns the metrics."""
         cfg = self.cfg
-        x, y = cfg.check_batch(batch)
-        count = float(self.count_fn(y))
+        x, y, whole = cfg.check_batch(batch)
+        count = float(self.count_fn(y) if whole else batch.items)
         for i, g in enumerate(self.optimizer.param_groups):
             g["lr"] = self._peak_lr[i] * cfg.lr_factor(self.step_index)
         bytes_before = self._mark if self._mark is not None else self.traffic.sent()
@@ -243,7 +249,8 @@ class Trainer:
         if self.pp_group is not None:
             dist.barrier(group=self.pp_group)
         t0 = time.perf_counter()
-        totals, events = self._run_pipeline(x, y, loss_scale=cfg.dp / count)
+        self.energy.begin()
+        totals, events = self._run_pipeline(x, y, cfg.dp / count, whole)
         t_pipe = time.perf_counter()
         dp_wait = self.reducer.finish() if self.reducer is not None else 0.0
         for p, group, _ in self._ties:
@@ -262,7 +269,7 @@ class Trainer:
             host=totals.host / max(1, totals.computes), gpu_mb=peak_mb(self.device),
             costs=totals.mean_costs(sorted(self.local)),
             **held_bytes(self.params, self.reducer, self.optimizer, self.zero, self.units),
-            stop=self.stop.signum if self.stop is not None else 0,
+            stop=self.stop.signum if self.stop is not None else 0, energy_j=self.energy.lap(),
         )  # fmt: skip
         rows = gather(sample)
         self.stopped_by = int(max(r.stop for r in rows))  # every rank reads the same rows
@@ -286,31 +293,50 @@ class Trainer:
         self._zero_grads()
         step_s = time.perf_counter() - t0
         if self.recorder is not None:
-            self._record(events, t0, t_pipe, dp_wait, t_opt, t0 + step_s)
+            times = (t0, t_pipe, dp_wait, t_opt, t0 + step_s)
+            trace.record_step(self, events, *times, data_wait=self._data_wait)
         self.step_index += 1
         lr = self.optimizer.param_groups[0]["lr"]
         out = step_metrics(self.step_index, loss, lr, grad_norm, step_s, cfg.effective_batch)
         if self.tokens_per_sample:
             out["tokens_per_s"] = cfg.effective_batch * self.tokens_per_sample / step_s
+        out["device_s"] = step_s * cfg.dp * cfg.pp
         cuda = self.device.type == "cuda"
         return out | summarise(rows, cfg, self.grid, self._plan, self.p2p_latency, cuda)
 
-    def _run_pipeline(self, x, y, loss_scale: float) -> tuple[PipelineTotals, list]:
-        """This replica's slice of the batch through the schedule, once per
-        accumulation round; the reducer hears each action run, and in the
-        last round launches each bucket when its gradients are final."""
-        cfg, dev = self.cfg, self.device
+    def data_rows(self) -> tuple[slice, bool]:
+        """This replica's rows of each effective batch, and whether this rank
+        reads them (its stages take the inputs or the targets)."""
+        per = self.cfg.effective_batch // self.cfg.dp
+        lo = self.grid.dp_rank * per
+        return slice(lo, lo + per), bool({0, self.cfg.num_stages - 1} & set(self.local))
+
+    def rounds(self, x, y, whole: bool):
+        """(accumulation round, its micro-batches' inputs or None, targets or
+        None) of this replica's slice of a batch (``whole``: of the
+        effective batch; else ``x`` and ``y`` are the slice), on the device."""
+        cfg = self.cfg
         per_replica = cfg.effective_batch // cfg.dp
-        lo = self.grid.dp_rank * per_replica
+        lo = self.grid.dp_rank * per_replica if whole else 0
         has_first, has_last = 0 in self.local, cfg.num_stages - 1 in self.local
-        totals, events = PipelineTotals(), []
-        for a in range(cfg.accumulation):
+
+        def cut(t, a: int):
             rows = slice(
                 lo + a * per_replica // cfg.accumulation,
                 lo + (a + 1) * per_replica // cfg.accumulation,
             )
-            inputs = list(x[rows].to(dev).chunk(cfg.microbatches)) if has_first else None
-            targets = list(y[rows].to(dev).chunk(cfg.microbatches)) if has_last else None
+            return list(t[rows].to(self.device, non_blocking=True).chunk(cfg.microbatches))
+
+        for a in range(cfg.accumulation):
+            yield a, cut(x, a) if has_first else None, cut(y, a) if has_last else None
+
+    def _run_pipeline(self, x, y, loss_scale: float, whole: bool) -> tuple[PipelineTotals, list]:
+        """The replica's slice through the schedule, once per accumulation
+        round (``rounds``); the reducer hears each action run, and in the
+        last round launches each bucket when its gradients are final."""
+        cfg = self.cfg
+        totals, events = PipelineTotals(), []
+        for a, inputs, targets in self.rounds(x, y, whole):
             if self.reducer is not None:  # it launches in the last round (ZeRO-2: in each)
                 self.reducer.begin_round(a, last=a == cfg.accumulation - 1)
             stats = self.executor.run(inputs, targets, loss_scale=loss_scale, tracker=self.tracker)
@@ -348,13 +374,6 @@ class Trainer:
             return
         for p, s in state.items():  # (a ZeRO run's master weights are not state here)
             self.optimizer.state.setdefault(p, {}).update(drop_masters(s))
-
-    def _record(self, events, t0, t_pipe, dp_wait, t_opt, t_end) -> None:
-        events.append((trace.COMM, "dp reduction (exposed)", t_pipe, t_pipe + dp_wait, {}))
-        events.append((trace.COMPUTE, "optimizer", t_opt, t_end, {"kind": "opt"}))
-        events.append((trace.STEP, f"step {self.step_index + 1}", t0, t_end, {}))
-        events += trace.engine_events(self.traffic.engines()[1], t0, t_end)
-        self.recorder.add_step(events)
 
     def write_trace(self, trace_path: str | None, timeline_path: str | None) -> None:
         """Gathers every rank's recorded steps on rank 0 and writes the trace,
@@ -432,63 +451,21 @@ class Trainer:
 
         return checkpoint.load(self, path)
 
-    def fit(
-        self,
-        batches: Iterable,
-        steps: int | None = None,
-        metrics_file: str | None = None,
-        progress: bool = True,
-        log: Callable[[dict], None] | None = None,
-        checkpoint_dir: str | None = None,
-        checkpoint_every: int = 0,
-        keep_checkpoints: int = 2,
-    ) -> list[dict]:
+    def fit(self, batches: Iterable, steps: int | None = None, **options) -> list[dict]:
         """Runs ``steps`` steps (default: the config's, less those already
-        done) over ``batches``. Rank 0 writes each step's metrics to
-        ``metrics_file`` (JSON lines, appended to when resuming) and shows a
-        progress bar. With ``checkpoint_dir``, a checkpoint is saved after the
-        last step, and every ``checkpoint_every`` steps if that is set; the
-        step's metrics then carry ``checkpoint_ms`` and ``checkpoint`` (its
-        folder). When a rank's ``stop`` request is raised (SIGTERM, SIGINT),
-        every rank stops after the same step, which is saved and carries
-        ``stopped_by`` (the signal's number). Returns the metrics of every
-        step."""
-        steps = self.cfg.steps - self.step_index if steps is None else steps
-        out = []
-        rank0 = self.grid.rank == 0
-        self._deferring = True  # a step's gathers may land in the next one
-        try:
-            with MetricsSink(
-                metrics_file if rank0 else None,
-                self.cfg.tensorboard if rank0 else "",
-                steps if rank0 and progress else 0,
-                append=self.step_index > 0,
-            ) as sink:
-                for k, batch in zip(range(steps), batches, strict=False):
-                    m = self.step(batch)
-                    if self.stopped_by:
-                        m["stopped_by"] = self.stopped_by
-                    every = checkpoint_every and self.step_index % checkpoint_every == 0
-                    if checkpoint_dir and (every or k == steps - 1 or self.stopped_by):
-                        t0 = time.perf_counter()
-                        saved = self.save_checkpoint(
-                            checkpoint_dir, keep_checkpoints, asynchronous=self.cfg.async_checkpoint
-                        )
-                        m["checkpoint_ms"] = 1e3 * (time.perf_counter() - t0)
-                        m["checkpoint"] = saved if isinstance(saved, str) else saved.path
-                    out.append(m)
-                    sink.write(m)
-                    if log is not None:
-                        log(m)
-                    if self.stopped_by:
-                        break
-        finally:
-            self._deferring = False
-        if self.units is not None:
-            self.units.settle()
-        self.wait_checkpoint()
-        self.write_trace(self.cfg.trace or None, self.cfg.timeline or None)
-        return out
+        done) over ``batches``; see ``loop.fit`` for the options (metrics
+        file, progress bar, checkpoints, held-out batches). Returns the
+        metrics of every step."""
+        from clawcomm.train import loop
+
+        return loop.fit(self, batches, steps, **options)
+
+    def evaluate(self, batches: Iterable) -> float:
+        """The mean loss over ``batches`` (held-out), forward only, on every
+        rank (collective); see ``loop.evaluate``."""
+        from clawcomm.train import loop
+
+        return loop.evaluate(self, batches)
 
     def close(self) -> None:
         self.wait_checkpoint()

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "common/errors.h"
+#include "reduce/reduce_kernels.h"
 
 namespace clawcomm {
 namespace {
@@ -12,7 +13,7 @@ namespace {
 constexpr uint32_t kScale = uint32_t(1) << kRansScaleBits;
 constexpr size_t kListedSymbols = 32;  // fewer distinct values than this: listed, else a bitmap
 constexpr size_t kTableBytes = 10 + 1 + 32 + 2 * 256;
-constexpr size_t kStateBytes = 8 * kRansStates;
+constexpr size_t kStateBytes = 4 * kRansStates;
 
 // Frequencies summing to kScale, every present value at least 1, close to
 // counts * kScale / n: rounded, then moved one at a time where that costs
@@ -47,59 +48,41 @@ void scaleFrequencies(const uint64_t counts[256], size_t n, uint32_t freq[256]) 
   }
 }
 
-// An encoder's view of one value: the state bound past which it shifts out
-// a word, and the division by its frequency as a multiply-high and a shift
-// (Giesen's reciprocal form, exact for states below 2^63).
+// An encoder's view of one value: its frequency and first slot, and the
+// state bound past which it sheds a word first. (A multiply-high by a
+// reciprocal instead of the division, as rans_byte.h does it, took twice
+// as long here: 33 bits of reciprocal for 32-bit states need 128-bit
+// products.)
 struct EncodeSymbol {
-  uint64_t xMax = 0;
-  uint64_t reciprocal = 0;
-  uint32_t bias = 0;
-  uint32_t complement = 0;  // kScale - frequency
-  uint32_t shift = 0;
+  uint32_t xMax = 0;
+  uint32_t freq = 0;
+  uint32_t start = 0;
 };
 
 EncodeSymbol encodeSymbol(uint32_t start, uint32_t freq) {
-  EncodeSymbol e;
-  e.xMax = ((kRansLow >> kRansScaleBits) << 32) * freq;
-  e.complement = kScale - freq;
-  if (freq < 2) {
-    e.reciprocal = ~uint64_t(0);
-    e.shift = 0;
-    e.bias = start + kScale - 1;
-  } else {
-    uint32_t shift = 0;
-    while (freq > (uint32_t(1) << shift)) ++shift;
-    // ceil(2^(63 + shift) / freq)
-    e.reciprocal = uint64_t(((unsigned __int128)1 << (63 + shift)) / freq + 1);
-    if (((unsigned __int128)1 << (63 + shift)) % freq == 0) --e.reciprocal;
-    e.shift = shift - 1;
-    e.bias = start;
-  }
-  return e;
+  // kRansLow << 16 / kScale * freq, at most 2^32 - 1 short of 2^32: a
+  // value that holds the whole scale is never shed for.
+  const uint64_t bound = (uint64_t(kRansLow >> kRansScaleBits) << 16) * freq;
+  return {uint32_t(std::min<uint64_t>(bound, 0xffffffffu)), freq, start};
 }
 
-inline void encodeOne(uint64_t& x, uint32_t*& p, const EncodeSymbol& e) {
-  if (x >= e.xMax) {
-    *--p = uint32_t(x);
-    x >>= 32;
-  }
-  const uint64_t q = uint64_t(((unsigned __int128)x * e.reciprocal) >> 64) >> e.shift;
-  x += e.bias + q * e.complement;
+// Whether a state sheds a word is a coin toss to the branch predictor, so
+// the word is always written below `p`, and kept (p moves down) only when
+// shed: an unkept one is written over by the next, or by the states.
+inline void encodeOne(uint32_t& x, uint16_t*& p, const EncodeSymbol& e) {
+  const bool shed = x >= e.xMax;
+  p[-1] = uint16_t(x);
+  p -= shed;
+  x = shed ? x >> 16 : x;
+  x = ((x / e.freq) << kRansScaleBits) + (x % e.freq) + e.start;
 }
 
-// Decoding: per slot of the scale, its value, and its frequency and its
-// offset from the value's first slot packed as 13 + 12 bits (the value
-// apart: it is not on the states' dependency chain).
-struct DecodeTable {
-  uint32_t slot[kScale];
-  uint8_t value[kScale];
-};
-
-inline uint32_t decodeOne(uint64_t& x, const DecodeTable& t) {
-  const uint32_t s = uint32_t(x) & (kScale - 1);
-  const uint32_t e = t.slot[s];
-  x = uint64_t(e & 0x1fff) * (x >> kRansScaleBits) + (e >> 13);
-  return t.value[s];
+// One decoding slot: the value, its frequency minus one, and the slot's
+// offset from the value's first slot, packed as 8 + 12 + 12 bits.
+inline uint32_t decodeOne(uint32_t& x, const uint32_t* slots) {
+  const uint32_t e = slots[x & (kScale - 1)];
+  x = (((e >> 8) & (kScale - 1)) + 1) * (x >> kRansScaleBits) + (e >> 20);
+  return e & 0xff;
 }
 
 void putVarint(uint8_t*& p, uint64_t v) {
@@ -139,13 +122,25 @@ class Reader {
 }  // namespace
 
 size_t maxRansBytes(size_t n) {
-  return n == 0 ? 0 : kTableBytes + kStateBytes + 4 * ((n * kRansScaleBits + 31) / 32) + 16;
+  return n == 0 ? 0 : kTableBytes + kStateBytes + 2 * ((n * kRansScaleBits + 15) / 16) + 16;
 }
 
 size_t encodeRans(const uint8_t* in, size_t n, uint8_t* out) {
   if (n == 0) return 0;
-  uint64_t counts[256] = {};
-  for (size_t i = 0; i < n; ++i) ++counts[in[i]];
+  // Four histograms: runs of one value would otherwise wait on their own
+  // increments' stores.
+  uint32_t part[4][256] = {};
+  size_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    ++part[0][in[i]];
+    ++part[1][in[i + 1]];
+    ++part[2][in[i + 2]];
+    ++part[3][in[i + 3]];
+  }
+  for (; i < n; ++i) ++part[0][in[i]];
+  uint64_t counts[256];
+  for (int s = 0; s < 256; ++s)
+    counts[s] = uint64_t(part[0][s]) + part[1][s] + part[2][s] + part[3][s];
   uint32_t freq[256];
   scaleFrequencies(counts, n, freq);
 
@@ -175,13 +170,19 @@ size_t encodeRans(const uint8_t* in, size_t n, uint8_t* out) {
   // The renormalisation words go backward from the end of `out`, symbols
   // last to first, then the states; all of it then moves down to `p`.
   uint8_t* const end = out + maxRansBytes(n);
-  uint32_t* q = reinterpret_cast<uint32_t*>(end - (uintptr_t(end) & 3));
-  uint64_t x[kRansStates];
+  uint16_t* const last = reinterpret_cast<uint16_t*>(end - (uintptr_t(end) & 1));
+  uint16_t* q = last;
+  uint32_t x[kRansStates];
   std::fill(x, x + kRansStates, kRansLow);
-  for (size_t i = n; i-- > 0;) encodeOne(x[i % kRansStates], q, symbols[in[i]]);
-  uint8_t* b = reinterpret_cast<uint8_t*>(q);
-  const size_t words = size_t(reinterpret_cast<uint8_t*>(end - (uintptr_t(end) & 3)) - b);
-  b -= kStateBytes;
+  // The last, partial round first, then whole rounds, each last state first.
+  i = n;
+  for (; i % kRansStates; --i) encodeOne(x[(i - 1) % kRansStates], q, symbols[in[i - 1]]);
+  for (; i > 0; i -= kRansStates) {
+    const uint8_t* round = in + i - kRansStates;
+    for (int k = kRansStates - 1; k >= 0; --k) encodeOne(x[k], q, symbols[round[k]]);
+  }
+  const size_t words = 2 * size_t(last - q);
+  uint8_t* b = reinterpret_cast<uint8_t*>(q) - kStateBytes;
   std::memcpy(b, x, kStateBytes);
   std::memmove(p, b, kStateBytes + words);
   return size_t(p - out) + kStateBytes + words;
@@ -217,71 +218,46 @@ void decodeRans(const uint8_t* in, size_t bytes, uint8_t* out, size_t n) {
                        " values, its count says ", distinct);
     r.skip(32);
   }
-  DecodeTable table;  // 20 KiB: in the level-1 cache
+  alignas(32) uint32_t slots[kScale];  // 16 KiB: in the level-1 cache
   uint32_t start = 0;
   for (int s = 0; s < 256; ++s) {
     if (!present[s]) continue;
     const uint32_t f = uint32_t(r.varint("a frequency", 14)) + 1;
     CLAWCOMM_ARG_CHECK(f <= kScale - start, "clawcomm::decode_rans: the frequencies sum past ",
                        kScale);
-    for (uint32_t j = 0; j < f; ++j) {
-      table.slot[start + j] = f | (j << 13);
-      table.value[start + j] = uint8_t(s);
-    }
+    for (uint32_t j = 0; j < f; ++j) slots[start + j] = uint32_t(s) | ((f - 1) << 8) | (j << 20);
     start += f;
   }
   CLAWCOMM_ARG_CHECK(start == kScale, "clawcomm::decode_rans: the frequencies sum to ", start,
                      ", not ", kScale);
   CLAWCOMM_ARG_CHECK(r.left() >= kStateBytes,
-                     "clawcomm::decode_rans: the stream ends in its "
-                     "states");
-  uint64_t x[kRansStates];
+                     "clawcomm::decode_rans: the stream ends in its states");
+  uint32_t x[kRansStates];
   std::memcpy(x, r.at(), kStateBytes);
-  for (uint64_t v : x)
-    CLAWCOMM_ARG_CHECK(v >= kRansLow && (v >> 63) == 0,
-                       "clawcomm::decode_rans: a state is out of range");
+  for (uint32_t v : x)
+    CLAWCOMM_ARG_CHECK(v >= kRansLow, "clawcomm::decode_rans: a state is out of range");
   r.skip(kStateBytes);
-  CLAWCOMM_ARG_CHECK(r.left() % 4 == 0, "clawcomm::decode_rans: ", r.left(),
-                     " bytes of words, not a multiple of 4");
+  CLAWCOMM_ARG_CHECK(r.left() % 2 == 0, "clawcomm::decode_rans: ", r.left(),
+                     " bytes of words, not a multiple of 2");
   const uint8_t* p = r.at();
   const uint8_t* const end = p + r.left();
-
-  // A symbol's renormalisation takes one word or none. While a word for
-  // every state is left, a round of kRansStates symbols decodes without a
-  // bounds check or a branch: each state's word is found from how many the
-  // states before it take, so the states' chains do not wait on each other
-  // through the stream position.
-  constexpr size_t kRound = kRansStates;
   size_t i = 0;
-  for (; i + kRound <= n && size_t(end - p) >= 4 * kRound; i += kRound) {
-    uint8_t symbols[kRound];
-    for (size_t k = 0; k < kRound; ++k) symbols[k] = uint8_t(decodeOne(x[k], table));
-    std::memcpy(out + i, symbols, kRound);
-    // (Masks instead of the conditional measured 5% slower here, on codes
-    // of 6.6 bits a byte, where a state takes a word one symbol in five.)
-    size_t at = 0;
-    for (size_t k = 0; k < kRound; ++k) {
-      const bool take = x[k] < kRansLow;
-      uint32_t w;
-      std::memcpy(&w, p + 4 * at, 4);
-      x[k] = take ? (x[k] << 32) | w : x[k];
-      at += take;
-    }
-    p += 4 * at;
-  }
+  if (activeSimdLevel() != SimdLevel::kPortable) i = decodeRansAvx2(slots, x, p, end, out, i, n);
+  // Symbol by symbol (the portable level, and what the vectors leave): a
+  // state takes the next word when it falls below kRansLow.
   for (; i < n; ++i) {
-    uint64_t& s = x[i % kRansStates];
-    out[i] = uint8_t(decodeOne(s, table));
+    uint32_t& s = x[i % kRansStates];
+    out[i] = uint8_t(decodeOne(s, slots));
     if (s >= kRansLow) continue;
     CLAWCOMM_ARG_CHECK(p < end, "clawcomm::decode_rans: the stream ends before byte ", i, " of ",
                        n);
-    uint32_t w;
-    std::memcpy(&w, p, 4);
-    s = (s << 32) | w;
-    p += 4;
+    uint16_t w;
+    std::memcpy(&w, p, 2);
+    s = (s << 16) | w;
+    p += 2;
   }
   CLAWCOMM_ARG_CHECK(p == end, "clawcomm::decode_rans: ", end - p, " bytes left after ", n);
-  for (uint64_t v : x)
+  for (uint32_t v : x)
     CLAWCOMM_ARG_CHECK(v == kRansLow,
                        "clawcomm::decode_rans: the states do not end where they "
                        "began (a damaged stream)");

@@ -1,0 +1,138 @@
+"""The trainer's loop: steps over batches, the wait for each batch, held-out
+loss, metrics, checkpoints and the trace at the end (``Trainer.fit``).
+
+Each step's ``data_wait_ms`` is the time the loop waited for its batch:
+with the prefetching loader (``tokens.Prefetcher``) the part of the batch's
+preparation that the previous step did not hide. The trace shows it as a
+"data wait" span before the step.
+
+Held-out loss (``val_loss``): ``evaluate`` runs the model forward only, on
+the same stages and ranks as training (each rank's schedule with its
+backward actions taken out), over a fixed list of held-out batches, every
+``--eval-every`` steps and after the last.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from clawcomm.pipeline.actions import RECV_F, SEND_F, F
+from clawcomm.pipeline.executor import PipelineExecutor
+from clawcomm.train.metrics import MetricsSink
+
+
+def fit(
+    trainer,
+    batches: Iterable,
+    steps: int | None = None,
+    metrics_file: str | None = None,
+    progress: bool = True,
+    log: Callable[[dict], None] | None = None,
+    checkpoint_dir: str | None = None,
+    checkpoint_every: int = 0,
+    keep_checkpoints: int = 2,
+    val_batches: list | None = None,
+) -> list[dict]:
+    """Runs ``steps`` steps (default: the config's, less those already done)
+    over ``batches``. Rank 0 writes each step's metrics to ``metrics_file``
+    (JSON lines, appended to when resuming) and shows a progress bar. With
+    ``checkpoint_dir``, a checkpoint is saved after the last step, and every
+    ``checkpoint_every`` steps if that is set; the step's metrics then carry
+    ``checkpoint_ms`` and ``checkpoint`` (its folder). With ``val_batches``,
+    the step's metrics carry ``val_loss`` every ``eval_every`` steps and at
+    the last. When a rank's ``stop`` request is raised (SIGTERM, SIGINT),
+    every rank stops after the same step, which is saved and carries
+    ``stopped_by`` (the signal's number). Returns the metrics of every
+    step."""
+    cfg = trainer.cfg
+    steps = cfg.steps - trainer.step_index if steps is None else steps
+    out = []
+    rank0 = trainer.grid.rank == 0
+    trainer._deferring = True  # a step's gathers may land in the next one
+    try:
+        with MetricsSink(
+            metrics_file if rank0 else None,
+            cfg.tensorboard if rank0 else "",
+            steps if rank0 and progress else 0,
+            append=trainer.step_index > 0,
+        ) as sink:
+            it = iter(batches)
+            for k in range(steps):
+                t0 = time.perf_counter()
+                batch = next(it, None)
+                if batch is None:
+                    break
+                trainer._data_wait = (t0, time.perf_counter())
+                m = trainer.step(batch)
+                m["data_wait_ms"] = 1e3 * (trainer._data_wait[1] - t0)
+                if k == 0 and "energy_j" not in m:  # why there is no energy figure
+                    m["energy_note"] = trainer.energy.reason or "no meter on rank 0"
+                if trainer.stopped_by:
+                    m["stopped_by"] = trainer.stopped_by
+                last = k == steps - 1 or trainer.stopped_by
+                due = cfg.eval_every and trainer.step_index % cfg.eval_every == 0
+                if val_batches and (due or last):
+                    m["val_loss"] = evaluate(trainer, val_batches)
+                every = checkpoint_every and trainer.step_index % checkpoint_every == 0
+                if checkpoint_dir and (every or last):
+                    t0 = time.perf_counter()
+                    saved = trainer.save_checkpoint(
+                        checkpoint_dir, keep_checkpoints, asynchronous=cfg.async_checkpoint
+                    )
+                    m["checkpoint_ms"] = 1e3 * (time.perf_counter() - t0)
+                    m["checkpoint"] = saved if isinstance(saved, str) else saved.path
+                out.append(m)
+                sink.write(m)
+                if log is not None:
+                    log(m)
+                if trainer.stopped_by:
+                    break
+    finally:
+        trainer._deferring = False
+    if trainer.units is not None:
+        trainer.units.settle()
+    trainer.wait_checkpoint()
+    trainer.write_trace(cfg.trace or None, cfg.timeline or None)
+    return out
+
+
+def evaluate(trainer, batches: Iterable) -> float:
+    """The mean loss per item over ``batches`` (whole effective batches or
+    ``tokens.ReplicaSlice``s, as training takes them), forward only, with
+    no gradient; every rank calls it and gets the same number."""
+    if trainer.eval_executor is None:
+        trainer.eval_executor = _forward_only(trainer.executor)
+    ex = trainer.eval_executor
+    if trainer.units is not None:
+        trainer.units.settle()
+    loss, items = torch.zeros(1, dtype=torch.float64), 0.0  # summed on the last stages
+    with torch.no_grad(), trainer.whole_params():
+        for batch in batches:
+            x, y, whole = trainer.cfg.check_batch(batch)
+            for _, inputs, targets in trainer.rounds(x, y, whole):
+                loss += sum(float(v) for v in ex.run(inputs, targets).losses)
+            items += float(trainer.count_fn(y) if whole else batch.items)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(loss)
+    return float(loss) / items if items else float("nan")
+
+
+def _forward_only(ex: PipelineExecutor) -> PipelineExecutor:
+    """``ex``'s stages and ranks with its action list's forward part: the
+    forward passes, and the sends and receives of activations, in order."""
+    actions = [a for a in ex.actions if a.kind in (F, SEND_F, RECV_F)]
+    return PipelineExecutor(
+        ex.stages,
+        actions,
+        ex.num_stages,
+        ex.microbatches,
+        ex.pp_rank,
+        ex.pp,
+        ex.group,
+        ex.loss_fn,
+        device=ex.device,
+    )
