@@ -290,6 +290,15 @@ def run(args: argparse.Namespace) -> int:
     try:  # (a CheckpointError and an outputs.OutputError are ValueErrors too)
         from clawcomm import _C
 
+        if cfg.layout == "auto":
+            if torchrun:  # each rank would profile, and might choose, on its own
+                raise ValueError(
+                    "--layout auto plans before the ranks start: under torchrun, run "
+                    "clawcomm plan and pass the layout flags it prints"
+                )
+            from clawcomm.train import plan
+
+            cfg = plan.choose(cfg, world, say=lambda text: print(text, flush=True))
         cfg.check(world)
         build_check(cfg)
         cfg, changed = resume.plan(cfg)

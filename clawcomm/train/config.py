@@ -23,6 +23,12 @@ def _opt(default, help: str, choices=None, **kw):
 @dataclass
 class TrainConfig:
     # layout and schedule
+    layout: str = _opt(
+        "",
+        "auto: dp, pp, schedule, micro-batches and ZeRO chosen by `clawcomm plan` for the world "
+        "and --global-batch (overrides those flags)",
+        ("", "auto"),
+    )
     dp: int = _opt(1, "data-parallel replicas")
     pp: int = _opt(1, "pipeline stages' ranks (dp * pp = world size)")
     schedule: str = _opt("1f1b", "pipeline schedule", SCHEDULES)

@@ -1,0 +1,487 @@
+"""``clawcomm plan``: the layout for a model on a world, chosen by a model of
+its step, with the reasons, and a check of the prediction on this machine.
+
+    clawcomm plan --nproc 4 --model gpt --global-batch 64              # the best few, and why
+    clawcomm plan --nproc 4 --model gpt --global-batch 64 --check 4    # ... run for real
+    clawcomm train --nproc 4 --layout auto --global-batch 64           # train with the first
+
+1. **Profile** (one process, a second or two): each layer's forward and
+   backward time and the bytes autograd saves for backward, at every
+   micro-batch size a candidate uses; one optimizer step.
+2. **Enumerate** dp x pp (dp * pp = the world, pp at most the layers) x
+   schedule (gpipe, 1f1b, zb1, interleaved with v = 2) x micro-batches (pp,
+   2 pp and 4 pp, where the global batch divides) x ZeRO stage (0-3 where
+   dp > 1); the compression and the sync method are the command's own.
+3. **Predict** each one's step: the pipeline's makespan from the schedule
+   simulator (``pipeline.validate``) with the profiled costs of each stage
+   (stages cut by parameters, as the trainer cuts them; ranks beyond the
+   cores share them: compute times the oversubscription) and the cost
+   model's latency per activation; the data-parallel traffic from the cost
+   model (``clawcomm.model``: an all-reduce of the stage's gradients, or
+   ZeRO's reduce-scatter and parameter all-gathers), of which the part
+   longer than the last micro-batch's backward is exposed; the optimizer
+   on the stage's (shard of its) parameters. Memory per rank: parameters,
+   gradients and AdamW's state as ZeRO divides them, and the activations
+   of the micro-batches in flight.
+4. **Rank** the candidates within ``--max-memory-mb`` (one over it is never
+   chosen), print the best few with the terms of each prediction, why the
+   first beats the second, and the command that runs it. ``--check K``
+   trains the first K for a few steps each and prints predicted against
+   measured step times and their rank correlation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from clawcomm.pipeline.schedules import build as build_schedule
+from clawcomm.pipeline.schedules import check_schedule_args
+from clawcomm.pipeline.validate import SimulationPlan
+from clawcomm.train.layout import balanced_cuts, parameter_costs
+
+SCHEDULE_CHOICES = (("gpipe", 1), ("1f1b", 1), ("zb1", 1), ("interleaved", 2))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    dp: int
+    pp: int
+    schedule: str
+    v: int
+    microbatches: int
+    micro_batch_size: int
+    zero: int
+
+    def flags(self) -> list[str]:
+        out = ["--dp", str(self.dp), "--pp", str(self.pp)]
+        if self.pp > 1:
+            out += ["--schedule", self.schedule, "-v", str(self.v)]
+        out += ["--microbatches", str(self.microbatches)]
+        out += ["--micro-batch-size", str(self.micro_batch_size), "--zero", str(self.zero)]
+        return out
+
+    def name(self) -> str:
+        pipe = f" {self.schedule}" + (f" v{self.v}" if self.v > 1 else "") if self.pp > 1 else ""
+        zero = f" ZeRO-{self.zero}" if self.zero else ""
+        return (f"dp {self.dp} x pp {self.pp}{pipe}, {self.microbatches} x "
+                f"{self.micro_batch_size}{zero}")  # fmt: skip
+
+
+@dataclass
+class Prediction:
+    cand: Candidate
+    compute_ms: float  # the busiest rank's compute in the pipeline
+    bubble_ms: float  # the pipeline's makespan beyond it
+    comm_ms: float  # exposed data-parallel communication
+    opt_ms: float  # the optimizer step
+    memory_mb: float  # the fullest rank's tensors
+
+    @property
+    def step_ms(self) -> float:
+        return self.compute_ms + self.bubble_ms + self.comm_ms + self.opt_ms
+
+
+@dataclass
+class Profile:
+    """Per layer: forward and backward seconds, and the bytes autograd saves
+    for backward, per micro-batch size; parameters per layer; the optimizer's
+    seconds per parameter; output bytes per sample at each layer."""
+
+    params: list[float]
+    forward: dict[int, list[float]]
+    backward: dict[int, list[float]]
+    saved: dict[int, list[float]]
+    out_bytes: dict[int, list[float]]
+    opt_s_per_param: float
+    host_s: float = 0.0  # a trainer step's own time beyond its layers and optimizer
+    seconds: float = 0.0
+
+
+def profile(cfg, sizes: list[int], repeats: int = 3) -> Profile:
+    """Times the model's layers at each micro-batch size in ``sizes``."""
+    from clawcomm.train import models
+
+    t_start = time.perf_counter()
+    model, _, make_opt, ds, _, _ = models.build(dataclasses.replace(cfg, dp=1, pp=1))
+    layers = list(model)
+    prof = Profile(parameter_costs(layers), {}, {}, {}, {}, 0.0)
+    for mbs in sorted(set(sizes)):
+        x0 = ds.batch(torch.arange(mbs))[0]
+        fw, bw = [math.inf] * len(layers), [math.inf] * len(layers)
+        saved, outs = [0.0] * len(layers), [0.0] * len(layers)
+        for _ in range(repeats):
+            x = x0
+            for i, layer in enumerate(layers):
+                inp = x.detach().requires_grad_(x.is_floating_point())
+                packed = []
+                with torch.autograd.graph.saved_tensors_hooks(
+                    lambda t, keep=packed: keep.append(t.numel() * t.element_size()) or t,
+                    lambda t: t,
+                ):
+                    t0 = time.perf_counter()
+                    out = layer(inp)
+                    t1 = time.perf_counter()
+                out.backward(torch.ones_like(out))
+                t2 = time.perf_counter()
+                fw[i], bw[i] = min(fw[i], t1 - t0), min(bw[i], t2 - t1)
+                saved[i], outs[i] = float(sum(packed)), float(out.numel() * out.element_size())
+                x = out.detach()
+            for layer in layers:
+                layer.zero_grad(set_to_none=True)
+        prof.forward[mbs], prof.backward[mbs], prof.saved[mbs] = fw, bw, saved
+        prof.out_bytes[mbs] = outs
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt = make_opt(params)
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        opt.step()
+        best = min(best, time.perf_counter() - t0)
+    prof.opt_s_per_param = best / max(1, sum(p.numel() for p in params))
+    prof.host_s = _host_seconds(cfg, min(sizes), prof)
+    prof.seconds = time.perf_counter() - t_start
+    return prof
+
+
+def _host_seconds(cfg, mbs: int, prof: Profile, steps: int = 4) -> float:
+    """What one process's trainer step takes beyond its layers' forward and
+    backward and the optimizer (the executor's bookkeeping, the metrics):
+    a few steps of the real trainer, the median, less the profiled parts."""
+    from clawcomm.train import models
+    from clawcomm.train.data import global_batches
+    from clawcomm.train.trainer import Trainer
+
+    one = dataclasses.replace(cfg, dp=1, pp=1, microbatches=1, micro_batch_size=mbs,
+                              accumulation=1, global_batch=0, zero=0, layout="", quiet=True,
+                              compression="", sync="every-step", metrics="", trace="",
+                              timeline="", tensorboard="", checkpoint_dir="")  # fmt: skip
+    model, loss, make_opt, ds, tokens, sample = models.build(one)
+    trainer = Trainer(model, loss, make_opt, one, tokens_per_sample=tokens, sample=sample)
+    try:
+        times = [m["step_ms"] / 1e3 for m in trainer.fit(
+            global_batches(ds, mbs, one.seed), steps=steps, progress=False)]  # fmt: skip
+    finally:
+        trainer.close()
+    layers = sum(prof.forward[mbs]) + sum(prof.backward[mbs])
+    params = sum(prof.params)
+    return max(0.0, sorted(times)[len(times) // 2] - layers - prof.opt_s_per_param * params)
+
+
+def apply(cfg, c: Candidate):
+    """``cfg`` with the candidate's layout."""
+    return dataclasses.replace(
+        cfg, dp=c.dp, pp=c.pp, schedule=c.schedule, virtual_stages=c.v,
+        microbatches=c.microbatches, micro_batch_size=c.micro_batch_size, accumulation=1,
+        global_batch=0, zero=c.zero, layout="",
+    )  # fmt: skip
+
+
+def _runs(cfg, world: int) -> bool:
+    try:
+        cfg.check(world)
+        return True
+    except ValueError:  # (ZeRO beside a sync method, say)
+        return False
+
+
+def candidates(world: int, layers: int, global_batch: int):
+    """Every layout the trainer can run ``global_batch`` samples a step with."""
+    for pp in range(1, min(world, layers) + 1):
+        if world % pp:
+            continue
+        dp = world // pp
+        if global_batch % dp:
+            continue
+        per_replica = global_batch // dp
+        schedules = SCHEDULE_CHOICES if pp > 1 else (("1f1b", 1),)
+        for schedule, v in schedules:
+            if pp * v > layers:
+                continue
+            for m in sorted({pp, 2 * pp, 4 * pp} if pp > 1 else {1, 2, 4}):
+                if per_replica % m:
+                    continue
+                try:
+                    check_schedule_args(schedule, pp, m, v)
+                except ValueError:
+                    continue
+                for zero in range(4) if dp > 1 else (0,):
+                    yield Candidate(dp, pp, schedule, v, m, per_replica // m, zero)
+
+
+def predict(c: Candidate, prof: Profile, cores: int, cost=None, gpu: bool = False) -> Prediction:
+    """The candidate's step time and memory (see the module docstring)."""
+    from clawcomm.model import CostModel, Layout
+    from clawcomm.model import predict as comm_time
+
+    cost = cost or CostModel()
+    stages = c.pp * c.v
+    cuts = balanced_cuts(prof.params, stages)
+    span = [range(cuts[s], cuts[s + 1]) for s in range(stages)]
+    slow = 1.0 if gpu else max(1.0, c.dp * c.pp / cores)  # ranks sharing cores
+    fw = [slow * sum(prof.forward[c.micro_batch_size][i] for i in r) for r in span]
+    bw = [slow * sum(prof.backward[c.micro_batch_size][i] for i in r) for r in span]
+
+    def action_cost(a) -> float:
+        kind = str(a.kind)
+        if kind == "F":
+            return fw[a.stage]
+        if kind == "B":
+            return bw[a.stage]
+        return bw[a.stage] / 2 if kind in ("I", "W") else 0.0
+
+    act = max(prof.out_bytes[c.micro_batch_size][cuts[s + 1] - 1] for s in range(stages))
+    latency = cost.shm_alpha + act * cost.shm_beta if c.pp > 1 else 0.0
+    sim = SimulationPlan(build_schedule(c.schedule, c.pp, c.microbatches, c.v)).run(
+        action_cost, latency
+    )
+    busy = max(sim.busy.values())
+    # Per rank: its stages' parameters (the fullest rank decides).
+    rank_params = [
+        sum(prof.params[i] for s in range(stages) if s % c.pp == r for i in span[s])
+        for r in range(c.pp)
+    ]
+    p_max = max(rank_params)
+    grad_bytes = 4 * p_max
+    comm = 0.0
+    if c.dp > 1:
+        dp_layout = Layout(1, c.dp)
+        if c.zero == 0:
+            comm = comm_time("all_reduce", "auto", grad_bytes, dp_layout, cost)
+        else:
+            comm = comm_time("reduce_scatter", "auto", grad_bytes, dp_layout, cost)
+        # what the last micro-batch's backward on the rank does not hide
+        last_bw = max(bw[s] for s in range(stages))
+        comm = max(0.0, comm - last_bw)
+        if c.zero >= 1:  # the updated shards gathered (ZeRO-3: again before backward)
+            gathers = 2 if c.zero == 3 else 1
+            comm += gathers * comm_time("all_gather", "auto", grad_bytes, dp_layout, cost)
+    opt = slow * prof.opt_s_per_param * p_max / (c.dp if c.zero >= 1 else 1)
+    # Memory: parameters, gradients, AdamW's two moments, as ZeRO divides them;
+    # the activations saved for backward of the micro-batches in flight.
+    shard = lambda stage_needed: c.dp if c.zero >= stage_needed else 1  # noqa: E731
+    held = 4 * p_max / shard(3) + 4 * p_max / shard(2) + 8 * p_max / shard(1)
+    saved = max(
+        sum(prof.saved[c.micro_batch_size][i] for s in range(stages) if s % c.pp == r
+            for i in span[s])
+        for r in range(c.pp)
+    )  # fmt: skip
+    in_flight = c.microbatches if c.schedule == "gpipe" or c.pp == 1 else min(c.microbatches, c.pp)
+    memory = (held + saved * (1 if c.pp == 1 else in_flight)) / 2**20
+    busy += slow * prof.host_s  # the trainer's own time, on the busiest rank
+    makespan = sim.makespan + slow * prof.host_s
+    return Prediction(c, 1e3 * busy, 1e3 * (makespan - busy), 1e3 * comm, 1e3 * opt, memory)
+
+
+def plan(cfg, world: int, memory_mb: float = 0.0, cores: int | None = None, cost=None):
+    """(predictions best first, those over the memory limit, the profile)."""
+    from clawcomm.train import models
+
+    model = models.build(dataclasses.replace(cfg, dp=1, pp=1))[0]
+    layers = len(list(model))
+    batch = global_batch(cfg)
+    cands = [c for c in candidates(world, layers, batch) if _runs(apply(cfg, c), world)]
+    if not cands:
+        raise ValueError(
+            f"no layout runs a global batch of {batch} on {world} ranks with {layers} layers: "
+            "choose a global batch that dp and the micro-batches divide"
+        )
+    prof = profile(cfg, [c.micro_batch_size for c in cands])
+    gpu = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    cores = cores or os.cpu_count() or 1
+    preds = [predict(c, prof, cores, cost, gpu) for c in cands]
+    fits = [p for p in preds if not memory_mb or p.memory_mb <= memory_mb]
+    over = [p for p in preds if memory_mb and p.memory_mb > memory_mb]
+    fits.sort(key=lambda p: (p.step_ms, p.memory_mb))
+    return fits, over, prof
+
+
+def global_batch(cfg) -> int:
+    """The samples per step the plan keeps: --global-batch, else what the
+    command's own micro-batch settings make at its dp."""
+    return cfg.global_batch or cfg.effective_batch
+
+
+def why(first: Prediction, second: Prediction) -> str:
+    """One sentence: the terms in which the first beats the second."""
+    terms = ("compute", "bubble", "comm", "opt")
+    diff = {t: getattr(second, f"{t}_ms") - getattr(first, f"{t}_ms") for t in terms}
+    words = {"compute": "compute", "bubble": "bubble", "comm": "exposed communication",
+             "opt": "optimizer"}  # fmt: skip
+    gains = [f"{diff[t]:.1f} ms less {words[t]}" for t in terms if diff[t] > 0.05]
+    costs = [f"{-diff[t]:.1f} ms more {words[t]}" for t in terms if diff[t] < -0.05]
+    gap = second.step_ms - first.step_ms
+    text = f"#1 is {gap:.1f} ms ({100 * gap / max(second.step_ms, 1e-9):.0f}%) faster than #2"
+    if gap < 0.05:
+        text = "#1 and #2 are predicted equal; #1 holds less memory" if (
+            first.memory_mb < second.memory_mb) else "#1 and #2 are predicted equal"  # fmt: skip
+        return text
+    if gains:
+        text += ": " + ", ".join(gains)
+    if costs:
+        text += "; it pays " + ", ".join(costs)
+    if abs(gap) < 0.05 * second.step_ms:
+        text += " (within 5%: this machine's noise can swap them)"
+    return text
+
+
+def report(preds: list[Prediction], over: list[Prediction], prof: Profile, base: list[str],
+           top: int = 5) -> str:  # fmt: skip
+    lines = [
+        f"# profiled {len(prof.params)} layers in {prof.seconds:.1f} s; "
+        f"{len(preds) + len(over)} layouts, {len(over)} over the memory limit",
+        f"# {'':>2} {'layout':<44} {'step ms':>8} {'compute':>8} {'bubble':>7} {'comm':>6} "
+        f"{'optim':>6} {'MB/rank':>8}",
+    ]
+    for k, p in enumerate(preds[:top], 1):
+        lines.append(
+            f"  {k:>2} {p.cand.name():<44} {p.step_ms:8.1f} {p.compute_ms:8.1f} "
+            f"{p.bubble_ms:7.1f} {p.comm_ms:6.1f} {p.opt_ms:6.1f} {p.memory_mb:8.1f}"
+        )
+    if len(preds) > 1:
+        lines.append("# " + why(preds[0], preds[1]))
+        shape = lambda c: (c.dp, c.pp, c.schedule, c.v)  # noqa: E731
+        other = next((p for p in preds if shape(p.cand) != shape(preds[0].cand)), None)
+        if other is not None and other is not preds[1]:
+            k = preds.index(other) + 1
+            text = why(preds[0], other).replace("than #2", f"than #{k}, {other.cand.name()}")
+            lines.append("# " + text)
+    if preds:
+        lines.append("# run it: clawcomm train " + " ".join(base + preds[0].cand.flags()))
+    return "\n".join(lines)
+
+
+LAYOUT_FIELDS = ("dp", "pp", "schedule", "virtual_stages", "microbatches", "micro_batch_size",
+                 "accumulation", "global_batch", "zero", "layout")  # fmt: skip
+
+
+def model_flags(cfg) -> list[str]:
+    """The command's settings other than the layout, as flags."""
+    from clawcomm.train.config import TrainConfig
+
+    default, out = TrainConfig(), []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name in LAYOUT_FIELDS or value == getattr(default, f.name):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def check(cfg, preds: list[Prediction], k: int, steps: int, world: int) -> str:
+    """Trains the first ``k`` for ``steps`` steps each (``clawcomm train``,
+    one after another) and prints predicted against measured step times
+    (the median of the second half) and their rank correlation."""
+    import json
+    import statistics
+    import subprocess
+    import sys
+    import tempfile
+
+    from tqdm import tqdm
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for p in tqdm(preds[:k], desc="clawcomm plan --check", unit="layout", leave=False):
+            metrics = os.path.join(tmp, "m.jsonl")
+            cmd = [sys.executable, "-c", "import sys; from clawcomm.cli import main; "
+                   "sys.exit(main())", "train", "--nproc", str(world), "--steps", str(steps),
+                   "--quiet", "--metrics", metrics, *model_flags(cfg), *p.cand.flags()]  # fmt: skip
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+            with open(metrics) as f:
+                steps_ms = [json.loads(line)["step_ms"] for line in f]
+            rows.append((p, statistics.median(steps_ms[len(steps_ms) // 2 :])))
+    lines = [f"# {'':>2} {'layout':<44} {'predicted ms':>12} {'measured ms':>11} {'error':>7}"]
+    for k_, (p, measured) in enumerate(rows, 1):
+        err = (p.step_ms - measured) / measured
+        lines.append(
+            f"  {k_:>2} {p.cand.name():<44} {p.step_ms:12.1f} {measured:11.1f} {err:+7.0%}"
+        )
+    fastest = min(range(len(rows)), key=lambda i: rows[i][1])
+    lines.append(
+        f"# measured fastest: #{fastest + 1}; the plan's first measured "
+        f"{rows[0][1] / rows[fastest][1]:.2f}x its time"
+        + (
+            f"; Spearman {spearman([p.step_ms for p, _ in rows], [m for _, m in rows]):.2f}"
+            if len(rows) > 2
+            else ""
+        )  # fmt: skip
+    )
+    return "\n".join(lines)
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Rank correlation (ties share their mean rank)."""
+
+    def ranks(x):
+        order = sorted(range(len(x)), key=x.__getitem__)
+        r = [0.0] * len(x)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and x[order[j + 1]] == x[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
+    num = sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
+    den = math.sqrt(sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb))
+    return num / den if den else 0.0
+
+
+def add_arguments(p) -> None:
+    from clawcomm.train import config
+
+    p.add_argument("--config", metavar="FILE.toml", help="settings (flags given here win)")
+    p.add_argument("--nproc", type=int, required=True, help="ranks of the world to plan for")
+    p.add_argument("--top", type=int, default=5, help="layouts to show (5)")
+    p.add_argument("--check", type=int, default=0, metavar="K",
+                   help="train the first K for --check-steps steps each and compare")  # fmt: skip
+    p.add_argument("--check-steps", type=int, default=20, help="steps per checked layout (20)")
+    config.add_arguments(p)
+
+
+def run(args) -> int:
+    from clawcomm.train import config
+
+    try:
+        cfg = config.from_args(args, args.config)
+        preds, over, prof = plan(cfg, args.nproc, cfg.max_memory_mb)
+    except (ValueError, OSError) as e:
+        print(f"clawcomm plan: error: {e}")
+        return 2
+    if not preds:
+        least = min(p.memory_mb for p in over)
+        print(f"clawcomm plan: every layout needs more than --max-memory-mb "
+              f"{cfg.max_memory_mb:g} MB (the least: {least:.0f} MB)")  # fmt: skip
+        return 2
+    base = ["--nproc", str(args.nproc), *model_flags(cfg)]
+    print(report(preds, over, prof, base, args.top), flush=True)
+    if args.check:
+        print(check(cfg, preds, args.check, args.check_steps, args.nproc))
+    return 0
+
+
+def choose(cfg, world: int, say=print):
+    """``cfg`` with the plan's first layout (``clawcomm train --layout auto``)."""
+    preds, over, prof = plan(cfg, world, cfg.max_memory_mb)
+    if not preds:
+        raise ValueError(f"--layout auto: every layout needs more than --max-memory-mb "
+                         f"{cfg.max_memory_mb:g}")  # fmt: skip
+    say(report(preds, over, prof, ["--nproc", str(world), *model_flags(cfg)], 3))
+    return apply(cfg, preds[0].cand)

@@ -1,0 +1,114 @@
+"""The planner (``clawcomm plan``, ``clawcomm train --layout auto``;
+clawcomm/train/plan.py): every candidate is a layout the trainer accepts,
+the predictions' terms move the way the layouts say, nothing over the
+memory limit is chosen, the report explains the choice and prints a
+command that runs, and ``--check`` and ``--layout auto`` train."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from clawcomm.train import plan
+from clawcomm.train.config import TrainConfig
+
+MLP = dict(model="mlp", hidden=32, quiet=True)
+
+
+def test_every_candidate_is_a_layout_the_trainer_accepts():
+    cfg = TrainConfig(model="gpt", dim=32, heads=2, layers=2, seq_len=16, global_batch=16)
+    cands = list(plan.candidates(4, 4, 16))
+    assert {(c.dp, c.pp) for c in cands} == {(4, 1), (2, 2), (1, 4)}
+    assert {c.schedule for c in cands if c.pp > 1} == {"gpipe", "1f1b", "zb1", "interleaved"}
+    for c in cands:
+        assert c.dp * c.microbatches * c.micro_batch_size == 16
+        assert c.zero == 0 or c.dp > 1
+        plan.apply(cfg, c).check(4)  # raises if the trainer would refuse it
+    assert not list(plan.candidates(4, 4, 6))  # 6 samples: no dp of 4 or 2 divides them
+
+
+@pytest.fixture(scope="module")
+def gpt_plan():
+    cfg = TrainConfig(model="gpt", dim=32, heads=2, layers=2, seq_len=16, global_batch=16)
+    return cfg, *plan.plan(cfg, 4, cores=4)
+
+
+def test_predictions_follow_the_layouts(gpt_plan):
+    cfg, preds, over, prof = gpt_plan
+    assert not over and prof.seconds < 15
+    by = {p.cand: p for p in preds}
+    assert [p.step_ms for p in preds] == sorted(p.step_ms for p in preds)
+    for c, p in by.items():
+        assert p.compute_ms > 0 and p.bubble_ms >= 0 and p.comm_ms >= 0 and p.opt_ms > 0
+        if c.pp == 1:
+            assert p.bubble_ms == pytest.approx(0, abs=1e-6)
+        if c.dp == 1:
+            assert p.comm_ms == 0
+        if c.zero:  # ZeRO divides what a rank holds, and costs gathers
+            plain = by[dataclasses.replace(c, zero=0)]
+            assert p.memory_mb < plain.memory_mb and p.comm_ms >= plain.comm_ms
+    # gpipe holds every micro-batch's activations, 1f1b at most pp of them
+    gpipe = next(c for c in by if c.schedule == "gpipe" and c.microbatches == 4 * c.pp)
+    one_f = dataclasses.replace(gpipe, schedule="1f1b")
+    assert by[gpipe].memory_mb > by[one_f].memory_mb
+
+
+def test_nothing_over_the_memory_limit_is_chosen(gpt_plan):
+    cfg, preds, _, _ = gpt_plan
+    limit = sorted(p.memory_mb for p in preds)[len(preds) // 3]
+    fits, over, _ = plan.plan(cfg, 4, memory_mb=limit, cores=4)
+    assert fits and over and all(p.memory_mb <= limit for p in fits)
+    assert all(p.memory_mb > limit for p in over)
+    assert len(fits) + len(over) == len(preds)
+
+
+def test_the_report_explains_and_its_command_runs(gpt_plan, capsys):
+    cfg, preds, over, prof = gpt_plan
+    text = plan.report(preds, over, prof, ["--nproc", "4", *plan.model_flags(cfg)], 3)
+    assert "faster than #" in text or "predicted equal" in text
+    command = text.splitlines()[-1].split("clawcomm train ")[1].split()
+    assert command[:2] == ["--nproc", "4"] and "--global-batch" not in command
+    from clawcomm.train import cli, config
+
+    parser = __import__("argparse").ArgumentParser()
+    cli.add_arguments(parser)
+    chosen = plan.apply(cfg, preds[0].cand)
+    got = config.from_args(parser.parse_args(command))
+    for f in ("dp", "pp", "schedule", "microbatches", "micro_batch_size", "zero", "dim", "model"):
+        assert getattr(got, f) == getattr(chosen, f), f
+    got.check(4)
+
+
+def test_spearman():
+    assert plan.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert plan.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert plan.spearman([1, 1, 2], [5, 5, 9]) == pytest.approx(1.0)
+
+
+def test_check_trains_the_first_layouts_and_compares(capsys):
+    from clawcomm.cli import main
+
+    args = ["plan", "--nproc", "2", "--model", "mlp", "--hidden", "32", "--global-batch", "16",
+            "--top", "3", "--check", "2", "--check-steps", "4"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "run it: clawcomm train --nproc 2 --model mlp --hidden 32" in out
+    assert "predicted ms" in out and "measured fastest: #" in out
+
+
+def test_train_with_layout_auto(capsys):
+    from clawcomm.train import cli
+
+    rc = cli.main(["--nproc", "2", "--layout", "auto", "--model", "mlp", "--hidden", "32",
+                   "--global-batch", "16", "--steps", "3", "--quiet"])  # fmt: skip
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "run it: clawcomm train --nproc 2" in out and "final loss" in out
+
+
+def test_layout_auto_refuses_what_it_cannot_plan(tmp_path):
+    from clawcomm.train import cli
+
+    assert cli.main(["--nproc", "2", "--layout", "auto", "--model", "mlp",
+                     "--global-batch", "7", "--steps", "1", "--quiet"]) == 2  # fmt: skip
