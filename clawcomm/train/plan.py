@@ -103,12 +103,14 @@ class Profile:
     seconds: float = 0.0
 
 
-def profile(cfg, sizes: list[int], repeats: int = 3) -> Profile:
-    """Times the model's layers at each micro-batch size in ``sizes``."""
+def profile(cfg, sizes: list[int], repeats: int = 3, built=None) -> Profile:
+    """Times the model's layers at each micro-batch size in ``sizes``
+    (``built``: ``models.build``'s result for ``cfg`` at one rank, if made)."""
     from clawcomm.train import models
 
     t_start = time.perf_counter()
-    model, _, make_opt, ds, _, _ = models.build(dataclasses.replace(cfg, dp=1, pp=1))
+    built = built or models.build(dataclasses.replace(cfg, dp=1, pp=1))
+    model, _, make_opt, ds, _, _ = built
     layers = list(model)
     prof = Profile(parameter_costs(layers), {}, {}, {}, {}, 0.0)
     for mbs in sorted(set(sizes)):
@@ -273,8 +275,11 @@ def predict(c: Candidate, prof: Profile, cores: int, cost=None, gpu: bool = Fals
             for i in span[s])
         for r in range(c.pp)
     )  # fmt: skip
-    in_flight = c.microbatches if c.schedule == "gpipe" or c.pp == 1 else min(c.microbatches, c.pp)
-    memory = (held + saved * (1 if c.pp == 1 else in_flight)) / 2**20
+    if c.pp == 1:
+        in_flight = 1  # each micro-batch's backward follows its forward
+    else:
+        in_flight = c.microbatches if c.schedule == "gpipe" else min(c.microbatches, c.pp)
+    memory = (held + saved * in_flight) / 2**20
     busy += slow * prof.host_s  # the trainer's own time, on the busiest rank
     makespan = sim.makespan + slow * prof.host_s
     return Prediction(c, 1e3 * busy, 1e3 * (makespan - busy), 1e3 * comm, 1e3 * opt, memory)
@@ -284,8 +289,8 @@ def plan(cfg, world: int, memory_mb: float = 0.0, cores: int | None = None, cost
     """(predictions best first, those over the memory limit, the profile)."""
     from clawcomm.train import models
 
-    model = models.build(dataclasses.replace(cfg, dp=1, pp=1))[0]
-    layers = len(list(model))
+    built = models.build(dataclasses.replace(cfg, dp=1, pp=1))
+    layers = len(list(built[0]))
     batch = global_batch(cfg)
     cands = [c for c in candidates(world, layers, batch) if _runs(apply(cfg, c), world)]
     if not cands:
@@ -293,7 +298,7 @@ def plan(cfg, world: int, memory_mb: float = 0.0, cores: int | None = None, cost
             f"no layout runs a global batch of {batch} on {world} ranks with {layers} layers: "
             "choose a global batch that dp and the micro-batches divide"
         )
-    prof = profile(cfg, [c.micro_batch_size for c in cands])
+    prof = profile(cfg, [c.micro_batch_size for c in cands], built=built)
     gpu = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     cores = cores or os.cpu_count() or 1
     preds = [predict(c, prof, cores, cost, gpu) for c in cands]

@@ -68,10 +68,10 @@ CLAWCOMM_AVX2 inline Vector decode8(const uint32_t* slots, __m256i x, uint8_t* o
 }
 
 // The vector's states that fell below kRansLow take the words at `p`.
-CLAWCOMM_AVX2 inline __m256i refill(const Vector& v, const uint8_t* p) {
+CLAWCOMM_AVX2 inline __m256i refill(const Vector& v, const uint8_t* p, const Permutations& perm) {
   const __m256i words = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   const __m256i index =
-      _mm256_load_si256(reinterpret_cast<const __m256i*>(permutations().index[v.mask].data()));
+      _mm256_load_si256(reinterpret_cast<const __m256i*>(perm.index[v.mask].data()));
   const __m256i mine = _mm256_permutevar8x32_epi32(words, index);
   const __m256i refilled = _mm256_or_si256(_mm256_slli_epi32(v.x, 16), mine);
   return _mm256_blendv_epi8(v.x, refilled, v.need);
@@ -84,14 +84,14 @@ CLAWCOMM_AVX2 size_t decodeRansAvx2(const uint32_t* slots, uint32_t* x, const ui
   static_assert(kRansStates == 16, "two vectors of eight states");
   __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
   __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 8));
-  permutations();  // built before the loop
+  const Permutations& perm = permutations();  // (its guard checked once, not per vector)
   // Each vector reads 16 bytes of words (8 at most used): 32 must be left.
   for (; i + 16 <= n && end - p >= 32; i += 16) {
     const Vector va = decode8(slots, a, out + i);
     const Vector vb = decode8(slots, b, out + i + 8);
-    a = refill(va, p);
+    a = refill(va, p, perm);
     p += 2 * _mm_popcnt_u32(uint32_t(va.mask));
-    b = refill(vb, p);
+    b = refill(vb, p, perm);
     p += 2 * _mm_popcnt_u32(uint32_t(vb.mask));
   }
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(x), a);
