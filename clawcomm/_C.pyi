@@ -441,6 +441,10 @@ class Engine:
         """
         Sends to `dst` while receiving from `src`.
         """
+    def single_copy_from(self, peer: typing.SupportsInt | typing.SupportsIndex) -> int | None:
+        """
+        The smallest payload in bytes this rank sends to `peer` by single copy, or None
+        """
     def split(
         self,
         color: typing.SupportsInt | typing.SupportsIndex,

@@ -139,19 +139,74 @@ def _which_ops_go_by_reference(rank, n):
     eng.reduce_scatter(x, np.empty(x.size // n, np.float32))
     eng.reduce(x.copy(), root=0)
     eng.broadcast(x, root=0)
+    before = eng.comm_stats()["broadcast"]["frames_received_single_copy"]
+    eng.broadcast(np.ones(9 << 18, np.float32), root=0)  # 9 MiB: through the ring
+    large = eng.comm_stats()["broadcast"]["frames_received_single_copy"] - before
     eng.all_gather(x, np.empty(x.size * n, np.float32))
     eng.all_to_all(x, np.empty_like(x))
     eng.sendrecv(x, 1 - rank, np.empty_like(x), 1 - rank)
-    return {op: v["frames_received_single_copy"] for op, v in eng.comm_stats().items()}
+    got = {op: v["frames_received_single_copy"] for op, v in eng.comm_stats().items()}
+    got["broadcast"] -= large
+    got["large broadcast"] = large
+    return got
 
 
 def test_auto_sends_by_reference_where_every_rank_sends_and_receives():
     env = {"CLAWCOMM_SINGLE_COPY": "auto", "CLAWCOMM_SINGLE_COPY_BYTES": "64"}
-    for got in run_ranks(_which_ops_go_by_reference, 2, env=env):
-        for op in ("all_reduce", "reduce_scatter", "reduce", "broadcast"):
+    for rank, got in enumerate(run_ranks(_which_ops_go_by_reference, 2, env=env)):
+        for op in ("all_reduce", "reduce_scatter", "reduce", "large broadcast"):
             assert got[op] == 0, (op, got)
+        # The tree broadcast's frames up to 8 MiB go by reference too: rank
+        # 1 reads the root's 256 KiB.
+        assert got["broadcast"] == rank, got
         for op in ("all_gather", "all_to_all", "recv"):
             assert got[op] > 0, (op, got)
+
+
+# --- from which size: measured by each reader, or the setting ---------------
+
+
+def _frames_at_the_edge(rank, n):
+    # Each rank sends its peer one frame of exactly the size from which it
+    # sends by reference, and one a word smaller; the peer counts what came
+    # by reference.
+    eng = clawcomm.engine_of()
+    peer = 1 - rank
+    mine = eng.single_copy_from(peer)
+    both = np.empty(2, np.int64)
+    eng.all_gather(np.array([mine or 0], np.int64), both)
+    theirs = int(both[peer])
+    got = []
+    for size in (theirs, theirs - 8) if theirs else (1 << 20,):
+        send_size = mine if size == theirs else (mine - 8 if mine else 1 << 20)
+        before = eng.comm_stats()["recv"]["frames_received_single_copy"]
+        eng.sendrecv(np.ones(send_size, np.uint8), peer, np.empty(size, np.uint8), peer)
+        got.append(eng.comm_stats()["recv"]["frames_received_single_copy"] - before)
+    return mine, theirs, got
+
+
+def test_each_reader_measures_from_which_size_it_reads():
+    # Unset, the size is the reader's to measure: 64 KiB where its kernel
+    # reads fast, the 1 MiB default elsewhere. Whichever it chose, frames
+    # from that size go by reference and smaller ones through the ring.
+    for mine, theirs, got in run_ranks(_frames_at_the_edge, 2):
+        assert mine in (64 << 10, 1 << 20), mine
+        assert got == [1, 0], (mine, theirs, got)
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({"CLAWCOMM_SINGLE_COPY_BYTES": "4096"}, 4096),
+        ({"CLAWCOMM_SINGLE_COPY_BYTES": "1048576"}, 1 << 20),
+        ({"CLAWCOMM_SINGLE_COPY": "off"}, None),
+    ],
+    ids=["4KiB", "1MiB", "off"],
+)
+def test_the_setting_overrides_the_measurement(env, expected):
+    for mine, theirs, got in run_ranks(_frames_at_the_edge, 2, env=env):
+        assert mine == expected and theirs == (expected or 0), (mine, theirs)
+        assert got == ([1, 0] if expected else [0]), got
 
 
 # --- a reader that may not read: a seccomp filter, as in a container --------

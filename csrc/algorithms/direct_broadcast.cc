@@ -3,8 +3,8 @@
 //
 // The root posts one send per peer (r+1, r+2, ...); the frames go by
 // single copy where it is on and the message is large enough
-// (Messenger::referenceSuits: a broadcast's frames go by reference only
-// under this algorithm), so every peer copies straight out of the root's
+// (Messenger::referenceSuits: under this algorithm at any size, under the
+// tree's only up to 8 MiB), so every peer copies straight out of the root's
 // buffer, all of them at once, and the root's own core is free for one of
 // them. Below the single-copy size, or with it off, the root would copy the
 // message into n-1 rings one after another; the cost model (selection.cc)

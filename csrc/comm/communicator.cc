@@ -79,6 +79,7 @@ Communicator::Communicator(std::shared_ptr<Store> store, int rank, int size,
   if (settings_.yieldMicros < 0) settings_.yieldMicros = oversubscribed ? 1000 : 0;
   messenger_ = std::make_unique<Messenger>(rank, size, std::move(conns.toRank),
                                            settings_.spinMicros, settings_.yieldMicros);
+  messenger_->spinForReads(!oversubscribed && settings_.spinMicros > 0);
   // The group's epoch: its random token's low bits, new for every group (a
   // rebuilt one included).
   messenger_->setEpoch(uint32_t(std::stoull(jobToken_.empty() ? "0" : jobToken_, nullptr, 16)));
@@ -141,6 +142,11 @@ void Communicator::shutdownAll() {
     live.assign(registry().begin(), registry().end());
   }
   for (Communicator* c : live) c->shutdown();
+}
+
+size_t Communicator::singleCopyFrom(int peer) const {
+  transportOf(peer);  // checks the rank
+  return peer == rank_ ? SIZE_MAX : messenger_->singleCopyFrom(peer);
 }
 
 std::string Communicator::transportOf(int peer) const {

@@ -152,6 +152,10 @@ class Communicator {
   const std::string& storeNamespace() const { return storeNamespace_; }
   // "shm", "tcp" or "self": how this rank reaches `peer`.
   std::string transportOf(int peer) const;
+  // The smallest payload this rank sends to `peer` by single copy
+  // (SIZE_MAX: none goes so): CLAWCOMM_SINGLE_COPY_BYTES, or what the peer
+  // measured at setup (transport/shm/connection.h).
+  size_t singleCopyFrom(int peer) const;
   // How many collectives this rank has issued: the same on every rank that
   // issued the same ones, which is what torch's desync checks compare.
   uint64_t collectivesIssued() {

@@ -66,6 +66,7 @@ Settings Settings::fromEnv() {
   s.shmPeers = Settings::ShmPeers(envChoice("CLAWCOMM_SHM_PEERS", {"auto", "all", "sparse"}));
   s.singleCopy =
       Settings::SingleCopy(envChoice("CLAWCOMM_SINGLE_COPY", {"auto", "cma", "all", "off"}));
+  s.singleCopyMinBytesSet = env("CLAWCOMM_SINGLE_COPY_BYTES") != nullptr;
   s.singleCopyMinBytes =
       envNumber("CLAWCOMM_SINGLE_COPY_BYTES", s.singleCopyMinBytes, 1, 1024 * kGiB);
   s.segmentBytes = envNumber("CLAWCOMM_SEGMENT_BYTES", s.segmentBytes, 64, 16 * kGiB);

@@ -14,6 +14,9 @@ namespace clawcomm {
 // CLAWCOMM_SINGLE_COPY_BYTES's default (Settings::singleCopyMinBytes), which
 // the cost model assumes (algorithms/selection.cc).
 constexpr size_t kDefaultSingleCopyBytes = size_t(1) << 20;
+// Where a reader's kernel copies fast enough (measureReads), frames from
+// this size go by single copy instead.
+constexpr size_t kFastSingleCopyBytes = size_t(64) << 10;
 
 enum class SimdChoice { kAuto, kAvx512, kAvx2, kPortable };
 
@@ -71,7 +74,12 @@ struct Settings {
   // 4 KiB pages costs more than the ring's two copies). From 1 MiB one copy
   // wins (2 ranks, 2 MiB frames of an all-gather: 149 us against the ring's
   // 232; a 2 MiB send/recv pair 155 against 342; docs/benchmarks.md).
+  // Unset, each reader measures its kernel's copy at setup and may take
+  // frames from kFastSingleCopyBytes (transport/shm/connection.cc,
+  // measureReads); the algorithm choice keeps this value, the same on every
+  // rank.
   size_t singleCopyMinBytes = kDefaultSingleCopyBytes;
+  bool singleCopyMinBytesSet = false;
   // CLAWCOMM_SEGMENT_BYTES: ring algorithms pipeline each chunk in segments of
   // at most this many bytes.
   size_t segmentBytes = size_t(1) << 20;

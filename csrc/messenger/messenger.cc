@@ -221,7 +221,7 @@ bool Messenger::progressSend(PeerState& ps) {
     const bool data =
         t.header.kind == FrameKind::kCollective || t.header.kind == FrameKind::kPointToPoint;
     if (t.done == 0 && data && !t.header.byReference && t.bytes >= ps.conn->referenceMinBytes() &&
-        (referenceSuits(t.header.opType, Algorithm(t.header.algo)) ||
+        (referenceSuits(t.header.opType, Algorithm(t.header.algo), t.bytes) ||
          ps.conn->referencesForEveryOp()) &&
         referenceFits(ps)) {
       t.header.byReference = 1;

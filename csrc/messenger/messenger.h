@@ -132,6 +132,8 @@ class Messenger {
   // predecessor) and is an error, never data. Set before any traffic.
   void setEpoch(uint32_t epoch) { epoch_ = epoch; }
   const char* transportOf(int peer) const;
+  // The smallest frame payload sent to `peer` by reference (SIZE_MAX: none).
+  size_t singleCopyFrom(int peer) const { return peers_[peer].conn->referenceMinBytes(); }
 
   TransferPtr sendCollective(int peer, const OpSignature& sig, uint32_t step, const void* src,
                              size_t bytes);
@@ -156,6 +158,11 @@ class Messenger {
   // byte.
   void pause(Clock::time_point idleSince, Clock::time_point deadline,
              const std::vector<TransferPtr>& waitingOn);
+
+  // Whether pause() also spins through the time the peers' single-copy
+  // reads of this rank's sends should take (readSpinMicros). Off where the
+  // host runs more ranks than it has cores.
+  void spinForReads(bool on) { spinForReads_ = on; }
 
   // Ends a pause() that is sleeping, or makes the next one return at once:
   // another thread of this rank queued work (a send) that the sleeper must
@@ -200,9 +207,14 @@ class Messenger {
   // Queues one outgoing frame; fills the header's magic and payload size.
   TransferPtr queueSend(int peer, const FrameHeader& header, const void* src, size_t bytes);
   bool progressSend(PeerState& ps);
+  // How much longer than spinMicros a pause spins for the reads by
+  // reference among `waitingOn` (waits.cc).
+  int64_t readSpinMicros(const std::vector<TransferPtr>& waitingOn) const;
+  static constexpr uint64_t kReadBytesPerMicro = 8000;  // 8 GB/s, a slow single copy
+  static constexpr int64_t kMaxReadSpinMicros = 500;
   bool progressRecv(int peer, PeerState& ps);
   // Single copy (references.cc). Whether frames of `op` go by reference.
-  static bool referenceSuits(OpType op, Algorithm algo);
+  static bool referenceSuits(OpType op, Algorithm algo, size_t bytes);
   // Whether the next send to this peer may go by reference: the references
   // it awaits stay within the window.
   bool referenceFits(const PeerState& ps) const;
@@ -232,6 +244,7 @@ class Messenger {
   uint32_t epoch_ = 0;
   int spinMicros_;
   int yieldMicros_;
+  bool spinForReads_ = false;
   std::vector<PeerState> peers_;
   std::list<TransferPtr> anySource_;
   Clock::time_point nextHealthCheck_{};

@@ -4,6 +4,7 @@
 
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "algorithms/algorithms.h"
@@ -231,6 +232,15 @@ void bindEngine(py::module_& m) {
       .def_property_readonly("rank", &Communicator::rank)
       .def_property_readonly("size", &Communicator::size)
       .def("transport_of", &Communicator::transportOf, py::arg("peer"))
+      .def(
+          "single_copy_from",
+          [](const Communicator& c, int peer) -> std::optional<size_t> {
+            const size_t n = c.singleCopyFrom(peer);
+            if (n == SIZE_MAX) return std::nullopt;
+            return n;
+          },
+          py::arg("peer"),
+          "The smallest payload in bytes this rank sends to `peer` by single copy, or None")
       .def(
           "abort",
           [](Communicator& c, const std::string& reason) {

@@ -22,6 +22,7 @@ std::unique_ptr<Endpoint> makeShm(const EndpointSetup& s) {
                     s.settings->singleCopy == Settings::SingleCopy::kAll;
   single.everyOp = s.settings->singleCopy == Settings::SingleCopy::kAll;
   single.minBytes = s.settings->singleCopyMinBytes;
+  single.measure = !s.settings->singleCopyMinBytesSet;
   return std::make_unique<ShmEndpoint>(s.jobTokenHex, s.rank, s.size, s.settings->shmRingBytes,
                                        s.peersOf, single);
 }

@@ -16,7 +16,10 @@
 // of the ring the peer writes to it. The peer then sends frames of at least
 // CLAWCOMM_SINGLE_COPY_BYTES as references (Connection::referenceMinBytes),
 // which this rank reads with one process_vm_readv each, straight into the
-// receive. Where Yama restricts ptrace to descendants (ptrace_scope 1, as on
+// receive. Unless CLAWCOMM_SINGLE_COPY_BYTES names the size, the reader
+// also times a read of the peer's ring against a plain copy of the same
+// pages and publishes from which size it takes frames by reference
+// (measureReads in connection.cc). Where Yama restricts ptrace to descendants (ptrace_scope 1, as on
 // Ubuntu), each rank names its parent (the launcher) its ptracer, which lets
 // its sibling ranks, and only processes under that launcher, read it.
 #pragma once
@@ -45,6 +48,7 @@ struct SingleCopyPolicy {
   bool required = true;                       // a failed probe is an error (cma, all)
   bool everyOp = false;                       // reductions and broadcast by reference too (all)
   size_t minBytes = kDefaultSingleCopyBytes;  // Settings::singleCopyMinBytes
+  bool measure = true;  // each reader times its reads at setup (the size is not set)
 };
 
 class ShmEndpoint : public Endpoint {
