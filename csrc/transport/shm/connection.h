@@ -19,9 +19,10 @@
 // receive. Unless CLAWCOMM_SINGLE_COPY_BYTES names the size, the reader
 // also times a read of the peer's ring against a plain copy of the same
 // pages and publishes from which size it takes frames by reference
-// (measureReads in connection.cc). Where Yama restricts ptrace to descendants (ptrace_scope 1, as on
-// Ubuntu), each rank names its parent (the launcher) its ptracer, which lets
-// its sibling ranks, and only processes under that launcher, read it.
+// (measureReads in connection.cc). Where Yama restricts ptrace to
+// descendants (ptrace_scope 1, as on Ubuntu), each rank names its parent
+// (the launcher) its ptracer, which lets its sibling ranks, and only
+// processes under that launcher, read it.
 #pragma once
 
 #include <functional>
