@@ -204,7 +204,9 @@ void Messenger::pause(Clock::time_point idleSince, Clock::time_point deadline,
                       const std::vector<TransferPtr>& waitingOn) {
   Clock::time_point now = Clock::now();
   const auto idle = std::chrono::duration_cast<std::chrono::microseconds>(now - idleSince);
-  if (idle.count() < spinMicros_ + readSpinMicros(waitingOn)) {
+  // The reads' extra spin is only looked up once the plain spin is over:
+  // this runs between every two polls of a wait.
+  if (idle.count() < spinMicros_ || idle.count() < spinMicros_ + readSpinMicros(waitingOn)) {
     // A few pause instructions between polls: one takes about 30 ns on
     // this AMD EPYC (and up to 140 cycles on recent Intel cores), so the 64
     // here before polled every 2 us, longer than the whole exchange of a
