@@ -180,6 +180,9 @@ def _frames_at_the_edge(rank, n):
     for size in (theirs, theirs - 8) if theirs else (1 << 20,):
         send_size = mine if size == theirs else (mine - 8 if mine else 1 << 20)
         before = eng.comm_stats()["recv"]["frames_received_single_copy"]
+        # The peer sends only after this rank has counted: its frame could
+        # otherwise arrive (and be counted) on the progress thread first.
+        eng.barrier()
         eng.sendrecv(np.ones(send_size, np.uint8), peer, np.empty(size, np.uint8), peer)
         got.append(eng.comm_stats()["recv"]["frames_received_single_copy"] - before)
     return mine, theirs, got
