@@ -80,6 +80,24 @@ def test_the_report_explains_and_its_command_runs(gpt_plan, capsys):
     got.check(4)
 
 
+def test_the_profile_times_layers_with_a_ranks_threads(gpt_plan):
+    # CPU ranks run one intra-op thread; timing the layers on every core of
+    # the planning process predicted CPU steps at about half their time.
+    import torch
+
+    from clawcomm.train import profiling
+
+    _, _, _, prof = gpt_plan
+    assert prof.threads == profiling.RANK_THREADS == 1
+    before = torch.get_num_threads()
+    seen = []
+    with profiling.rank_threads(gpu=False):
+        seen.append(torch.get_num_threads())
+    with profiling.rank_threads(gpu=True):
+        seen.append(torch.get_num_threads())
+    assert seen == [1, before] and torch.get_num_threads() == before
+
+
 def test_spearman():
     assert plan.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert plan.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)

@@ -5,9 +5,10 @@ its step, with the reasons, and a check of the prediction on this machine.
     clawcomm plan --nproc 4 --model gpt --global-batch 64 --check 4    # ... run for real
     clawcomm train --nproc 4 --layout auto --global-batch 64           # train with the first
 
-1. **Profile** (one process, a second or two): each layer's forward and
-   backward time and the bytes autograd saves for backward, at every
-   micro-batch size a candidate uses; one optimizer step.
+1. **Profile** (one process, a few seconds, ``train.profiling``): each
+   layer's forward and backward time and the bytes autograd saves for
+   backward, at every micro-batch size a candidate uses; one optimizer
+   step; all with the one intra-op thread a CPU rank runs with.
 2. **Enumerate** dp x pp (dp * pp = the world, pp at most the layers) x
    schedule (gpipe, 1f1b, zb1, interleaved with v = 2) x micro-batches (pp,
    2 pp and 4 pp, where the global batch divides) x ZeRO stage (0-3 where
@@ -35,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import time
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +43,8 @@ import torch
 from clawcomm.pipeline.schedules import build as build_schedule
 from clawcomm.pipeline.schedules import check_schedule_args
 from clawcomm.pipeline.validate import SimulationPlan
-from clawcomm.train.layout import balanced_cuts, parameter_costs
+from clawcomm.train.layout import balanced_cuts
+from clawcomm.train.profiling import Profile, profile
 
 SCHEDULE_CHOICES = (("gpipe", 1), ("1f1b", 1), ("zb1", 1), ("interleaved", 2))
 
@@ -85,96 +86,6 @@ class Prediction:
     @property
     def step_ms(self) -> float:
         return self.compute_ms + self.bubble_ms + self.comm_ms + self.opt_ms
-
-
-@dataclass
-class Profile:
-    """Per layer: forward and backward seconds, and the bytes autograd saves
-    for backward, per micro-batch size; parameters per layer; the optimizer's
-    seconds per parameter; output bytes per sample at each layer."""
-
-    params: list[float]
-    forward: dict[int, list[float]]
-    backward: dict[int, list[float]]
-    saved: dict[int, list[float]]
-    out_bytes: dict[int, list[float]]
-    opt_s_per_param: float
-    host_s: float = 0.0  # a trainer step's own time beyond its layers and optimizer
-    seconds: float = 0.0
-
-
-def profile(cfg, sizes: list[int], repeats: int = 3, built=None) -> Profile:
-    """Times the model's layers at each micro-batch size in ``sizes``
-    (``built``: ``models.build``'s result for ``cfg`` at one rank, if made)."""
-    from clawcomm.train import models
-
-    t_start = time.perf_counter()
-    built = built or models.build(dataclasses.replace(cfg, dp=1, pp=1))
-    model, _, make_opt, ds, _, _ = built
-    layers = list(model)
-    prof = Profile(parameter_costs(layers), {}, {}, {}, {}, 0.0)
-    for mbs in sorted(set(sizes)):
-        x0 = ds.batch(torch.arange(mbs))[0]
-        fw, bw = [math.inf] * len(layers), [math.inf] * len(layers)
-        saved, outs = [0.0] * len(layers), [0.0] * len(layers)
-        for _ in range(repeats):
-            x = x0
-            for i, layer in enumerate(layers):
-                inp = x.detach().requires_grad_(x.is_floating_point())
-                packed = []
-                with torch.autograd.graph.saved_tensors_hooks(
-                    lambda t, keep=packed: keep.append(t.numel() * t.element_size()) or t,
-                    lambda t: t,
-                ):
-                    t0 = time.perf_counter()
-                    out = layer(inp)
-                    t1 = time.perf_counter()
-                out.backward(torch.ones_like(out))
-                t2 = time.perf_counter()
-                fw[i], bw[i] = min(fw[i], t1 - t0), min(bw[i], t2 - t1)
-                saved[i], outs[i] = float(sum(packed)), float(out.numel() * out.element_size())
-                x = out.detach()
-            for layer in layers:
-                layer.zero_grad(set_to_none=True)
-        prof.forward[mbs], prof.backward[mbs], prof.saved[mbs] = fw, bw, saved
-        prof.out_bytes[mbs] = outs
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    opt = make_opt(params)
-    best = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        opt.step()
-        best = min(best, time.perf_counter() - t0)
-    prof.opt_s_per_param = best / max(1, sum(p.numel() for p in params))
-    prof.host_s = _host_seconds(cfg, min(sizes), prof)
-    prof.seconds = time.perf_counter() - t_start
-    return prof
-
-
-def _host_seconds(cfg, mbs: int, prof: Profile, steps: int = 4) -> float:
-    """What one process's trainer step takes beyond its layers' forward and
-    backward and the optimizer (the executor's bookkeeping, the metrics):
-    a few steps of the real trainer, the median, less the profiled parts."""
-    from clawcomm.train import models
-    from clawcomm.train.data import global_batches
-    from clawcomm.train.trainer import Trainer
-
-    one = dataclasses.replace(cfg, dp=1, pp=1, microbatches=1, micro_batch_size=mbs,
-                              accumulation=1, global_batch=0, zero=0, layout="", quiet=True,
-                              compression="", sync="every-step", metrics="", trace="",
-                              timeline="", tensorboard="", checkpoint_dir="")  # fmt: skip
-    model, loss, make_opt, ds, tokens, sample = models.build(one)
-    trainer = Trainer(model, loss, make_opt, one, tokens_per_sample=tokens, sample=sample)
-    try:
-        times = [m["step_ms"] / 1e3 for m in trainer.fit(
-            global_batches(ds, mbs, one.seed), steps=steps, progress=False)]  # fmt: skip
-    finally:
-        trainer.close()
-    layers = sum(prof.forward[mbs]) + sum(prof.backward[mbs])
-    params = sum(prof.params)
-    return max(0.0, sorted(times)[len(times) // 2] - layers - prof.opt_s_per_param * params)
 
 
 def apply(cfg, c: Candidate):
@@ -298,8 +209,8 @@ def plan(cfg, world: int, memory_mb: float = 0.0, cores: int | None = None, cost
             f"no layout runs a global batch of {batch} on {world} ranks with {layers} layers: "
             "choose a global batch that dp and the micro-batches divide"
         )
-    prof = profile(cfg, [c.micro_batch_size for c in cands], built=built)
     gpu = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    prof = profile(cfg, [c.micro_batch_size for c in cands], built=built, gpu=gpu)
     cores = cores or os.cpu_count() or 1
     preds = [predict(c, prof, cores, cost, gpu) for c in cands]
     fits = [p for p in preds if not memory_mb or p.memory_mb <= memory_mb]
@@ -340,7 +251,8 @@ def why(first: Prediction, second: Prediction) -> str:
 def report(preds: list[Prediction], over: list[Prediction], prof: Profile, base: list[str],
            top: int = 5) -> str:  # fmt: skip
     lines = [
-        f"# profiled {len(prof.params)} layers in {prof.seconds:.1f} s; "
+        f"# profiled {len(prof.params)} layers in {prof.seconds:.1f} s "
+        f"({prof.threads} thread{'s' if prof.threads != 1 else ''} a rank); "
         f"{len(preds) + len(over)} layouts, {len(over)} over the memory limit",
         f"# {'':>2} {'layout':<44} {'step ms':>8} {'compute':>8} {'bubble':>7} {'comm':>6} "
         f"{'optim':>6} {'MB/rank':>8}",
