@@ -98,6 +98,23 @@ def test_the_profile_times_layers_with_a_ranks_threads(gpt_plan):
     assert seen == [1, before] and torch.get_num_threads() == before
 
 
+def test_only_the_time_on_a_core_slows_when_ranks_outnumber_cores():
+    # Waiting layers (as on an accelerator) hold no core: 4 ranks on 2 cores
+    # do not take twice their time, where CPU-bound layers do.
+    from clawcomm.train import profiling
+
+    wait = TrainConfig(model="wait", layers=4, quiet=True)
+    prof = profiling.profile(wait, [2])
+    assert max(prof.cpu_share[2]) < 0.5
+    mlp = profiling.profile(TrainConfig(**MLP), [2])
+    assert min(mlp.cpu_share[2]) > 0.5
+    c = plan.Candidate(4, 1, "1f1b", 1, 1, 2, 0)
+    for p, most in ((prof, 1.5), (mlp, None)):
+        alone, shared = plan.predict(c, p, cores=4), plan.predict(c, p, cores=2)
+        ratio = shared.compute_ms / alone.compute_ms
+        assert ratio < most if most else ratio > 1.5
+
+
 def test_spearman():
     assert plan.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert plan.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)

@@ -139,8 +139,12 @@ def predict(c: Candidate, prof: Profile, cores: int, cost=None, gpu: bool = Fals
     cuts = balanced_cuts(prof.params, stages)
     span = [range(cuts[s], cuts[s + 1]) for s in range(stages)]
     slow = 1.0 if gpu else max(1.0, c.dp * c.pp / cores)  # ranks sharing cores
-    fw = [slow * sum(prof.forward[c.micro_batch_size][i] for i in r) for r in span]
-    bw = [slow * sum(prof.backward[c.micro_batch_size][i] for i in r) for r in span]
+    mbs = c.micro_batch_size
+    # Only the share of a layer's time spent on a core slows down (waiting layers do not).
+    share = prof.cpu_share.get(mbs) or [1.0] * len(prof.params)
+    scale = [1.0 + (slow - 1.0) * sh for sh in share]
+    fw = [sum(scale[i] * prof.forward[mbs][i] for i in r) for r in span]
+    bw = [sum(scale[i] * prof.backward[mbs][i] for i in r) for r in span]
 
     def action_cost(a) -> float:
         kind = str(a.kind)
@@ -150,7 +154,7 @@ def predict(c: Candidate, prof: Profile, cores: int, cost=None, gpu: bool = Fals
             return bw[a.stage]
         return bw[a.stage] / 2 if kind in ("I", "W") else 0.0
 
-    act = max(prof.out_bytes[c.micro_batch_size][cuts[s + 1] - 1] for s in range(stages))
+    act = max(prof.out_bytes[mbs][cuts[s + 1] - 1] for s in range(stages))
     latency = cost.shm_alpha + act * cost.shm_beta if c.pp > 1 else 0.0
     sim = SimulationPlan(build_schedule(c.schedule, c.pp, c.microbatches, c.v)).run(
         action_cost, latency
@@ -182,7 +186,7 @@ def predict(c: Candidate, prof: Profile, cores: int, cost=None, gpu: bool = Fals
     shard = lambda stage_needed: c.dp if c.zero >= stage_needed else 1  # noqa: E731
     held = 4 * p_max / shard(3) + 4 * p_max / shard(2) + 8 * p_max / shard(1)
     saved = max(
-        sum(prof.saved[c.micro_batch_size][i] for s in range(stages) if s % c.pp == r
+        sum(prof.saved[mbs][i] for s in range(stages) if s % c.pp == r
             for i in span[s])
         for r in range(c.pp)
     )  # fmt: skip

@@ -40,7 +40,10 @@ def rank_threads(gpu: bool):
 class Profile:
     """Per layer: forward and backward seconds, and the bytes autograd saves
     for backward, per micro-batch size; parameters per layer; the optimizer's
-    seconds per parameter; output bytes per sample at each layer."""
+    seconds per parameter; output bytes per sample at each layer; and the
+    share of each layer's time its thread spent on a core (1 for layers
+    that compute on the CPU, about 0 for layers that wait, as on an
+    accelerator: only that share slows down when ranks outnumber cores)."""
 
     params: list[float]
     forward: dict[int, list[float]]
@@ -48,6 +51,7 @@ class Profile:
     saved: dict[int, list[float]]
     out_bytes: dict[int, list[float]]
     opt_s_per_param: float
+    cpu_share: dict[int, list[float]] = dataclasses.field(default_factory=dict)
     host_s: float = 0.0  # a trainer step's own time beyond its layers and optimizer
     seconds: float = 0.0
     threads: int = 0  # intra-op threads the layers were timed with
@@ -75,6 +79,7 @@ def _profile(cfg, sizes: list[int], repeats: int, built) -> Profile:
         x0 = ds.batch(torch.arange(mbs))[0]
         fw, bw = [math.inf] * len(layers), [math.inf] * len(layers)
         saved, outs = [0.0] * len(layers), [0.0] * len(layers)
+        wall, cpu = [0.0] * len(layers), [0.0] * len(layers)
         for _ in range(repeats):
             x = x0
             for i, layer in enumerate(layers):
@@ -84,18 +89,22 @@ def _profile(cfg, sizes: list[int], repeats: int, built) -> Profile:
                     lambda t, keep=packed: keep.append(t.numel() * t.element_size()) or t,
                     lambda t: t,
                 ):
-                    t0 = time.perf_counter()
+                    c0, t0 = time.thread_time(), time.perf_counter()
                     out = layer(inp)
                     t1 = time.perf_counter()
-                out.backward(torch.ones_like(out))
-                t2 = time.perf_counter()
+                out.backward(torch.ones_like(out))  # on this thread, for CPU tensors
+                t2, c2 = time.perf_counter(), time.thread_time()
                 fw[i], bw[i] = min(fw[i], t1 - t0), min(bw[i], t2 - t1)
+                wall[i], cpu[i] = wall[i] + t2 - t0, cpu[i] + c2 - c0
                 saved[i], outs[i] = float(sum(packed)), float(out.numel() * out.element_size())
                 x = out.detach()
             for layer in layers:
                 layer.zero_grad(set_to_none=True)
         prof.forward[mbs], prof.backward[mbs], prof.saved[mbs] = fw, bw, saved
         prof.out_bytes[mbs] = outs
+        prof.cpu_share[mbs] = [
+            min(1.0, c / w) if w > 0 else 1.0 for c, w in zip(cpu, wall, strict=True)
+        ]
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.zeros_like(p)
