@@ -45,9 +45,11 @@ def test_predictions_follow_the_layouts(gpt_plan):
             assert p.bubble_ms == pytest.approx(0, abs=1e-6)
         if c.dp == 1:
             assert p.comm_ms == 0
-        if c.zero:  # ZeRO divides what a rank holds, and costs gathers
+        if c.zero:  # ZeRO divides what a rank holds, and costs gathers (two at stage 3)
             plain = by[dataclasses.replace(c, zero=0)]
-            assert p.memory_mb < plain.memory_mb and p.comm_ms >= plain.comm_ms
+            assert p.memory_mb < plain.memory_mb and p.comm_ms > 0
+            if c.zero == 3:
+                assert p.comm_ms > by[dataclasses.replace(c, zero=1)].comm_ms
     # gpipe holds every micro-batch's activations, 1f1b at most pp of them
     gpipe = next(c for c in by if c.schedule == "gpipe" and c.microbatches == 4 * c.pp)
     one_f = dataclasses.replace(gpipe, schedule="1f1b")
@@ -113,6 +115,31 @@ def test_only_the_time_on_a_core_slows_when_ranks_outnumber_cores():
         alone, shared = plan.predict(c, p, cores=4), plan.predict(c, p, cores=2)
         ratio = shared.compute_ms / alone.compute_ms
         assert ratio < most if most else ratio > 1.5
+
+
+def test_hosts_put_the_links_where_the_ranks_are(gpt_plan):
+    # Ranks are numbered host by host and the trainer's rank is
+    # pp_rank * dp + dp_rank: at dp 2 x pp 2 on 2 hosts each dp group stays
+    # on a host and every pipeline boundary crosses the link; at dp 4 the
+    # dp group spans both hosts.
+    _, _, _, prof = gpt_plan
+    slow = plan.cost_model(None, "100mbit")
+    assert slow.net_beta == pytest.approx(8 / 100e6)
+    pipe = plan.Candidate(2, 2, "1f1b", 1, 2, 4, 0)
+    one, two = (plan.predict(pipe, prof, 4, slow, hosts=h) for h in (1, 2))
+    assert two.bubble_ms > one.bubble_ms and two.comm_ms == pytest.approx(one.comm_ms)
+    flat = plan.Candidate(4, 1, "1f1b", 1, 1, 4, 0)
+    one, two = (plan.predict(flat, prof, 4, slow, hosts=h) for h in (1, 2))
+    assert two.comm_ms > 10 * one.comm_ms and two.bubble_ms == one.bubble_ms == 0
+
+
+def test_plan_refuses_hosts_that_do_not_divide_the_world(capsys):
+    from clawcomm.cli import main
+
+    assert main(["plan", "--nproc", "4", "--hosts", "3", "--model", "mlp"]) == 2
+    assert "--hosts 3 does not divide the world of 4 ranks" in capsys.readouterr().out
+    assert main(["plan", "--nproc", "4", "--hosts", "2", "--model", "mlp", "--check", "2"]) == 2
+    assert "bench/plan_sweep.py" in capsys.readouterr().out
 
 
 def test_spearman():

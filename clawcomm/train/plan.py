@@ -15,11 +15,14 @@ its step, with the reasons, and a check of the prediction on this machine.
    dp > 1); the compression and the sync method are the command's own.
 3. **Predict** each one's step: the pipeline's makespan from the schedule
    simulator (``pipeline.validate``) with the profiled costs of each stage
-   (stages cut by parameters, as the trainer cuts them; ranks beyond the
-   cores share them: compute times the oversubscription) and the cost
-   model's latency per activation; the data-parallel traffic from the cost
-   model (``clawcomm.model``: an all-reduce of the stage's gradients, or
-   ZeRO's reduce-scatter and parameter all-gathers), of which the part
+   (stages cut by parameters, as the trainer cuts them; where a host's
+   ranks outnumber its cores, the share of each layer's time spent on a
+   core times the oversubscription) and the cost model's latency per
+   activation (over the link where two stages sit on different hosts:
+   ``--hosts``, ``--link``, ranks numbered host by host); the data-parallel
+   traffic from the cost model (``clawcomm.model``: an all-reduce of the
+   stage's gradients, or ZeRO's reduce-scatter and parameter all-gathers,
+   on the hosts the dp group spans), of which the part
    longer than the last micro-batch's backward is exposed; the optimizer
    on the stage's (shard of its) parameters. Memory per rank: parameters,
    gradients and AdamW's state as ZeRO divides them, and the activations
@@ -28,7 +31,7 @@ its step, with the reasons, and a check of the prediction on this machine.
    chosen), print the best few with the terms of each prediction, why the
    first beats the second, and the command that runs it. ``--check K``
    trains the first K for a few steps each and prints predicted against
-   measured step times and their rank correlation.
+   measured step times and their rank correlation (``plan_check``).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from clawcomm.pipeline.schedules import build as build_schedule
 from clawcomm.pipeline.schedules import check_schedule_args
 from clawcomm.pipeline.validate import SimulationPlan
 from clawcomm.train.layout import balanced_cuts
+from clawcomm.train.plan_check import check, spearman  # noqa: F401 (the plan's API)
 from clawcomm.train.profiling import Profile, profile
 
 SCHEDULE_CHOICES = (("gpipe", 1), ("1f1b", 1), ("zb1", 1), ("interleaved", 2))
@@ -129,16 +133,55 @@ def candidates(world: int, layers: int, global_batch: int):
                     yield Candidate(dp, pp, schedule, v, m, per_replica // m, zero)
 
 
-def predict(c: Candidate, prof: Profile, cores: int, cost=None, gpu: bool = False) -> Prediction:
-    """The candidate's step time and memory (see the module docstring)."""
-    from clawcomm.model import CostModel, Layout
+def _placement(c: Candidate, hosts: int):
+    """Where the candidate's ranks sit on ``hosts`` hosts (numbered host by
+    host, as torchrun numbers them; the trainer's rank is pp_rank * dp +
+    dp_rank): (whether pipeline ranks p and q of some replica are on
+    different hosts, the cost model's layout of the widest dp group)."""
+    from clawcomm.model import Layout
+
+    per_host = c.dp * c.pp // hosts
+    host = lambda d, p: (p * c.dp + d) // per_host  # noqa: E731
+
+    def crosses(p: int, q: int) -> bool:
+        return any(host(d, p) != host(d, q) for d in range(c.dp))
+
+    spans = max(len({host(d, p) for d in range(c.dp)}) for p in range(c.pp))
+    return crosses, Layout(spans, -(-c.dp // spans))
+
+
+def _exposed(sim, r: int, nbytes: float, cap: float, collective: str, layout, cost) -> float:
+    """What pipeline rank ``r``'s data-parallel reduction of ``nbytes`` adds
+    to the step. Its buckets of ``cap`` bytes launch as their gradients turn
+    final in the rank's last backward, the last one as it ends, so the
+    reduction hides behind that backward's other buckets' share and behind
+    the rest of the pipeline's drain, no more."""
+    from clawcomm.model import predict as comm_time
+
+    acts = sim.schedule[r]
+    last = max((i for i, a in enumerate(acts) if str(a.kind) in ("B", "I", "W")), default=None)
+    if last is None:
+        return 0.0
+    buckets = max(1, math.ceil(nbytes / cap))
+    last_bw = sim.end[r][last] - sim.start[r][last]
+    hidden = (sim.makespan - sim.end[r][last]) + last_bw * (1 - 1 / buckets)
+    total = buckets * comm_time(collective, "auto", nbytes / buckets, layout, cost)
+    return max(0.0, total - hidden)
+
+
+def predict(c: Candidate, prof: Profile, cores: int, cost=None, gpu: bool = False,
+            hosts: int = 1, cap_bytes: float = 25 * 2**20) -> Prediction:  # fmt: skip
+    """The candidate's step time and memory (see the module docstring) on
+    ``hosts`` hosts of ``cores`` cores each."""
+    from clawcomm.model import CostModel
     from clawcomm.model import predict as comm_time
 
     cost = cost or CostModel()
     stages = c.pp * c.v
     cuts = balanced_cuts(prof.params, stages)
     span = [range(cuts[s], cuts[s + 1]) for s in range(stages)]
-    slow = 1.0 if gpu else max(1.0, c.dp * c.pp / cores)  # ranks sharing cores
+    crosses, dp_layout = _placement(c, hosts)
+    slow = 1.0 if gpu else max(1.0, c.dp * c.pp / hosts / cores)  # ranks sharing cores
     mbs = c.micro_batch_size
     # Only the share of a layer's time spent on a core slows down (waiting layers do not).
     share = prof.cpu_share.get(mbs) or [1.0] * len(prof.params)
@@ -155,7 +198,8 @@ def predict(c: Candidate, prof: Profile, cores: int, cost=None, gpu: bool = Fals
         return bw[a.stage] / 2 if kind in ("I", "W") else 0.0
 
     act = max(prof.out_bytes[mbs][cuts[s + 1] - 1] for s in range(stages))
-    latency = cost.shm_alpha + act * cost.shm_beta if c.pp > 1 else 0.0
+    shm, net = cost.shm_alpha + act * cost.shm_beta, cost.net_alpha + act * cost.net_beta
+    latency = (lambda p, q: net if crosses(p, q) else shm) if c.pp > 1 else 0.0  # noqa: E731
     sim = SimulationPlan(build_schedule(c.schedule, c.pp, c.microbatches, c.v)).run(
         action_cost, latency
     )
@@ -169,14 +213,10 @@ def predict(c: Candidate, prof: Profile, cores: int, cost=None, gpu: bool = Fals
     grad_bytes = 4 * p_max
     comm = 0.0
     if c.dp > 1:
-        dp_layout = Layout(1, c.dp)
-        if c.zero == 0:
-            comm = comm_time("all_reduce", "auto", grad_bytes, dp_layout, cost)
-        else:
-            comm = comm_time("reduce_scatter", "auto", grad_bytes, dp_layout, cost)
-        # what the last micro-batch's backward on the rank does not hide
-        last_bw = max(bw[s] for s in range(stages))
-        comm = max(0.0, comm - last_bw)
+        collective = "all_reduce" if c.zero == 0 else "reduce_scatter"
+        for r in range(c.pp):
+            comm = max(comm, _exposed(sim, r, 4 * rank_params[r], cap_bytes, collective,
+                                      dp_layout, cost))  # fmt: skip
         if c.zero >= 1:  # the updated shards gathered (ZeRO-3: again before backward)
             gathers = 2 if c.zero == 3 else 1
             comm += gathers * comm_time("all_gather", "auto", grad_bytes, dp_layout, cost)
@@ -200,10 +240,14 @@ def predict(c: Candidate, prof: Profile, cores: int, cost=None, gpu: bool = Fals
     return Prediction(c, 1e3 * busy, 1e3 * (makespan - busy), 1e3 * comm, 1e3 * opt, memory)
 
 
-def plan(cfg, world: int, memory_mb: float = 0.0, cores: int | None = None, cost=None):
-    """(predictions best first, those over the memory limit, the profile)."""
+def plan(cfg, world: int, memory_mb: float = 0.0, cores: int | None = None, cost=None,
+         hosts: int = 1):  # fmt: skip
+    """(predictions best first, those over the memory limit, the profile).
+    ``cores``: what the ranks of one host share (this machine's by default)."""
     from clawcomm.train import models
 
+    if hosts < 1 or world % hosts:
+        raise ValueError(f"--hosts {hosts} does not divide the world of {world} ranks")
     built = models.build(dataclasses.replace(cfg, dp=1, pp=1))
     layers = len(list(built[0]))
     batch = global_batch(cfg)
@@ -216,7 +260,8 @@ def plan(cfg, world: int, memory_mb: float = 0.0, cores: int | None = None, cost
     gpu = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     prof = profile(cfg, [c.micro_batch_size for c in cands], built=built, gpu=gpu)
     cores = cores or os.cpu_count() or 1
-    preds = [predict(c, prof, cores, cost, gpu) for c in cands]
+    cap = cfg.bucket_cap_mb * 2**20
+    preds = [predict(c, prof, cores, cost, gpu, hosts, cap) for c in cands]
     fits = [p for p in preds if not memory_mb or p.memory_mb <= memory_mb]
     over = [p for p in preds if memory_mb and p.memory_mb > memory_mb]
     fits.sort(key=lambda p: (p.step_ms, p.memory_mb))
@@ -300,71 +345,6 @@ def model_flags(cfg) -> list[str]:
     return out
 
 
-def check(cfg, preds: list[Prediction], k: int, steps: int, world: int) -> str:
-    """Trains the first ``k`` for ``steps`` steps each (``clawcomm train``,
-    one after another) and prints predicted against measured step times
-    (the median of the second half) and their rank correlation."""
-    import json
-    import statistics
-    import subprocess
-    import sys
-    import tempfile
-
-    from tqdm import tqdm
-
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for p in tqdm(preds[:k], desc="clawcomm plan --check", unit="layout", leave=False):
-            metrics = os.path.join(tmp, "m.jsonl")
-            cmd = [sys.executable, "-c", "import sys; from clawcomm.cli import main; "
-                   "sys.exit(main())", "train", "--nproc", str(world), "--steps", str(steps),
-                   "--quiet", "--metrics", metrics, *model_flags(cfg), *p.cand.flags()]  # fmt: skip
-            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-            with open(metrics) as f:
-                steps_ms = [json.loads(line)["step_ms"] for line in f]
-            rows.append((p, statistics.median(steps_ms[len(steps_ms) // 2 :])))
-    lines = [f"# {'':>2} {'layout':<44} {'predicted ms':>12} {'measured ms':>11} {'error':>7}"]
-    for k_, (p, measured) in enumerate(rows, 1):
-        err = (p.step_ms - measured) / measured
-        lines.append(
-            f"  {k_:>2} {p.cand.name():<44} {p.step_ms:12.1f} {measured:11.1f} {err:+7.0%}"
-        )
-    fastest = min(range(len(rows)), key=lambda i: rows[i][1])
-    lines.append(
-        f"# measured fastest: #{fastest + 1}; the plan's first measured "
-        f"{rows[0][1] / rows[fastest][1]:.2f}x its time"
-        + (
-            f"; Spearman {spearman([p.step_ms for p, _ in rows], [m for _, m in rows]):.2f}"
-            if len(rows) > 2
-            else ""
-        )  # fmt: skip
-    )
-    return "\n".join(lines)
-
-
-def spearman(a: list[float], b: list[float]) -> float:
-    """Rank correlation (ties share their mean rank)."""
-
-    def ranks(x):
-        order = sorted(range(len(x)), key=x.__getitem__)
-        r = [0.0] * len(x)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and x[order[j + 1]] == x[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                r[order[k]] = (i + j) / 2
-            i = j + 1
-        return r
-
-    ra, rb = ranks(a), ranks(b)
-    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
-    num = sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
-    den = math.sqrt(sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb))
-    return num / den if den else 0.0
-
-
 def add_arguments(p) -> None:
     from clawcomm.train import config
 
@@ -374,6 +354,25 @@ def add_arguments(p) -> None:
     p.add_argument("--check", type=int, default=0, metavar="K",
                    help="train the first K for --check-steps steps each and compare")  # fmt: skip
     p.add_argument("--check-steps", type=int, default=20, help="steps per checked layout (20)")
+    p.add_argument(
+        "--hosts",
+        type=int,
+        default=1,
+        help="hosts the ranks are spread over, --nproc / hosts each (1)",
+    )
+    p.add_argument(
+        "--link",
+        metavar="RATE",
+        help="each host's link, as 1gbit or 200mbit (default: the cost model's)",
+    )
+    p.add_argument(
+        "--cost-model",
+        metavar="FILE.json",
+        help="a calibrated cost model (clawcomm bench --calibrate)",
+    )
+    p.add_argument("--cores", type=int, default=0,
+                   help="cores the ranks of one host share (0: this machine's; namespace "
+                        "hosts on one machine share it: its cores / hosts)")  # fmt: skip
     config.add_arguments(p)
 
 
@@ -382,7 +381,11 @@ def run(args) -> int:
 
     try:
         cfg = config.from_args(args, args.config)
-        preds, over, prof = plan(cfg, args.nproc, cfg.max_memory_mb)
+        if args.check and args.hosts > 1:
+            raise ValueError("--check trains on this host; bench/plan_sweep.py checks a plan "
+                             "on namespace hosts")  # fmt: skip
+        preds, over, prof = plan(cfg, args.nproc, cfg.max_memory_mb, args.cores or None,
+                                 cost_model(args.cost_model, args.link), args.hosts)  # fmt: skip
     except (ValueError, OSError) as e:
         print(f"clawcomm plan: error: {e}")
         return 2
@@ -396,6 +399,18 @@ def run(args) -> int:
     if args.check:
         print(check(cfg, preds, args.check, args.check_steps, args.nproc))
     return 0
+
+
+def cost_model(path: str | None = None, link: str | None = None):
+    """The cost model from ``path`` (or the engine's defaults), with each
+    host's link at ``link`` (tc syntax) when given."""
+    from clawcomm.experiments.lab import rate_bytes_per_s
+    from clawcomm.model import CostModel
+
+    model = CostModel.load(path) if path else CostModel()
+    if link:
+        model.net_beta = 1 / rate_bytes_per_s(link)
+    return model
 
 
 def choose(cfg, world: int, say=print):
