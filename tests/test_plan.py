@@ -100,6 +100,15 @@ def test_the_profile_times_layers_with_a_ranks_threads(gpt_plan):
     assert seen == [1, before] and torch.get_num_threads() == before
 
 
+def test_the_profile_times_zero_bubbles_split_backward(gpt_plan):
+    _, preds, _, prof = gpt_plan
+    assert any(p.cand.schedule == "zb1" for p in preds)
+    for mbs, back in prof.backward.items():
+        i_pass, w_pass = prof.input_grad[mbs], prof.weight_grad[mbs]
+        assert len(i_pass) == len(w_pass) == len(back)
+        assert 0.4 < (sum(i_pass) + sum(w_pass)) / sum(back) < 2.5
+
+
 def test_only_the_time_on_a_core_slows_when_ranks_outnumber_cores():
     # Waiting layers (as on an accelerator) hold no core: 4 ranks on 2 cores
     # do not take twice their time, where CPU-bound layers do.

@@ -186,16 +186,21 @@ def predict(c: Candidate, prof: Profile, cores: int, cost=None, gpu: bool = Fals
     # Only the share of a layer's time spent on a core slows down (waiting layers do not).
     share = prof.cpu_share.get(mbs) or [1.0] * len(prof.params)
     scale = [1.0 + (slow - 1.0) * sh for sh in share]
-    fw = [sum(scale[i] * prof.forward[mbs][i] for i in r) for r in span]
-    bw = [sum(scale[i] * prof.backward[mbs][i] for i in r) for r in span]
+
+    def per_stage(times: list[float]) -> list[float]:
+        return [sum(scale[i] * times[i] for i in r) for r in span]
+
+    fw, bw = per_stage(prof.forward[mbs]), per_stage(prof.backward[mbs])
+    if mbs in prof.input_grad:  # zero-bubble's split backward, as profiled
+        i_pass, w_pass = per_stage(prof.input_grad[mbs]), per_stage(prof.weight_grad[mbs])
+    else:
+        i_pass = w_pass = [b / 2 for b in bw]
 
     def action_cost(a) -> float:
         kind = str(a.kind)
-        if kind == "F":
-            return fw[a.stage]
-        if kind == "B":
-            return bw[a.stage]
-        return bw[a.stage] / 2 if kind in ("I", "W") else 0.0
+        if kind in ("F", "B"):
+            return (fw if kind == "F" else bw)[a.stage]
+        return (i_pass if kind == "I" else w_pass)[a.stage] if kind in ("I", "W") else 0.0
 
     act = max(prof.out_bytes[mbs][cuts[s + 1] - 1] for s in range(stages))
     shm, net = cost.shm_alpha + act * cost.shm_beta, cost.net_alpha + act * cost.net_beta
@@ -258,7 +263,8 @@ def plan(cfg, world: int, memory_mb: float = 0.0, cores: int | None = None, cost
             "choose a global batch that dp and the micro-batches divide"
         )
     gpu = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    prof = profile(cfg, [c.micro_batch_size for c in cands], built=built, gpu=gpu)
+    split = any(c.schedule == "zb1" for c in cands)
+    prof = profile(cfg, [c.micro_batch_size for c in cands], built=built, gpu=gpu, split=split)
     cores = cores or os.cpu_count() or 1
     cap = cfg.bucket_cap_mb * 2**20
     preds = [predict(c, prof, cores, cost, gpu, hosts, cap) for c in cands]

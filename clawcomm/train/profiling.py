@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -52,22 +52,29 @@ class Profile:
     out_bytes: dict[int, list[float]]
     opt_s_per_param: float
     cpu_share: dict[int, list[float]] = dataclasses.field(default_factory=dict)
+    # zero-bubble's split backward, per layer: I (input gradient), W (weight gradient)
+    input_grad: dict[int, list[float]] = dataclasses.field(default_factory=dict)
+    weight_grad: dict[int, list[float]] = dataclasses.field(default_factory=dict)
     host_s: float = 0.0  # a trainer step's own time beyond its layers and optimizer
     seconds: float = 0.0
     threads: int = 0  # intra-op threads the layers were timed with
 
 
-def profile(cfg, sizes: list[int], repeats: int = 3, built=None, gpu: bool = False) -> Profile:
+def profile(cfg, sizes: list[int], repeats: int = 7, built=None, gpu: bool = False,
+            split: bool = False) -> Profile:  # fmt: skip
     """Times the model's layers at each micro-batch size in ``sizes``
     (``built``: ``models.build``'s result for ``cfg`` at one rank, if made),
-    with a rank's intra-op threads."""
+    with a rank's intra-op threads. Each time is the median of ``repeats``,
+    not the best: a training run's steps take the typical time, and on a
+    noisy machine the best of a few is 10-20% below it. ``split``: also
+    time zero-bubble's I and W passes (``pipeline.weight_grad``)."""
     with rank_threads(gpu):
-        prof = _profile(cfg, sizes, repeats, built)
+        prof = _profile(cfg, sizes, repeats, built, split)
         prof.threads = torch.get_num_threads()
     return prof
 
 
-def _profile(cfg, sizes: list[int], repeats: int, built) -> Profile:
+def _profile(cfg, sizes: list[int], repeats: int, built, split: bool) -> Profile:
     from clawcomm.train import models
 
     t_start = time.perf_counter()
@@ -75,49 +82,105 @@ def _profile(cfg, sizes: list[int], repeats: int, built) -> Profile:
     model, _, make_opt, ds, _, _ = built
     layers = list(model)
     prof = Profile(parameter_costs(layers), {}, {}, {}, {}, 0.0)
-    for mbs in sorted(set(sizes)):
-        x0 = ds.batch(torch.arange(mbs))[0]
-        fw, bw = [math.inf] * len(layers), [math.inf] * len(layers)
-        saved, outs = [0.0] * len(layers), [0.0] * len(layers)
-        wall, cpu = [0.0] * len(layers), [0.0] * len(layers)
-        for _ in range(repeats):
-            x = x0
-            for i, layer in enumerate(layers):
-                inp = x.detach().requires_grad_(x.is_floating_point())
-                packed = []
-                with torch.autograd.graph.saved_tensors_hooks(
-                    lambda t, keep=packed: keep.append(t.numel() * t.element_size()) or t,
-                    lambda t: t,
-                ):
-                    c0, t0 = time.thread_time(), time.perf_counter()
-                    out = layer(inp)
-                    t1 = time.perf_counter()
-                out.backward(torch.ones_like(out))  # on this thread, for CPU tensors
-                t2, c2 = time.perf_counter(), time.thread_time()
-                fw[i], bw[i] = min(fw[i], t1 - t0), min(bw[i], t2 - t1)
-                wall[i], cpu[i] = wall[i] + t2 - t0, cpu[i] + c2 - c0
-                saved[i], outs[i] = float(sum(packed)), float(out.numel() * out.element_size())
-                x = out.detach()
-            for layer in layers:
-                layer.zero_grad(set_to_none=True)
-        prof.forward[mbs], prof.backward[mbs], prof.saved[mbs] = fw, bw, saved
-        prof.out_bytes[mbs] = outs
-        prof.cpu_share[mbs] = [
-            min(1.0, c / w) if w > 0 else 1.0 for c, w in zip(cpu, wall, strict=True)
-        ]
+    sizes = sorted(set(sizes))
+    inputs = {mbs: ds.batch(torch.arange(mbs))[0] for mbs in sizes}
+    copies = _split_copies(layers) if split else None
+    times = {mbs: _Times(len(layers)) for mbs in sizes}
+    # Repeats outermost: a slow stretch of the machine (seconds long) then
+    # touches every size's samples alike instead of all of one size's.
+    for _ in range(repeats):
+        for mbs in sizes:
+            _timed_pass(layers, inputs[mbs], times[mbs])
+            if copies:
+                _timed_split_pass(copies, inputs[mbs], times[mbs])
+    for mbs, t in times.items():
+        prof.forward[mbs], prof.backward[mbs] = t.medians("forward"), t.medians("backward")
+        prof.saved[mbs], prof.out_bytes[mbs] = t.saved, t.out_bytes
+        prof.cpu_share[mbs] = [min(1.0, c / w) if w > 0 else 1.0
+                               for c, w in zip(t.cpu, t.wall, strict=True)]  # fmt: skip
+        if copies:
+            prof.input_grad[mbs], prof.weight_grad[mbs] = t.medians("i"), t.medians("w")
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.zeros_like(p)
     opt = make_opt(params)
-    best = math.inf
+    steps = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         opt.step()
-        best = min(best, time.perf_counter() - t0)
-    prof.opt_s_per_param = best / max(1, sum(p.numel() for p in params))
+        steps.append(time.perf_counter() - t0)
+    prof.opt_s_per_param = statistics.median(steps) / max(1, sum(p.numel() for p in params))
     prof.host_s = _host_seconds(cfg, min(sizes), prof)
     prof.seconds = time.perf_counter() - t_start
     return prof
+
+
+class _Times:
+    """One micro-batch size's samples, per layer."""
+
+    def __init__(self, n: int):
+        self.samples = {k: [[] for _ in range(n)] for k in ("forward", "backward", "i", "w")}
+        self.wall, self.cpu = [0.0] * n, [0.0] * n
+        self.saved, self.out_bytes = [0.0] * n, [0.0] * n
+
+    def medians(self, kind: str) -> list[float]:
+        return [statistics.median(t) for t in self.samples[kind]]
+
+
+def _timed_pass(layers, x, t: _Times) -> None:
+    """Each layer's forward and backward, on its own (inputs detached)."""
+    for i, layer in enumerate(layers):
+        inp = x.detach().requires_grad_(x.is_floating_point())
+        packed = []
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda v, keep=packed: keep.append(v.numel() * v.element_size()) or v,
+            lambda v: v,
+        ):
+            c0, t0 = time.thread_time(), time.perf_counter()
+            out = layer(inp)
+            t1 = time.perf_counter()
+        out.backward(torch.ones_like(out))  # on this thread, for CPU tensors
+        t2, c2 = time.perf_counter(), time.thread_time()
+        t.samples["forward"][i].append(t1 - t0)
+        t.samples["backward"][i].append(t2 - t1)
+        t.wall[i], t.cpu[i] = t.wall[i] + t2 - t0, t.cpu[i] + c2 - c0
+        t.saved[i], t.out_bytes[i] = float(sum(packed)), float(out.numel() * out.element_size())
+        x = out.detach()
+    for layer in layers:
+        layer.zero_grad(set_to_none=True)
+
+
+def _split_copies(layers) -> list:
+    """Copies of the layers, split as the trainer splits a zero-bubble
+    stage's (``pipeline.weight_grad``)."""
+    import copy
+
+    from clawcomm.pipeline.weight_grad import split_linear_backward
+
+    copies = [copy.deepcopy(layer) for layer in layers]
+    for layer in copies:
+        split_linear_backward(layer)
+    return copies
+
+
+def _timed_split_pass(copies, x, t: _Times) -> None:
+    """Each layer's I pass (input gradient; weight gradients deferred) and
+    W pass (the deferred jobs)."""
+    from clawcomm.pipeline.weight_grad import WeightGradStore, deferring
+
+    for i, layer in enumerate(copies):
+        out = layer(x.detach().requires_grad_(x.is_floating_point()))
+        store = WeightGradStore()
+        t0 = time.perf_counter()
+        with deferring(store):
+            out.backward(torch.ones_like(out))
+        t1 = time.perf_counter()
+        store.run()
+        t.samples["i"][i].append(t1 - t0)
+        t.samples["w"][i].append(time.perf_counter() - t1)
+        x = out.detach()
+    for layer in copies:
+        layer.zero_grad(set_to_none=True)
 
 
 def _host_seconds(cfg, mbs: int, prof: Profile, steps: int = 4) -> float:
