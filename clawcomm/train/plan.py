@@ -47,7 +47,7 @@ from clawcomm.pipeline.schedules import build as build_schedule
 from clawcomm.pipeline.schedules import check_schedule_args
 from clawcomm.pipeline.validate import SimulationPlan
 from clawcomm.train.layout import balanced_cuts
-from clawcomm.train.plan_check import check, spearman  # noqa: F401 (the plan's API)
+from clawcomm.train.plan_check import check, model_flags, spearman  # noqa: F401 (the plan's API)
 from clawcomm.train.profiling import Profile, profile
 
 SCHEDULE_CHOICES = (("gpipe", 1), ("1f1b", 1), ("zb1", 1), ("interleaved", 2))
@@ -328,27 +328,6 @@ def report(preds: list[Prediction], over: list[Prediction], prof: Profile, base:
     if preds:
         lines.append("# run it: clawcomm train " + " ".join(base + preds[0].cand.flags()))
     return "\n".join(lines)
-
-
-LAYOUT_FIELDS = ("dp", "pp", "schedule", "virtual_stages", "microbatches", "micro_batch_size",
-                 "accumulation", "global_batch", "zero", "layout")  # fmt: skip
-
-
-def model_flags(cfg) -> list[str]:
-    """The command's settings other than the layout, as flags."""
-    from clawcomm.train.config import TrainConfig
-
-    default, out = TrainConfig(), []
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        if f.name in LAYOUT_FIELDS or value == getattr(default, f.name):
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(value, bool):
-            out.append(flag if value else "--no-" + flag[2:])
-        else:
-            out += [flag, str(value)]
-    return out
 
 
 def add_arguments(p) -> None:

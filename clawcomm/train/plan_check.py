@@ -9,8 +9,29 @@ median step of the second half of its steps.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+
+LAYOUT_FIELDS = ("dp", "pp", "schedule", "virtual_stages", "microbatches", "micro_batch_size",
+                 "accumulation", "global_batch", "zero", "layout")  # fmt: skip
+
+
+def model_flags(cfg) -> list[str]:
+    """The command's settings other than the layout, as flags."""
+    from clawcomm.train.config import TrainConfig
+
+    default, out = TrainConfig(), []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name in LAYOUT_FIELDS or value == getattr(default, f.name):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        else:
+            out += [flag, str(value)]
+    return out
 
 
 def measure(cfg, cand, steps: int, world: int, launch=None) -> float:
@@ -22,8 +43,6 @@ def measure(cfg, cand, steps: int, world: int, launch=None) -> float:
     import subprocess
     import sys
     import tempfile
-
-    from clawcomm.train.plan import model_flags
 
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "m.jsonl")
