@@ -62,6 +62,20 @@ def test_every_collective_against_gloo_and_the_raw_engine(tmp_path):
     )
     assert table.count("# Out of bounds values : 0 OK") == len(collectives.COLLECTIVES)
     assert "# Avg bus bandwidth    :" in table and "memcpy ceiling" in table
+    # Every ordered pair's single-copy size, as the engine reports it.
+    pairs = {(s, r): b for s, r, b in data["single_copy"]}
+    assert set(pairs) == {(s, r) for s in range(3) for r in range(3) if s != r}
+    assert all(b is None or b in (64 << 10, 1 << 20) for b in pairs.values()), pairs
+    from clawcomm.bench.report import single_copy_line
+
+    assert single_copy_line(pairs) in table.splitlines()
+
+
+def test_single_copy_line():
+    from clawcomm.bench.report import single_copy_line
+
+    line = single_copy_line({(0, 1): 65536, (1, 0): 1 << 20, (0, 2): None, (2, 0): 65536})
+    assert line.endswith("from 64 KiB on 2 pairs, from 1 MiB on 1 pair, never on 1 pair")
 
 
 def test_reduction_ops_types_and_algorithms():

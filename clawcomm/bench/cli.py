@@ -277,7 +277,7 @@ def run_mpi(options: dict, nproc: int) -> list[dict]:
 def run(args, argv: list[str] | None = None) -> int:
     """Runs the bench for parsed `args`; `argv` (the flags as typed) is
     recorded in the JSON so a result file says how to reproduce it."""
-    from clawcomm.bench.report import format_tables, plot, write_json
+    from clawcomm.bench.report import format_tables, plot, single_copy_line, write_json
     from clawcomm.bench.torch_worker import clawcomm_name, rank_main, reference_algo
 
     if args.calibrate:
@@ -398,6 +398,8 @@ def run(args, argv: list[str] | None = None) -> int:
     else:
         print(f"# memcpy ceiling (one core, 64 MiB numpy.copyto, best of 10): {memcpy:.2f} GB/s")
         print(f"# buffers from 2 MiB up on {args.pages} pages (--pages), for every system")
+        if result.get("single_copy"):
+            print(single_copy_line(result["single_copy"]))
     for note in notes:
         print(note)
     print(format_tables(records, lambda _coll: reference, world, header))
@@ -415,6 +417,7 @@ def run(args, argv: list[str] | None = None) -> int:
                 "d2d_copy_GBps": d2d,
                 "options": options,
                 "reference": reference,
+                "single_copy": [[s, r, b] for (s, r), b in result.get("single_copy", {}).items()],
                 "records": records,
             },
         )

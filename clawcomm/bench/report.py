@@ -77,6 +77,28 @@ def format_tables(records, reference_of, world_size: int, header: str = "") -> s
     return "\n".join(out)
 
 
+def single_copy_line(pairs: dict) -> str:
+    """``{(sender, receiver): bytes or None}`` as one header line: from which
+    size each pair's payloads go by single copy (None: never, as between
+    hosts or with CLAWCOMM_SINGLE_COPY=off)."""
+    counts: dict = defaultdict(int)
+    for threshold in pairs.values():
+        counts[threshold] += 1
+    parts = [
+        ("never" if t is None else f"from {_size(t)}") + f" on {k} pair{'s' * (k != 1)}"
+        for t, k in sorted(counts.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))
+    ]
+    return ("# clawcomm's single copy (each reader's measurement at setup, or "
+            "CLAWCOMM_SINGLE_COPY_BYTES): " + ", ".join(parts))  # fmt: skip
+
+
+def _size(nbytes: int) -> str:
+    for unit, shift in (("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
+            return f"{nbytes >> shift} {unit}"
+    return f"{nbytes} B"
+
+
 def _cells(r, full: bool) -> str:
     if r is None or "error" in r:
         return "      n/a     n/a     n/a     n/a" if full else "      n/a     n/a     n/a"

@@ -140,9 +140,15 @@ def rank_main(rank: int, world_size: int, options: dict):
     finally:
         if progress is not None:
             progress.close()
+    # Each pair's single-copy threshold (the reader measures it at setup):
+    # what the sizes in the table travelled by.
+    mine = clawcomm.engine_of(runners[reference].group)
+    pairs = {(rank, p): mine.single_copy_from(p) for p in range(world_size) if p != rank}
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, pairs, group=control)
     if rank != 0:
         return None
-    result = {"records": records}
+    result = {"records": records, "single_copy": {k: v for g in gathered for k, v in g.items()}}
     if device == "cuda":
         result["gpu"] = torch.cuda.get_device_name()
         result["d2d_GBps"] = d2d_copy_gbps()
