@@ -15,7 +15,9 @@ The GPT computes on the CPU; the waiting model's layers sleep as layers on
 an accelerator would (docs/trainer.md), so on 2 cores only the GPT's ranks
 fight for cores. Namespace-host scenarios (``@2x1gbit``: 2 hosts, links
 shaped to 1 Gbit/s) need root and iproute2; their hosts share this
-machine's cores, so the plan is told each host has cores / hosts.
+machine's cores, so the plan is told each host has cores / hosts. A
+``+wire`` scenario also searches the gradients' wire (none, bf16, int8:
+``clawcomm plan --search-compression``).
 """
 
 from __future__ import annotations
@@ -33,9 +35,12 @@ from clawcomm.train.plan_check import measure, shapes, spearman, table
 SCENARIOS = ["gpt-2", "gpt-4", "wait-4", "gpt-4@2x1gbit", "wait-4@2x1gbit"]
 
 
+WIRES = ["none", "bf16", "int8"]
+
+
 def parse(name: str) -> tuple[str, int, int, str | None]:
-    """'gpt-4@2x1gbit' -> ('gpt', 4 ranks, 2 hosts, '1gbit')."""
-    head, _, where = name.partition("@")
+    """'gpt-4@2x1gbit+wire' -> ('gpt', 4 ranks, 2 hosts, '1gbit')."""
+    head, _, where = name.removesuffix("+wire").partition("@")
     model, _, ranks = head.partition("-")
     hosts, rate = 1, None
     if where:
@@ -49,7 +54,9 @@ def run_scenario(name: str, args, progress) -> dict:
     cfg = TrainConfig(model=model, global_batch=args.global_batch, quiet=True)
     cores = max(1, (os.cpu_count() or 1) // hosts)
     t0 = time.perf_counter()
-    preds, _, _ = plan.plan(cfg, world, cores=cores, cost=plan.cost_model(None, rate), hosts=hosts)
+    wires = WIRES if name.endswith("+wire") else None
+    preds, _, _ = plan.plan(cfg, world, cores=cores, cost=plan.cost_model(None, rate), hosts=hosts,
+                            compressions=wires)  # fmt: skip
     plan_s = time.perf_counter() - t0
     chosen = shapes(preds, args.layouts)
     rows = []

@@ -151,6 +151,30 @@ def test_plan_refuses_hosts_that_do_not_divide_the_world(capsys):
     assert "bench/plan_sweep.py" in capsys.readouterr().out
 
 
+def test_searched_compression_is_costed_on_the_wire(gpt_plan):
+    from clawcomm.train import plan_wire
+
+    cfg, _, _, prof = gpt_plan
+    wires = plan_wire.check_specs(["none", "bf16", "int8"])
+    assert wires == ["", "bf16", "int8"]
+    with pytest.raises(ValueError, match="dense wires only"):
+        plan_wire.check_specs(["topk:0.01"])
+    cands = list(plan.candidates(4, 4, 16, wires))
+    assert {c.compression for c in cands if c.dp > 1} == set(wires)
+    assert {c.compression for c in cands if c.dp == 1} == {""}
+    slow = plan.cost_model(None, "100mbit")
+    codec = {w: plan_wire.codec_seconds(w, int(sum(prof.params))) for w in wires if w}
+    assert codec["bf16"] == 0 and codec["int8"] > 0
+    comm = {}
+    for w in wires:
+        c = plan.Candidate(4, 1, "1f1b", 1, 1, 4, 0, w)
+        comm[w] = plan.predict(c, prof, 4, slow, hosts=2, codec=codec).comm_ms
+        chosen = plan.apply(cfg, c)
+        assert chosen.compression == w and ("--compression" in c.flags()) == bool(w)
+        chosen.check(4)
+    assert comm["int8"] < comm["bf16"] < comm[""]
+
+
 def test_spearman():
     assert plan.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert plan.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)

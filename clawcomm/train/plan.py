@@ -48,6 +48,7 @@ from clawcomm.pipeline.schedules import check_schedule_args
 from clawcomm.pipeline.validate import SimulationPlan
 from clawcomm.train.layout import balanced_cuts
 from clawcomm.train.plan_check import check, model_flags, spearman  # noqa: F401 (the plan's API)
+from clawcomm.train.plan_wire import WIRES, check_specs, codec_seconds, reduction_seconds
 from clawcomm.train.profiling import Profile, profile
 
 SCHEDULE_CHOICES = (("gpipe", 1), ("1f1b", 1), ("zb1", 1), ("interleaved", 2))
@@ -62,6 +63,7 @@ class Candidate:
     microbatches: int
     micro_batch_size: int
     zero: int
+    compression: str | None = None  # searched ('' none); None: the command's own
 
     def flags(self) -> list[str]:
         out = ["--dp", str(self.dp), "--pp", str(self.pp)]
@@ -69,13 +71,14 @@ class Candidate:
             out += ["--schedule", self.schedule, "-v", str(self.v)]
         out += ["--microbatches", str(self.microbatches)]
         out += ["--micro-batch-size", str(self.micro_batch_size), "--zero", str(self.zero)]
-        return out
+        return out + (["--compression", self.compression] if self.compression else [])
 
     def name(self) -> str:
         pipe = f" {self.schedule}" + (f" v{self.v}" if self.v > 1 else "") if self.pp > 1 else ""
         zero = f" ZeRO-{self.zero}" if self.zero else ""
+        wire = f" {self.compression}" if self.compression else ""
         return (f"dp {self.dp} x pp {self.pp}{pipe}, {self.microbatches} x "
-                f"{self.micro_batch_size}{zero}")  # fmt: skip
+                f"{self.micro_batch_size}{zero}{wire}")  # fmt: skip
 
 
 @dataclass
@@ -98,6 +101,7 @@ def apply(cfg, c: Candidate):
         cfg, dp=c.dp, pp=c.pp, schedule=c.schedule, virtual_stages=c.v,
         microbatches=c.microbatches, micro_batch_size=c.micro_batch_size, accumulation=1,
         global_batch=0, zero=c.zero, layout="",
+        compression=cfg.compression if c.compression is None else c.compression,
     )  # fmt: skip
 
 
@@ -109,8 +113,9 @@ def _runs(cfg, world: int) -> bool:
         return False
 
 
-def candidates(world: int, layers: int, global_batch: int):
-    """Every layout the trainer can run ``global_batch`` samples a step with."""
+def candidates(world: int, layers: int, global_batch: int, compressions=(None,)):
+    """Every layout the trainer can run ``global_batch`` samples a step with
+    (with each of ``compressions`` where dp > 1)."""
     for pp in range(1, min(world, layers) + 1):
         if world % pp:
             continue
@@ -130,7 +135,8 @@ def candidates(world: int, layers: int, global_batch: int):
                 except ValueError:
                     continue
                 for zero in range(4) if dp > 1 else (0,):
-                    yield Candidate(dp, pp, schedule, v, m, per_replica // m, zero)
+                    for wire in compressions if dp > 1 else compressions[:1]:
+                        yield Candidate(dp, pp, schedule, v, m, per_replica // m, zero, wire)
 
 
 def _placement(c: Candidate, hosts: int):
@@ -150,14 +156,13 @@ def _placement(c: Candidate, hosts: int):
     return crosses, Layout(spans, -(-c.dp // spans))
 
 
-def _exposed(sim, r: int, nbytes: float, cap: float, collective: str, layout, cost) -> float:
+def _exposed(sim, r: int, nbytes: float, cap: float, reduce) -> float:
     """What pipeline rank ``r``'s data-parallel reduction of ``nbytes`` adds
     to the step. Its buckets of ``cap`` bytes launch as their gradients turn
     final in the rank's last backward, the last one as it ends, so the
     reduction hides behind that backward's other buckets' share and behind
-    the rest of the pipeline's drain, no more."""
-    from clawcomm.model import predict as comm_time
-
+    the rest of the pipeline's drain, no more. ``reduce(bytes, share)``: one
+    bucket's reduction, ``share`` its part of the rank's gradient."""
     acts = sim.schedule[r]
     last = max((i for i, a in enumerate(acts) if str(a.kind) in ("B", "I", "W")), default=None)
     if last is None:
@@ -165,18 +170,19 @@ def _exposed(sim, r: int, nbytes: float, cap: float, collective: str, layout, co
     buckets = max(1, math.ceil(nbytes / cap))
     last_bw = sim.end[r][last] - sim.start[r][last]
     hidden = (sim.makespan - sim.end[r][last]) + last_bw * (1 - 1 / buckets)
-    total = buckets * comm_time(collective, "auto", nbytes / buckets, layout, cost)
+    total = buckets * reduce(nbytes / buckets, 1 / buckets)
     return max(0.0, total - hidden)
 
 
 def predict(c: Candidate, prof: Profile, cores: int, cost=None, gpu: bool = False,
-            hosts: int = 1, cap_bytes: float = 25 * 2**20) -> Prediction:  # fmt: skip
+            hosts: int = 1, cap_bytes: float = 25 * 2**20, codec=None) -> Prediction:  # fmt: skip
     """The candidate's step time and memory (see the module docstring) on
-    ``hosts`` hosts of ``cores`` cores each."""
+    ``hosts`` hosts of ``cores`` cores each (``codec``: seconds of each
+    searched compression's passes over the whole model's gradient)."""
     from clawcomm.model import CostModel
     from clawcomm.model import predict as comm_time
 
-    cost = cost or CostModel()
+    cost, codec = cost or CostModel(), codec or {}
     stages = c.pp * c.v
     cuts = balanced_cuts(prof.params, stages)
     span = [range(cuts[s], cuts[s + 1]) for s in range(stages)]
@@ -218,10 +224,13 @@ def predict(c: Candidate, prof: Profile, cores: int, cost=None, gpu: bool = Fals
     grad_bytes = 4 * p_max
     comm = 0.0
     if c.dp > 1:
-        collective = "all_reduce" if c.zero == 0 else "reduce_scatter"
+        wire = c.compression if c.compression in WIRES else ""  # the command's: as float32
         for r in range(c.pp):
-            comm = max(comm, _exposed(sim, r, 4 * rank_params[r], cap_bytes, collective,
-                                      dp_layout, cost))  # fmt: skip
+            codec_s = slow * codec.get(wire, 0.0) * rank_params[r] / max(1.0, sum(prof.params))
+            reduce = lambda b, share, cs=codec_s: reduction_seconds(  # noqa: E731
+                wire, c.zero, b, dp_layout, cost, share * cs
+            )
+            comm = max(comm, _exposed(sim, r, 4 * rank_params[r], cap_bytes, reduce))
         if c.zero >= 1:  # the updated shards gathered (ZeRO-3: again before backward)
             gathers = 2 if c.zero == 3 else 1
             comm += gathers * comm_time("all_gather", "auto", grad_bytes, dp_layout, cost)
@@ -246,9 +255,10 @@ def predict(c: Candidate, prof: Profile, cores: int, cost=None, gpu: bool = Fals
 
 
 def plan(cfg, world: int, memory_mb: float = 0.0, cores: int | None = None, cost=None,
-         hosts: int = 1):  # fmt: skip
+         hosts: int = 1, compressions: list[str] | None = None):  # fmt: skip
     """(predictions best first, those over the memory limit, the profile).
-    ``cores``: what the ranks of one host share (this machine's by default)."""
+    ``cores``: what the ranks of one host share (this machine's by default);
+    ``compressions``: the wires to search (``plan_wire``; '' is none)."""
     from clawcomm.train import models
 
     if hosts < 1 or world % hosts:
@@ -256,7 +266,10 @@ def plan(cfg, world: int, memory_mb: float = 0.0, cores: int | None = None, cost
     built = models.build(dataclasses.replace(cfg, dp=1, pp=1))
     layers = len(list(built[0]))
     batch = global_batch(cfg)
-    cands = [c for c in candidates(world, layers, batch) if _runs(apply(cfg, c), world)]
+    wires = check_specs(compressions) if compressions else [None]
+    if compressions:
+        cfg = dataclasses.replace(cfg, compression="")  # the search decides it
+    cands = [c for c in candidates(world, layers, batch, wires) if _runs(apply(cfg, c), world)]
     if not cands:
         raise ValueError(
             f"no layout runs a global batch of {batch} on {world} ranks with {layers} layers: "
@@ -267,7 +280,8 @@ def plan(cfg, world: int, memory_mb: float = 0.0, cores: int | None = None, cost
     prof = profile(cfg, [c.micro_batch_size for c in cands], built=built, gpu=gpu, split=split)
     cores = cores or os.cpu_count() or 1
     cap = cfg.bucket_cap_mb * 2**20
-    preds = [predict(c, prof, cores, cost, gpu, hosts, cap) for c in cands]
+    codec = {w: codec_seconds(w, int(sum(prof.params))) for w in wires if w}
+    preds = [predict(c, prof, cores, cost, gpu, hosts, cap, codec) for c in cands]
     fits = [p for p in preds if not memory_mb or p.memory_mb <= memory_mb]
     over = [p for p in preds if memory_mb and p.memory_mb > memory_mb]
     fits.sort(key=lambda p: (p.step_ms, p.memory_mb))
@@ -355,6 +369,9 @@ def add_arguments(p) -> None:
         metavar="FILE.json",
         help="a calibrated cost model (clawcomm bench --calibrate)",
     )
+    p.add_argument("--search-compression", metavar="LIST", default="",
+                   help="also choose the gradients' wire among these: none, fp16, bf16, int8, "
+                        "int4 (comma-separated; default: keep --compression)")  # fmt: skip
     p.add_argument("--cores", type=int, default=0,
                    help="cores the ranks of one host share (0: this machine's; namespace "
                         "hosts on one machine share it: its cores / hosts)")  # fmt: skip
@@ -366,11 +383,15 @@ def run(args) -> int:
 
     try:
         cfg = config.from_args(args, args.config)
+        searched = [w.strip() for w in args.search_compression.split(",") if w.strip()]
+        if searched:
+            cfg = dataclasses.replace(cfg, compression="")  # the search decides it
         if args.check and args.hosts > 1:
             raise ValueError("--check trains on this host; bench/plan_sweep.py checks a plan "
                              "on namespace hosts")  # fmt: skip
         preds, over, prof = plan(cfg, args.nproc, cfg.max_memory_mb, args.cores or None,
-                                 cost_model(args.cost_model, args.link), args.hosts)  # fmt: skip
+                                 cost_model(args.cost_model, args.link), args.hosts,
+                                 searched or None)  # fmt: skip
     except (ValueError, OSError) as e:
         print(f"clawcomm plan: error: {e}")
         return 2
@@ -381,6 +402,10 @@ def run(args) -> int:
         return 2
     base = ["--nproc", str(args.nproc), *model_flags(cfg)]
     print(report(preds, over, prof, base, args.top), flush=True)
+    if searched:
+        print("# the wire is chosen by time alone: fp16 and bf16 round every value, int8 and "
+              "int4 quantise it; `clawcomm experiment compression` measures what that costs "
+              "in loss")  # fmt: skip
     if args.check:
         print(check(cfg, preds, args.check, args.check_steps, args.nproc))
     return 0

@@ -61,11 +61,12 @@ def measure(cfg, cand, steps: int, world: int, launch=None) -> float:
 
 def shapes(preds: list, k: int) -> list:
     """The first prediction, then the best of each other shape (dp, pp,
-    schedule, virtual stages) in the plan's order, up to ``k``: layouts
-    that differ, where the top ``k`` are often one shape's ZeRO stages."""
+    schedule, virtual stages, and the wire where it was searched) in the
+    plan's order, up to ``k``: layouts that differ, where the top ``k`` are
+    often one shape's ZeRO stages."""
     seen, out = set(), []
     for p in preds:
-        shape = (p.cand.dp, p.cand.pp, p.cand.schedule, p.cand.v)
+        shape = (p.cand.dp, p.cand.pp, p.cand.schedule, p.cand.v, p.cand.compression)
         if shape not in seen:
             seen.add(shape)
             out.append(p)
