@@ -142,18 +142,18 @@ def candidates(world: int, layers: int, global_batch: int, compressions=(None,))
 def _placement(c: Candidate, hosts: int):
     """Where the candidate's ranks sit on ``hosts`` hosts (numbered host by
     host, as torchrun numbers them; the trainer's rank is pp_rank * dp +
-    dp_rank): (whether pipeline ranks p and q of some replica are on
-    different hosts, the cost model's layout of the widest dp group)."""
+    dp_rank): (how many replicas' pipeline ranks p and q are on different
+    hosts, the cost model's layout of the widest dp group)."""
     from clawcomm.model import Layout
 
     per_host = c.dp * c.pp // hosts
     host = lambda d, p: (p * c.dp + d) // per_host  # noqa: E731
 
-    def crosses(p: int, q: int) -> bool:
-        return any(host(d, p) != host(d, q) for d in range(c.dp))
+    def crossing(p: int, q: int) -> int:
+        return sum(host(d, p) != host(d, q) for d in range(c.dp))
 
     spans = max(len({host(d, p) for d in range(c.dp)}) for p in range(c.pp))
-    return crosses, Layout(spans, -(-c.dp // spans))
+    return crossing, Layout(spans, -(-c.dp // spans))
 
 
 def _exposed(sim, r: int, nbytes: float, cap: float, reduce) -> float:
@@ -186,7 +186,7 @@ def predict(c: Candidate, prof: Profile, cores: int, cost=None, gpu: bool = Fals
     stages = c.pp * c.v
     cuts = balanced_cuts(prof.params, stages)
     span = [range(cuts[s], cuts[s + 1]) for s in range(stages)]
-    crosses, dp_layout = _placement(c, hosts)
+    crossing, dp_layout = _placement(c, hosts)
     slow = 1.0 if gpu else max(1.0, c.dp * c.pp / hosts / cores)  # ranks sharing cores
     mbs = c.micro_batch_size
     # Only the share of a layer's time spent on a core slows down (waiting layers do not).
@@ -209,10 +209,15 @@ def predict(c: Candidate, prof: Profile, cores: int, cost=None, gpu: bool = Fals
         return (i_pass if kind == "I" else w_pass)[a.stage] if kind in ("I", "W") else 0.0
 
     act = max(prof.out_bytes[mbs][cuts[s + 1] - 1] for s in range(stages))
-    shm, net = cost.shm_alpha + act * cost.shm_beta, cost.net_alpha + act * cost.net_beta
-    latency = (lambda p, q: net if crosses(p, q) else shm) if c.pp > 1 else 0.0  # noqa: E731
+    shm = cost.shm_alpha + act * cost.shm_beta
+
+    def latency(p: int, q: int) -> float:
+        # the replicas run the same schedule: those crossing here share the link
+        k = crossing(p, q)
+        return cost.net_alpha + k * act * cost.net_beta if k else shm
+
     sim = SimulationPlan(build_schedule(c.schedule, c.pp, c.microbatches, c.v)).run(
-        action_cost, latency
+        action_cost, latency if c.pp > 1 else 0.0
     )
     busy = max(sim.busy.values())
     # Per rank: its stages' parameters (the fullest rank decides).
