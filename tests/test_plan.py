@@ -192,6 +192,19 @@ def test_check_trains_the_first_layouts_and_compares(capsys):
     assert "predicted ms" in out and "measured fastest: #" in out
 
 
+def test_check_shapes_trains_layouts_that_differ(capsys):
+    from clawcomm.cli import main
+
+    args = ["plan", "--nproc", "2", "--model", "mlp", "--hidden", "32", "--global-batch", "16",
+            "--check", "2", "--check-shapes", "--check-steps", "4"]  # fmt: skip
+    assert main(args) == 0
+    table = capsys.readouterr().out.split("predicted ms")[1]
+    rows = [line for line in table.splitlines() if line.strip()[:1].isdigit()]
+    assert len(rows) == 2
+    shapes = {line.split(",")[0].split(maxsplit=1)[1] for line in rows}
+    assert len(shapes) == 2, rows  # two shapes (dp 2 x pp 1, dp 1 x pp 2 ...), not two ZeRO stages
+
+
 def test_train_with_layout_auto(capsys):
     from clawcomm.train import cli
 

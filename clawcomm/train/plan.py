@@ -47,7 +47,12 @@ from clawcomm.pipeline.schedules import build as build_schedule
 from clawcomm.pipeline.schedules import check_schedule_args
 from clawcomm.pipeline.validate import SimulationPlan
 from clawcomm.train.layout import balanced_cuts
-from clawcomm.train.plan_check import check, model_flags, spearman  # noqa: F401 (the plan's API)
+from clawcomm.train.plan_check import (  # noqa: F401 (the plan's API)
+    check,
+    model_flags,
+    shapes,
+    spearman,
+)
 from clawcomm.train.plan_wire import WIRES, check_specs, codec_seconds, reduction_seconds
 from clawcomm.train.profiling import Profile, profile
 
@@ -358,6 +363,9 @@ def add_arguments(p) -> None:
     p.add_argument("--check", type=int, default=0, metavar="K",
                    help="train the first K for --check-steps steps each and compare")  # fmt: skip
     p.add_argument("--check-steps", type=int, default=20, help="steps per checked layout (20)")
+    p.add_argument("--check-shapes", action="store_true",
+                   help="check the first and the best of each other shape (dp, pp, schedule), "
+                        "not the first K, which are often one shape's ZeRO stages")  # fmt: skip
     p.add_argument(
         "--hosts",
         type=int,
@@ -412,7 +420,8 @@ def run(args) -> int:
               "int4 quantise it; `clawcomm experiment compression` measures what that costs "
               "in loss")  # fmt: skip
     if args.check:
-        print(check(cfg, preds, args.check, args.check_steps, args.nproc))
+        chosen = shapes(preds, args.check) if args.check_shapes else preds[: args.check]
+        print(check(cfg, chosen, len(chosen), args.check_steps, args.nproc))
     return 0
 
 
