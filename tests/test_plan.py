@@ -175,6 +175,18 @@ def test_searched_compression_is_costed_on_the_wire(gpt_plan):
     assert comm["int8"] < comm["bf16"] < comm[""]
 
 
+def test_local_sgd_meets_every_h_steps(gpt_plan):
+    # The plan keeps the command's --sync: replicas that meet every H steps
+    # exchange parameters once in H, and with --sync-delay behind the steps.
+    _, _, _, prof = gpt_plan
+    slow = plan.cost_model(None, "100mbit")
+    c = plan.Candidate(4, 1, "1f1b", 1, 1, 4, 0)
+    every = plan.predict(c, prof, 4, slow, hosts=2).comm_ms
+    eight = plan.predict(c, prof, 4, slow, hosts=2, sync=("local-sgd", 8)).comm_ms
+    delayed = plan.predict(c, prof, 4, slow, hosts=2, sync=("diloco", 8), sync_delay=2).comm_ms
+    assert 0 < eight < every / 4 and delayed == 0
+
+
 def test_spearman():
     assert plan.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert plan.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)

@@ -180,10 +180,12 @@ def _exposed(sim, r: int, nbytes: float, cap: float, reduce) -> float:
 
 
 def predict(c: Candidate, prof: Profile, cores: int, cost=None, gpu: bool = False,
-            hosts: int = 1, cap_bytes: float = 25 * 2**20, codec=None) -> Prediction:  # fmt: skip
+            hosts: int = 1, cap_bytes: float = 25 * 2**20, codec=None,
+            sync=("every-step", 1), sync_delay: int = 0) -> Prediction:  # fmt: skip
     """The candidate's step time and memory (see the module docstring) on
     ``hosts`` hosts of ``cores`` cores each (``codec``: seconds of each
-    searched compression's passes over the whole model's gradient)."""
+    searched compression's passes over the whole model's gradient; ``sync``:
+    ``outer.parse_sync`` of the command's --sync, which the plan keeps)."""
     from clawcomm.model import CostModel
     from clawcomm.model import predict as comm_time
 
@@ -233,7 +235,12 @@ def predict(c: Candidate, prof: Profile, cores: int, cost=None, gpu: bool = Fals
     p_max = max(rank_params)
     grad_bytes = 4 * p_max
     comm = 0.0
-    if c.dp > 1:
+    if c.dp > 1 and sync[0] != "every-step":
+        # local SGD / DiLoCo: no gradient exchange a step; the replicas' parameters
+        # are averaged every H steps (on a thread of its own with --sync-delay)
+        meeting = comm_time("all_reduce", "auto", grad_bytes, dp_layout, cost)
+        comm = 0.0 if sync_delay else meeting / sync[1]
+    elif c.dp > 1:
         wire = c.compression if c.compression in WIRES else ""  # the command's: as float32
         for r in range(c.pp):
             codec_s = slow * codec.get(wire, 0.0) * rank_params[r] / max(1.0, sum(prof.params))
@@ -291,7 +298,11 @@ def plan(cfg, world: int, memory_mb: float = 0.0, cores: int | None = None, cost
     cores = cores or os.cpu_count() or 1
     cap = cfg.bucket_cap_mb * 2**20
     codec = {w: codec_seconds(w, int(sum(prof.params))) for w in wires if w}
-    preds = [predict(c, prof, cores, cost, gpu, hosts, cap, codec) for c in cands]
+    from clawcomm.train.outer import parse_sync
+
+    sync = parse_sync(cfg.sync)
+    preds = [predict(c, prof, cores, cost, gpu, hosts, cap, codec, sync, cfg.sync_delay)
+             for c in cands]  # fmt: skip
     fits = [p for p in preds if not memory_mb or p.memory_mb <= memory_mb]
     over = [p for p in preds if memory_mb and p.memory_mb > memory_mb]
     fits.sort(key=lambda p: (p.step_ms, p.memory_mb))
