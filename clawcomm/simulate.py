@@ -29,6 +29,7 @@ from dataclasses import asdict
 
 from clawcomm import outputs
 from clawcomm.bench.cli import parse_size
+from clawcomm.bench.report import size_text as _size
 from clawcomm.model import ALGORITHMS, CostModel, Layout, busbw_factor, choose, predict
 
 COLLECTIVES = list(ALGORITHMS)
@@ -90,14 +91,6 @@ def parse_count(text: str) -> int:
     if n < 0:
         raise argparse.ArgumentTypeError(f"{text!r} is negative")
     return int(n)
-
-
-def _size(n: float) -> str:
-    """Bytes in binary units, as -b/-e read them: 1 GiB is 2**30 bytes."""
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:g} {unit}"
-    return f"{n:g} B"
 
 
 def _count(n: float) -> str:

@@ -85,18 +85,19 @@ def single_copy_line(pairs: dict) -> str:
     for threshold in pairs.values():
         counts[threshold] += 1
     parts = [
-        ("never" if t is None else f"from {_size(t)}") + f" on {k} pair{'s' * (k != 1)}"
+        ("never" if t is None else f"from {size_text(t)}") + f" on {k} pair{'s' * (k != 1)}"
         for t, k in sorted(counts.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))
     ]
     return ("# clawcomm's single copy (each reader's measurement at setup, or "
             "CLAWCOMM_SINGLE_COPY_BYTES): " + ", ".join(parts))  # fmt: skip
 
 
-def _size(nbytes: int) -> str:
-    for unit, shift in (("MiB", 20), ("KiB", 10)):
-        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
-            return f"{nbytes >> shift} {unit}"
-    return f"{nbytes} B"
+def size_text(n: float) -> str:
+    """Bytes in binary units, as -b/-e read them: 1 GiB is 2**30 bytes."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:g} {unit}"
+    return f"{n:g} B"
 
 
 def _cells(r, full: bool) -> str:

@@ -291,12 +291,8 @@ class SimulationPlan:
         cost = _cost_function(costs)
         host = overhead if callable(overhead) else (lambda r: overhead)
         schedule, ranks = self.schedule, self.ranks
-        if callable(latency):
-            owner = {a: r for r in ranks for a in schedule[r]}
-            pair = latency
-            lat = lambda n, r: pair(owner[n], r)  # noqa: E731
-        else:
-            lat = lambda n, r, fixed=latency: fixed  # noqa: E731
+        pair = latency if callable(latency) else None
+        owner = {a: r for r in ranks for a in schedule[r]} if pair else {}
         done_at: dict[Action, float] = {}  # when each action's result exists
         pos = dict.fromkeys(ranks, 0)
         clock = dict.fromkeys(ranks, 0.0)
@@ -314,7 +310,11 @@ class SimulationPlan:
                 a = acts[i]
                 ready = 0.0
                 for group in inputs[i]:
-                    got = [done_at[n] + (lat(n, r) if t else 0.0) for n, t in group if n in done_at]
+                    got = [
+                        done_at[n] + ((pair(owner[n], r) if pair else latency) if t else 0.0)
+                        for n, t in group
+                        if n in done_at
+                    ]
                     if not got:
                         ready = None
                         for n, _ in group:  # wake r when any of them is done

@@ -12,7 +12,8 @@ its step, with the reasons, and a check of the prediction on this machine.
 2. **Enumerate** dp x pp (dp * pp = the world, pp at most the layers) x
    schedule (gpipe, 1f1b, zb1, interleaved with v = 2) x micro-batches (pp,
    2 pp and 4 pp, where the global batch divides) x ZeRO stage (0-3 where
-   dp > 1); the compression and the sync method are the command's own.
+   dp > 1); the compression is the command's unless ``--search-compression``
+   names wires to choose among (``plan_wire``), the sync method always is.
 3. **Predict** each one's step: the pipeline's makespan from the schedule
    simulator (``pipeline.validate``) with the profiled costs of each stage
    (stages cut by parameters, as the trainer cuts them; where a host's
@@ -277,6 +278,7 @@ def plan(cfg, world: int, memory_mb: float = 0.0, cores: int | None = None, cost
     ``cores``: what the ranks of one host share (this machine's by default);
     ``compressions``: the wires to search (``plan_wire``; '' is none)."""
     from clawcomm.train import models
+    from clawcomm.train.outer import parse_sync
 
     if hosts < 1 or world % hosts:
         raise ValueError(f"--hosts {hosts} does not divide the world of {world} ranks")
@@ -298,8 +300,6 @@ def plan(cfg, world: int, memory_mb: float = 0.0, cores: int | None = None, cost
     cores = cores or os.cpu_count() or 1
     cap = cfg.bucket_cap_mb * 2**20
     codec = {w: codec_seconds(w, int(sum(prof.params))) for w in wires if w}
-    from clawcomm.train.outer import parse_sync
-
     sync = parse_sync(cfg.sync)
     preds = [predict(c, prof, cores, cost, gpu, hosts, cap, codec, sync, cfg.sync_delay)
              for c in cands]  # fmt: skip
