@@ -17,7 +17,13 @@ fight for cores. Namespace-host scenarios (``@2x1gbit``: 2 hosts, links
 shaped to 1 Gbit/s) need root and iproute2; their hosts share this
 machine's cores, so the plan is told each host has cores / hosts. A
 ``+wire`` scenario also searches the gradients' wire (none, bf16, int8:
-``clawcomm plan --search-compression``).
+``clawcomm plan --search-compression``), a ``+sync`` one the sync method
+(every-step, local-sgd:8: ``--search-sync``).
+
+Each layout is measured ``--rounds`` times, the layouts in turn, and its
+figure is the median (``plan_check.measure_rounds``); the rounds' agreement
+with one another (Spearman between rounds) is printed beside the plan's, as
+the most any prediction can show on this machine.
 """
 
 from __future__ import annotations
@@ -25,22 +31,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
 from clawcomm.train import plan
 from clawcomm.train.config import TrainConfig
-from clawcomm.train.plan_check import measure, shapes, spearman, table
+from clawcomm.train.plan_check import measure_rounds, on_hosts, retest, shapes, spearman, table
 
 SCENARIOS = ["gpt-2", "gpt-4", "wait-4", "gpt-4@2x1gbit", "wait-4@2x1gbit"]
 
 
 WIRES = ["none", "bf16", "int8"]
+SYNCS = ["every-step", "local-sgd:8"]
 
 
 def parse(name: str) -> tuple[str, int, int, str | None]:
     """'gpt-4@2x1gbit+wire' -> ('gpt', 4 ranks, 2 hosts, '1gbit')."""
-    head, _, where = name.removesuffix("+wire").partition("@")
+    head, _, where = name.partition("+")[0].partition("@")
     model, _, ranks = head.partition("-")
     hosts, rate = 1, None
     if where:
@@ -54,41 +62,32 @@ def run_scenario(name: str, args, progress) -> dict:
     cfg = TrainConfig(model=model, global_batch=args.global_batch, quiet=True)
     cores = max(1, (os.cpu_count() or 1) // hosts)
     t0 = time.perf_counter()
-    wires = WIRES if name.endswith("+wire") else None
+    extras = name.split("+")[1:]
     preds, _, _ = plan.plan(cfg, world, cores=cores, cost=plan.cost_model(None, rate), hosts=hosts,
-                            compressions=wires)  # fmt: skip
+                            compressions=WIRES if "wire" in extras else None,
+                            syncs=SYNCS if "sync" in extras else None)  # fmt: skip
     plan_s = time.perf_counter() - t0
     chosen = shapes(preds, args.layouts)
-    rows = []
     if hosts == 1:
-        for p in chosen:
-            rows.append((p, measure(cfg, p.cand, args.steps, world)))
-            progress.update()
+        runs = measure_rounds(cfg, chosen, args.steps, world, args.rounds, None, progress)
     else:
-        from clawcomm.testing.netns import Cluster, failed
-
-        with Cluster(hosts, rate=rate) as cluster:
-
-            def launch(train_args):
-                runs = cluster.torchrun(["-m", "clawcomm.train", *train_args], world // hosts,
-                                        timeout=args.timeout)  # fmt: skip
-                if failed(runs):
-                    raise RuntimeError(f"{name}: a host failed")
-
-            for p in chosen:
-                rows.append((p, measure(cfg, p.cand, args.steps, world, launch)))
-                progress.update()
-    measured = [m for _, m in rows]
+        with on_hosts(hosts, rate, world, args.timeout) as launch:
+            runs = measure_rounds(cfg, chosen, args.steps, world, args.rounds, launch, progress)
+    rows = list(zip(chosen, runs, strict=True))
+    measured = [statistics.median(r) for r in runs]
     first_ratio = measured[0] / min(measured)
-    rho = spearman([p.step_ms for p, _ in rows], measured)
+    rho = spearman([p.step_ms for p in chosen], measured)
+    self_rho = retest(runs) if args.rounds > 1 else None
     print(f"# {name}: {model}, {world} ranks on {hosts} host(s)"
           + (f", links {rate}" if rate else "") + f"; planned in {plan_s:.1f} s")  # fmt: skip
     print(table(rows), flush=True)
     return {
         "scenario": name, "model": model, "ranks": world, "hosts": hosts, "link": rate,
         "plan_s": plan_s, "first_over_fastest": first_ratio, "spearman": rho,
+        "spearman_between_rounds": self_rho,
         "layouts": [{"layout": p.cand.name(), "flags": p.cand.flags(), "predicted_ms": p.step_ms,
-                     "measured_ms": m} for p, m in rows],
+                     "measured_ms": m, "rounds_ms": r}
+                    for p, m, r in zip(chosen, measured, runs, strict=True)],
     }  # fmt: skip
 
 
@@ -98,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="MODEL-RANKS[@HOSTSxRATE], comma-separated")  # fmt: skip
     p.add_argument("--layouts", type=int, default=8, help="layouts measured per scenario (8)")
     p.add_argument("--steps", type=int, default=20, help="steps per layout (20)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="measurements of each layout, the layouts in turn (3)")  # fmt: skip
     p.add_argument("--global-batch", type=int, default=32)
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--json", metavar="FILE")
@@ -113,14 +114,17 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     results = []
-    with tqdm(total=len(names) * args.layouts, unit="layout", file=sys.stderr) as progress:
+    total = len(names) * args.layouts * args.rounds
+    with tqdm(total=total, unit="layout", file=sys.stderr) as progress:
         for name in names:
             results.append(run_scenario(name, args, progress))
     within = sum(r["first_over_fastest"] <= 1.10 for r in results)
-    print(f"# {'scenario':<18} {'first / fastest':>15} {'Spearman':>9} {'plan s':>7}")
+    print(f"# {'scenario':<22} {'first / fastest':>15} {'Spearman':>9} {'rounds':>7} "
+          f"{'plan s':>7}")  # fmt: skip
     for r in results:
-        print(f"  {r['scenario']:<18} {r['first_over_fastest']:15.2f} {r['spearman']:9.2f} "
-              f"{r['plan_s']:7.1f}")  # fmt: skip
+        own = r["spearman_between_rounds"]
+        print(f"  {r['scenario']:<22} {r['first_over_fastest']:15.2f} {r['spearman']:9.2f} "
+              f"{'-' if own is None else format(own, '.2f'):>7} {r['plan_s']:7.1f}")  # fmt: skip
     print(
         f"# first choice within 10% of the fastest measured: {within} of {len(results)}; "
         f"Spearman >= 0.8: {sum(r['spearman'] >= 0.8 for r in results)} of {len(results)}"

@@ -142,13 +142,19 @@ def test_hosts_put_the_links_where_the_ranks_are(gpt_plan):
     assert two.comm_ms > 10 * one.comm_ms and two.bubble_ms == one.bubble_ms == 0
 
 
-def test_plan_refuses_hosts_that_do_not_divide_the_world(capsys):
+def test_plan_refuses_hosts_that_do_not_divide_the_world(capsys, monkeypatch):
     from clawcomm.cli import main
 
     assert main(["plan", "--nproc", "4", "--hosts", "3", "--model", "mlp"]) == 2
     assert "--hosts 3 does not divide the world of 4 ranks" in capsys.readouterr().out
+    # --check across hosts trains on namespace hosts of this machine, or says why it cannot
+    monkeypatch.setattr(plan, "netns_unavailable", lambda: "network namespaces need root")
     assert main(["plan", "--nproc", "4", "--hosts", "2", "--model", "mlp", "--check", "2"]) == 2
-    assert "bench/plan_sweep.py" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "--check with --hosts 2 trains on namespace hosts" in out and "need root" in out
+    assert main(["plan", "--nproc", "2", "--model", "mlp", "--check", "1",
+                 "--check-rounds", "0"]) == 2  # fmt: skip
+    assert "--check-rounds 0: must be >= 1" in capsys.readouterr().out
 
 
 def test_searched_compression_is_costed_on_the_wire(gpt_plan):
@@ -185,6 +191,68 @@ def test_local_sgd_meets_every_h_steps(gpt_plan):
     eight = plan.predict(c, prof, 4, slow, hosts=2, sync=("local-sgd", 8)).comm_ms
     delayed = plan.predict(c, prof, 4, slow, hosts=2, sync=("diloco", 8), sync_delay=2).comm_ms
     assert 0 < eight < every / 4 and delayed == 0
+
+
+def test_searched_sync_method_is_costed_and_kept_apart_from_zero(gpt_plan):
+    cfg, _, _, prof = gpt_plan
+    assert plan.check_syncs(["every-step", "local-sgd:8", "local-sgd:8"]) == [
+        "every-step", "local-sgd:8"]  # fmt: skip
+    with pytest.raises(ValueError, match="--search-sync: sync 'hourly'"):
+        plan.check_syncs(["hourly"])
+    syncs = ["every-step", "local-sgd:8"]
+    cands = list(plan.candidates(4, 4, 16, syncs=syncs))
+    assert {c.sync for c in cands if c.dp > 1} == set(syncs)
+    assert {c.sync for c in cands if c.dp == 1} == {None}  # one replica: nothing to sync
+    preds, _, _ = plan.plan(cfg, 4, cores=4, syncs=syncs)
+    # the trainer refuses ZeRO beside local SGD, so the plan never offers it
+    assert all(p.cand.zero == 0 for p in preds if p.cand.sync == "local-sgd:8")
+    assert any(p.cand.sync == "local-sgd:8" for p in preds)
+    slow = plan.cost_model(None, "100mbit")
+    comm = {}
+    for sync in syncs:
+        c = plan.Candidate(4, 1, "1f1b", 1, 1, 4, 0, None, sync)
+        comm[sync] = plan.predict(c, prof, 4, slow, hosts=2).comm_ms
+        assert c.flags()[-2:] == ["--sync", sync] and c.name().endswith(sync)
+        plan.apply(cfg, c).check(4)
+    assert 0 < comm["local-sgd:8"] < comm["every-step"] / 4
+
+
+def _fake(name_dp: int, step_ms: float):
+    c = plan.Candidate(name_dp, 4 // name_dp, "1f1b", 1, 4, 1, 0)
+    return plan.Prediction(c, step_ms, 0.0, 0.0, 0.0, 1.0)
+
+
+def test_check_rounds_give_medians_spreads_and_the_measurements_own_agreement():
+    from clawcomm.train import plan_check
+
+    preds = [_fake(4, 10.0), _fake(2, 12.0), _fake(1, 14.0)]
+    runs = [[11.0, 10.0, 12.0], [13.0, 13.0, 13.0], [12.0, 16.0, 15.0]]
+    text = plan_check.table(list(zip(preds, runs, strict=True)))
+    rows = [line.split() for line in text.splitlines() if line.strip()[:1].isdigit()]
+    assert [r[-3] for r in rows] == ["11.0", "13.0", "15.0"]  # medians of the rounds
+    assert [r[-2] for r in rows] == ["±9%", "±0%", "±13%"]  # (max - min) / 2 / median
+    assert "measured fastest: #1" in text and "Spearman 1.00" in text
+    # round 1 swaps the last two layouts, which rounds 2 and 3 agree on: 0.5, 0.5, 1.0
+    assert plan_check.retest(runs) == pytest.approx(0.5)
+    assert "the measurement against itself: Spearman 0.50" in text
+    single = plan_check.table([(p, r[0]) for p, r in zip(preds, runs, strict=True)])
+    assert "spread" not in single and "against itself" not in single
+
+
+def test_check_on_namespace_hosts(capsys):
+    from clawcomm.cli import main
+    from clawcomm.testing.netns import unavailable
+
+    why = unavailable()
+    if why:
+        pytest.skip(why)
+    args = ["plan", "--nproc", "4", "--hosts", "2", "--link", "1gbit", "--model", "mlp",
+            "--hidden", "32", "--global-batch", "16", "--check", "1",
+            "--check-steps", "3"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "checked on 2 namespace hosts of this machine" in out
+    assert "measured fastest: #1; the plan's first measured 1.00x" in out
 
 
 def test_spearman():

@@ -13,7 +13,8 @@ its step, with the reasons, and a check of the prediction on this machine.
    schedule (gpipe, 1f1b, zb1, interleaved with v = 2) x micro-batches (pp,
    2 pp and 4 pp, where the global batch divides) x ZeRO stage (0-3 where
    dp > 1); the compression is the command's unless ``--search-compression``
-   names wires to choose among (``plan_wire``), the sync method always is.
+   names wires to choose among (``plan_wire``), the sync method unless
+   ``--search-sync`` names methods (every-step, local-sgd:H, diloco:H).
 3. **Predict** each one's step: the pipeline's makespan from the schedule
    simulator (``pipeline.validate``) with the profiled costs of each stage
    (stages cut by parameters, as the trainer cuts them; where a host's
@@ -54,6 +55,7 @@ from clawcomm.train.plan_check import (  # noqa: F401 (the plan's API)
     shapes,
     spearman,
 )
+from clawcomm.train.plan_report import report, why  # noqa: F401 (the plan's API)
 from clawcomm.train.plan_wire import WIRES, check_specs, codec_seconds, reduction_seconds
 from clawcomm.train.profiling import Profile, profile
 
@@ -70,6 +72,7 @@ class Candidate:
     micro_batch_size: int
     zero: int
     compression: str | None = None  # searched ('' none); None: the command's own
+    sync: str | None = None  # searched; None: the command's own
 
     def flags(self) -> list[str]:
         out = ["--dp", str(self.dp), "--pp", str(self.pp)]
@@ -77,14 +80,16 @@ class Candidate:
             out += ["--schedule", self.schedule, "-v", str(self.v)]
         out += ["--microbatches", str(self.microbatches)]
         out += ["--micro-batch-size", str(self.micro_batch_size), "--zero", str(self.zero)]
-        return out + (["--compression", self.compression] if self.compression else [])
+        out += ["--compression", self.compression] if self.compression else []
+        return out + (["--sync", self.sync] if self.sync else [])
 
     def name(self) -> str:
         pipe = f" {self.schedule}" + (f" v{self.v}" if self.v > 1 else "") if self.pp > 1 else ""
         zero = f" ZeRO-{self.zero}" if self.zero else ""
         wire = f" {self.compression}" if self.compression else ""
+        sync = f" {self.sync}" if self.sync else ""
         return (f"dp {self.dp} x pp {self.pp}{pipe}, {self.microbatches} x "
-                f"{self.micro_batch_size}{zero}{wire}")  # fmt: skip
+                f"{self.micro_batch_size}{zero}{wire}{sync}")  # fmt: skip
 
 
 @dataclass
@@ -108,6 +113,7 @@ def apply(cfg, c: Candidate):
         microbatches=c.microbatches, micro_batch_size=c.micro_batch_size, accumulation=1,
         global_batch=0, zero=c.zero, layout="",
         compression=cfg.compression if c.compression is None else c.compression,
+        sync=cfg.sync if c.sync is None else c.sync,
     )  # fmt: skip
 
 
@@ -119,9 +125,9 @@ def _runs(cfg, world: int) -> bool:
         return False
 
 
-def candidates(world: int, layers: int, global_batch: int, compressions=(None,)):
+def candidates(world: int, layers: int, global_batch: int, compressions=(None,), syncs=(None,)):
     """Every layout the trainer can run ``global_batch`` samples a step with
-    (with each of ``compressions`` where dp > 1)."""
+    (with each of ``compressions`` and ``syncs`` where dp > 1)."""
     for pp in range(1, min(world, layers) + 1):
         if world % pp:
             continue
@@ -142,7 +148,9 @@ def candidates(world: int, layers: int, global_batch: int, compressions=(None,))
                     continue
                 for zero in range(4) if dp > 1 else (0,):
                     for wire in compressions if dp > 1 else compressions[:1]:
-                        yield Candidate(dp, pp, schedule, v, m, per_replica // m, zero, wire)
+                        for sync in syncs if dp > 1 else (None,):
+                            yield Candidate(dp, pp, schedule, v, m, per_replica // m, zero, wire,
+                                            sync)  # fmt: skip
 
 
 def _placement(c: Candidate, hosts: int):
@@ -186,11 +194,16 @@ def predict(c: Candidate, prof: Profile, cores: int, cost=None, gpu: bool = Fals
     """The candidate's step time and memory (see the module docstring) on
     ``hosts`` hosts of ``cores`` cores each (``codec``: seconds of each
     searched compression's passes over the whole model's gradient; ``sync``:
-    ``outer.parse_sync`` of the command's --sync, which the plan keeps)."""
+    ``outer.parse_sync`` of the command's --sync, unless the candidate
+    carries a searched one)."""
     from clawcomm.model import CostModel
     from clawcomm.model import predict as comm_time
 
     cost, codec = cost or CostModel(), codec or {}
+    if c.sync is not None:  # searched
+        from clawcomm.train.outer import parse_sync
+
+        sync = parse_sync(c.sync)
     stages = c.pp * c.v
     cuts = balanced_cuts(prof.params, stages)
     span = [range(cuts[s], cuts[s + 1]) for s in range(stages)]
@@ -273,10 +286,12 @@ def predict(c: Candidate, prof: Profile, cores: int, cost=None, gpu: bool = Fals
 
 
 def plan(cfg, world: int, memory_mb: float = 0.0, cores: int | None = None, cost=None,
-         hosts: int = 1, compressions: list[str] | None = None):  # fmt: skip
+         hosts: int = 1, compressions: list[str] | None = None,
+         syncs: list[str] | None = None):  # fmt: skip
     """(predictions best first, those over the memory limit, the profile).
     ``cores``: what the ranks of one host share (this machine's by default);
-    ``compressions``: the wires to search (``plan_wire``; '' is none)."""
+    ``compressions``: the wires to search (``plan_wire``; '' is none);
+    ``syncs``: the sync methods to search (``outer.parse_sync``'s)."""
     from clawcomm.train import models
     from clawcomm.train.outer import parse_sync
 
@@ -288,7 +303,9 @@ def plan(cfg, world: int, memory_mb: float = 0.0, cores: int | None = None, cost
     wires = check_specs(compressions) if compressions else [None]
     if compressions:
         cfg = dataclasses.replace(cfg, compression="")  # the search decides it
-    cands = [c for c in candidates(world, layers, batch, wires) if _runs(apply(cfg, c), world)]
+    methods = check_syncs(syncs) if syncs else [None]
+    cands = [c for c in candidates(world, layers, batch, wires, methods)
+             if _runs(apply(cfg, c), world)]  # fmt: skip
     if not cands:
         raise ValueError(
             f"no layout runs a global batch of {batch} on {world} ranks with {layers} layers: "
@@ -309,60 +326,25 @@ def plan(cfg, world: int, memory_mb: float = 0.0, cores: int | None = None, cost
     return fits, over, prof
 
 
+def check_syncs(specs: list[str]) -> list[str]:
+    """The searched sync methods, or ValueError naming one ``--sync`` would
+    refuse."""
+    from clawcomm.train.outer import parse_sync
+
+    out = []
+    for s in specs:
+        try:
+            parse_sync(s)
+        except ValueError as e:
+            raise ValueError(f"--search-sync: {e}") from None
+        out += [s] if s not in out else []
+    return out
+
+
 def global_batch(cfg) -> int:
     """The samples per step the plan keeps: --global-batch, else what the
     command's own micro-batch settings make at its dp."""
     return cfg.global_batch or cfg.effective_batch
-
-
-def why(first: Prediction, second: Prediction) -> str:
-    """One sentence: the terms in which the first beats the second."""
-    terms = ("compute", "bubble", "comm", "opt")
-    diff = {t: getattr(second, f"{t}_ms") - getattr(first, f"{t}_ms") for t in terms}
-    words = {"compute": "compute", "bubble": "bubble", "comm": "exposed communication",
-             "opt": "optimizer"}  # fmt: skip
-    gains = [f"{diff[t]:.1f} ms less {words[t]}" for t in terms if diff[t] > 0.05]
-    costs = [f"{-diff[t]:.1f} ms more {words[t]}" for t in terms if diff[t] < -0.05]
-    gap = second.step_ms - first.step_ms
-    text = f"#1 is {gap:.1f} ms ({100 * gap / max(second.step_ms, 1e-9):.0f}%) faster than #2"
-    if gap < 0.05:
-        text = "#1 and #2 are predicted equal; #1 holds less memory" if (
-            first.memory_mb < second.memory_mb) else "#1 and #2 are predicted equal"  # fmt: skip
-        return text
-    if gains:
-        text += ": " + ", ".join(gains)
-    if costs:
-        text += "; it pays " + ", ".join(costs)
-    if abs(gap) < 0.05 * second.step_ms:
-        text += " (within 5%: this machine's noise can swap them)"
-    return text
-
-
-def report(preds: list[Prediction], over: list[Prediction], prof: Profile, base: list[str],
-           top: int = 5) -> str:  # fmt: skip
-    lines = [
-        f"# profiled {len(prof.params)} layers in {prof.seconds:.1f} s "
-        f"({prof.threads} thread{'s' if prof.threads != 1 else ''} a rank); "
-        f"{len(preds) + len(over)} layouts, {len(over)} over the memory limit",
-        f"# {'':>2} {'layout':<44} {'step ms':>8} {'compute':>8} {'bubble':>7} {'comm':>6} "
-        f"{'optim':>6} {'MB/rank':>8}",
-    ]
-    for k, p in enumerate(preds[:top], 1):
-        lines.append(
-            f"  {k:>2} {p.cand.name():<44} {p.step_ms:8.1f} {p.compute_ms:8.1f} "
-            f"{p.bubble_ms:7.1f} {p.comm_ms:6.1f} {p.opt_ms:6.1f} {p.memory_mb:8.1f}"
-        )
-    if len(preds) > 1:
-        lines.append("# " + why(preds[0], preds[1]))
-        shape = lambda c: (c.dp, c.pp, c.schedule, c.v)  # noqa: E731
-        other = next((p for p in preds if shape(p.cand) != shape(preds[0].cand)), None)
-        if other is not None and other is not preds[1]:
-            k = preds.index(other) + 1
-            text = why(preds[0], other).replace("than #2", f"than #{k}, {other.cand.name()}")
-            lines.append("# " + text)
-    if preds:
-        lines.append("# run it: clawcomm train " + " ".join(base + preds[0].cand.flags()))
-    return "\n".join(lines)
 
 
 def add_arguments(p) -> None:
@@ -374,6 +356,9 @@ def add_arguments(p) -> None:
     p.add_argument("--check", type=int, default=0, metavar="K",
                    help="train the first K for --check-steps steps each and compare")  # fmt: skip
     p.add_argument("--check-steps", type=int, default=20, help="steps per checked layout (20)")
+    p.add_argument("--check-rounds", type=int, default=1, metavar="R",
+                   help="measure the checked layouts R times in turn: medians, their spread, "
+                        "and how well two rounds agree with each other (1)")  # fmt: skip
     p.add_argument("--check-shapes", action="store_true",
                    help="check the first and the best of each other shape (dp, pp, schedule), "
                         "not the first K, which are often one shape's ZeRO stages")  # fmt: skip
@@ -396,6 +381,9 @@ def add_arguments(p) -> None:
     p.add_argument("--search-compression", metavar="LIST", default="",
                    help="also choose the gradients' wire among these: none, fp16, bf16, int8, "
                         "int4 (comma-separated; default: keep --compression)")  # fmt: skip
+    p.add_argument("--search-sync", metavar="LIST", default="",
+                   help="also choose the sync method among these: every-step, local-sgd:H, "
+                        "diloco:H (comma-separated; default: keep --sync)")  # fmt: skip
     p.add_argument("--cores", type=int, default=0,
                    help="cores the ranks of one host share (0: this machine's; namespace "
                         "hosts on one machine share it: its cores / hosts)")  # fmt: skip
@@ -408,14 +396,20 @@ def run(args) -> int:
     try:
         cfg = config.from_args(args, args.config)
         searched = [w.strip() for w in args.search_compression.split(",") if w.strip()]
-        if searched:
-            cfg = dataclasses.replace(cfg, compression="")  # the search decides it
+        syncs = [w.strip() for w in args.search_sync.split(",") if w.strip()]
+        if args.check_rounds < 1:
+            raise ValueError(f"--check-rounds {args.check_rounds}: must be >= 1")
+        cores = args.cores or None
         if args.check and args.hosts > 1:
-            raise ValueError("--check trains on this host; bench/plan_sweep.py checks a plan "
-                             "on namespace hosts")  # fmt: skip
-        preds, over, prof = plan(cfg, args.nproc, cfg.max_memory_mb, args.cores or None,
+            # checked on namespace hosts of this machine, which share its cores
+            why = netns_unavailable()
+            if why:
+                raise ValueError(f"--check with --hosts {args.hosts} trains on namespace hosts "
+                                 f"of this machine: {why}")  # fmt: skip
+            cores = cores or max(1, (os.cpu_count() or 1) // args.hosts)
+        preds, over, prof = plan(cfg, args.nproc, cfg.max_memory_mb, cores,
                                  cost_model(args.cost_model, args.link), args.hosts,
-                                 searched or None)  # fmt: skip
+                                 searched or None, syncs or None)  # fmt: skip
     except (ValueError, OSError) as e:
         print(f"clawcomm plan: error: {e}")
         return 2
@@ -430,10 +424,28 @@ def run(args) -> int:
         print("# the wire is chosen by time alone: fp16 and bf16 round every value, int8 and "
               "int4 quantise it; `clawcomm experiment compression` measures what that costs "
               "in loss")  # fmt: skip
+    if syncs:
+        print("# the sync method is chosen by time alone: local SGD and DiLoCo replicas drift "
+              "apart between meetings; `clawcomm experiment compression --methods "
+              "local-sgd:8,diloco:32` measures what that costs in loss")  # fmt: skip
     if args.check:
+        if args.hosts > 1:
+            print(f"# checked on {args.hosts} namespace hosts of this machine, "
+                  f"{cores} core(s) each, links {args.link or 'unshaped'}")  # fmt: skip
         chosen = shapes(preds, args.check) if args.check_shapes else preds[: args.check]
-        print(check(cfg, chosen, len(chosen), args.check_steps, args.nproc))
+        try:
+            print(check(cfg, chosen, len(chosen), args.check_steps, args.nproc,
+                        args.check_rounds, args.hosts, args.link))  # fmt: skip
+        except (ValueError, RuntimeError, OSError) as e:
+            print(f"clawcomm plan --check: error: {e}")
+            return 1
     return 0
+
+
+def netns_unavailable() -> str | None:
+    from clawcomm.testing.netns import unavailable
+
+    return unavailable()
 
 
 def cost_model(path: str | None = None, link: str | None = None):

@@ -2,16 +2,24 @@
 measured step times set beside the predictions (``clawcomm plan --check``,
 ``bench/plan_sweep.py``).
 
-A layout is measured by ``clawcomm train`` itself, on this host (or by a
-``launch`` the caller gives, such as torchrun on namespace hosts), as the
-median step of the second half of its steps.
+A layout is measured by ``clawcomm train`` itself, on this host or on
+namespace hosts with shaped links (``on_hosts``), as the median step of the
+second half of its steps. With ``rounds`` > 1 the layouts are measured in
+turn, round after round, so that a machine that slows for a minute slows
+every layout alike; each layout's figure is its median over the rounds,
+and the table gives its spread. Rounds also measure the measurement: the
+rank correlation of two rounds with each other is as much agreement as any
+prediction can show on this machine (layouts a few percent apart swap
+places from one round to the next).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
+import statistics
 
 LAYOUT_FIELDS = ("dp", "pp", "schedule", "virtual_stages", "microbatches", "micro_batch_size",
                  "accumulation", "global_batch", "zero", "layout")  # fmt: skip
@@ -61,12 +69,12 @@ def measure(cfg, cand, steps: int, world: int, launch=None) -> float:
 
 def shapes(preds: list, k: int) -> list:
     """The first prediction, then the best of each other shape (dp, pp,
-    schedule, virtual stages, and the wire where it was searched) in the
+    schedule, virtual stages, and the wire and sync method where searched) in the
     plan's order, up to ``k``: layouts that differ, where the top ``k`` are
     often one shape's ZeRO stages."""
     seen, out = set(), []
     for p in preds:
-        shape = (p.cand.dp, p.cand.pp, p.cand.schedule, p.cand.v, p.cand.compression)
+        shape = (p.cand.dp, p.cand.pp, p.cand.schedule, p.cand.v, p.cand.compression, p.cand.sync)
         if shape not in seen:
             seen.add(shape)
             out.append(p)
@@ -75,29 +83,98 @@ def shapes(preds: list, k: int) -> list:
     return out
 
 
+def _median(measured) -> float:
+    return statistics.median(measured) if isinstance(measured, list | tuple) else measured
+
+
 def table(rows: list[tuple]) -> str:
-    """(prediction, measured ms) rows, in the plan's order, as the check's table."""
-    lines = [f"# {'':>2} {'layout':<44} {'predicted ms':>12} {'measured ms':>11} {'error':>7}"]
-    for k, (p, measured) in enumerate(rows, 1):
-        err = (p.step_ms - measured) / measured
-        lines.append(f"  {k:>2} {p.cand.name():<44} {p.step_ms:12.1f} {measured:11.1f} {err:+7.0%}")
-    fastest = min(range(len(rows)), key=lambda i: rows[i][1])
+    """(prediction, measured ms, or a list of them, one a round) rows, in
+    the plan's order, as the check's table."""
+    runs = [m if isinstance(m, list | tuple) else [m] for _, m in rows]
+    rounds = min(len(r) for r in runs)
+    med = [statistics.median(r) for r in runs]
+    spread = f" {'spread':>7}" if rounds > 1 else ""
+    w = max([44] + [len(p.cand.name()) for p, _ in rows])
+    lines = [f"# {'':>2} {'layout':<{w}} {'predicted ms':>12} {'measured ms':>11}{spread} "
+             f"{'error':>7}"]  # fmt: skip
+    for k, ((p, _), m, r) in enumerate(zip(rows, med, runs, strict=True), 1):
+        err = (p.step_ms - m) / m
+        sp = f" {'±' + format((max(r) - min(r)) / 2 / m, '.0%'):>7}" if rounds > 1 else ""
+        lines.append(f"  {k:>2} {p.cand.name():<{w}} {p.step_ms:12.1f} {m:11.1f}{sp} {err:+7.0%}")
+    fastest = min(range(len(rows)), key=med.__getitem__)
     text = (f"# measured fastest: #{fastest + 1}; the plan's first measured "
-            f"{rows[0][1] / rows[fastest][1]:.2f}x its time")  # fmt: skip
+            f"{med[0] / med[fastest]:.2f}x its time")  # fmt: skip
     if len(rows) > 2:
-        text += f"; Spearman {spearman([p.step_ms for p, _ in rows], [m for _, m in rows]):.2f}"
-    return "\n".join([*lines, text])
+        text += f"; Spearman {spearman([p.step_ms for p, _ in rows], med):.2f}"
+    lines.append(text)
+    if rounds > 1 and len(rows) > 2:
+        lines.append(
+            f"# the measurement against itself: Spearman {retest(runs):.2f} between rounds "
+            f"(median of the pairs of {rounds} rounds), as far as any prediction can agree here"
+        )
+    return "\n".join(lines)
 
 
-def check(cfg, preds: list, k: int, steps: int, world: int) -> str:
+def retest(runs: list[list[float]]) -> float:
+    """The median rank correlation of every two rounds of ``runs`` (per
+    layout, its measurement in each round)."""
+    rounds = min(len(r) for r in runs)
+    pairs = [
+        spearman([r[a] for r in runs], [r[b] for r in runs])
+        for a in range(rounds)
+        for b in range(a + 1, rounds)
+    ]
+    return statistics.median(pairs) if pairs else float("nan")
+
+
+def measure_rounds(cfg, preds: list, steps: int, world: int, rounds: int = 1, launch=None,
+                   progress=None) -> list[list[float]]:  # fmt: skip
+    """Each prediction's layout measured ``rounds`` times, in turn: per
+    layout, its step (ms) in each round."""
+    out = [[] for _ in preds]
+    for _ in range(rounds):
+        for i, p in enumerate(preds):
+            out[i].append(measure(cfg, p.cand, steps, world, launch))
+            if progress is not None:
+                progress.update()
+    return out
+
+
+@contextlib.contextmanager
+def on_hosts(hosts: int, rate: str | None, world: int, timeout: float = 600):
+    """A ``launch`` for ``measure`` that trains on ``hosts`` namespace hosts
+    of this machine, each link shaped to ``rate`` (root and iproute2; the
+    error says why not)."""
+    from clawcomm.testing.netns import Cluster, failed, unavailable
+
+    why = unavailable()
+    if why:
+        raise ValueError(f"checking on {hosts} hosts needs namespace hosts here: {why}")
+    with Cluster(hosts, rate=rate) as cluster:
+
+        def launch(train_args):
+            runs = cluster.torchrun(["-m", "clawcomm.train", *train_args], world // hosts,
+                                    timeout=timeout)  # fmt: skip
+            if failed(runs):  # (it printed the end of the host's output)
+                raise RuntimeError(f"a namespace host failed training {' '.join(train_args)}")
+
+        yield launch
+
+
+def check(cfg, preds: list, k: int, steps: int, world: int, rounds: int = 1,
+          hosts: int = 1, rate: str | None = None) -> str:  # fmt: skip
     """Trains the first ``k`` for ``steps`` steps each (``clawcomm train``,
-    one after another) and prints predicted against measured step times
-    (the median of the second half) and their rank correlation."""
+    one after another, ``rounds`` times; on ``hosts`` namespace hosts with
+    links at ``rate`` when hosts > 1) and prints predicted against measured
+    step times (the median of the second half) and their rank correlation."""
     from tqdm import tqdm
 
-    todo = tqdm(preds[:k], desc="clawcomm plan --check", unit="layout", leave=False)
-    rows = [(p, measure(cfg, p.cand, steps, world)) for p in todo]
-    return table(rows)
+    chosen = preds[:k]
+    where = on_hosts(hosts, rate, world) if hosts > 1 else contextlib.nullcontext(None)
+    with tqdm(total=len(chosen) * rounds, desc="clawcomm plan --check", unit="layout",
+              leave=False) as bar, where as launch:  # fmt: skip
+        runs = measure_rounds(cfg, chosen, steps, world, rounds, launch, bar)
+    return table(list(zip(chosen, runs, strict=True)))
 
 
 def spearman(a: list[float], b: list[float]) -> float:
