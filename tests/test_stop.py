@@ -34,6 +34,11 @@ def _stopped_at(rank, world, ck, layout, zero, signum):
                       microbatches=2, quiet=True, checkpoint_dir=ck)  # fmt: skip
     model, loss, opt, ds, tokens, sample = models.build(cfg)
     trainer = Trainer(model, loss, opt, cfg, tokens_per_sample=tokens, sample=sample)
+    # A shell that starts the tests in the background (`cmd &`) hands them
+    # SIGINT ignored, which the ranks inherit, and StopRequest rightly leaves
+    # an ignored signal to whoever ignores it (the launcher): this test
+    # stands for a rank whose signals are its own.
+    signal.signal(signum, signal.SIG_DFL)
     trainer.stop = StopRequest().install()
 
     def log(m):

@@ -20,9 +20,12 @@ def _kill_trial(rank, ws, store_path, victim, start_at, delay, count):
     from clawcomm._torch_names import all_gather_single
 
     time.sleep(max(0.0, start_at - time.time()))
+    # A rank spawned late on a loaded machine starts past start_at: it cannot
+    # notice a death before it starts looking, so its clock runs from then.
+    began = time.time()
     killed_at = start_at + delay
     if rank == victim:
-        threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        threading.Timer(max(0.0, killed_at - began), os.kill, (os.getpid(), signal.SIGKILL)).start()
     try:
         join_group(rank, ws, store_path)
         x = torch.ones(count)
@@ -43,7 +46,7 @@ def _kill_trial(rank, ws, store_path, victim, start_at, delay, count):
             i += 1
         return ("no error", 0.0)
     except Exception as e:  # noqa: BLE001
-        return (str(e), time.time() - killed_at)
+        return (str(e), time.time() - max(killed_at, began))
 
 
 def kill(trials: int, seed: int = 0) -> Score:
