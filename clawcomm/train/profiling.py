@@ -96,8 +96,7 @@ def _profile(cfg, sizes: list[int], repeats: int, built, split: bool) -> Profile
     for mbs, t in times.items():
         prof.forward[mbs], prof.backward[mbs] = t.medians("forward"), t.medians("backward")
         prof.saved[mbs], prof.out_bytes[mbs] = t.saved, t.out_bytes
-        prof.cpu_share[mbs] = [min(1.0, c / w) if w > 0 else 1.0
-                               for c, w in zip(t.cpu, t.wall, strict=True)]  # fmt: skip
+        prof.cpu_share[mbs] = [statistics.median(sh) for sh in t.share]
         if copies:
             prof.input_grad[mbs], prof.weight_grad[mbs] = t.medians("i"), t.medians("w")
     params = [p for p in model.parameters() if p.requires_grad]
@@ -120,7 +119,7 @@ class _Times:
 
     def __init__(self, n: int):
         self.samples = {k: [[] for _ in range(n)] for k in ("forward", "backward", "i", "w")}
-        self.wall, self.cpu = [0.0] * n, [0.0] * n
+        self.share = [[] for _ in range(n)]  # per pass: thread time / wall time
         self.saved, self.out_bytes = [0.0] * n, [0.0] * n
 
     def medians(self, kind: str) -> list[float]:
@@ -143,7 +142,10 @@ def _timed_pass(layers, x, t: _Times) -> None:
         t2, c2 = time.perf_counter(), time.thread_time()
         t.samples["forward"][i].append(t1 - t0)
         t.samples["backward"][i].append(t2 - t1)
-        t.wall[i], t.cpu[i] = t.wall[i] + t2 - t0, t.cpu[i] + c2 - c0
+        # a pass's share on a core; the median over passes, not the sum's ratio,
+        # so that one pass the kernel preempted (a busy machine) cannot make a
+        # layer of microseconds look like one that waits
+        t.share[i].append(min(1.0, (c2 - c0) / (t2 - t0)) if t2 > t0 else 1.0)
         t.saved[i], t.out_bytes[i] = float(sum(packed)), float(out.numel() * out.element_size())
         x = out.detach()
     for layer in layers:
