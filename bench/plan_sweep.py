@@ -30,14 +30,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 
 from clawcomm.train import plan
 from clawcomm.train.config import TrainConfig
-from clawcomm.train.plan_check import measure_rounds, on_hosts, retest, shapes, spearman, table
+from clawcomm.train.plan_check import (
+    measure_rounds,
+    namespace_cores,
+    on_hosts,
+    retest,
+    shapes,
+    spearman,
+    table,
+)
 
 SCENARIOS = ["gpt-2", "gpt-4", "wait-4", "gpt-4@2x1gbit", "wait-4@2x1gbit"]
 
@@ -60,7 +67,7 @@ def parse(name: str) -> tuple[str, int, int, str | None]:
 def run_scenario(name: str, args, progress) -> dict:
     model, world, hosts, rate = parse(name)
     cfg = TrainConfig(model=model, global_batch=args.global_batch, quiet=True)
-    cores = max(1, (os.cpu_count() or 1) // hosts)
+    cores = namespace_cores(hosts)
     t0 = time.perf_counter()
     extras = name.split("+")[1:]
     preds, _, _ = plan.plan(cfg, world, cores=cores, cost=plan.cost_model(None, rate), hosts=hosts,

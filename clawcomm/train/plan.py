@@ -52,6 +52,7 @@ from clawcomm.train.layout import balanced_cuts
 from clawcomm.train.plan_check import (  # noqa: F401 (the plan's API)
     check,
     model_flags,
+    namespace_cores,
     shapes,
     spearman,
 )
@@ -406,7 +407,7 @@ def run(args) -> int:
             if why:
                 raise ValueError(f"--check with --hosts {args.hosts} trains on namespace hosts "
                                  f"of this machine: {why}")  # fmt: skip
-            cores = cores or max(1, (os.cpu_count() or 1) // args.hosts)
+            cores = cores or namespace_cores(args.hosts)
         preds, over, prof = plan(cfg, args.nproc, cfg.max_memory_mb, cores,
                                  cost_model(args.cost_model, args.link), args.hosts,
                                  searched or None, syncs or None)  # fmt: skip

@@ -83,10 +83,6 @@ def shapes(preds: list, k: int) -> list:
     return out
 
 
-def _median(measured) -> float:
-    return statistics.median(measured) if isinstance(measured, list | tuple) else measured
-
-
 def table(rows: list[tuple]) -> str:
     """(prediction, measured ms, or a list of them, one a round) rows, in
     the plan's order, as the check's table."""
@@ -138,6 +134,12 @@ def measure_rounds(cfg, preds: list, steps: int, world: int, rounds: int = 1, la
             if progress is not None:
                 progress.update()
     return out
+
+
+def namespace_cores(hosts: int) -> int:
+    """The cores each of ``hosts`` namespace hosts has: they share this
+    machine's."""
+    return max(1, (os.cpu_count() or 1) // hosts)
 
 
 @contextlib.contextmanager
