@@ -126,6 +126,25 @@ def test_only_the_time_on_a_core_slows_when_ranks_outnumber_cores():
         assert ratio < most if most else ratio > 1.5
 
 
+def test_the_reduction_gets_a_cores_share_where_computing_ranks_outnumber_cores():
+    # At pp 1 a model of one bucket hides none of its reduction. Where the
+    # layers compute on the CPU, 4 ranks on 2 cores reduce at half a core
+    # each (the cost model prices a rank with a core of its own); where
+    # they wait, as on an accelerator, the reduction keeps its price.
+    from clawcomm.train.profiling import Profile
+
+    def prof(share: float) -> Profile:
+        two = [1e-3, 1e-3]
+        return Profile([1e6, 1e6], {4: two}, {4: two}, {4: [0.0, 0.0]}, {4: [4e3, 4e3]},
+                       1e-9, cpu_share={4: [share, share]})  # fmt: skip
+
+    c = plan.Candidate(4, 1, "1f1b", 1, 1, 4, 0)
+    for share, stretch in ((1.0, 2.0), (0.0, 1.0)):
+        alone, shared = (plan.predict(c, prof(share), cores=n) for n in (4, 2))
+        assert alone.comm_ms > 0
+        assert shared.comm_ms == pytest.approx(stretch * alone.comm_ms)
+
+
 def test_hosts_put_the_links_where_the_ranks_are(gpt_plan):
     # Ranks are numbered host by host and the trainer's rank is
     # pp_rank * dp + dp_rank: at dp 2 x pp 2 on 2 hosts each dp group stays

@@ -256,10 +256,15 @@ def predict(c: Candidate, prof: Profile, cores: int, cost=None, gpu: bool = Fals
         meeting = comm_time("all_reduce", "auto", grad_bytes, dp_layout, cost)
         comm = 0.0 if sync_delay else meeting / sync[1]
     elif c.dp > 1:
+        # The buckets are reduced while the host's ranks still compute their
+        # backward: where ranks outnumber cores, the reduction's copies, sums
+        # and sockets get a core's share as the layers do (the cost model's
+        # figures are for a rank with a core of its own).
+        crowded = 1.0 + (slow - 1.0) * sum(share) / len(share)
         wire = c.compression if c.compression in WIRES else ""  # the command's: as float32
         for r in range(c.pp):
             codec_s = slow * codec.get(wire, 0.0) * rank_params[r] / max(1.0, sum(prof.params))
-            reduce = lambda b, share, cs=codec_s: reduction_seconds(  # noqa: E731
+            reduce = lambda b, share, cs=codec_s: crowded * reduction_seconds(  # noqa: E731
                 wire, c.zero, b, dp_layout, cost, share * cs
             )
             comm = max(comm, _exposed(sim, r, 4 * rank_params[r], cap_bytes, reduce))
