@@ -182,8 +182,8 @@ def test_searched_compression_is_costed_on_the_wire(gpt_plan):
     cfg, _, _, prof = gpt_plan
     wires = plan_wire.check_specs(["none", "bf16", "int8"])
     assert wires == ["", "bf16", "int8"]
-    with pytest.raises(ValueError, match="dense wires only"):
-        plan_wire.check_specs(["topk:0.01"])
+    with pytest.raises(ValueError, match="follow from the gradient's size"):
+        plan_wire.check_specs(["dgc:0.01"])
     cands = list(plan.candidates(4, 4, 16, wires))
     assert {c.compression for c in cands if c.dp > 1} == set(wires)
     assert {c.compression for c in cands if c.dp == 1} == {""}
@@ -198,6 +198,46 @@ def test_searched_compression_is_costed_on_the_wire(gpt_plan):
         assert chosen.compression == w and ("--compression" in c.flags()) == bool(w)
         chosen.check(4)
     assert comm["int8"] < comm["bf16"] < comm[""]
+
+
+def test_searched_top_k_and_random_k_are_costed_by_their_bytes(gpt_plan):
+    from clawcomm.model import Layout
+    from clawcomm.model import predict as comm_time
+    from clawcomm.train import plan_wire
+
+    cfg, _, _, prof = gpt_plan
+    wires = plan_wire.check_specs(["none", "int8", "topk:0.01", "randomk:0.01"])
+    with pytest.raises(ValueError, match="coded wire"):
+        plan_wire.check_specs(["topk:0.01+ec"])
+    with pytest.raises(ValueError, match="topk"):
+        plan_wire.check_specs(["topk:2.0"])
+    params = int(sum(prof.params))
+    codec = {w: plan_wire.codec_seconds(w, params) for w in wires if w}
+    assert codec["topk:0.01"] > 0 and codec["randomk:0.01"] > 0
+    slow = plan.cost_model(None, "100mbit")
+    comm, memory = {}, {}
+    for w in wires:
+        c = plan.Candidate(4, 1, "1f1b", 1, 1, 4, 0, w)
+        pred = plan.predict(c, prof, 4, slow, hosts=2, codec=codec)
+        comm[w], memory[w] = pred.comm_ms, pred.memory_mb
+        plan.apply(cfg, c).check(4)
+    assert comm["topk:0.01"] < comm["int8"] < comm[""] and comm["randomk:0.01"] < comm["int8"]
+    # top-k keeps a residual of the gradient's size; random-k keeps none
+    assert memory["topk:0.01"] == pytest.approx(memory[""] + 4 * params / 2**20)
+    assert memory["randomk:0.01"] == pytest.approx(memory[""])
+    # the wire: 4 ranks all-gather each one's k pairs (int32 index, float32 value)
+    lay, n = Layout(2, 2), 1 << 20
+    k = round(0.01 * n)
+    pairs = comm_time("all_gather", "auto", 32, lay, slow) + comm_time(
+        "all_gather", "auto", 4 * k * 8, lay, slow
+    )
+    topk = plan_wire.sparse("topk:0.01")
+    assert plan_wire.reduction_seconds("topk:0.01", 0, 4 * n, lay, slow, 0.0) == pytest.approx(
+        pairs
+    )
+    assert topk.k == 0.01 and plan_wire.sparse("int8") is None
+    half = plan_wire.reduction_seconds("randomk:0.01+bf16", 0, 4 * n, lay, slow, 0.0)
+    assert half == pytest.approx(comm_time("all_reduce", "auto", 2 * k, lay, slow))
 
 
 def test_local_sgd_meets_every_h_steps(gpt_plan):

@@ -57,7 +57,7 @@ from clawcomm.train.plan_check import (  # noqa: F401 (the plan's API)
     spearman,
 )
 from clawcomm.train.plan_report import report, why  # noqa: F401 (the plan's API)
-from clawcomm.train.plan_wire import WIRES, check_specs, codec_seconds, reduction_seconds
+from clawcomm.train.plan_wire import check_specs, codec_seconds, reduction_seconds, sparse
 from clawcomm.train.profiling import Profile, profile
 
 SCHEDULE_CHOICES = (("gpipe", 1), ("1f1b", 1), ("zb1", 1), ("interleaved", 2))
@@ -261,11 +261,11 @@ def predict(c: Candidate, prof: Profile, cores: int, cost=None, gpu: bool = Fals
         # and sockets get a core's share as the layers do (the cost model's
         # figures are for a rank with a core of its own).
         crowded = 1.0 + (slow - 1.0) * sum(share) / len(share)
-        wire = c.compression if c.compression in WIRES else ""  # the command's: as float32
+        wire = c.compression or ""  # searched, so costed (the command's own: as float32)
         for r in range(c.pp):
             codec_s = slow * codec.get(wire, 0.0) * rank_params[r] / max(1.0, sum(prof.params))
-            reduce = lambda b, share, cs=codec_s: crowded * reduction_seconds(  # noqa: E731
-                wire, c.zero, b, dp_layout, cost, share * cs
+            reduce = lambda b, share, cs=codec_s: reduction_seconds(  # noqa: E731
+                wire, c.zero, b, dp_layout, cost, share * cs, crowded
             )
             comm = max(comm, _exposed(sim, r, 4 * rank_params[r], cap_bytes, reduce))
         if c.zero >= 1:  # the updated shards gathered (ZeRO-3: again before backward)
@@ -276,6 +276,9 @@ def predict(c: Candidate, prof: Profile, cores: int, cost=None, gpu: bool = Fals
     # the activations saved for backward of the micro-batches in flight.
     shard = lambda stage_needed: c.dp if c.zero >= stage_needed else 1  # noqa: E731
     held = 4 * p_max / shard(3) + 4 * p_max / shard(2) + 8 * p_max / shard(1)
+    feedback = c.compression and getattr(sparse(c.compression), "uses_error_feedback", False)
+    if feedback and c.dp > 1 and sync[0] == "every-step":
+        held += 4 * p_max  # top-k's residual, the whole gradient's size (ZeRO too)
     saved = max(
         sum(prof.saved[mbs][i] for s in range(stages) if s % c.pp == r
             for i in span[s])
@@ -386,7 +389,8 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--search-compression", metavar="LIST", default="",
                    help="also choose the gradients' wire among these: none, fp16, bf16, int8, "
-                        "int4 (comma-separated; default: keep --compression)")  # fmt: skip
+                        "int4, topk:R, randomk:R (comma-separated; default: keep "
+                        "--compression)")  # fmt: skip
     p.add_argument("--search-sync", metavar="LIST", default="",
                    help="also choose the sync method among these: every-step, local-sgd:H, "
                         "diloco:H (comma-separated; default: keep --sync)")  # fmt: skip
@@ -428,8 +432,8 @@ def run(args) -> int:
     print(report(preds, over, prof, base, args.top), flush=True)
     if searched:
         print("# the wire is chosen by time alone: fp16 and bf16 round every value, int8 and "
-              "int4 quantise it; `clawcomm experiment compression` measures what that costs "
-              "in loss")  # fmt: skip
+              "int4 quantise it, top-k and random-k send a few and carry or drop the rest; "
+              "`clawcomm experiment compression` measures what that costs in loss")  # fmt: skip
     if syncs:
         print("# the sync method is chosen by time alone: local SGD and DiLoCo replicas drift "
               "apart between meetings; `clawcomm experiment compression --methods "
