@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scenarios", default=",".join(SCENARIOS),
                    help="MODEL-RANKS[@HOSTSxRATE], comma-separated")  # fmt: skip
     p.add_argument("--layouts", type=int, default=8, help="layouts measured per scenario (8)")
-    p.add_argument("--steps", type=int, default=20, help="steps per layout (20)")
+    p.add_argument("--steps", type=int, default=40, help="steps per layout and round (40)")
     p.add_argument("--rounds", type=int, default=3,
                    help="measurements of each layout, the layouts in turn (3)")  # fmt: skip
     p.add_argument("--global-batch", type=int, default=32)
