@@ -223,10 +223,6 @@ def predict(c: Candidate, prof: Profile, cores: int, cost=None, gpu: bool = Fals
         i_pass, w_pass = per_stage(prof.input_grad[mbs]), per_stage(prof.weight_grad[mbs])
     else:
         i_pass = w_pass = [b / 2 for b in bw]
-    if c.schedule == "zb1" and c.pp > 1 and prof.deferred:  # in zero-bubble's own order
-        d = prof.deferred
-        fw = [d["F"] * f for f in fw]
-        i_pass, w_pass = [d["I"] * t for t in i_pass], [d["W"] * t for t in w_pass]
 
     def action_cost(a) -> float:
         kind = str(a.kind)

@@ -55,9 +55,6 @@ class Profile:
     # zero-bubble's split backward, per layer: I (input gradient), W (weight gradient)
     input_grad: dict[int, list[float]] = dataclasses.field(default_factory=dict)
     weight_grad: dict[int, list[float]] = dataclasses.field(default_factory=dict)
-    # zero-bubble's F, I and W in its own order (W deferred past later
-    # micro-batches) against each pass run at once, as the layers are timed
-    deferred: dict[str, float] = dataclasses.field(default_factory=dict)
     host_s: float = 0.0  # a trainer step's own time beyond its layers and optimizer
     seconds: float = 0.0
     threads: int = 0  # intra-op threads the layers were timed with
@@ -102,8 +99,6 @@ def _profile(cfg, sizes: list[int], repeats: int, built, split: bool) -> Profile
         prof.cpu_share[mbs] = [statistics.median(sh) for sh in t.share]
         if copies:
             prof.input_grad[mbs], prof.weight_grad[mbs] = t.medians("i"), t.medians("w")
-    if copies:
-        prof.deferred = _deferral(copies, inputs[sizes[len(sizes) // 2]], max(3, repeats // 2))
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.zeros_like(p)
@@ -168,49 +163,6 @@ def _split_copies(layers) -> list:
     for layer in copies:
         split_linear_backward(layer)
     return copies
-
-
-# One pipeline stage's zero-bubble order over 3 micro-batches (ZB-H1's
-# steady state: each W waits behind the next micro-batch's F and I), and
-# the same passes each run at once.
-ZB_ORDER = [("F", 0), ("F", 1), ("I", 0), ("F", 2), ("I", 1), ("W", 0), ("I", 2), ("W", 1),
-            ("W", 2)]  # fmt: skip
-AT_ONCE = [(kind, m) for m in range(3) for kind in "FIW"]
-
-
-def _deferral(copies, x, repeats: int) -> dict[str, float]:
-    """Zero-bubble's F, I and W in its order against each at once, the
-    split layers run as one stage: a deferred W reads its inputs back from
-    memory, and the next micro-batches run with more activations alive
-    (traced at 2 GPT ranks: F +12%, I + W +15% over 1f1b's F and B, where
-    each pass timed alone is 2% and 8% over)."""
-    from clawcomm.pipeline.weight_grad import WeightGradStore, deferring
-
-    stage = torch.nn.Sequential(*copies)
-
-    def run(order) -> dict[str, float]:
-        t, outs, stores = dict.fromkeys("FIW", 0.0), {}, {}
-        for kind, m in order:
-            t0 = time.perf_counter()
-            if kind == "F":
-                outs[m] = stage(x.detach().requires_grad_(x.is_floating_point()))
-            elif kind == "I":
-                out = outs.pop(m)
-                stores[m] = WeightGradStore()
-                with deferring(stores[m]):
-                    out.backward(torch.ones_like(out))
-            else:
-                stores.pop(m).run()
-            t[kind] += time.perf_counter() - t0
-        stage.zero_grad(set_to_none=True)
-        return t
-
-    zb, once = [], []
-    for _ in range(repeats):
-        zb.append(run(ZB_ORDER))
-        once.append(run(AT_ONCE))
-    med = lambda runs, k: statistics.median(r[k] for r in runs)  # noqa: E731
-    return {k: max(1.0, med(zb, k) / med(once, k)) if med(once, k) > 0 else 1.0 for k in "FIW"}
 
 
 def _timed_split_pass(copies, x, t: _Times) -> None:
