@@ -32,6 +32,7 @@ experiment compression``).
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 
@@ -44,9 +45,12 @@ BLOCK = 256  # values per float32 scale (the quantisers' default)
 SPARSE = ("topk", "randomk")  # costed when their bytes follow from the size
 
 
+@functools.lru_cache(maxsize=64)
 def sparse(spec: str):
     """The TopK or RandomK compressor of ``spec``, None for a dense wire
-    (ValueError for a sparse spec the registry or the plan refuses)."""
+    (ValueError for a sparse spec the registry or the plan refuses). Cached:
+    the plan asks for every bucket of every candidate; the result is only
+    read."""
     if spec.split("+")[0].split(":")[0] not in SPARSE:
         return None
     from clawcomm.compression.registry import get_compressor
@@ -82,8 +86,9 @@ def codec_seconds(spec: str, elems: int, repeats: int = 5) -> float:
     """One encode and one decode-and-add of ``elems`` float32 values with
     ``spec``'s codec on this machine (the median of ``repeats``); 0 for a
     16-bit wire, whose conversion the engine does inside its ring."""
-    if sparse(spec) is not None:
-        return _sparse_seconds(sparse(spec), elems, repeats) if elems > 0 else 0.0
+    comp = sparse(spec)
+    if comp is not None:
+        return _sparse_seconds(comp, elems, repeats) if elems > 0 else 0.0
     bits, sixteen = WIRES[spec]
     if bits == 32 or sixteen or elems <= 0:
         return 0.0
@@ -114,8 +119,9 @@ def reduction_seconds(spec: str, zero: int, nbytes: float, layout, cost, codec_s
     quantisers encode and decode once a stage)."""
     from clawcomm.model import predict as comm_time
 
-    if sparse(spec) is not None:
-        return stretch * _sparse_reduction(sparse(spec), zero, nbytes, layout, cost) + codec_s
+    comp = sparse(spec)
+    if comp is not None:
+        return stretch * _sparse_reduction(comp, zero, nbytes, layout, cost) + codec_s
     bits, sixteen = WIRES[spec]
     if bits == 32 or sixteen:
         wire = nbytes * bits / 32
@@ -159,11 +165,12 @@ def _sparse_reduction(comp, zero: int, nbytes: float, layout, cost) -> float:
     """The wire of a top-k or random-k reduction of ``nbytes`` of float32
     gradients (module docstring)."""
     from clawcomm.compression.compressors import TopK, _k_of
+    from clawcomm.compression.sparse import VALUE_DTYPES, _index_dtype
     from clawcomm.model import predict as comm_time
 
     elems = max(1, int(nbytes // 4))
     k, n = _k_of(comp.k, elems), layout.size
-    value = 4 if comp.values == "fp32" else 2
+    value = VALUE_DTYPES[comp.values].itemsize  # as the pairs travel (sparse.py)
 
     def all_to_all(b: float) -> float:
         return comm_time("reduce_scatter", "direct", b, layout, cost)
@@ -171,7 +178,7 @@ def _sparse_reduction(comp, zero: int, nbytes: float, layout, cost) -> float:
     if not isinstance(comp, TopK):  # random-k: values only
         return all_to_all(k * value) if zero else comm_time("all_reduce", "auto", k * value,
                                                             layout, cost)  # fmt: skip
-    pairs = k * ((2 if elems <= 1 << 16 else 4) + value)
+    pairs = k * (_index_dtype(elems).itemsize + value)
     counts = comm_time("all_gather", "auto", 8 * n, layout, cost)
     if zero:
         return all_to_all(pairs)
