@@ -127,9 +127,9 @@ def test_only_the_time_on_a_core_slows_when_ranks_outnumber_cores():
 
 
 def test_the_reduction_gets_a_cores_share_where_computing_ranks_outnumber_cores():
-    # At pp 1 a model of one bucket hides none of its reduction. Where the
-    # layers compute on the CPU, 4 ranks on 2 cores reduce at half a core
-    # each (the cost model prices a rank with a core of its own); where
+    # Where the layers compute on the CPU, 4 ranks on 2 cores reduce at
+    # half a core each (the cost model prices a rank with a core of its
+    # own), as they compute at half: the exposed reduction doubles; where
     # they wait, as on an accelerator, the reduction keeps its price.
     from clawcomm.train.profiling import Profile
 
@@ -143,6 +143,37 @@ def test_the_reduction_gets_a_cores_share_where_computing_ranks_outnumber_cores(
         alone, shared = (plan.predict(c, prof(share), cores=n) for n in (4, 2))
         assert alone.comm_ms > 0
         assert shared.comm_ms == pytest.approx(stretch * alone.comm_ms)
+
+
+def test_the_reduction_and_zeros_gathers_hide_where_the_trainers_buckets_let_them():
+    # 4 layers of 1 MiB of gradients, 1 ms a pass each. The trainer's first
+    # bucket holds at most 1 MiB: the last layer's, reduced while the other
+    # three compute their backward; the rest launch as the backward ends.
+    # ZeRO-2 gathers the updated shards in forward order after the
+    # optimizer: the first forward waits for the first 3 layers' bucket,
+    # and the last layer's lands while those compute.
+    from clawcomm.model import Layout
+    from clawcomm.model import predict as comm_time
+    from clawcomm.train.profiling import Profile
+
+    ms, mib = [1e-3] * 4, 2**18
+    prof = Profile([mib] * 4, {4: ms}, {4: ms}, {4: [0.0] * 4}, {4: [4e3] * 4}, 1e-12,
+                   tensors=[[mib]] * 4)  # fmt: skip
+    slow, layout = plan.cost_model(None, "100mbit"), Layout(2, 2)
+
+    def op(name, nbytes):
+        return comm_time(name, "auto", nbytes, layout, slow)
+
+    end = 8e-3  # the forward's 4 ms, then the backward's
+    rs = max(5e-3 + op("all_reduce", 4 * mib), end) + op("all_reduce", 12 * mib) - end
+    flat = plan.predict(plan.Candidate(4, 1, "1f1b", 1, 1, 4, 0), prof, 4, slow, hosts=2)
+    assert flat.comm_ms == pytest.approx(1e3 * rs)
+    rs = max(5e-3 + op("reduce_scatter", 4 * mib), end) + op("reduce_scatter", 12 * mib) - end
+    first, last = op("all_gather", 12 * mib), op("all_gather", 4 * mib)
+    gathers = first + max(0.0, last - 3e-3)
+    zero2 = plan.predict(plan.Candidate(4, 1, "1f1b", 1, 1, 4, 2), prof, 4, slow, hosts=2)
+    assert zero2.comm_ms == pytest.approx(1e3 * (rs + gathers))
+    assert gathers < first + last  # the second bucket's gather hid behind the forward
 
 
 def test_hosts_put_the_links_where_the_ranks_are(gpt_plan):

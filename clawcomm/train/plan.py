@@ -24,8 +24,9 @@ its step, with the reasons, and a check of the prediction on this machine.
    ``--hosts``, ``--link``, ranks numbered host by host); the data-parallel
    traffic from the cost model (``clawcomm.model``: an all-reduce of the
    stage's gradients, or ZeRO's reduce-scatter and parameter all-gathers,
-   on the hosts the dp group spans), of which the part
-   longer than the last micro-batch's backward is exposed; the optimizer
+   on the hosts the dp group spans), in the trainer's buckets on the
+   rank's timeline (``plan_dp``: what runs past the pipeline's end, and
+   what the next forward waits for ZeRO's gathers, is exposed); the optimizer
    on the stage's (shard of its) parameters. Memory per rank: parameters,
    gradients and AdamW's state as ZeRO divides them, and the activations
    of the micro-batches in flight.
@@ -39,7 +40,6 @@ its step, with the reasons, and a check of the prediction on this machine.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from dataclasses import dataclass
 
@@ -56,6 +56,7 @@ from clawcomm.train.plan_check import (  # noqa: F401 (the plan's API)
     shapes,
     spearman,
 )
+from clawcomm.train.plan_dp import exposed_gathers, exposed_reduction, rank_timeline
 from clawcomm.train.plan_report import report, why  # noqa: F401 (the plan's API)
 from clawcomm.train.plan_wire import check_specs, codec_seconds, reduction_seconds, sparse
 from clawcomm.train.profiling import Profile, profile
@@ -171,24 +172,6 @@ def _placement(c: Candidate, hosts: int):
     return crossing, Layout(spans, -(-c.dp // spans))
 
 
-def _exposed(sim, r: int, nbytes: float, cap: float, reduce) -> float:
-    """What pipeline rank ``r``'s data-parallel reduction of ``nbytes`` adds
-    to the step. Its buckets of ``cap`` bytes launch as their gradients turn
-    final in the rank's last backward, the last one as it ends, so the
-    reduction hides behind that backward's other buckets' share and behind
-    the rest of the pipeline's drain, no more. ``reduce(bytes, share)``: one
-    bucket's reduction, ``share`` its part of the rank's gradient."""
-    acts = sim.schedule[r]
-    last = max((i for i, a in enumerate(acts) if str(a.kind) in ("B", "I", "W")), default=None)
-    if last is None:
-        return 0.0
-    buckets = max(1, math.ceil(nbytes / cap))
-    last_bw = sim.end[r][last] - sim.start[r][last]
-    hidden = (sim.makespan - sim.end[r][last]) + last_bw * (1 - 1 / buckets)
-    total = buckets * reduce(nbytes / buckets, 1 / buckets)
-    return max(0.0, total - hidden)
-
-
 def predict(c: Candidate, prof: Profile, cores: int, cost=None, gpu: bool = False,
             hosts: int = 1, cap_bytes: float = 25 * 2**20, codec=None,
             sync=("every-step", 1), sync_delay: int = 0) -> Prediction:  # fmt: skip
@@ -262,15 +245,23 @@ def predict(c: Candidate, prof: Profile, cores: int, cost=None, gpu: bool = Fals
         # figures are for a rank with a core of its own).
         crowded = 1.0 + (slow - 1.0) * sum(share) / len(share)
         wire = c.compression or ""  # searched, so costed (the command's own: as float32)
+        tensors = prof.tensors or [[int(n)] for n in prof.params]
+        w_layers = prof.weight_grad.get(mbs) or [b / 2 for b in prof.backward[mbs]]
+        passes = {"F": prof.forward[mbs], "B": prof.backward[mbs], "W": w_layers}
+        gathers = 0.0
         for r in range(c.pp):
+            rank = rank_timeline(sim, r, span, lambda k, i: scale[i] * passes[k][i], tensors)
             codec_s = slow * codec.get(wire, 0.0) * rank_params[r] / max(1.0, sum(prof.params))
             reduce = lambda b, share, cs=codec_s: reduction_seconds(  # noqa: E731
                 wire, c.zero, b, dp_layout, cost, share * cs, crowded
             )
-            comm = max(comm, _exposed(sim, r, 4 * rank_params[r], cap_bytes, reduce))
-        if c.zero >= 1:  # the updated shards gathered (ZeRO-3: again before backward)
-            gathers = 2 if c.zero == 3 else 1
-            comm += gathers * comm_time("all_gather", "auto", grad_bytes, dp_layout, cost)
+            comm = max(comm, exposed_reduction(rank, sim.makespan, cap_bytes, reduce))
+            if c.zero in (1, 2):  # the updated shards gathered behind the next forward
+                gather = lambda b: crowded * comm_time("all_gather", "auto", b, dp_layout, cost)  # noqa: E731
+                gathers = max(gathers, exposed_gathers(rank, cap_bytes, gather))
+        if c.zero == 3:  # gathered before forward and again before backward
+            gathers = 2 * crowded * comm_time("all_gather", "auto", grad_bytes, dp_layout, cost)
+        comm += gathers
     opt = slow * prof.opt_s_per_param * p_max / (c.dp if c.zero >= 1 else 1)
     # Memory: parameters, gradients, AdamW's two moments, as ZeRO divides them;
     # the activations saved for backward of the micro-batches in flight.

@@ -55,6 +55,9 @@ class Profile:
     # zero-bubble's split backward, per layer: I (input gradient), W (weight gradient)
     input_grad: dict[int, list[float]] = dataclasses.field(default_factory=dict)
     weight_grad: dict[int, list[float]] = dataclasses.field(default_factory=dict)
+    # per layer, the elements of each trainable parameter it holds (shared ones
+    # where they first appear), in registration order: the trainer's buckets
+    tensors: list[list[int]] = dataclasses.field(default_factory=list)
     host_s: float = 0.0  # a trainer step's own time beyond its layers and optimizer
     seconds: float = 0.0
     threads: int = 0  # intra-op threads the layers were timed with
@@ -81,7 +84,7 @@ def _profile(cfg, sizes: list[int], repeats: int, built, split: bool) -> Profile
     built = built or models.build(dataclasses.replace(cfg, dp=1, pp=1))
     model, _, make_opt, ds, _, _ = built
     layers = list(model)
-    prof = Profile(parameter_costs(layers), {}, {}, {}, {}, 0.0)
+    prof = Profile(parameter_costs(layers), {}, {}, {}, {}, 0.0, tensors=_tensors(layers))
     sizes = sorted(set(sizes))
     inputs = {mbs: ds.batch(torch.arange(mbs))[0] for mbs in sizes}
     copies = _split_copies(layers) if split else None
@@ -112,6 +115,16 @@ def _profile(cfg, sizes: list[int], repeats: int, built, split: bool) -> Profile
     prof.host_s = _host_seconds(cfg, min(sizes), prof)
     prof.seconds = time.perf_counter() - t_start
     return prof
+
+
+def _tensors(layers) -> list[list[int]]:
+    seen: set[int] = set()
+    out = []
+    for layer in layers:
+        mine = [p for p in layer.parameters() if p.requires_grad and id(p) not in seen]
+        seen.update(map(id, mine))
+        out.append([p.numel() for p in mine])
+    return out
 
 
 class _Times:
