@@ -158,7 +158,7 @@ def test_the_reduction_and_zeros_gathers_hide_where_the_trainers_buckets_let_the
 
     ms, mib = [1e-3] * 4, 2**18
     prof = Profile([mib] * 4, {4: ms}, {4: ms}, {4: [0.0] * 4}, {4: [4e3] * 4}, 1e-12,
-                   tensors=[[mib]] * 4)  # fmt: skip
+                   tensors=[[(mib,)]] * 4)  # fmt: skip
     slow, layout = plan.cost_model(None, "100mbit"), Layout(2, 2)
 
     def op(name, nbytes):
@@ -262,13 +262,51 @@ def test_searched_top_k_and_random_k_are_costed_by_their_bytes(gpt_plan):
     pairs = comm_time("all_gather", "auto", 32, lay, slow) + comm_time(
         "all_gather", "auto", 4 * k * 8, lay, slow
     )
-    topk = plan_wire.sparse("topk:0.01")
+    topk = plan_wire.compressor("topk:0.01")
     assert plan_wire.reduction_seconds("topk:0.01", 0, 4 * n, lay, slow, 0.0) == pytest.approx(
         pairs
     )
-    assert topk.k == 0.01 and plan_wire.sparse("int8") is None
+    assert topk.k == 0.01 and plan_wire.compressor("int8") is None
     half = plan_wire.reduction_seconds("randomk:0.01+bf16", 0, 4 * n, lay, slow, 0.0)
     assert half == pytest.approx(comm_time("all_reduce", "auto", 2 * k, lay, slow))
+
+
+def test_searched_powersgd_is_costed_by_its_factors(gpt_plan):
+    # PowerSGD's bytes follow from the parameters' shapes: per bucket, the
+    # non-matrix values densely, then the P's and the Q's, one all-reduce
+    # each (16-bit with +bf16); it keeps a residual of the gradient's size.
+    import math
+
+    from clawcomm.model import Layout
+    from clawcomm.model import predict as comm_time
+    from clawcomm.train import plan_wire
+
+    cfg, _, _, prof = gpt_plan
+    shapes = [s for layer in prof.tensors for s in layer]
+    assert [sum(math.prod(s) for s in layer) + 1 for layer in prof.tensors] == prof.params
+    assert plan_wire.check_specs(["none", "powersgd:4"]) == ["", "powersgd:4"]
+    params = int(sum(prof.params))
+    codec = {"powersgd:4": plan_wire.codec_seconds("powersgd:4", params, shapes=shapes)}
+    assert codec["powersgd:4"] > 0
+    slow, lay = plan.cost_model(None, "100mbit"), Layout(2, 2)
+
+    def ar(nbytes):
+        return comm_time("all_reduce", "auto", nbytes, lay, slow)
+
+    bucket = [(256, 1024), (1024,)]  # a 256 x 1024 matrix and a bias
+    nbytes = 4 * (256 * 1024 + 1024)
+    want = ar(4 * 1024) + ar(4 * 256 * 2) + ar(4 * 1024 * 2)
+    got = plan_wire.reduction_seconds("powersgd:2", 0, nbytes, lay, slow, 0.0, shapes=bucket)
+    assert got == pytest.approx(want)
+    half = plan_wire.reduction_seconds("powersgd:2+bf16", 2, nbytes, lay, slow, 0.0, shapes=bucket)
+    assert half == pytest.approx(ar(4 * 1024) + ar(2 * 256 * 2) + ar(2 * 1024 * 2))
+    preds = {}
+    for w in ("", "powersgd:4"):
+        c = plan.Candidate(4, 1, "1f1b", 1, 1, 4, 0, w)
+        preds[w] = plan.predict(c, prof, 4, slow, hosts=2, codec=codec)
+        plan.apply(cfg, c).check(4)
+    assert preds["powersgd:4"].comm_ms < preds[""].comm_ms
+    assert preds["powersgd:4"].memory_mb == pytest.approx(preds[""].memory_mb + 4 * params / 2**20)
 
 
 def test_local_sgd_meets_every_h_steps(gpt_plan):

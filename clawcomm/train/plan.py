@@ -58,7 +58,7 @@ from clawcomm.train.plan_check import (  # noqa: F401 (the plan's API)
 )
 from clawcomm.train.plan_dp import exposed_gathers, exposed_reduction, rank_timeline
 from clawcomm.train.plan_report import report, why  # noqa: F401 (the plan's API)
-from clawcomm.train.plan_wire import check_specs, codec_seconds, reduction_seconds, sparse
+from clawcomm.train.plan_wire import check_specs, codec_seconds, compressor, reduction_seconds
 from clawcomm.train.profiling import Profile, profile
 
 SCHEDULE_CHOICES = (("gpipe", 1), ("1f1b", 1), ("zb1", 1), ("interleaved", 2))
@@ -245,15 +245,15 @@ def predict(c: Candidate, prof: Profile, cores: int, cost=None, gpu: bool = Fals
         # figures are for a rank with a core of its own).
         crowded = 1.0 + (slow - 1.0) * sum(share) / len(share)
         wire = c.compression or ""  # searched, so costed (the command's own: as float32)
-        tensors = prof.tensors or [[int(n)] for n in prof.params]
+        tensors = prof.tensors or [[(int(n),)] for n in prof.params]
         w_layers = prof.weight_grad.get(mbs) or [b / 2 for b in prof.backward[mbs]]
         passes = {"F": prof.forward[mbs], "B": prof.backward[mbs], "W": w_layers}
         gathers = 0.0
         for r in range(c.pp):
             rank = rank_timeline(sim, r, span, lambda k, i: scale[i] * passes[k][i], tensors)
             codec_s = slow * codec.get(wire, 0.0) * rank_params[r] / max(1.0, sum(prof.params))
-            reduce = lambda b, share, cs=codec_s: reduction_seconds(  # noqa: E731
-                wire, c.zero, b, dp_layout, cost, share * cs, crowded
+            reduce = lambda b, share, shapes, cs=codec_s: reduction_seconds(  # noqa: E731
+                wire, c.zero, b, dp_layout, cost, share * cs, crowded, shapes
             )
             comm = max(comm, exposed_reduction(rank, sim.makespan, cap_bytes, reduce))
             if c.zero in (1, 2):  # the updated shards gathered behind the next forward
@@ -267,9 +267,9 @@ def predict(c: Candidate, prof: Profile, cores: int, cost=None, gpu: bool = Fals
     # the activations saved for backward of the micro-batches in flight.
     shard = lambda stage_needed: c.dp if c.zero >= stage_needed else 1  # noqa: E731
     held = 4 * p_max / shard(3) + 4 * p_max / shard(2) + 8 * p_max / shard(1)
-    feedback = c.compression and getattr(sparse(c.compression), "uses_error_feedback", False)
+    feedback = c.compression and getattr(compressor(c.compression), "uses_error_feedback", False)
     if feedback and c.dp > 1 and sync[0] == "every-step":
-        held += 4 * p_max  # top-k's residual, the whole gradient's size (ZeRO too)
+        held += 4 * p_max  # the residual (top-k, PowerSGD): the gradient's size (ZeRO too)
     saved = max(
         sum(prof.saved[mbs][i] for s in range(stages) if s % c.pp == r
             for i in span[s])
@@ -316,7 +316,8 @@ def plan(cfg, world: int, memory_mb: float = 0.0, cores: int | None = None, cost
     prof = profile(cfg, [c.micro_batch_size for c in cands], built=built, gpu=gpu, split=split)
     cores = cores or os.cpu_count() or 1
     cap = cfg.bucket_cap_mb * 2**20
-    codec = {w: codec_seconds(w, int(sum(prof.params))) for w in wires if w}
+    shapes = [shape for layer in prof.tensors for shape in layer]
+    codec = {w: codec_seconds(w, int(sum(prof.params)), shapes=shapes) for w in wires if w}
     sync = parse_sync(cfg.sync)
     preds = [predict(c, prof, cores, cost, gpu, hosts, cap, codec, sync, cfg.sync_delay)
              for c in cands]  # fmt: skip
@@ -380,8 +381,8 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--search-compression", metavar="LIST", default="",
                    help="also choose the gradients' wire among these: none, fp16, bf16, int8, "
-                        "int4, topk:R, randomk:R (comma-separated; default: keep "
-                        "--compression)")  # fmt: skip
+                        "int4, topk:R, randomk:R, powersgd:R (comma-separated; default: "
+                        "keep --compression)")  # fmt: skip
     p.add_argument("--search-sync", metavar="LIST", default="",
                    help="also choose the sync method among these: every-step, local-sgd:H, "
                         "diloco:H (comma-separated; default: keep --sync)")  # fmt: skip
@@ -423,7 +424,8 @@ def run(args) -> int:
     print(report(preds, over, prof, base, args.top), flush=True)
     if searched:
         print("# the wire is chosen by time alone: fp16 and bf16 round every value, int8 and "
-              "int4 quantise it, top-k and random-k send a few and carry or drop the rest; "
+              "int4 quantise it, top-k and random-k send a few and carry or drop the rest, "
+              "PowerSGD sends a low-rank approximation and carries the rest; "
               "`clawcomm experiment compression` measures what that costs in loss")  # fmt: skip
     if syncs:
         print("# the sync method is chosen by time alone: local SGD and DiLoCo replicas drift "

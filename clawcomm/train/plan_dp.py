@@ -20,6 +20,7 @@ plan hides what the trainer hides and no more:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from clawcomm.parallel.buckets import assign_buckets
@@ -49,7 +50,7 @@ class Rank:
     last backward makes them final, and its first forward's layers with
     their start and durations."""
 
-    tensors: list[tuple[int, int]]  # (layer, elements), in registration order
+    tensors: list[tuple[int, tuple[int, ...]]]  # (layer, shape), in registration order
     ready: dict[int, float]  # layer -> when its gradients turn final
     forward: list[tuple[float, list[tuple[int, float]]]]  # per stage: (start, [(layer, s)])
 
@@ -57,7 +58,7 @@ class Rank:
 def rank_timeline(sim, r: int, span, per_layer, tensors) -> Rank:
     """``sim``: the pipeline simulation; ``span[s]``: stage s's layers;
     ``per_layer(kind, layer)``: a layer's scaled seconds in a pass of
-    ``kind`` (F, B or W); ``tensors[layer]``: its gradients' sizes."""
+    ``kind`` (F, B or W); ``tensors[layer]``: its gradients' shapes."""
     acts = sim.schedule[r]
     ready, forward = {}, []
     for s in sorted({a.stage for a in acts}):
@@ -76,35 +77,36 @@ def rank_timeline(sim, r: int, span, per_layer, tensors) -> Rank:
         first = next((i for i in mine if str(acts[i].kind) == "F"), None)
         if first is not None:
             forward.append((sim.start[r][first], [(i, per_layer("F", i)) for i in layers]))
-    owned = [(i, n) for i in sorted(ready) for n in tensors[i]]
+    owned = [(i, shape) for i in sorted(ready) for shape in tensors[i]]
     return Rank(owned, ready, forward)
 
 
-def buckets(rank: Rank, cap_bytes: float) -> list[tuple[float, float, set[int]]]:
-    """(launch time, bytes, layers) of each bucket, in launch order."""
+def buckets(rank: Rank, cap_bytes: float) -> list[tuple[float, float, set[int], list]]:
+    """(launch time, bytes, layers, shapes laid out) of each bucket, in
+    launch order."""
     # the order the first step learns: gradients as they turn final (ties: reverse registration)
     order = sorted(range(len(rank.tensors)), key=lambda j: (rank.ready[rank.tensors[j][0]], -j))
-    grads = [_Tensor(n) for _, n in rank.tensors]
+    grads = [_Tensor(math.prod(shape)) for _, shape in rank.tensors]
     cap = int(cap_bytes)
     groups = assign_buckets(order, grads, cap, min(FIRST_BUCKET_BYTES, cap))
     out = []
     for g in groups:
         layers = {rank.tensors[j][0] for j in g}
         out.append((max(rank.ready[i] for i in layers), 4.0 * sum(grads[j].elems for j in g),
-                    layers))  # fmt: skip
+                    layers, [rank.tensors[j][1] for j in g]))  # fmt: skip
     return sorted(out, key=lambda b: b[0])
 
 
 def exposed_reduction(rank: Rank, makespan: float, cap_bytes: float, reduce) -> float:
     """What the rank's reduction adds to the step: its buckets, launched as
     they turn final and sent one after another, past the pipeline's end.
-    ``reduce(bytes, share)``: one bucket's reduction, ``share`` its part of
-    the rank's gradient."""
+    ``reduce(bytes, share, shapes)``: one bucket's reduction, ``share`` its
+    part of the rank's gradient, ``shapes`` the parameters it lays out."""
     bs = buckets(rank, cap_bytes)
-    total = sum(b for _, b, _ in bs) or 1.0
+    total = sum(b[1] for b in bs) or 1.0
     done = 0.0
-    for launch, nbytes, _ in bs:
-        done = max(done, launch) + reduce(nbytes, nbytes / total)
+    for launch, nbytes, _, shapes in bs:
+        done = max(done, launch) + reduce(nbytes, nbytes / total, shapes)
     return max(0.0, done - makespan) if bs else 0.0
 
 
@@ -119,7 +121,7 @@ def exposed_gathers(rank: Rank, cap_bytes: float, gather) -> float:
     first_use = {i: n for n, i in enumerate(sorted(rank.ready))}
     bs.sort(key=lambda b: min(first_use[i] for i in b[2]))
     landed, t = {}, 0.0
-    for _, nbytes, layers in bs:
+    for _, nbytes, layers, _ in bs:
         t += gather(nbytes)
         for i in layers:
             landed[i] = max(landed.get(i, 0.0), t)

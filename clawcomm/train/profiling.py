@@ -55,9 +55,9 @@ class Profile:
     # zero-bubble's split backward, per layer: I (input gradient), W (weight gradient)
     input_grad: dict[int, list[float]] = dataclasses.field(default_factory=dict)
     weight_grad: dict[int, list[float]] = dataclasses.field(default_factory=dict)
-    # per layer, the elements of each trainable parameter it holds (shared ones
+    # per layer, the shape of each trainable parameter it holds (shared ones
     # where they first appear), in registration order: the trainer's buckets
-    tensors: list[list[int]] = dataclasses.field(default_factory=list)
+    tensors: list[list[tuple[int, ...]]] = dataclasses.field(default_factory=list)
     host_s: float = 0.0  # a trainer step's own time beyond its layers and optimizer
     seconds: float = 0.0
     threads: int = 0  # intra-op threads the layers were timed with
@@ -117,13 +117,13 @@ def _profile(cfg, sizes: list[int], repeats: int, built, split: bool) -> Profile
     return prof
 
 
-def _tensors(layers) -> list[list[int]]:
+def _tensors(layers) -> list[list[tuple[int, ...]]]:
     seen: set[int] = set()
     out = []
     for layer in layers:
         mine = [p for p in layer.parameters() if p.requires_grad and id(p) not in seen]
         seen.update(map(id, mine))
-        out.append([p.numel() for p in mine])
+        out.append([tuple(p.shape) for p in mine])
     return out
 
 
