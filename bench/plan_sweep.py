@@ -17,7 +17,7 @@ fight for cores. Namespace-host scenarios (``@2x1gbit``: 2 hosts, links
 shaped to 1 Gbit/s) need root and iproute2; their hosts share this
 machine's cores, so the plan is told each host has cores / hosts. A
 ``+wire`` scenario also searches the gradients' wire (none, bf16, int8,
-topk:0.01: ``clawcomm plan --search-compression``), a ``+sync`` one the
+topk:0.01, powersgd:4: ``clawcomm plan --search-compression``), a ``+sync`` one the
 sync method (every-step, local-sgd:8: ``--search-sync``).
 
 Each layout is measured ``--rounds`` times, the layouts in turn, and its
@@ -49,7 +49,7 @@ from clawcomm.train.plan_check import (
 SCENARIOS = ["gpt-2", "gpt-4", "wait-4", "gpt-4@2x1gbit", "wait-4@2x1gbit"]
 
 
-WIRES = ["none", "bf16", "int8", "topk:0.01"]
+WIRES = ["none", "bf16", "int8", "topk:0.01", "powersgd:4"]
 SYNCS = ["every-step", "local-sgd:8"]
 
 
