@@ -98,7 +98,12 @@ class PowerSGD(Compressor):
         out.copy_(tensor.view(-1)[me * out.numel() : (me + 1) * out.numel()])
 
     def all_reduce_mean(self, tensor, state, key, group):
-        n = dist.get_world_size(group)
+        self.mean(tensor, state, key, group, dist.get_world_size(group))
+
+    def mean(self, tensor, state, key, group, n: int) -> None:
+        """``all_reduce_mean`` over ``n`` ranks. Every collective goes
+        through ``_sum_dense`` and ``_sum``, so that the passes can be timed
+        without them (the plan's cost of the codec, ``train.plan_wire``)."""
         flat = tensor.view(-1)
         shapes = state.shapes.get(key) if state is not None else None
         if shapes is None:
@@ -111,7 +116,7 @@ class PowerSGD(Compressor):
             before = flat.clone()
         if dense:
             packed = torch.cat([flat[o : o + size] for o, size in dense])
-            dist.all_reduce(packed, group=group)
+            self._sum_dense(packed, group)
             packed.div_(n)
             at = 0
             for o, size in dense:
@@ -152,6 +157,9 @@ class PowerSGD(Compressor):
             torch.matmul(p, q.t(), out=m)
         if state is not None:
             state.memory[(key, "q")] = q_all
+
+    def _sum_dense(self, t: torch.Tensor, group) -> None:
+        dist.all_reduce(t, group=group)
 
     def _sum(self, t: torch.Tensor, group) -> None:
         if self.values == "fp32":

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import torch
 
+# The first bucket's cap: small, so that the first reduction starts early in
+# backward (the trainer's and DataParallel's, and the plan's model of them).
+FIRST_BUCKET_MB = 1.0
+
 
 class GradBucket:
     """One flat gradient buffer and the parameters whose gradients live in it.

@@ -51,7 +51,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from clawcomm.compression import Compressor, CompressorState, get_compressor
-from clawcomm.parallel.buckets import GradBucket
+from clawcomm.parallel.buckets import FIRST_BUCKET_MB, GradBucket
 from clawcomm.parallel.overlap_choice import OverlapChooser
 from clawcomm.parallel.reducer import GradReducer
 
@@ -81,7 +81,7 @@ class DataParallel(nn.Module):
         module: nn.Module,
         process_group=None,
         bucket_cap_mb: float = 25,
-        first_bucket_mb: float = 1,
+        first_bucket_mb: float = FIRST_BUCKET_MB,
         compression: str | Compressor | None = None,
         overlap: bool | str = "auto",
         find_unused_parameters: bool = False,

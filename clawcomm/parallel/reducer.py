@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from clawcomm._torch_names import reduce_scatter_single
 from clawcomm.compression import Compressor, CompressorState
-from clawcomm.parallel.buckets import BucketBuffers, GradBucket, assign_buckets
+from clawcomm.parallel.buckets import FIRST_BUCKET_MB, BucketBuffers, GradBucket, assign_buckets
 from clawcomm.parallel.worker import ReductionThread
 
 MB = 1 << 20
@@ -75,7 +75,7 @@ class GradReducer(BucketBuffers):
         params: list[torch.Tensor],
         group=None,
         bucket_cap_mb: float = 25,
-        first_bucket_mb: float = 1,
+        first_bucket_mb: float = FIRST_BUCKET_MB,
         compressor: Compressor | None = None,
         compression_warmup_steps: int = 0,
         overlap: bool = True,

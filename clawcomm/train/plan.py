@@ -56,7 +56,7 @@ from clawcomm.train.plan_check import (  # noqa: F401 (the plan's API)
     shapes,
     spearman,
 )
-from clawcomm.train.plan_dp import exposed_gathers, exposed_reduction, rank_timeline
+from clawcomm.train.plan_dp import buckets, exposed_gathers, exposed_reduction, rank_timeline
 from clawcomm.train.plan_report import report, why  # noqa: F401 (the plan's API)
 from clawcomm.train.plan_wire import check_specs, codec_seconds, compressor, reduction_seconds
 from clawcomm.train.profiling import Profile, profile
@@ -249,16 +249,17 @@ def predict(c: Candidate, prof: Profile, cores: int, cost=None, gpu: bool = Fals
         w_layers = prof.weight_grad.get(mbs) or [b / 2 for b in prof.backward[mbs]]
         passes = {"F": prof.forward[mbs], "B": prof.backward[mbs], "W": w_layers}
         gathers = 0.0
+        gather = lambda b: crowded * comm_time("all_gather", "auto", b, dp_layout, cost)  # noqa: E731
         for r in range(c.pp):
             rank = rank_timeline(sim, r, span, lambda k, i: scale[i] * passes[k][i], tensors)
+            bs = buckets(rank, cap_bytes)
             codec_s = slow * codec.get(wire, 0.0) * rank_params[r] / max(1.0, sum(prof.params))
             reduce = lambda b, share, shapes, cs=codec_s: reduction_seconds(  # noqa: E731
                 wire, c.zero, b, dp_layout, cost, share * cs, crowded, shapes
             )
-            comm = max(comm, exposed_reduction(rank, sim.makespan, cap_bytes, reduce))
+            comm = max(comm, exposed_reduction(bs, sim.makespan, reduce))
             if c.zero in (1, 2):  # the updated shards gathered behind the next forward
-                gather = lambda b: crowded * comm_time("all_gather", "auto", b, dp_layout, cost)  # noqa: E731
-                gathers = max(gathers, exposed_gathers(rank, cap_bytes, gather))
+                gathers = max(gathers, exposed_gathers(rank, bs, gather))
         if c.zero == 3:  # gathered before forward and again before backward
             gathers = 2 * crowded * comm_time("all_gather", "auto", grad_bytes, dp_layout, cost)
         comm += gathers

@@ -23,9 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from clawcomm.parallel.buckets import assign_buckets
-
-FIRST_BUCKET_BYTES = 2**20  # the trainer's first bucket (``Trainer``: first_bucket_mb=1)
+from clawcomm.parallel.buckets import FIRST_BUCKET_MB, assign_buckets
 
 
 @dataclass(frozen=True)
@@ -88,7 +86,7 @@ def buckets(rank: Rank, cap_bytes: float) -> list[tuple[float, float, set[int], 
     order = sorted(range(len(rank.tensors)), key=lambda j: (rank.ready[rank.tensors[j][0]], -j))
     grads = [_Tensor(math.prod(shape)) for _, shape in rank.tensors]
     cap = int(cap_bytes)
-    groups = assign_buckets(order, grads, cap, min(FIRST_BUCKET_BYTES, cap))
+    groups = assign_buckets(order, grads, cap, min(int(FIRST_BUCKET_MB * 2**20), cap))
     out = []
     for g in groups:
         layers = {rank.tensors[j][0] for j in g}
@@ -97,12 +95,12 @@ def buckets(rank: Rank, cap_bytes: float) -> list[tuple[float, float, set[int], 
     return sorted(out, key=lambda b: b[0])
 
 
-def exposed_reduction(rank: Rank, makespan: float, cap_bytes: float, reduce) -> float:
-    """What the rank's reduction adds to the step: its buckets, launched as
-    they turn final and sent one after another, past the pipeline's end.
-    ``reduce(bytes, share, shapes)``: one bucket's reduction, ``share`` its
-    part of the rank's gradient, ``shapes`` the parameters it lays out."""
-    bs = buckets(rank, cap_bytes)
+def exposed_reduction(bs: list, makespan: float, reduce) -> float:
+    """What a rank's reduction adds to the step: its buckets ``bs``
+    (``buckets``), launched as they turn final and sent one after another,
+    past the pipeline's end. ``reduce(bytes, share, shapes)``: one bucket's
+    reduction, ``share`` its part of the rank's gradient, ``shapes`` the
+    parameters it lays out."""
     total = sum(b[1] for b in bs) or 1.0
     done = 0.0
     for launch, nbytes, _, shapes in bs:
@@ -110,18 +108,16 @@ def exposed_reduction(rank: Rank, makespan: float, cap_bytes: float, reduce) -> 
     return max(0.0, done - makespan) if bs else 0.0
 
 
-def exposed_gathers(rank: Rank, cap_bytes: float, gather) -> float:
+def exposed_gathers(rank: Rank, bs: list, gather) -> float:
     """What ZeRO-1 and 2's gathers of the updated shards delay the rank's
-    first forward by: the buckets gathered one after another from the
-    step's start in the order the forward needs them, each layer waiting
-    for its own. ``gather(bytes)``: one bucket's all-gather."""
-    bs = buckets(rank, cap_bytes)
+    first forward by: its buckets ``bs`` gathered one after another from
+    the step's start in the order the forward needs them, each layer
+    waiting for its own. ``gather(bytes)``: one bucket's all-gather."""
     if not bs:
         return 0.0
     first_use = {i: n for n, i in enumerate(sorted(rank.ready))}
-    bs.sort(key=lambda b: min(first_use[i] for i in b[2]))
     landed, t = {}, 0.0
-    for _, nbytes, layers, _ in bs:
+    for _, nbytes, layers, _ in sorted(bs, key=lambda b: min(first_use[i] for i in b[2])):
         t += gather(nbytes)
         for i in layers:
             landed[i] = max(landed.get(i, 0.0), t)

@@ -69,7 +69,7 @@ def compressor(spec: str):
         comp = get_compressor(spec)
     except ValueError as e:
         raise ValueError(f"--search-compression: {e}") from None
-    if getattr(comp, "coded", False):
+    if comp.coded:
         raise ValueError(f"--search-compression {spec!r}: a coded wire sends what the values "
                          "decide; the plan costs it uncoded (drop +ec)")  # fmt: skip
     return comp
@@ -224,29 +224,23 @@ def _low_rank_reduction(comp, nbytes: float, shapes, layout, cost) -> float:
 
 
 def _low_rank_seconds(comp, shapes, repeats: int) -> float:
-    """PowerSGD's passes over a gradient of ``shapes``, its all-reduces
-    left out: the residual added and kept, the dense values packed and
-    unpacked, the factors' products and orthogonalisations."""
+    """PowerSGD's passes over a gradient of ``shapes`` (the compressor's
+    own ``mean`` with its all-reduces left out): the residual added and
+    kept, the dense values packed and unpacked, the factors' products and
+    orthogonalisations."""
     import torch
 
+    from clawcomm.compression.base import CompressorState
+
     elems = sum(math.prod(s) for s in shapes)
-    flat, residual = torch.randn(elems), torch.zeros(elems)
-    matrices, dense = comp.plan(elems, shapes)
+    grad, state = torch.randn(elems), CompressorState()
+    state.shapes[0] = list(shapes)
     local = PowerSGD(comp.rank, comp.values, comp.min_compression_rate)
-    local._sum = lambda t, group: None  # the wire is costed apart
+    local._sum = local._sum_dense = lambda t, group: None  # the wire is costed apart
     times = []
     for _ in range(repeats):
+        flat = grad.clone()
         t0 = time.perf_counter()
-        flat.add_(residual)
-        before = flat.clone()
-        if dense:
-            packed = torch.cat([flat[o : o + size] for o, size in dense])
-            at = 0
-            for o, size in dense:
-                flat[o : o + size].copy_(packed[at : at + size])
-                at += size
-        if matrices:
-            local._low_rank(flat, matrices, None, 0, None, 0, 4)
-        torch.sub(before, flat, out=residual)
+        local.mean(flat, state, 0, None, 4)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)

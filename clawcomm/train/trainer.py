@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from clawcomm.compression import get_compressor
+from clawcomm.parallel.buckets import FIRST_BUCKET_MB
 from clawcomm.parallel.reducer import GradReducer
 from clawcomm.parallel.zero import ZeroShards, drop_masters
 from clawcomm.parallel.zero3 import ParamUnits, Trackers, unit_of_params
@@ -162,7 +163,7 @@ class Trainer:
                 self.params,
                 self.dp_group,
                 bucket_cap_mb=cfg.bucket_cap_mb,
-                first_bucket_mb=min(1.0, cfg.bucket_cap_mb),
+                first_bucket_mb=min(FIRST_BUCKET_MB, cfg.bucket_cap_mb),
                 compressor=compressor,
                 compression_warmup_steps=cfg.compression_warmup,
                 overlap=cfg.overlap,
