@@ -11,13 +11,20 @@ class ClawcommOptions:  # a c10d::Backend::Options at run time
 
     backend: str
     _timeout: datetime.timedelta
-    def __init__(self, timeout: datetime.timedelta) -> None: ...
+    progress_nice: int
+    """The nice value of the group's progress thread (0-19); -1: CLAWCOMM_PROGRESS_NICE's."""
+    def __init__(self, timeout: datetime.timedelta, progress_nice: int = -1) -> None: ...
     def __copy__(self) -> ClawcommOptions: ...
     def __deepcopy__(self, memo: dict) -> ClawcommOptions: ...
 
 class ClawcommBackend(dist.ProcessGroup):  # a c10d::Backend at run time
     def __init__(
-        self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta
+        self,
+        store: dist.Store,
+        rank: int,
+        size: int,
+        timeout: datetime.timedelta,
+        progress_nice: int = -1,
     ) -> None: ...
     @property
     def options(self) -> ClawcommOptions:

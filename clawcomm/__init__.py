@@ -20,8 +20,23 @@ except ModuleNotFoundError as e:  # the engine (clawcomm._C) works without torch
         raise
     __all__: list[str] = []
 else:
-    from clawcomm._backend import BACKEND_NAME, backend_of, comm_stats, engine_of, register
+    from clawcomm._backend import (
+        BACKEND_NAME,
+        backend_of,
+        comm_stats,
+        engine_of,
+        group_options,
+        register,
+    )
     from clawcomm.groups import split_group
 
-    __all__ = ["BACKEND_NAME", "backend_of", "comm_stats", "engine_of", "register", "split_group"]
+    __all__ = [
+        "BACKEND_NAME",
+        "backend_of",
+        "comm_stats",
+        "engine_of",
+        "group_options",
+        "register",
+        "split_group",
+    ]
     register()

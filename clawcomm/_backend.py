@@ -23,11 +23,40 @@ def _create_backend(opts, backend_options=None):
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is not None:
         store = dist.PrefixStore(f"clawcomm-attempt-{attempt}/", store)
-    backend = _C_torch.ClawcommBackend(store, rank, size, timeout)
+    nice = -1
+    if backend_options is not None:
+        if not isinstance(backend_options, _C_torch.ClawcommOptions):
+            raise TypeError(
+                f"clawcomm: pg_options {type(backend_options).__name__} is not "
+                "clawcomm.group_options(...)"
+            )
+        nice = backend_options.progress_nice
+    backend = _C_torch.ClawcommBackend(store, rank, size, timeout, nice)
     ranks = list(opts.global_ranks_in_group or [])
     if len(ranks) == size:  # (the world's is empty: its ranks are the global ones)
         backend._set_global_ranks(ranks)
     return backend
+
+
+def group_options(progress_nice: int) -> _C_torch.ClawcommOptions:
+    """Options for one group, as ``dist.new_group``'s ``pg_options``::
+
+        pp = dist.new_group(ranks, pg_options=clawcomm.group_options(progress_nice=0))
+
+    ``progress_nice`` (0-19): the nice value of the group's progress thread,
+    in place of ``CLAWCOMM_PROGRESS_NICE`` (10 unless set). 10 lets a rank's
+    compute keep its core while a data-parallel reduction moves in the
+    background; 0 suits a pipeline's sends, which the next stage waits for
+    while the sender has already gone on computing (docs/settings.md)."""
+    import datetime
+
+    if isinstance(progress_nice, bool) or not isinstance(progress_nice, int):
+        raise TypeError(f"clawcomm.group_options: progress_nice {progress_nice!r} is not an int")
+    if not 0 <= progress_nice <= 19:
+        raise ValueError(
+            f"clawcomm.group_options: progress_nice {progress_nice} is not a nice value in [0, 19]"
+        )
+    return _C_torch.ClawcommOptions(datetime.timedelta(minutes=30), progress_nice)
 
 
 def register() -> None:

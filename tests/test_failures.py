@@ -316,34 +316,6 @@ def test_rank_exiting_after_its_last_op_is_not_reported_dead():
     assert results[0] == results[1] == [0.0, 1.0, 2.0], results[:2]
 
 
-# --- the progress thread gives way to compute --------------------------------
-
-
-def _thread_nice_values(rank, ws):
-    dist.all_reduce(torch.ones(4 << 20))  # large: it runs on the progress thread
-    values = []
-    for tid in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{tid}/stat") as f:
-            stat = f.read()
-        values.append(int(stat[stat.rfind(")") + 2 :].split()[16]))  # field 19: nice
-    return sorted(set(values))
-
-
-@pytest.mark.parametrize("nice", ["0", "7", None])
-def test_progress_thread_runs_at_the_nice_value_set(nice):
-    env = {} if nice is None else {"CLAWCOMM_PROGRESS_NICE": nice}
-    want = {"0": [0], "7": [0, 7], None: [0, 10]}[nice]  # default 10
-    for values in run_ranks(_thread_nice_values, 2, env=env):
-        assert values == want
-
-
-def test_a_bad_progress_nice_value_is_refused():
-    with pytest.raises(
-        RankFailure, match=r"CLAWCOMM_PROGRESS_NICE=25 is not a whole number in \[0, 19\]"
-    ):
-        run_ranks(_nothing, 2, env={"CLAWCOMM_PROGRESS_NICE": "25"}, timeout=60)
-
-
 @pytest.mark.parametrize(
     "env,message",
     [

@@ -10,6 +10,7 @@ order, as torch.distributed requires.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -42,11 +43,16 @@ class Grid:
 
     def make_groups(self, backend: str | None = None):
         """(pp group, dp group) of this rank; every rank creates all of them.
-        A group of one rank is None (nothing to talk to)."""
+        A group of one rank is None (nothing to talk to). On clawcomm the
+        pipeline's progress threads are not niced: a stage posts its send
+        and goes on computing, and the next stage waits for those bytes
+        (``clawcomm.group_options``)."""
         pp_group = None
         for d in range(self.dp):
             ranks = self.pipeline_ranks(d)
-            g = dist.new_group(ranks, backend=backend) if self.pp > 1 else None
+            g = None
+            if self.pp > 1:
+                g = dist.new_group(ranks, backend=backend, pg_options=_pipeline_options(backend))
             if d == self.dp_rank:
                 pp_group = g
         return pp_group, self.make_dp_group(backend)
@@ -61,6 +67,16 @@ class Grid:
             if p == self.pp_rank:
                 dp_group = g
         return dp_group
+
+
+def _pipeline_options(backend: str | None):
+    """A pipeline group's options: clawcomm's progress thread at nice 0,
+    unless CLAWCOMM_PROGRESS_NICE names one for every group."""
+    if (backend or dist.get_backend()) != "clawcomm" or "CLAWCOMM_PROGRESS_NICE" in os.environ:
+        return None
+    import clawcomm
+
+    return clawcomm.group_options(progress_nice=0)
 
 
 def tied_parameters(stages: list[nn.Module], cfg, grid: Grid) -> list[tuple]:

@@ -33,17 +33,29 @@ namespace adapter {
 // The backend's options: torch's own, copyable. split_group deep-copies the
 // parent's options when it is given none, and c10d's base class cannot be.
 struct ClawcommOptions : c10d::Backend::Options {
-  explicit ClawcommOptions(std::chrono::milliseconds timeout) : Options("clawcomm", timeout) {}
+  explicit ClawcommOptions(std::chrono::milliseconds timeout, int progressNice = -1)
+      : Options("clawcomm", timeout), progressNice(progressNice) {}
+  // The nice value of this group's progress thread (CLAWCOMM_PROGRESS_NICE
+  // for this group alone); -1: the environment's. A pipeline's group wants
+  // 0: its sends are on the critical path, and a niced thread waits for the
+  // sender's compute to end its time slice before it moves them.
+  int progressNice = -1;
 };
 
 class ClawcommBackend : public c10d::Backend {
  public:
   ClawcommBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                  std::chrono::milliseconds timeout)
+                  std::chrono::milliseconds timeout, int progressNice = -1)
       : Backend(rank, size) {
     try {
+      Settings settings = Settings::fromEnv();
+      if (progressNice > 19 || progressNice < -1) {
+        throw InvalidArgument(CLAWCOMM_CONCAT(
+            "clawcomm: progress_nice ", progressNice, " is not a nice value in [0, 19]"));
+      }
+      if (progressNice >= 0) settings.progressNice = progressNice;
       store_ = std::make_shared<StoreAdapter>(store);
-      comm_ = Communicator::create(store_, rank, size, timeout);
+      comm_ = Communicator::create(store_, rank, size, timeout, settings);
       device_ = std::make_unique<DevicePath>(comm_, rank);
     } catch (...) {
       rethrowForTorch(std::current_exception());
@@ -113,10 +125,10 @@ class ClawcommBackend : public c10d::Backend {
     if (!child) return nullptr;
     return c10::make_intrusive<ClawcommBackend>(std::move(childStore), std::move(child));
   }
-  // What split_group copies when it is given no options: the name and the
-  // timeout.
+  // What split_group copies when it is given no options: the name, the
+  // timeout and the progress thread's nice value.
   c10::intrusive_ptr<Options> getBackendOptions() override {
-    return c10::make_intrusive<ClawcommOptions>(comm_->timeout());
+    return c10::make_intrusive<ClawcommOptions>(comm_->timeout(), comm_->settings().progressNice);
   }
   // Per CUDA device used so far: "ok" where collectives go through CUDA
   // IPC, else why not (they are staged through host memory).

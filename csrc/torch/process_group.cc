@@ -17,7 +17,11 @@ PYBIND11_MODULE(_C_torch, m) {
   py::class_<ClawcommOptions, c10d::Backend::Options, c10::intrusive_ptr<ClawcommOptions>>(
       m, "ClawcommOptions",
       "The clawcomm backend's options (torch's Backend.Options), which split_group may copy.")
-      .def(py::init<std::chrono::milliseconds>(), py::arg("timeout"))
+      .def(py::init<std::chrono::milliseconds, int>(), py::arg("timeout"),
+           py::arg("progress_nice") = -1)
+      .def_readwrite("progress_nice", &ClawcommOptions::progressNice,
+                     "The nice value of the group's progress thread (0-19); -1: "
+                     "CLAWCOMM_PROGRESS_NICE's.")
       .def("__copy__",
            [](const ClawcommOptions& o) { return c10::make_intrusive<ClawcommOptions>(o); })
       .def(
@@ -28,8 +32,10 @@ PYBIND11_MODULE(_C_torch, m) {
           py::arg("memo"));
   py::class_<ClawcommBackend, c10d::Backend, c10::intrusive_ptr<ClawcommBackend>>(m,
                                                                                   "ClawcommBackend")
-      .def(py::init<const c10::intrusive_ptr<c10d::Store>&, int, int, std::chrono::milliseconds>(),
+      .def(py::init<const c10::intrusive_ptr<c10d::Store>&, int, int, std::chrono::milliseconds,
+                    int>(),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
+           py::arg("progress_nice") = -1,
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("options", &ClawcommBackend::getBackendOptions,
                              "The backend's options (torch's split_group copies them).")
