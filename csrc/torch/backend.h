@@ -50,8 +50,8 @@ class ClawcommBackend : public c10d::Backend {
     try {
       Settings settings = Settings::fromEnv();
       if (progressNice > 19 || progressNice < -1) {
-        throw InvalidArgument(CLAWCOMM_CONCAT(
-            "clawcomm: progress_nice ", progressNice, " is not a nice value in [0, 19]"));
+        throw InvalidArgument(CLAWCOMM_CONCAT("clawcomm: progress_nice ", progressNice,
+                                              " is not a nice value in [0, 19]"));
       }
       if (progressNice >= 0) settings.progressNice = progressNice;
       store_ = std::make_shared<StoreAdapter>(store);

@@ -35,8 +35,7 @@ PYBIND11_MODULE(_C_torch, m) {
       .def(py::init<const c10::intrusive_ptr<c10d::Store>&, int, int, std::chrono::milliseconds,
                     int>(),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
-           py::arg("progress_nice") = -1,
-           py::call_guard<py::gil_scoped_release>())
+           py::arg("progress_nice") = -1, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("options", &ClawcommBackend::getBackendOptions,
                              "The backend's options (torch's split_group copies them).")
       .def("_set_global_ranks", &ClawcommBackend::setGlobalRanks, py::arg("ranks"),
