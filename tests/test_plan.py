@@ -207,6 +207,17 @@ def test_plan_refuses_hosts_that_do_not_divide_the_world(capsys, monkeypatch):
     assert "--check-rounds 0: must be >= 1" in capsys.readouterr().out
 
 
+def test_the_report_says_what_it_leaves_out_where_ranks_outnumber_cores(capsys):
+    from clawcomm.cli import main
+
+    for cores, said in ((2, True), (4, False)):
+        assert main(["plan", "--nproc", "4", "--cores", str(cores), "--model", "mlp",
+                     "--hidden", "32", "--global-batch", "16", "--top", "2"]) == 0  # fmt: skip
+        out = capsys.readouterr().out
+        assert ("4 ranks a host share 2 core(s)" in out) is said, out
+        assert ("the time each pipeline handoff then waits for a core" in out) is said, out
+
+
 def test_searched_compression_is_costed_on_the_wire(gpt_plan):
     from clawcomm.train import plan_wire
 

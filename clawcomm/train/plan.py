@@ -312,7 +312,7 @@ def plan(cfg, world: int, memory_mb: float = 0.0, cores: int | None = None, cost
             f"no layout runs a global batch of {batch} on {world} ranks with {layers} layers: "
             "choose a global batch that dp and the micro-batches divide"
         )
-    gpu = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    gpu = on_gpu(cfg)
     split = any(c.schedule == "zb1" for c in cands)
     prof = profile(cfg, [c.micro_batch_size for c in cands], built=built, gpu=gpu, split=split)
     cores = cores or os.cpu_count() or 1
@@ -326,6 +326,21 @@ def plan(cfg, world: int, memory_mb: float = 0.0, cores: int | None = None, cost
     over = [p for p in preds if memory_mb and p.memory_mb > memory_mb]
     fits.sort(key=lambda p: (p.step_ms, p.memory_mb))
     return fits, over, prof
+
+
+def on_gpu(cfg) -> bool:
+    return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+
+
+def crowding(cfg, preds: list, ranks: int, cores: int) -> str | None:
+    """What the plan leaves out where a host's CPU ranks outnumber its cores
+    and a pipeline is among the ``preds``."""
+    if ranks <= cores or on_gpu(cfg) or not any(p.cand.pp > 1 for p in preds):
+        return None
+    return (f"{ranks} ranks a host share {cores} core(s): the plan prices their compute at "
+            f"{ranks / cores:.1f}x a lone rank's, but not the time each pipeline handoff then "
+            "waits for a core (1.5-1.8 ms on the 2-core reference VM), so it favours "
+            "zero-bubble and interleaved schedules there (docs/plan.md)")  # fmt: skip
 
 
 def check_syncs(specs: list[str]) -> list[str]:
@@ -423,6 +438,9 @@ def run(args) -> int:
         return 2
     base = ["--nproc", str(args.nproc), *model_flags(cfg)]
     print(report(preds, over, prof, base, args.top), flush=True)
+    crowded = crowding(cfg, preds, args.nproc // args.hosts, cores or os.cpu_count() or 1)
+    if crowded:
+        print("# " + crowded)
     if searched:
         print("# the wire is chosen by time alone: fp16 and bf16 round every value, int8 and "
               "int4 quantise it, top-k and random-k send a few and carry or drop the rest, "
@@ -471,4 +489,7 @@ def choose(cfg, world: int, say=print):
         raise ValueError(f"--layout auto: every layout needs more than --max-memory-mb "
                          f"{cfg.max_memory_mb:g}")  # fmt: skip
     say(report(preds, over, prof, ["--nproc", str(world), *model_flags(cfg)], 3))
+    crowded = crowding(cfg, preds, world, os.cpu_count() or 1)
+    if crowded:
+        say("# " + crowded)
     return apply(cfg, preds[0].cand)
