@@ -14,11 +14,6 @@ def _nothing(rank, ws):
     return None
 
 
-def _error_text(result) -> str:
-    assert isinstance(result, RankFailure), f"expected this rank to fail, it returned {result!r}"
-    return next(iter(result.errors.values()))
-
-
 def test_inconsistent_settings_are_reported():
     with pytest.raises(RankFailure, match="CLAWCOMM_TRANSPORT"):
         # Only rank 1 asks for TCP: rendezvous refuses rather than hanging.
@@ -87,5 +82,6 @@ def test_sockets_per_peer_must_match():
         timeout=60,
     )
     for result in results:
-        text = _error_text(result)
+        assert isinstance(result, RankFailure), f"expected this rank to fail: {result!r}"
+        text = next(iter(result.errors.values()))
         assert "CLAWCOMM_SOCKETS_PER_PEER=" in text and "must match" in text, text

@@ -43,8 +43,6 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-import torch
-
 from clawcomm.pipeline.schedules import build as build_schedule
 from clawcomm.pipeline.schedules import check_schedule_args
 from clawcomm.pipeline.validate import SimulationPlan
@@ -329,7 +327,10 @@ def plan(cfg, world: int, memory_mb: float = 0.0, cores: int | None = None, cost
 
 
 def on_gpu(cfg) -> bool:
-    return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    """Whether the ranks compute on GPUs (``--device``, as the trainer resolves it)."""
+    from clawcomm.train import device
+
+    return device.check(cfg.device) == "cuda"
 
 
 def crowding(cfg, preds: list, ranks: int, cores: int) -> str | None:
