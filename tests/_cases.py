@@ -100,3 +100,10 @@ def check(failures: list[str], what: str, got: torch.Tensor, want: torch.Tensor)
             assert torch.equal(got, want), f"{got[:8]} != {want[:8]}"
     except AssertionError as e:
         failures.append(f"{what}: {str(e)[:300]}")
+
+
+def normal_grad(seed: int, n: int) -> torch.Tensor:
+    """n float32 draws from a standard normal, the same for the same seed."""
+    import numpy as np
+
+    return torch.from_numpy(np.random.default_rng(seed).standard_normal(n).astype(np.float32))
