@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     from clawcomm.bench import cli as bench_cli
     from clawcomm.experiments import compression as compression_experiment
     from clawcomm.train import cli as train_cli
-    from clawcomm.train import plan, tokens
+    from clawcomm.train import plan_cli, tokens
 
     parser = argparse.ArgumentParser(prog="clawcomm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         "data- and pipeline-parallel training on local ranks (or under torchrun)",
         train_cli,
     )
-    _add(sub, "plan", "the layout for a model on a world, predicted, explained and checked", plan)
+    _add(sub, "plan", "the layout for a model on a world, predicted, explained and checked",
+         plan_cli)  # fmt: skip
     _add(sub, "tokenize", "turn a text file into token files for clawcomm train --data", tokens)
     _add(
         sub,
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train":
         return train_cli.run(args)
     if args.command == "plan":
-        return plan.run(args)
+        return plan_cli.run(args)
     if args.command == "tokenize":
         return tokens.run(args)
     if args.command == "flight":

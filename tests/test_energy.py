@@ -100,10 +100,37 @@ def test_the_metrics_carry_energy_with_a_meter_and_say_why_not_without(tmp_path)
     metered = run_ranks(_train, 2, str(tmp_path / "host"))[0]
     assert all(m["energy_j"] == 0.0 and m["energy_per_sample_j"] == 0.0 for m in metered)
     assert all(m["device_s"] == pytest.approx(2 * m["step_ms"] / 1e3) for m in metered)
+    assert all(m["cpu_s"] > 0 for m in metered)
     assert "energy_note" not in metered[0]
     bare = run_ranks(_train, 2, str(tmp_path / "nothing"))[0]
     assert all("energy_j" not in m for m in bare)
     assert bare[0]["energy_note"].startswith("no RAPL counters in")
     med = {"device_s": 0.25, "energy_j": 3.0, "energy_per_sample_j": 0.375}
     assert _cost_line(med, {}) == "cost per step: 0.250 device-s, 3.00 J (375.0 mJ per sample)"
+    med["cpu_s"] = 0.5
+    assert _cost_line(med, {}).startswith("cost per step: 0.250 device-s (0.500 CPU-s), 3.00 J")
     assert "energy n/a (no RAPL counters in" in _cost_line({"device_s": 0.1}, bare[0])
+
+
+def test_a_cpu_lap_counts_the_process_s_cpu_not_the_wall_clock():
+    """A lap over a sleep is near 0; one over a thread that computes counts
+    that thread's CPU, though the lap is taken on another."""
+    import threading
+    import time
+
+    from clawcomm.train.energy import StepEnergy
+
+    meter = StepEnergy(torch.device("cpu"), 1)
+    meter.begin()
+    time.sleep(0.3)
+    assert meter.cpu_lap() < 0.1
+
+    def burn():
+        end = time.thread_time() + 0.3
+        while time.thread_time() < end:
+            pass
+
+    worker = threading.Thread(target=burn)
+    worker.start()
+    worker.join()
+    assert meter.cpu_lap() >= 0.28

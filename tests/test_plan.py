@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 
-from clawcomm.train import plan
+from clawcomm.train import plan, plan_cli
 from clawcomm.train.config import TrainConfig
 
 MLP = dict(model="mlp", hidden=32, quiet=True)
@@ -198,7 +198,7 @@ def test_plan_refuses_hosts_that_do_not_divide_the_world(capsys, monkeypatch):
     assert main(["plan", "--nproc", "4", "--hosts", "3", "--model", "mlp"]) == 2
     assert "--hosts 3 does not divide the world of 4 ranks" in capsys.readouterr().out
     # --check across hosts trains on namespace hosts of this machine, or says why it cannot
-    monkeypatch.setattr(plan, "netns_unavailable", lambda: "network namespaces need root")
+    monkeypatch.setattr(plan_cli, "netns_unavailable", lambda: "network namespaces need root")
     assert main(["plan", "--nproc", "4", "--hosts", "2", "--model", "mlp", "--check", "2"]) == 2
     out = capsys.readouterr().out
     assert "--check with --hosts 2 trains on namespace hosts" in out and "need root" in out
@@ -207,15 +207,22 @@ def test_plan_refuses_hosts_that_do_not_divide_the_world(capsys, monkeypatch):
     assert "--check-rounds 0: must be >= 1" in capsys.readouterr().out
 
 
-def test_the_report_says_what_it_leaves_out_where_ranks_outnumber_cores(capsys):
+def test_the_report_says_how_it_prices_ranks_that_outnumber_cores(capsys):
+    # where they do, a trial (a real one, on a machine of fewer than 4 cores) or
+    # the reason none ran; where they do not, nothing
+    import os
+
     from clawcomm.cli import main
 
     for cores, said in ((2, True), (4, False)):
         assert main(["plan", "--nproc", "4", "--cores", str(cores), "--model", "mlp",
                      "--hidden", "32", "--global-batch", "16", "--top", "2"]) == 0  # fmt: skip
         out = capsys.readouterr().out
-        assert ("4 ranks a host share 2 core(s)" in out) is said, out
-        assert ("the time each pipeline handoff then waits for a core" in out) is said, out
+        assert ("4 ranks a host share 2 core(s): each layout's step is at least" in out) is said
+        if said and (os.cpu_count() or 1) < 4:
+            assert "ms a compute action beyond its profile (a trial: 6 steps of dp 1 x pp 4" in out
+        elif said:
+            assert "the profiled compute alone (no trial: 4 ranks" in out, out
 
 
 def test_searched_compression_is_costed_on_the_wire(gpt_plan):

@@ -267,8 +267,11 @@ def summary(metrics: list[dict], cfg: TrainConfig) -> str:
 
 
 def _cost_line(med: dict, first: dict) -> str:
-    """What a step cost: device-seconds, and energy where it was metered."""
+    """What a step cost: device-seconds, the ranks' CPU-seconds, and energy
+    where it was metered."""
     line = f"cost per step: {med.get('device_s', 0):.3f} device-s"
+    if "cpu_s" in med:
+        line += f" ({med['cpu_s']:.3f} CPU-s)"
     if "energy_j" in med:
         return line + (
             f", {med['energy_j']:.2f} J ({med['energy_per_sample_j'] * 1e3:.1f} mJ per sample)"

@@ -14,7 +14,11 @@
 Where neither exists (a virtual machine has no RAPL counters; a kernel may
 keep ``energy_uj`` to root) the metrics carry no energy and the summary
 says "n/a" and why. ``device_s`` (the step's seconds times the devices it
-held: GPUs, or ranks on CPUs) is always there.
+held: GPUs, or ranks on CPUs) is always there, and so is ``cpu_s``: the
+CPU-seconds the ranks' processes used (each process's every thread), which
+on CPUs says how much of the device-seconds the cores were working (more
+than the device-seconds where ranks outnumber cores and their threads share
+them).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import glob
 import os
 import re
+import time
 
 import torch
 
@@ -120,14 +125,19 @@ def _rapl(root: str) -> tuple[Meter | None, str]:
 class StepEnergy:
     """This rank's joules per step: ``lap()`` gives those counted since the
     previous lap (the first: since ``begin()``), so in steady state each
-    step's lap covers one whole step; -1 where the rank has no meter."""
+    step's lap covers one whole step; -1 where the rank has no meter.
+    ``cpu_lap()``: likewise the CPU-seconds of the rank's process (every
+    thread's, the progress thread's too), which every rank has."""
 
     def __init__(self, device: torch.device, local_rank: int):
         self.meter, self.reason = meter_for(device, local_rank)
         self._at: float | None = None
+        self._cpu_at: float | None = None
 
     def begin(self) -> None:
         """The first lap's start (later calls change nothing)."""
+        if self._cpu_at is None:
+            self._cpu_at = time.process_time()
         if self.meter is not None and self._at is None:
             self._at = self.meter.joules()
 
@@ -137,4 +147,10 @@ class StepEnergy:
         self.begin()
         now = self.meter.joules()
         used, self._at = now - self._at, now
+        return used
+
+    def cpu_lap(self) -> float:
+        self.begin()
+        now = time.process_time()
+        used, self._cpu_at = now - self._cpu_at, now
         return used

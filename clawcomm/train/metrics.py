@@ -63,6 +63,7 @@ class RankSample:
     grad_peak_bytes: float = 0.0
     stop: float = 0.0  # the signal that asked this rank to stop (clawcomm.train.stop), or 0
     energy_j: float = -1.0  # joules its meter counted over the step (energy.py), -1: none
+    cpu_s: float = 0.0  # CPU-seconds its process used over the step (every thread)
     # The mean time of F, B, I and W of each local stage, stage by stage.
     costs: list[float] = field(default_factory=list)
 
@@ -194,6 +195,7 @@ def summarise(rows: list[RankSample], cfg, grid, plan, p2p_latency: float, cuda:
         "param_peak_bytes": int(max(r.param_peak_bytes for r in rows)),
         "grad_peak_bytes": int(max(r.grad_peak_bytes for r in rows)),
     }
+    metrics["cpu_s"] = sum(r.cpu_s for r in rows)
     metered = [r.energy_j for r in rows if r.energy_j >= 0]
     if metered:  # every host's packages (CPUs) or every GPU
         metrics["energy_j"] = sum(metered)

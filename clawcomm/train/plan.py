@@ -27,7 +27,10 @@ its step, with the reasons, and a check of the prediction on this machine.
    on the hosts the dp group spans), in the trainer's buckets on the
    rank's timeline (``plan_dp``: what runs past the pipeline's end, and
    what the next forward waits for ZeRO's gathers, is exposed); the optimizer
-   on the stage's (shard of its) parameters. Memory per rank: parameters,
+   on the stage's (shard of its) parameters. Where a host's CPU ranks
+   outnumber its cores, the pipeline takes at least the host's CPU-seconds
+   over its cores, a compute action costing what a short trial measured
+   beyond its profile (``plan_cores``). Memory per rank: parameters,
    gradients and AdamW's state as ZeRO divides them, and the activations
    of the micro-batches in flight.
 4. **Rank** the candidates within ``--max-memory-mb`` (one over it is never
@@ -46,14 +49,8 @@ from dataclasses import dataclass
 from clawcomm.pipeline.schedules import build as build_schedule
 from clawcomm.pipeline.schedules import check_schedule_args
 from clawcomm.pipeline.validate import SimulationPlan
-from clawcomm.train.layout import balanced_cuts
-from clawcomm.train.plan_check import (  # noqa: F401 (the plan's API)
-    check,
-    model_flags,
-    namespace_cores,
-    shapes,
-    spearman,
-)
+from clawcomm.train import plan_cores
+from clawcomm.train.plan_check import model_flags, spearman  # noqa: F401 (the plan's API)
 from clawcomm.train.plan_dp import buckets, exposed_gathers, exposed_reduction, rank_timeline
 from clawcomm.train.plan_report import report, why  # noqa: F401 (the plan's API)
 from clawcomm.train.plan_wire import check_specs, codec_seconds, compressor, reduction_seconds
@@ -187,13 +184,11 @@ def predict(c: Candidate, prof: Profile, cores: int, cost=None, gpu: bool = Fals
 
         sync = parse_sync(c.sync)
     stages = c.pp * c.v
-    cuts = balanced_cuts(prof.params, stages)
-    span = [range(cuts[s], cuts[s + 1]) for s in range(stages)]
+    span, share = plan_cores.stages(c, prof)
     crossing, dp_layout = _placement(c, hosts)
     slow = 1.0 if gpu else max(1.0, c.dp * c.pp / hosts / cores)  # ranks sharing cores
     mbs = c.micro_batch_size
     # Only the share of a layer's time spent on a core slows down (waiting layers do not).
-    share = prof.cpu_share.get(mbs) or [1.0] * len(prof.params)
     scale = [1.0 + (slow - 1.0) * sh for sh in share]
 
     def per_stage(times: list[float]) -> list[float]:
@@ -211,7 +206,7 @@ def predict(c: Candidate, prof: Profile, cores: int, cost=None, gpu: bool = Fals
             return (fw if kind == "F" else bw)[a.stage]
         return (i_pass if kind == "I" else w_pass)[a.stage] if kind in ("I", "W") else 0.0
 
-    act = max(prof.out_bytes[mbs][cuts[s + 1] - 1] for s in range(stages))
+    act = max(prof.out_bytes[mbs][span[s][-1]] for s in range(stages))
     shm = cost.shm_alpha + act * cost.shm_beta
 
     def latency(p: int, q: int) -> float:
@@ -281,16 +276,21 @@ def predict(c: Candidate, prof: Profile, cores: int, cost=None, gpu: bool = Fals
     memory = (held + saved * in_flight) / 2**20
     busy += slow * prof.host_s  # the trainer's own time, on the busiest rank
     makespan = sim.makespan + slow * prof.host_s
+    if plan_cores.crowded(c.dp * c.pp, hosts, cores, gpu):  # no less than the host's CPU
+        per_rank = plan_cores.rank_seconds(c, prof, span, share, prof.action_s, sim.schedule)
+        makespan = max(makespan, plan_cores.floor(c, per_rank, hosts, cores))
     return Prediction(c, 1e3 * busy, 1e3 * (makespan - busy), 1e3 * comm, 1e3 * opt, memory)
 
 
 def plan(cfg, world: int, memory_mb: float = 0.0, cores: int | None = None, cost=None,
          hosts: int = 1, compressions: list[str] | None = None,
-         syncs: list[str] | None = None):  # fmt: skip
+         syncs: list[str] | None = None, trial_steps: int = plan_cores.TRIAL_STEPS):  # fmt: skip
     """(predictions best first, those over the memory limit, the profile).
     ``cores``: what the ranks of one host share (this machine's by default);
     ``compressions``: the wires to search (``plan_wire``; '' is none);
-    ``syncs``: the sync methods to search (``outer.parse_sync``'s)."""
+    ``syncs``: the sync methods to search (``outer.parse_sync``'s);
+    ``trial_steps``: where ranks outnumber cores, the steps of the trial
+    that measures a compute action's cost there (``plan_cores``; 0: none)."""
     from clawcomm.train import models
     from clawcomm.train.outer import parse_sync
 
@@ -314,6 +314,13 @@ def plan(cfg, world: int, memory_mb: float = 0.0, cores: int | None = None, cost
     split = any(c.schedule == "zb1" for c in cands)
     prof = profile(cfg, [c.micro_batch_size for c in cands], built=built, gpu=gpu, split=split)
     cores = cores or os.cpu_count() or 1
+    if plan_cores.crowded(world, hosts, cores, gpu):
+        why = plan_cores.trial_unavailable(world) or ("" if trial_steps else "--trial-steps 0")
+        if why:
+            prof.trial = "no trial: " + why
+        else:
+            prof.action_s, tried = plan_cores.trial(cfg, cands, prof, world, trial_steps)
+            prof.trial = f"a trial: {trial_steps} steps of {tried.name()}"
     cap = cfg.bucket_cap_mb * 2**20
     shapes = [shape for layer in prof.tensors for shape in layer]
     codec = {w: codec_seconds(w, int(sum(prof.params)), shapes=shapes) for w in wires if w}
@@ -331,17 +338,6 @@ def on_gpu(cfg) -> bool:
     from clawcomm.train import device
 
     return device.check(cfg.device) == "cuda"
-
-
-def crowding(cfg, preds: list, ranks: int, cores: int) -> str | None:
-    """What the plan leaves out where a host's CPU ranks outnumber its cores
-    and a pipeline is among the ``preds``."""
-    if ranks <= cores or on_gpu(cfg) or not any(p.cand.pp > 1 for p in preds):
-        return None
-    return (f"{ranks} ranks a host share {cores} core(s): the plan prices their compute at "
-            f"{ranks / cores:.1f}x a lone rank's, but not the time each pipeline handoff then "
-            "waits for a core (1.5-1.8 ms on the 2-core reference VM), so it favours "
-            "zero-bubble and interleaved schedules there (docs/plan.md)")  # fmt: skip
 
 
 def check_syncs(specs: list[str]) -> list[str]:
@@ -365,112 +361,6 @@ def global_batch(cfg) -> int:
     return cfg.global_batch or cfg.effective_batch
 
 
-def add_arguments(p) -> None:
-    from clawcomm.train import config
-
-    p.add_argument("--config", metavar="FILE.toml", help="settings (flags given here win)")
-    p.add_argument("--nproc", type=int, required=True, help="ranks of the world to plan for")
-    p.add_argument("--top", type=int, default=5, help="layouts to show (5)")
-    p.add_argument("--check", type=int, default=0, metavar="K",
-                   help="train the first K for --check-steps steps each and compare")  # fmt: skip
-    p.add_argument("--check-steps", type=int, default=20, help="steps per checked layout (20)")
-    p.add_argument("--check-rounds", type=int, default=1, metavar="R",
-                   help="measure the checked layouts R times in turn: medians, their spread, "
-                        "and how well two rounds agree with each other (1)")  # fmt: skip
-    p.add_argument("--check-shapes", action="store_true",
-                   help="check the first and the best of each other shape (dp, pp, schedule), "
-                        "not the first K, which are often one shape's ZeRO stages")  # fmt: skip
-    p.add_argument(
-        "--hosts",
-        type=int,
-        default=1,
-        help="hosts the ranks are spread over, --nproc / hosts each (1)",
-    )
-    p.add_argument(
-        "--link",
-        metavar="RATE",
-        help="each host's link, as 1gbit or 200mbit (default: the cost model's)",
-    )
-    p.add_argument(
-        "--cost-model",
-        metavar="FILE.json",
-        help="a calibrated cost model (clawcomm bench --calibrate)",
-    )
-    p.add_argument("--search-compression", metavar="LIST", default="",
-                   help="also choose the gradients' wire among these: none, fp16, bf16, int8, "
-                        "int4, topk:R, randomk:R, powersgd:R (comma-separated; default: "
-                        "keep --compression)")  # fmt: skip
-    p.add_argument("--search-sync", metavar="LIST", default="",
-                   help="also choose the sync method among these: every-step, local-sgd:H, "
-                        "diloco:H (comma-separated; default: keep --sync)")  # fmt: skip
-    p.add_argument("--cores", type=int, default=0,
-                   help="cores the ranks of one host share (0: this machine's; namespace "
-                        "hosts on one machine share it: its cores / hosts)")  # fmt: skip
-    config.add_arguments(p)
-
-
-def run(args) -> int:
-    from clawcomm.train import config
-
-    try:
-        cfg = config.from_args(args, args.config)
-        searched = [w.strip() for w in args.search_compression.split(",") if w.strip()]
-        syncs = [w.strip() for w in args.search_sync.split(",") if w.strip()]
-        if args.check_rounds < 1:
-            raise ValueError(f"--check-rounds {args.check_rounds}: must be >= 1")
-        cores = args.cores or None
-        if args.check and args.hosts > 1:
-            # checked on namespace hosts of this machine, which share its cores
-            why = netns_unavailable()
-            if why:
-                raise ValueError(f"--check with --hosts {args.hosts} trains on namespace hosts "
-                                 f"of this machine: {why}")  # fmt: skip
-            cores = cores or namespace_cores(args.hosts)
-        preds, over, prof = plan(cfg, args.nproc, cfg.max_memory_mb, cores,
-                                 cost_model(args.cost_model, args.link), args.hosts,
-                                 searched or None, syncs or None)  # fmt: skip
-    except (ValueError, OSError) as e:
-        print(f"clawcomm plan: error: {e}")
-        return 2
-    if not preds:
-        least = min(p.memory_mb for p in over)
-        print(f"clawcomm plan: every layout needs more than --max-memory-mb "
-              f"{cfg.max_memory_mb:g} MB (the least: {least:.0f} MB)")  # fmt: skip
-        return 2
-    base = ["--nproc", str(args.nproc), *model_flags(cfg)]
-    print(report(preds, over, prof, base, args.top), flush=True)
-    crowded = crowding(cfg, preds, args.nproc // args.hosts, cores or os.cpu_count() or 1)
-    if crowded:
-        print("# " + crowded)
-    if searched:
-        print("# the wire is chosen by time alone: fp16 and bf16 round every value, int8 and "
-              "int4 quantise it, top-k and random-k send a few and carry or drop the rest, "
-              "PowerSGD sends a low-rank approximation and carries the rest; "
-              "`clawcomm experiment compression` measures what that costs in loss")  # fmt: skip
-    if syncs:
-        print("# the sync method is chosen by time alone: local SGD and DiLoCo replicas drift "
-              "apart between meetings; `clawcomm experiment compression --methods "
-              "local-sgd:8,diloco:32` measures what that costs in loss")  # fmt: skip
-    if args.check:
-        if args.hosts > 1:
-            print(f"# checked on {args.hosts} namespace hosts of this machine, "
-                  f"{cores} core(s) each, links {args.link or 'unshaped'}")  # fmt: skip
-        chosen = shapes(preds, args.check) if args.check_shapes else preds[: args.check]
-        try:
-            print(check(cfg, chosen, len(chosen), args.check_steps, args.nproc,
-                        args.check_rounds, args.hosts, args.link))  # fmt: skip
-        except (ValueError, RuntimeError, OSError) as e:
-            print(f"clawcomm plan --check: error: {e}")
-            return 1
-    return 0
-
-
-def netns_unavailable() -> str | None:
-    from clawcomm.testing.netns import unavailable
-
-    return unavailable()
-
-
 def cost_model(path: str | None = None, link: str | None = None):
     """The cost model from ``path`` (or the engine's defaults), with each
     host's link at ``link`` (tc syntax) when given."""
@@ -490,7 +380,7 @@ def choose(cfg, world: int, say=print):
         raise ValueError(f"--layout auto: every layout needs more than --max-memory-mb "
                          f"{cfg.max_memory_mb:g}")  # fmt: skip
     say(report(preds, over, prof, ["--nproc", str(world), *model_flags(cfg)], 3))
-    crowded = crowding(cfg, preds, world, os.cpu_count() or 1)
+    crowded = plan_cores.caveat(prof, world, os.cpu_count() or 1)
     if crowded:
         say("# " + crowded)
     return apply(cfg, preds[0].cand)

@@ -42,10 +42,18 @@ def model_flags(cfg) -> list[str]:
     return out
 
 
-def measure(cfg, cand, steps: int, world: int, launch=None) -> float:
-    """The candidate's measured step (ms). ``launch(train_args)`` runs
-    ``clawcomm train``'s arguments somewhere else; by default ``clawcomm
-    train --nproc world`` runs here."""
+# what a measuring run must not do with the command's settings: write its
+# outputs, resume from its checkpoints, or kill a rank
+_NOT_MEASURED = {"checkpoint_dir": "", "resume": False, "kill_rank": -1, "kill_at_step": 0,
+                 "metrics": "", "trace": "", "tensorboard": "", "timeline": "",
+                 "chakra": ""}  # fmt: skip
+
+
+def measure(cfg, cand, steps: int, world: int, launch=None, key: str = "step_ms") -> float:
+    """The candidate's measured step (ms; or the median of another metric,
+    ``key``). ``launch(train_args)`` runs ``clawcomm train``'s arguments
+    somewhere else; by default ``clawcomm train --nproc world`` runs here.
+    The command's outputs, checkpoints and failure injection stay out."""
     import json
     import statistics
     import subprocess
@@ -54,7 +62,8 @@ def measure(cfg, cand, steps: int, world: int, launch=None) -> float:
 
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "m.jsonl")
-        args = ["--steps", str(steps), "--quiet", "--metrics", metrics, *model_flags(cfg),
+        quiet = dataclasses.replace(cfg, **_NOT_MEASURED)
+        args = ["--steps", str(steps), "--quiet", "--metrics", metrics, *model_flags(quiet),
                 *cand.flags()]  # fmt: skip
         if launch is None:
             cmd = [sys.executable, "-c", "import sys; from clawcomm.cli import main; "
@@ -63,8 +72,8 @@ def measure(cfg, cand, steps: int, world: int, launch=None) -> float:
         else:
             launch(args)
         with open(metrics) as f:
-            steps_ms = [m["step_ms"] for m in map(json.loads, f) if "step_ms" in m]
-    return statistics.median(steps_ms[len(steps_ms) // 2 :])
+            figures = [m[key] for m in map(json.loads, f) if key in m]
+    return statistics.median(figures[len(figures) // 2 :])
 
 
 def shapes(preds: list, k: int) -> list:

@@ -59,6 +59,11 @@ class Profile:
     # where they first appear), in registration order: the trainer's buckets
     tensors: list[list[tuple[int, ...]]] = dataclasses.field(default_factory=list)
     host_s: float = 0.0  # a trainer step's own time beyond its layers and optimizer
+    # where ranks outnumber cores: CPU-seconds a compute action costs beyond
+    # its profile, and the trial that measured it ("a trial: ..."), or why
+    # none ran ("no trial: ..."; plan_cores)
+    action_s: float = 0.0
+    trial: str = ""
     seconds: float = 0.0
     threads: int = 0  # intra-op threads the layers were timed with
 

@@ -271,6 +271,7 @@ class Trainer:
             costs=totals.mean_costs(sorted(self.local)),
             **held_bytes(self.params, self.reducer, self.optimizer, self.zero, self.units),
             stop=self.stop.signum if self.stop is not None else 0, energy_j=self.energy.lap(),
+            cpu_s=self.energy.cpu_lap(),
         )  # fmt: skip
         rows = gather(sample)
         self.stopped_by = int(max(r.stop for r in rows))  # every rank reads the same rows

@@ -1,0 +1,158 @@
+"""The plan where a host's CPU ranks outnumber its cores (``plan.predict``'s
+floor, and the trial that measures what it needs).
+
+There the ranks' threads take turns on the cores, so a step takes at least
+the CPU-seconds the host's ranks spend in it over its cores, however well
+the schedule overlaps them: a pipeline's bubble is then not idle time but
+another rank's turn, and what a schedule saves in bubble it can lose in
+actions. Each candidate's makespan is at least
+
+    max over hosts of  sum over its ranks of (CPU of the rank's compute actions,
+                       as profiled + tau x its compute actions + the trainer's own time)
+                       / the host's cores
+
+where tau is what a compute action costs there beyond its profile: the
+executor's bookkeeping around it, the progress thread moving its tensors,
+the caches refilled after another rank's turn. In one process that is a few
+microseconds; with 4 GPT ranks on the 2-core reference machine it is about
+half a millisecond, which is what makes a zero-bubble schedule (three
+actions a micro-batch) slower there than 1F1B (two), though it idles less.
+
+``trial`` measures tau on this machine: one candidate (``trial_candidate``)
+trains for a few steps (``clawcomm train``), and tau is the
+ranks' CPU-seconds a step (its ``cpu_s`` metric: every thread of every
+rank's process) beyond what the profile accounts for, per compute action.
+"""
+
+from __future__ import annotations
+
+import os
+
+from clawcomm.pipeline.schedules import build as build_schedule
+from clawcomm.train.layout import balanced_cuts
+
+TRIAL_STEPS = 6  # the trial's steps; its figure is the median of the second half
+TRIAL_MAX_RANKS_PER_CORE = 4  # beyond this the trial would take too long to be part of a plan
+
+
+def stages(c, prof) -> tuple[list[range], list[float]]:
+    """The candidate's stages as ranges of layers (cut by parameters, as the
+    trainer cuts them), and each layer's share of its time on a core at the
+    candidate's micro-batch size."""
+    cuts = balanced_cuts(prof.params, c.pp * c.v)
+    span = [range(cuts[s], cuts[s + 1]) for s in range(c.pp * c.v)]
+    return span, prof.cpu_share.get(c.micro_batch_size) or [1.0] * len(prof.params)
+
+
+def crowded(world: int, hosts: int, cores: int, gpu: bool) -> bool:
+    """Whether a host's CPU ranks outnumber its cores."""
+    return not gpu and world // hosts > cores
+
+
+def compute_actions(schedule) -> dict[int, list]:
+    """Each pipeline rank's compute actions (F, B, I, W) in ``schedule``."""
+    return {r: [a for a in acts if a.is_compute] for r, acts in schedule.items()}
+
+
+def rank_seconds(c, prof, span, share, tau: float, schedule) -> dict[int, float]:
+    """Each pipeline rank's CPU-seconds a step, unshared: its compute
+    actions as profiled (the share of each layer's time on a core), tau a
+    compute action, and the trainer's own time."""
+    mbs = c.micro_batch_size
+
+    def cpu(times: list[float]) -> list[float]:
+        return [sum(share[i] * times[i] for i in r) for r in span]
+
+    back = cpu(prof.backward[mbs])
+    table = {"F": cpu(prof.forward[mbs]), "B": back}
+    if mbs in prof.input_grad:  # zero-bubble's split backward, as profiled
+        table["I"], table["W"] = cpu(prof.input_grad[mbs]), cpu(prof.weight_grad[mbs])
+    else:
+        table["I"] = table["W"] = [b / 2 for b in back]
+    return {
+        r: sum(table[str(a.kind)][a.stage] for a in acts) + tau * len(acts) + prof.host_s
+        for r, acts in compute_actions(schedule).items()
+    }
+
+
+def floor(c, per_rank: dict[int, float], hosts: int, cores: int) -> float:
+    """The step's pipeline phase can take no less than its busiest host's
+    CPU-seconds over its cores (``per_rank``: ``rank_seconds``; every replica
+    of pipeline rank p spends what p does; ranks numbered host by host)."""
+    per_host = c.dp * c.pp // hosts
+    load: dict[int, float] = {}
+    for p in range(c.pp):
+        for d in range(c.dp):
+            h = (p * c.dp + d) // per_host
+            load[h] = load.get(h, 0.0) + per_rank[p]
+    return max(load.values()) / cores
+
+
+def trial_candidate(cands: list):
+    """The layout the trial trains: the deepest pipeline's, at the median of
+    its layouts' compute actions a rank (the first of equals). The figure
+    is per action, and what a step costs beyond its actions (the trainer's
+    own time, the progress thread, the caches) is spread over them: measured
+    at the middle grain, neither the finest layouts nor the coarsest are
+    priced far off."""
+    deep = [c for c in cands if c.pp == max(c.pp for c in cands)]
+
+    def actions(c) -> int:
+        schedule = build_schedule(c.schedule, c.pp, c.microbatches, c.v)
+        return max(len(acts) for acts in compute_actions(schedule).values())
+
+    counts = sorted({actions(c) for c in deep})
+    middle = counts[len(counts) // 2]
+    return next(c for c in deep if actions(c) == middle)
+
+
+def trial_unavailable(world: int) -> str | None:
+    """Why this machine cannot run the trial for ``world`` ranks, or None."""
+    here = os.cpu_count() or 1
+    if world <= here:
+        return f"{world} ranks have this machine's {here} core(s) to themselves"
+    if world > TRIAL_MAX_RANKS_PER_CORE * here:
+        return (f"{world} ranks on this machine's {here} core(s) would take too long "
+                f"(at most {TRIAL_MAX_RANKS_PER_CORE} a core)")  # fmt: skip
+    return None
+
+
+def measured_tau(cpu_s: float, c, prof) -> float:
+    """tau from a trial of ``c`` whose ranks used ``cpu_s`` CPU-seconds a step
+    (all ranks together): what the profile does not account for (each
+    rank's compute, the trainer's own time, its optimizer step) per compute
+    action, never below 0."""
+    span, share = stages(c, prof)
+    schedule = build_schedule(c.schedule, c.pp, c.microbatches, c.v)
+    per_rank = rank_seconds(c, prof, span, share, 0.0, schedule)
+    params = [sum(prof.params[i] for s, r in enumerate(span) if s % c.pp == p for i in r)
+              for p in range(c.pp)]  # fmt: skip
+    opt = [prof.opt_s_per_param * n / (c.dp if c.zero >= 1 else 1) for n in params]
+    accounted = c.dp * sum(per_rank[p] + opt[p] for p in range(c.pp))
+    actions = c.dp * sum(len(a) for a in compute_actions(schedule).values())
+    return max(0.0, (cpu_s - accounted) / max(1, actions))
+
+
+def trial(cfg, cands: list, prof, world: int, steps: int = TRIAL_STEPS) -> tuple[float, object]:
+    """(tau, the candidate tried): ``trial_candidate(cands)`` trained for ``steps``
+    steps here (``plan_check.measure``, its ``cpu_s``)."""
+    from clawcomm.train import plan_check
+
+    c = trial_candidate(cands)
+    return measured_tau(plan_check.measure(cfg, c, steps, world, key="cpu_s"), c, prof), c
+
+
+def caveat(prof, ranks: int, cores: int) -> str | None:
+    """What the report says where a host's CPU ranks outnumber its cores
+    (``prof.trial`` is set there: the trial run, or why none ran)."""
+    if not prof.trial:
+        return None
+    if prof.trial.startswith("no trial"):
+        what = f"the profiled compute alone ({prof.trial})"
+    else:
+        what = f"{1e3 * prof.action_s:.2f} ms a compute action beyond its profile ({prof.trial})"
+    return (
+        f"{ranks} ranks a host share {cores} core(s): each layout's step is at least the "
+        f"host's CPU-seconds over its cores, with {what}; which rank's turn comes when "
+        "is not modelled, so layouts within about 10% can swap (docs/plan.md)"
+    )

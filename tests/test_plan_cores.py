@@ -1,0 +1,144 @@
+"""The plan where a host's CPU ranks outnumber its cores
+(clawcomm/train/plan_cores.py): each layout's step is at least the host's
+CPU-seconds over its cores, a compute action costing what a short trial
+measured beyond its profile; the trial runs only there, trains the layout
+it says, and measures without the command's outputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from clawcomm.train import plan, plan_check, plan_cores
+from clawcomm.train.config import TrainConfig
+from clawcomm.train.profiling import Profile
+
+
+def _profile(action_s: float = 0.0) -> Profile:
+    """4 layers computing on the CPU: F 1 ms, B 2 ms (I and W 1 ms each)."""
+    one, two = [1e-3] * 4, [2e-3] * 4
+    return Profile([1e6] * 4, {4: one}, {4: two}, {4: [0.0] * 4}, {4: [4e3] * 4}, 0.0,
+                   cpu_share={4: [1.0] * 4}, input_grad={4: one}, weight_grad={4: one},
+                   action_s=action_s)  # fmt: skip
+
+
+ONE_F = plan.Candidate(1, 4, "1f1b", 1, 8, 4, 0)
+ZERO_BUBBLE = plan.Candidate(1, 4, "zb1", 1, 8, 4, 0)
+
+
+def test_the_step_is_at_least_the_hosts_cpu_over_its_cores():
+    # 4 ranks on 2 cores, each rank 8 micro-batches of 3 ms: 24 ms of CPU,
+    # plus 1 ms for each compute action (16 for 1F1B, 24 for zero-bubble).
+    # Both are bound by the host's CPU: (24 + 16) x 4 / 2 = 80 ms and
+    # (24 + 24) x 4 / 2 = 96 ms, so zero-bubble, ahead while actions cost
+    # nothing, falls behind.
+    free = {c: plan.predict(c, _profile(), cores=2) for c in (ONE_F, ZERO_BUBBLE)}
+    assert free[ZERO_BUBBLE].step_ms < free[ONE_F].step_ms
+    costly = {c: plan.predict(c, _profile(1e-3), cores=2) for c in (ONE_F, ZERO_BUBBLE)}
+    assert costly[ONE_F].step_ms == pytest.approx(80.0, abs=1e-3)
+    assert costly[ZERO_BUBBLE].step_ms == pytest.approx(96.0, abs=1e-3)
+    # the floor shows as time beyond the busiest rank's compute, as a bubble does
+    p = costly[ZERO_BUBBLE]
+    assert p.compute_ms + p.bubble_ms == pytest.approx(96.0, abs=1e-3)
+
+
+def test_ranks_with_cores_of_their_own_or_gpus_pay_no_floor():
+    for kw in ({"cores": 4}, {"cores": 2, "gpu": True}):
+        for c in (ONE_F, ZERO_BUBBLE):
+            free, costly = (plan.predict(c, _profile(a), **kw) for a in (0.0, 1e-3))
+            assert costly.step_ms == free.step_ms
+
+
+def test_the_floor_counts_each_host_by_its_own_ranks():
+    # dp 2 x pp 2 on 2 hosts of 1 core: a host holds one pipeline rank's two
+    # replicas, so the floor is the busier pipeline rank's CPU twice over
+    c = plan.Candidate(2, 2, "1f1b", 1, 4, 4, 0)
+    span, share = plan_cores.stages(c, _profile())
+    schedule = plan.build_schedule(c.schedule, c.pp, c.microbatches, c.v)
+    per_rank = plan_cores.rank_seconds(c, _profile(), span, share, 1e-3, schedule)
+    assert per_rank == {0: pytest.approx(4 * 6e-3 + 8e-3), 1: pytest.approx(4 * 6e-3 + 8e-3)}
+    assert plan_cores.floor(c, per_rank, hosts=2, cores=1) == pytest.approx(2 * 32e-3)
+    assert plan_cores.floor(c, per_rank, hosts=1, cores=2) == pytest.approx(4 * 32e-3 / 2)
+
+
+def test_the_trial_trains_the_deepest_pipeline_at_its_middle_grain(monkeypatch):
+    cands = list(plan.candidates(4, 4, 32))
+    # pp 4's layouts: 1F1B and GPipe 8, 16, 32 actions a rank; zero-bubble 12, 24, 48
+    assert plan_cores.trial_candidate(cands) == ZERO_BUBBLE
+    asked = []
+
+    def fake(cfg, c, steps, world, key="step_ms"):
+        asked.append((c, steps, world, key))
+        # what the profile accounts for (96 ms), and 0.5 ms for each of 96 actions
+        return 96e-3 + 96 * 0.5e-3
+
+    monkeypatch.setattr(plan_check, "measure", fake)
+    tau, tried = plan_cores.trial(TrainConfig(model="mlp"), cands, _profile(), 4, 6)
+    assert tried == ZERO_BUBBLE and asked == [(ZERO_BUBBLE, 6, 4, "cpu_s")]
+    assert tau == pytest.approx(0.5e-3)
+    assert plan_cores.measured_tau(50e-3, ZERO_BUBBLE, _profile()) == 0.0  # never below 0
+
+
+def test_the_trial_runs_only_where_ranks_outnumber_cores_and_can_run_here(monkeypatch):
+    tried = []
+
+    def fake(cfg, cands, prof, world, steps):
+        tried.append(steps)
+        return 2e-3, plan_cores.trial_candidate(cands)
+
+    monkeypatch.setattr(plan_cores, "trial", fake)
+    cfg = TrainConfig(model="mlp", hidden=32, quiet=True, global_batch=16)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    _, _, prof = plan.plan(cfg, 4, cores=4)
+    assert prof.trial == "" and not tried
+    _, _, prof = plan.plan(cfg, 4, cores=2)
+    assert tried == [plan_cores.TRIAL_STEPS] and prof.action_s == 2e-3
+    assert prof.trial.startswith("a trial: 6 steps of dp 1 x pp 4")
+    assert "2.00 ms a compute action beyond its profile (a trial: 6" in plan_cores.caveat(
+        prof, 4, 2
+    )
+    _, _, prof = plan.plan(cfg, 4, cores=2, trial_steps=0)
+    assert prof.trial == "no trial: --trial-steps 0" and prof.action_s == 0.0
+    assert "the profiled compute alone (no trial: --trial-steps 0)" in plan_cores.caveat(prof, 4, 2)
+    _, _, prof = plan.plan(cfg, 16, cores=2)
+    assert prof.trial == ("no trial: 16 ranks on this machine's 2 core(s) would take too "
+                          "long (at most 4 a core)")  # fmt: skip
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)  # planning 2-core hosts from a bigger one
+    _, _, prof = plan.plan(cfg, 4, cores=2)
+    assert prof.trial == "no trial: 4 ranks have this machine's 8 core(s) to themselves"
+    assert len(tried) == 1
+
+
+def test_a_measuring_run_leaves_the_commands_outputs_alone(monkeypatch, tmp_path):
+    seen = []
+
+    def fake_run(cmd, **kw):
+        seen.append(cmd)
+        path = cmd[cmd.index("--metrics") + 1]
+        with open(path, "w") as f:
+            for k in range(6):
+                f.write(json.dumps({"step": k, "step_ms": 10.0 + k, "cpu_s": 0.1 * k}) + "\n")
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    cfg = TrainConfig(model="mlp", metrics=str(tmp_path / "mine.jsonl"),
+                      checkpoint_dir=str(tmp_path / "ckpt"), resume=True, kill_rank=1,
+                      kill_at_step=3, trace=str(tmp_path / "t.json"))  # fmt: skip
+    c = plan.Candidate(2, 1, "1f1b", 1, 1, 4, 0)
+    assert plan_check.measure(cfg, c, 6, 2) == 14.0  # the median of the second half
+    assert plan_check.measure(cfg, c, 6, 2, key="cpu_s") == pytest.approx(0.4)
+    cmd = " ".join(seen[0])
+    for flag in ("--checkpoint-dir", "--resume", "--kill-rank", "--kill-at-step", "--trace",
+                 "mine.jsonl"):  # fmt: skip
+        assert flag not in cmd, cmd
+    assert "--model mlp" in cmd
+
+
+def test_the_command_refuses_a_trial_too_short_to_measure(capsys):
+    from clawcomm.cli import main
+
+    assert main(["plan", "--nproc", "4", "--model", "mlp", "--trial-steps", "1"]) == 2
+    assert "--trial-steps 1: must be 0 (none) or >= 2" in capsys.readouterr().out
