@@ -72,7 +72,8 @@ def run_scenario(name: str, args, progress) -> dict:
     extras = name.split("+")[1:]
     preds, _, _ = plan.plan(cfg, world, cores=cores, cost=plan.cost_model(None, rate), hosts=hosts,
                             compressions=WIRES if "wire" in extras else None,
-                            syncs=SYNCS if "sync" in extras else None)  # fmt: skip
+                            syncs=SYNCS if "sync" in extras else None,
+                            trial_on_hosts=hosts > 1, link=rate)  # fmt: skip
     plan_s = time.perf_counter() - t0
     chosen = shapes(preds, args.layouts)
     if hosts == 1:

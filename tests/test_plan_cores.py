@@ -6,6 +6,7 @@ it says, and measures without the command's outputs."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -70,23 +71,34 @@ def test_the_trial_trains_the_deepest_pipeline_at_its_middle_grain(monkeypatch):
     assert plan_cores.trial_candidate(cands) == ZERO_BUBBLE
     asked = []
 
-    def fake(cfg, c, steps, world, key="step_ms"):
-        asked.append((c, steps, world, key))
+    def fake(cfg, c, steps, world, launch=None, key="step_ms"):
+        asked.append((c, steps, world, launch, key))
         # what the profile accounts for (96 ms), and 0.5 ms for each of 96 actions
         return 96e-3 + 96 * 0.5e-3
 
     monkeypatch.setattr(plan_check, "measure", fake)
     tau, tried = plan_cores.trial(TrainConfig(model="mlp"), cands, _profile(), 4, 6)
-    assert tried == ZERO_BUBBLE and asked == [(ZERO_BUBBLE, 6, 4, "cpu_s")]
+    assert tried == ZERO_BUBBLE and asked == [(ZERO_BUBBLE, 6, 4, None, "cpu_s")]
     assert tau == pytest.approx(0.5e-3)
+    # on namespace hosts, as --check trains there
+    hosts = []
+
+    @contextlib.contextmanager
+    def fake_hosts(n, link, world):
+        hosts.append((n, link, world))
+        yield "launch on the hosts"
+
+    monkeypatch.setattr(plan_check, "on_hosts", fake_hosts)
+    plan_cores.trial(TrainConfig(model="mlp"), cands, _profile(), 4, 6, 2, "1gbit")
+    assert hosts == [(2, "1gbit", 4)] and asked[-1][3] == "launch on the hosts"
     assert plan_cores.measured_tau(50e-3, ZERO_BUBBLE, _profile()) == 0.0  # never below 0
 
 
 def test_the_trial_runs_only_where_ranks_outnumber_cores_and_can_run_here(monkeypatch):
     tried = []
 
-    def fake(cfg, cands, prof, world, steps):
-        tried.append(steps)
+    def fake(cfg, cands, prof, world, steps, hosts=1, link=None):
+        tried.append((steps, hosts, link))
         return 2e-3, plan_cores.trial_candidate(cands)
 
     monkeypatch.setattr(plan_cores, "trial", fake)
@@ -95,7 +107,7 @@ def test_the_trial_runs_only_where_ranks_outnumber_cores_and_can_run_here(monkey
     _, _, prof = plan.plan(cfg, 4, cores=4)
     assert prof.trial == "" and not tried
     _, _, prof = plan.plan(cfg, 4, cores=2)
-    assert tried == [plan_cores.TRIAL_STEPS] and prof.action_s == 2e-3
+    assert tried == [(plan_cores.TRIAL_STEPS, 1, None)] and prof.action_s == 2e-3
     assert prof.trial.startswith("a trial: 6 steps of dp 1 x pp 4")
     assert "2.00 ms a compute action beyond its profile (a trial: 6" in plan_cores.caveat(
         prof, 4, 2
@@ -106,10 +118,27 @@ def test_the_trial_runs_only_where_ranks_outnumber_cores_and_can_run_here(monkey
     _, _, prof = plan.plan(cfg, 16, cores=2)
     assert prof.trial == ("no trial: 16 ranks on this machine's 2 core(s) would take too "
                           "long (at most 4 a core)")  # fmt: skip
+    # 2 hosts of 1 core: on namespace hosts where they can be made, else here
+    _, _, prof = plan.plan(cfg, 4, cores=1, hosts=2, trial_on_hosts=True, link="1gbit")
+    assert tried[-1] == (6, 2, "1gbit") and prof.trial.endswith("on 2 namespace hosts, links 1gbit")
+    _, _, prof = plan.plan(cfg, 4, cores=1, hosts=2, link="1gbit")
+    assert tried[-1] == (6, 1, "1gbit")
+    assert prof.trial.endswith("on one host (namespace hosts need root and iproute2)")
     monkeypatch.setattr(os, "cpu_count", lambda: 8)  # planning 2-core hosts from a bigger one
     _, _, prof = plan.plan(cfg, 4, cores=2)
     assert prof.trial == "no trial: 4 ranks have this machine's 8 core(s) to themselves"
-    assert len(tried) == 1
+    assert len(tried) == 3
+
+
+def test_no_trial_where_it_could_change_no_prediction(monkeypatch):
+    # layers that wait (as on an accelerator) hold no core: even at
+    # TAU_BOUND a compute action no step reaches the host's CPU bound
+    monkeypatch.setattr(plan_cores, "trial", lambda *a: pytest.fail("no trial was needed"))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    cfg = TrainConfig(model="wait", global_batch=16, quiet=True)
+    _, _, prof = plan.plan(cfg, 4, cores=2)
+    assert prof.trial.startswith("no trial: at 2 ms a compute action no layout's step would")
+    assert prof.action_s == 0.0
 
 
 def test_a_measuring_run_leaves_the_commands_outputs_alone(monkeypatch, tmp_path):

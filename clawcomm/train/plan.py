@@ -284,13 +284,15 @@ def predict(c: Candidate, prof: Profile, cores: int, cost=None, gpu: bool = Fals
 
 def plan(cfg, world: int, memory_mb: float = 0.0, cores: int | None = None, cost=None,
          hosts: int = 1, compressions: list[str] | None = None,
-         syncs: list[str] | None = None, trial_steps: int = plan_cores.TRIAL_STEPS):  # fmt: skip
+         syncs: list[str] | None = None, trial_steps: int = plan_cores.TRIAL_STEPS,
+         trial_on_hosts: bool = False, link: str | None = None):  # fmt: skip
     """(predictions best first, those over the memory limit, the profile).
     ``cores``: what the ranks of one host share (this machine's by default);
     ``compressions``: the wires to search (``plan_wire``; '' is none);
     ``syncs``: the sync methods to search (``outer.parse_sync``'s);
     ``trial_steps``: where ranks outnumber cores, the steps of the trial
-    that measures a compute action's cost there (``plan_cores``; 0: none)."""
+    that measures a compute action's cost there (``plan_cores``; 0: none),
+    on ``hosts`` namespace hosts with links at ``link`` if ``trial_on_hosts``."""
     from clawcomm.train import models
     from clawcomm.train.outer import parse_sync
 
@@ -314,19 +316,18 @@ def plan(cfg, world: int, memory_mb: float = 0.0, cores: int | None = None, cost
     split = any(c.schedule == "zb1" for c in cands)
     prof = profile(cfg, [c.micro_batch_size for c in cands], built=built, gpu=gpu, split=split)
     cores = cores or os.cpu_count() or 1
-    if plan_cores.crowded(world, hosts, cores, gpu):
-        why = plan_cores.trial_unavailable(world) or ("" if trial_steps else "--trial-steps 0")
-        if why:
-            prof.trial = "no trial: " + why
-        else:
-            prof.action_s, tried = plan_cores.trial(cfg, cands, prof, world, trial_steps)
-            prof.trial = f"a trial: {trial_steps} steps of {tried.name()}"
     cap = cfg.bucket_cap_mb * 2**20
     shapes = [shape for layer in prof.tensors for shape in layer]
     codec = {w: codec_seconds(w, int(sum(prof.params)), shapes=shapes) for w in wires if w}
     sync = parse_sync(cfg.sync)
-    preds = [predict(c, prof, cores, cost, gpu, hosts, cap, codec, sync, cfg.sync_delay)
-             for c in cands]  # fmt: skip
+
+    def predict_all() -> list[Prediction]:
+        return [predict(c, prof, cores, cost, gpu, hosts, cap, codec, sync, cfg.sync_delay)
+                for c in cands]  # fmt: skip
+
+    plan_cores.settle(cfg, cands, prof, world, hosts, cores, gpu, trial_steps, predict_all,
+                      trial_on_hosts, link)  # fmt: skip
+    preds = predict_all()
     fits = [p for p in preds if not memory_mb or p.memory_mb <= memory_mb]
     over = [p for p in preds if memory_mb and p.memory_mb > memory_mb]
     fits.sort(key=lambda p: (p.step_ms, p.memory_mb))

@@ -79,9 +79,12 @@ def run(args) -> int:
                 raise ValueError(f"--check with --hosts {args.hosts} trains on namespace hosts "
                                  f"of this machine: {why}")  # fmt: skip
             cores = cores or namespace_cores(args.hosts)
+        # the trial trains where --check would: on namespace hosts where there are several
+        on_hosts = args.hosts > 1 and not netns_unavailable()
         preds, over, prof = plan(cfg, args.nproc, cfg.max_memory_mb, cores,
                                  cost_model(args.cost_model, args.link), args.hosts,
-                                 searched or None, syncs or None, args.trial_steps)  # fmt: skip
+                                 searched or None, syncs or None, args.trial_steps, on_hosts,
+                                 args.link)  # fmt: skip
     except (ValueError, OSError) as e:
         print(f"clawcomm plan: error: {e}")
         return 2

@@ -33,6 +33,10 @@ from clawcomm.train.layout import balanced_cuts
 
 TRIAL_STEPS = 6  # the trial's steps; its figure is the median of the second half
 TRIAL_MAX_RANKS_PER_CORE = 4  # beyond this the trial would take too long to be part of a plan
+# No trial where even this much CPU a compute action would change no
+# layout's step: 2.5x the most measured here (0.5 ms on one host, 0.8 on
+# namespace hosts, for 4 GPT ranks on 2 cores).
+TAU_BOUND = 2e-3
 
 
 def stages(c, prof) -> tuple[list[range], list[float]]:
@@ -133,13 +137,53 @@ def measured_tau(cpu_s: float, c, prof) -> float:
     return max(0.0, (cpu_s - accounted) / max(1, actions))
 
 
-def trial(cfg, cands: list, prof, world: int, steps: int = TRIAL_STEPS) -> tuple[float, object]:
-    """(tau, the candidate tried): ``trial_candidate(cands)`` trained for ``steps``
-    steps here (``plan_check.measure``, its ``cpu_s``)."""
+def trial(cfg, cands: list, prof, world: int, steps: int = TRIAL_STEPS, hosts: int = 1,
+          link: str | None = None) -> tuple[float, object]:  # fmt: skip
+    """(tau, the candidate tried): ``trial_candidate(cands)`` trained for
+    ``steps`` steps here (``plan_check.measure``, its ``cpu_s``), on
+    ``hosts`` namespace hosts of this machine with links at ``link`` where
+    hosts > 1 (as ``--check`` trains)."""
     from clawcomm.train import plan_check
 
     c = trial_candidate(cands)
-    return measured_tau(plan_check.measure(cfg, c, steps, world, key="cpu_s"), c, prof), c
+    if hosts > 1:
+        with plan_check.on_hosts(hosts, link, world) as launch:
+            cpu_s = plan_check.measure(cfg, c, steps, world, launch=launch, key="cpu_s")
+    else:
+        cpu_s = plan_check.measure(cfg, c, steps, world, launch=None, key="cpu_s")
+    return measured_tau(cpu_s, c, prof), c
+
+
+def settle(cfg, cands: list, prof, world: int, hosts: int, cores: int, gpu: bool, steps: int,
+           predict_all, on_hosts: bool = False, link: str | None = None) -> None:  # fmt: skip
+    """Where a host's CPU ranks outnumber its cores, sets ``prof.action_s``
+    from a trial and ``prof.trial`` to what ran, or why none did: none asked
+    (``steps`` 0), none that runs here (``trial_unavailable``), or none
+    that could change a prediction (at ``TAU_BOUND`` a compute action,
+    ``predict_all()`` gives the same steps as at 0: the layers spend little
+    of their time on a core). ``on_hosts``: train it on ``hosts`` namespace
+    hosts (links at ``link``) rather than on this one host."""
+    if not crowded(world, hosts, cores, gpu):
+        return
+    why = trial_unavailable(world) or ("" if steps else "--trial-steps 0")
+    if not why:
+        before = [p.step_ms for p in predict_all()]
+        prof.action_s = TAU_BOUND
+        after = [p.step_ms for p in predict_all()]
+        prof.action_s = 0.0
+        if after == before:
+            why = (f"at {1e3 * TAU_BOUND:g} ms a compute action no layout's step would change, "
+                   "its layers spending little of their time on a core")  # fmt: skip
+    if why:
+        prof.trial = "no trial: " + why
+        return
+    where = 1 if hosts == 1 or not on_hosts else hosts
+    prof.action_s, tried = trial(cfg, cands, prof, world, steps, where, link)
+    prof.trial = f"a trial: {steps} steps of {tried.name()}"
+    if where > 1:
+        prof.trial += f" on {hosts} namespace hosts, links {link or 'unshaped'}"
+    elif hosts > 1:
+        prof.trial += " on one host (namespace hosts need root and iproute2)"
 
 
 def caveat(prof, ranks: int, cores: int) -> str | None:
