@@ -122,12 +122,24 @@ def test_the_trial_runs_only_where_ranks_outnumber_cores_and_can_run_here(monkey
     _, _, prof = plan.plan(cfg, 4, cores=1, hosts=2, trial_on_hosts=True, link="1gbit")
     assert tried[-1] == (6, 2, "1gbit") and prof.trial.endswith("on 2 namespace hosts, links 1gbit")
     _, _, prof = plan.plan(cfg, 4, cores=1, hosts=2, link="1gbit")
-    assert tried[-1] == (6, 1, "1gbit")
+    assert tried[-1] == (6, 1, None)
     assert prof.trial.endswith("on one host (namespace hosts need root and iproute2)")
+
+    def hosts_fail(cfg, cands, prof, world, steps, hosts=1, link=None):
+        if hosts > 1:
+            raise RuntimeError("a namespace host failed training")
+        return fake(cfg, cands, prof, world, steps, hosts, link)
+
+    monkeypatch.setattr(plan_cores, "trial", hosts_fail)
+    _, _, prof = plan.plan(cfg, 4, cores=1, hosts=2, trial_on_hosts=True, link="1gbit")
+    assert tried[-1] == (6, 1, None) and prof.trial.endswith(
+        "on one host: 2 namespace hosts failed (a namespace host failed training)"
+    )
+    monkeypatch.setattr(plan_cores, "trial", fake)
     monkeypatch.setattr(os, "cpu_count", lambda: 8)  # planning 2-core hosts from a bigger one
     _, _, prof = plan.plan(cfg, 4, cores=2)
     assert prof.trial == "no trial: 4 ranks have this machine's 8 core(s) to themselves"
-    assert len(tried) == 3
+    assert len(tried) == 4
 
 
 def test_no_trial_where_it_could_change_no_prediction(monkeypatch):

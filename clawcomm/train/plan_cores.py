@@ -177,13 +177,18 @@ def settle(cfg, cands: list, prof, world: int, hosts: int, cores: int, gpu: bool
     if why:
         prof.trial = "no trial: " + why
         return
-    where = 1 if hosts == 1 or not on_hosts else hosts
-    prof.action_s, tried = trial(cfg, cands, prof, world, steps, where, link)
-    prof.trial = f"a trial: {steps} steps of {tried.name()}"
-    if where > 1:
-        prof.trial += f" on {hosts} namespace hosts, links {link or 'unshaped'}"
-    elif hosts > 1:
-        prof.trial += " on one host (namespace hosts need root and iproute2)"
+    where, failed = "", ""
+    if hosts > 1 and on_hosts:
+        try:
+            prof.action_s, tried = trial(cfg, cands, prof, world, steps, hosts, link)
+            where = f" on {hosts} namespace hosts, links {link or 'unshaped'}"
+        except (RuntimeError, OSError, ValueError) as e:  # made, but they failed: here instead
+            failed = f"on one host: {hosts} namespace hosts failed ({e})"
+    if not where:
+        prof.action_s, tried = trial(cfg, cands, prof, world, steps)
+        if hosts > 1:
+            where = f" {failed or 'on one host (namespace hosts need root and iproute2)'}"
+    prof.trial = f"a trial: {steps} steps of {tried.name()}{where}"
 
 
 def caveat(prof, ranks: int, cores: int) -> str | None:
