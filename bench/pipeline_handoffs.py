@@ -24,6 +24,8 @@ import subprocess
 import sys
 import tempfile
 
+from clawcomm.bench.report import write_json
+
 LAYOUT = "--model gpt --dp 1 --pp 4 --schedule zb1 --microbatches 8 --micro-batch-size 4"
 
 
@@ -108,8 +110,7 @@ def main() -> int:
               f"B {statistics.median(r['B_mean_ms'] for r in mine):.2f} ms "
               "(medians of the runs' means)")  # fmt: skip
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "runs": rows}, f, indent=1)
+        write_json(args.json, {"args": vars(args), "runs": rows})
     return 0
 
 

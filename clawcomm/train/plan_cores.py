@@ -99,15 +99,15 @@ def trial_candidate(cands: list):
     own time, the progress thread, the caches) is spread over them: measured
     at the middle grain, neither the finest layouts nor the coarsest are
     priced far off."""
-    deep = [c for c in cands if c.pp == max(c.pp for c in cands)]
-
-    def actions(c) -> int:
-        schedule = build_schedule(c.schedule, c.pp, c.microbatches, c.v)
-        return max(len(acts) for acts in compute_actions(schedule).values())
-
-    counts = sorted({actions(c) for c in deep})
+    deepest = max(c.pp for c in cands)
+    actions = {}  # the deepest pipeline's layouts, in order: their compute actions a rank
+    for c in cands:
+        if c.pp == deepest:
+            schedule = build_schedule(c.schedule, c.pp, c.microbatches, c.v)
+            actions[c] = max(len(acts) for acts in compute_actions(schedule).values())
+    counts = sorted(set(actions.values()))
     middle = counts[len(counts) // 2]
-    return next(c for c in deep if actions(c) == middle)
+    return next(c for c, n in actions.items() if n == middle)
 
 
 def trial_unavailable(world: int) -> str | None:
