@@ -55,3 +55,85 @@ def test_a_rank_takes_its_local_rank_modulo_the_gpus(monkeypatch, local_rank, gp
         assert train_device.for_rank(spec, rank=99) == torch.device("cuda", want)
     assert chosen == [torch.device("cuda", want)] * 2
     assert train_device.for_rank("cpu") == torch.device("cpu")
+
+
+class _Libc:
+    def __init__(self, answer: int = 1):
+        self.calls, self.answer = [], answer
+
+    def mallopt(self, param: int, value: int) -> int:
+        self.calls.append((param, value))
+        return self.answer
+
+
+def _no_malloc_env(monkeypatch):
+    for k in ("GLIBC_TUNABLES", *train_device._MALLOC_ENV):
+        monkeypatch.delenv(k, raising=False)
+
+
+def test_keep_heap_fixes_both_of_glibcs_thresholds(monkeypatch):
+    _no_malloc_env(monkeypatch)
+    libc = _Libc()
+    assert train_device.keep_heap(libc) is None
+    assert libc.calls == [(-3, 32 << 20), (-1, 2**31 - 1)]  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
+    assert train_device.keep_heap(_Libc(answer=0)) == "glibc refused the thresholds"
+
+
+@pytest.mark.parametrize("var,value", [("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=0"),
+                                       ("MALLOC_TRIM_THRESHOLD_", "0"),
+                                       ("MALLOC_MMAP_THRESHOLD_", "65536")])  # fmt: skip
+def test_keep_heap_leaves_the_users_own_malloc_settings_alone(monkeypatch, var, value):
+    _no_malloc_env(monkeypatch)
+    monkeypatch.setenv(var, value)
+    libc = _Libc()
+    assert train_device.keep_heap(libc) == "the environment sets malloc's thresholds"
+    assert libc.calls == []
+
+
+def test_a_cpu_rank_keeps_its_heap_unless_told_not_to(monkeypatch):
+    from clawcomm.train import Trainer
+    from clawcomm.train import models as train_models
+    from clawcomm.train import trainer as trainer_module
+
+    for keep in (True, False):
+        called = []
+        monkeypatch.setattr(trainer_module, "keep_heap", lambda c=called: c.append(1))
+        cfg = TrainConfig(model="mlp", hidden=16, device="cpu", keep_heap=keep, quiet=True)
+        model, loss, opt, _, tokens, sample = train_models.build(cfg)
+        Trainer(model, loss, opt, cfg, tokens_per_sample=tokens, sample=sample).close()
+        assert called == ([1] if keep else []), keep
+
+
+# Four 8 MiB activations made and freed, as a gpipe stage's are each step:
+# the page faults a round in the last five of ten (the heap settles in its
+# first few), against the 8192 pages a round writes.
+_FAULTS = """
+import resource, sys, torch
+from clawcomm.train import device
+if sys.argv[1] == "keep":
+    assert device.keep_heap() is None
+counts = []
+for _ in range(10):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    blocks = [torch.ones(2 << 20) for _ in range(4)]
+    del blocks
+    counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(sum(counts[5:]) / 5)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_a_kept_heap_does_not_fault_freed_activations_in_again():
+    import platform
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("glibc's malloc")
+    env = {k: v for k, v in os.environ.items()
+           if k != "GLIBC_TUNABLES" and k not in train_device._MALLOC_ENV}  # fmt: skip
+    faults = {}
+    for mode in ("keep", "default"):
+        out = subprocess.run([sys.executable, "-c", _FAULTS, mode], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+        faults[mode] = float(out.stdout)
+    assert faults["keep"] < 100, faults  # the heap's pages are reused
+    assert faults["default"] > 4000, faults  # glibc gave them back, and faults them in again

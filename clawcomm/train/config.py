@@ -53,6 +53,11 @@ class TrainConfig:
         "where ranks compute: cuda:LOCAL_RANK % GPUs, the CPU, or auto (CUDA if any)",
         ("auto", "cpu", "cuda"),
     )
+    keep_heap: bool = _opt(
+        True,
+        "CPU ranks keep the memory a step frees for the next step's activations instead of "
+        "handing it back to the OS and faulting it in again (glibc's malloc thresholds)",
+    )
     # model and data
     model: str = _opt("gpt", "model", MODELS)
     layers: int = _opt(0, "layers (0: the model's default: gpt 4 blocks, mlp 4, wait 8)")

@@ -67,6 +67,43 @@ def for_rank(spec: str, rank: int = 0) -> torch.device:
     return dev
 
 
+# glibc's mallopt parameters (malloc.h) and the largest mmap threshold it
+# takes on a 64-bit machine (4 MiB x sizeof(long))
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MMAP_THRESHOLD_MAX = 32 << 20
+_TRIM_THRESHOLD = 2**31 - 1
+_MALLOC_ENV = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_")
+
+
+def keep_heap(libc=None) -> str | None:
+    """Keeps the memory a CPU rank frees for its next allocations (``--keep-heap``).
+
+    By default glibc's malloc gives a freed block of more than its (moving)
+    threshold back to the OS, and serves blocks above 128 KiB-32 MiB with
+    fresh mappings: a step whose activations are freed in backward faults
+    them in again, zero-filled, in the next forward. The GPT's pipelines
+    lost up to 5% of their step to it (``docs/trainer.md``). With both
+    thresholds fixed, blocks up to 32 MiB come from the heap and the heap
+    keeps its high-water mark, as a GPU's caching allocator does. Returns
+    None once set, or why it was left alone: not glibc, or the environment
+    already sets malloc's thresholds (``MALLOC_*_``, ``GLIBC_TUNABLES``).
+    ``libc``: an object with ``mallopt`` (tests)."""
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if "glibc.malloc." in tunables or any(k in os.environ for k in _MALLOC_ENV):
+        return "the environment sets malloc's thresholds"
+    if libc is None:
+        import ctypes
+        import platform
+
+        if platform.libc_ver()[0] != "glibc":
+            return "the C library is not glibc"
+        libc = ctypes.CDLL(None)
+    ok = libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) and libc.mallopt(
+        _M_TRIM_THRESHOLD, _TRIM_THRESHOLD
+    )
+    return None if ok else "glibc refused the thresholds"
+
+
 def reset_peak(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)

@@ -75,7 +75,14 @@ def profile(cfg, sizes: list[int], repeats: int = 7, built=None, gpu: bool = Fal
     with a rank's intra-op threads. Each time is the median of ``repeats``,
     not the best: a training run's steps take the typical time, and on a
     noisy machine the best of a few is 10-20% below it. ``split``: also
-    time zero-bubble's I and W passes (``pipeline.weight_grad``)."""
+    time zero-bubble's I and W passes (``pipeline.weight_grad``). On the
+    CPU, with ``cfg.keep_heap``, this process keeps its heap as a rank does
+    (``device.keep_heap``, for good): a profile that faulted its
+    activations in again each pass read 5-10% above the ranks' passes."""
+    if not gpu and cfg.keep_heap:
+        from clawcomm.train.device import keep_heap
+
+        keep_heap()
     with rank_threads(gpu):
         prof = _profile(cfg, sizes, repeats, built, split)
         prof.threads = torch.get_num_threads()

@@ -60,7 +60,7 @@ from clawcomm.pipeline.weight_grad import split_linear_backward
 from clawcomm.train import trace
 from clawcomm.train.config import TrainConfig
 from clawcomm.train.device import for_rank as device_for_rank
-from clawcomm.train.device import peak_mb, reset_peak
+from clawcomm.train.device import keep_heap, peak_mb, reset_peak
 from clawcomm.train.energy import StepEnergy
 from clawcomm.train.layout import Grid, describe, sync_initial_weights, tied_parameters
 from clawcomm.train.metrics import (
@@ -123,6 +123,8 @@ class Trainer:
         # Every rank builds the whole model on the CPU from one seed (the same
         # weights whatever the device), then moves its own stages.
         self.device = device_for_rank(cfg.device, self.grid.rank)
+        if self.device.type == "cpu" and cfg.keep_heap:
+            keep_heap()
         for mod in self.local.values():
             mod.to(self.device)
         if cfg.schedule == "zb1":
