@@ -8,7 +8,9 @@ its step, with the reasons, and a check of the prediction on this machine.
 1. **Profile** (one process, a few seconds, ``train.profiling``): each
    layer's forward and backward time and the bytes autograd saves for
    backward, at every micro-batch size a candidate uses; one optimizer
-   step; all with the one intra-op thread a CPU rank runs with.
+   step; all with the one intra-op thread a CPU rank runs with. On the
+   CPU, each pipeline shape's passes in its schedule's order against back
+   to back (``plan_order``), which scales them.
 2. **Enumerate** dp x pp (dp * pp = the world, pp at most the layers) x
    schedule (gpipe, 1f1b, zb1, interleaved with v = 2) x micro-batches (pp,
    2 pp and 4 pp, where the global batch divides) x ZeRO stage (0-3 where
@@ -49,7 +51,7 @@ from dataclasses import dataclass
 from clawcomm.pipeline.schedules import build as build_schedule
 from clawcomm.pipeline.schedules import check_schedule_args
 from clawcomm.pipeline.validate import SimulationPlan
-from clawcomm.train import plan_cores
+from clawcomm.train import plan_cores, plan_order
 from clawcomm.train.plan_check import model_flags, spearman  # noqa: F401 (the plan's API)
 from clawcomm.train.plan_dp import buckets, exposed_gathers, exposed_reduction, rank_timeline
 from clawcomm.train.plan_report import report, why  # noqa: F401 (the plan's API)
@@ -200,11 +202,15 @@ def predict(c: Candidate, prof: Profile, cores: int, cost=None, gpu: bool = Fals
     else:
         i_pass = w_pass = [b / 2 for b in bw]
 
+    order = prof.order.get((c.schedule, c.pp, c.v), {}) if c.pp > 1 else {}
+
     def action_cost(a) -> float:
         kind = str(a.kind)
         if kind in ("F", "B"):
-            return (fw if kind == "F" else bw)[a.stage]
-        return (i_pass if kind == "I" else w_pass)[a.stage] if kind in ("I", "W") else 0.0
+            base = (fw if kind == "F" else bw)[a.stage]
+        else:
+            base = (i_pass if kind == "I" else w_pass)[a.stage] if kind in ("I", "W") else 0.0
+        return base * order.get(kind, 1.0)  # in the schedule's order (plan_order)
 
     act = max(prof.out_bytes[mbs][span[s][-1]] for s in range(stages))
     shm = cost.shm_alpha + act * cost.shm_beta
@@ -315,6 +321,9 @@ def plan(cfg, world: int, memory_mb: float = 0.0, cores: int | None = None, cost
     gpu = on_gpu(cfg)
     split = any(c.schedule == "zb1" for c in cands)
     prof = profile(cfg, [c.micro_batch_size for c in cands], built=built, gpu=gpu, split=split)
+    if not gpu:
+        prof.order, seconds = plan_order.measure(cfg, cands, prof, built)
+        prof.seconds += seconds
     cores = cores or os.cpu_count() or 1
     cap = cfg.bucket_cap_mb * 2**20
     shapes = [shape for layer in prof.tensors for shape in layer]

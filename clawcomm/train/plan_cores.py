@@ -61,8 +61,10 @@ def compute_actions(schedule) -> dict[int, list]:
 def rank_seconds(c, prof, span, share, tau: float, schedule) -> dict[int, float]:
     """Each pipeline rank's CPU-seconds a step, unshared: its compute
     actions as profiled (the share of each layer's time on a core), tau a
-    compute action, and the trainer's own time."""
+    compute action, and the trainer's own time; each pass as its
+    schedule's order makes it (``plan_order``)."""
     mbs = c.micro_batch_size
+    order = prof.order.get((c.schedule, c.pp, c.v), {}) if c.pp > 1 else {}
 
     def cpu(times: list[float]) -> list[float]:
         return [sum(share[i] * times[i] for i in r) for r in span]
@@ -74,7 +76,9 @@ def rank_seconds(c, prof, span, share, tau: float, schedule) -> dict[int, float]
     else:
         table["I"] = table["W"] = [b / 2 for b in back]
     return {
-        r: sum(table[str(a.kind)][a.stage] for a in acts) + tau * len(acts) + prof.host_s
+        r: sum(table[str(a.kind)][a.stage] * order.get(str(a.kind), 1.0) for a in acts)
+        + tau * len(acts)
+        + prof.host_s
         for r, acts in compute_actions(schedule).items()
     }
 

@@ -4,6 +4,7 @@ the best layout of another shape), and the command that runs the first."""
 
 from __future__ import annotations
 
+from clawcomm.train.plan_order import summary
 from clawcomm.train.profiling import Profile
 
 
@@ -40,6 +41,9 @@ def report(preds: list, over: list, prof: Profile, base: list[str],
         f"# {'':>2} {'layout':<{w}} {'step ms':>8} {'compute':>8} {'bubble':>7} {'comm':>6} "
         f"{'optim':>6} {'MB/rank':>8}",
     ]
+    order = summary(prof.order)
+    if order:
+        lines.insert(1, "# " + order)
     for k, p in enumerate(preds[:top], 1):
         lines.append(
             f"  {k:>2} {p.cand.name():<{w}} {p.step_ms:8.1f} {p.compute_ms:8.1f} "

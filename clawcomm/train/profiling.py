@@ -64,6 +64,9 @@ class Profile:
     # none ran ("no trial: ..."; plan_cores)
     action_s: float = 0.0
     trial: str = ""
+    # per pipeline shape (schedule, pp, v): each pass kind's time in the
+    # schedule's order over its time back to back (plan_order; none on GPUs)
+    order: dict[tuple[str, int, int], dict[str, float]] = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
     threads: int = 0  # intra-op threads the layers were timed with
 

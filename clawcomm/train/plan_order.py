@@ -1,0 +1,168 @@
+"""What a schedule's order does to the cost of its passes on the CPU (the
+plan's profile, step 1b: ``plan.predict`` scales each pass by it).
+
+The profile times each layer's passes as a micro-batch's forward and, at
+once, its backward. A schedule runs a rank's passes in its own order:
+gpipe every forward before any backward, 1F1B a backward between
+forwards, zero-bubble's weight passes deferred, interleaved's chunks in
+turn. On a CPU a pass then finds more activations alive, and a forward
+writes memory that the last backward did not just free and leave in
+cache. Traced at 2 GPT ranks (dp 1 x pp 2, 4 x 8, the heap kept), a step's
+forwards took 17.8 ms a rank in 1F1B and 19.6-21.7 in gpipe, 20.2-21.4 in
+zero-bubble, 21.5 interleaved: the same layers, the same micro-batches.
+
+``ratios`` measures it in one process, for each pipeline shape (schedule,
+pp, v) among the candidates: it runs each pipeline rank's compute actions
+over its stages, once in the schedule's order and once in the profile's
+(each micro-batch's passes back to back), in turn, ``repeats`` times, and
+keeps per pass kind (F, B, I, W) the median ratio of the two. The GPT reads
+1.02-1.03 for 1F1B, 1.13-1.18 for gpipe at pp 2, 1.07-1.10 for zero-bubble
+and interleaved; the waiting model, whose layers sleep, 1.00. On a GPU the
+passes are the device's and none of this applies: no ratios.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from clawcomm.pipeline.schedules import build as build_schedule
+from clawcomm.train.layout import balanced_cuts
+
+ORDER_REPEATS = 3  # each order timed this many times, in turn; the median ratio
+Shape = tuple[str, int, int]  # schedule, pp, v
+# Measured only where the layers spend at least this share of their time on
+# a core: the waiting model's layers sleep (share about 0), and timing their
+# orders would take as long as the sleeps (38 s at 4 ranks), for ratios of 1.
+ON_CORE = 0.5
+
+
+def shapes(cands: list) -> dict[Shape, tuple[int, int]]:
+    """The pipeline shapes (schedule, pp, v) among ``cands``, each with the
+    micro-batches and micro-batch size it is measured at: its candidates'
+    closest to 2 pp micro-batches (the first of equals)."""
+    out: dict[Shape, tuple[int, int]] = {}
+    for c in cands:
+        if c.pp < 2:
+            continue
+        key = (c.schedule, c.pp, c.v)
+        if key not in out or abs(c.microbatches - 2 * c.pp) < abs(out[key][0] - 2 * c.pp):
+            out[key] = (c.microbatches, c.micro_batch_size)
+    return out
+
+
+def measure(cfg, cands: list, prof, built) -> tuple[dict, float]:
+    """(``ratios`` for the candidates' pipeline shapes, the seconds it took),
+    with a CPU rank's intra-op threads; ``built``: ``models.build``'s result
+    for ``cfg`` at one rank, ``prof`` its profile (the layers' parameters)."""
+    from clawcomm.train.profiling import _split_copies, rank_threads
+
+    t0 = time.perf_counter()
+    wanted = shapes(cands)
+    if _on_core(prof) < ON_CORE:
+        return {}, 0.0  # layers that wait: no caches for the order to cool
+    layers, ds = list(built[0]), built[3]
+    split = _split_copies(layers) if any(s == "zb1" for s, _, _ in wanted) else None
+    with rank_threads(False):
+        out = ratios(layers, prof.params, lambda n: ds.batch(torch.arange(n))[0], wanted, split)
+    return out, time.perf_counter() - t0
+
+
+def ratios(layers: list, params: list[float], batch, wanted: dict, split_layers=None,
+           repeats: int = ORDER_REPEATS) -> dict[Shape, dict[str, float]]:  # fmt: skip
+    """Per shape of ``wanted`` (``shapes``'s), per pass kind: its time in the
+    schedule's order over its time with each micro-batch's passes back to
+    back. ``batch(n)``: a micro-batch of n samples' inputs; ``split_layers``:
+    the layers split as zero-bubble's are (``profiling._split_copies``)."""
+    out = {}
+    for (schedule, pp, v), (m, mbs) in wanted.items():
+        layer_list = split_layers if schedule == "zb1" and split_layers else layers
+        cuts = balanced_cuts(params, pp * v)
+        stages = [torch.nn.Sequential(*layer_list[cuts[s] : cuts[s + 1]]) for s in range(pp * v)]
+        inputs = _stage_inputs(stages, batch(mbs))
+        acts = {r: [a for a in a_list if a.is_compute]
+                for r, a_list in build_schedule(schedule, pp, m, v).items()}  # fmt: skip
+        back_to_back = {r: sorted(a, key=_micro_batch_order) for r, a in acts.items()}
+        _run(stages, inputs, back_to_back)  # warm up: the heap, the lazy paths
+        samples: dict[str, list[float]] = {}
+        for _ in range(repeats):
+            ref, own = _run(stages, inputs, back_to_back), _run(stages, inputs, acts)
+            for kind in ref:
+                samples.setdefault(kind, []).append(own[kind] / ref[kind])
+        out[(schedule, pp, v)] = {k: statistics.median(s) for k, s in samples.items()}
+    return out
+
+
+def summary(order: dict) -> str | None:
+    """The report's line: how far the schedules' orders moved their passes."""
+    if not order:
+        return None
+    worst = max(order.items(), key=lambda kv: max(kv[1].values()))
+    (schedule, pp, v), kinds = worst
+    every = [r for k in order.values() for r in k.values()]
+    name = f"{schedule}{f' v{v}' if v > 1 else ''} at pp {pp}"
+    passes = ", ".join(f"{k} {r:.2f}x" for k, r in kinds.items())
+    return (
+        f"passes in their schedule's order took {min(every):.2f}-{max(every):.2f}x their "
+        "time with each micro-batch's passes back to back, measured here "
+        f"(the most: {name}, {passes}); each layout's passes are scaled by its "
+        "schedule's (docs/plan.md)"
+    )
+
+
+def _on_core(prof) -> float:
+    """The share of the model's profiled time its layers spent on a core."""
+    total = on = 0.0
+    for mbs, shares in prof.cpu_share.items():
+        for share, f, b in zip(shares, prof.forward[mbs], prof.backward[mbs], strict=True):
+            total += f + b
+            on += share * (f + b)
+    return on / total if total else 0.0
+
+
+def _micro_batch_order(a) -> tuple[int, int, int]:
+    return (a.microbatch, a.stage, "FBIW".index(str(a.kind)))
+
+
+def _stage_inputs(stages: list, x) -> list:
+    """Each stage's input for the micro-batch ``x`` (the stages before it run
+    without autograd)."""
+    inputs = []
+    with torch.no_grad():
+        for stage in stages:
+            inputs.append(x)
+            x = stage(x)
+    return inputs
+
+
+def _run(stages: list, inputs: list, acts: dict) -> dict[str, float]:
+    """Seconds per pass kind of every rank's ``acts`` run in their order,
+    one rank after another: a forward keeps its output for the backward
+    (B, or I whose deferred weight jobs W runs), as the executor does."""
+    from clawcomm.pipeline.weight_grad import WeightGradStore, deferring
+
+    seconds: dict[str, float] = {}
+    for rank_acts in acts.values():
+        outs, stores = {}, {}
+        for a in rank_acts:
+            kind, key = str(a.kind), (a.stage, a.microbatch)
+            t0 = time.perf_counter()
+            if kind == "F":
+                x = inputs[a.stage]
+                outs[key] = stages[a.stage](x.detach().requires_grad_(x.is_floating_point()))
+            elif kind == "W":
+                stores.pop(key).run()
+            else:
+                out = outs.pop(key)
+                if kind == "I":
+                    stores[key] = WeightGradStore()
+                    with deferring(stores[key]):
+                        out.backward(torch.ones_like(out))
+                else:
+                    out.backward(torch.ones_like(out))
+            seconds[kind] = seconds.get(kind, 0.0) + time.perf_counter() - t0
+        for stage in stages:
+            stage.zero_grad(set_to_none=True)
+    return seconds
