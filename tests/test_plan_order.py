@@ -104,3 +104,22 @@ def test_layers_that_wait_are_not_measured_and_the_report_says_what_was():
                                ("1f1b", 2, 1): {"F": 1.02, "B": 0.99}})  # fmt: skip
     assert line.startswith("passes in their schedule's order took 0.99-1.14x")
     assert "gpipe at pp 2, F 1.14x, B 1.08x" in line
+
+
+def test_orders_over_the_budget_are_left_unscaled_and_said_to_be():
+    prof = _prof()  # 4 ms a micro-batch through the model's passes, at 4 samples
+    wanted = {("gpipe", 2, 1): (4, 4), ("1f1b", 2, 1): (2, 4), ("zb1", 2, 1): (8, 4)}
+    # (1 warm-up + 2 x 3 repeats) x m x 4 ms: 112, 56 and 224 ms
+    kept, over = plan_order.within_budget(wanted, prof, budget=0.17)
+    assert kept == {("1f1b", 2, 1): (2, 4), ("gpipe", 2, 1): (4, 4)} and over == [("zb1", 2, 1)]
+    kept, over = plan_order.within_budget(wanted, prof, budget=0.05)
+    assert kept == {} and len(over) == 3
+    line = plan_order.summary({("gpipe", 2, 1): {"F": 1.1, "B": 1.0}, ("zb1", 2, 1): {}})
+    assert "gpipe at pp 2" in line and "1 of 2 pipeline shapes left unscaled" in line
+    line = plan_order.summary({("zb1", 2, 1): {}})
+    assert line.startswith("passes in their schedule's order: not measured; 1 of 1")
+    # an unmeasured shape predicts as if no order were measured
+    c = plan.Candidate(1, 2, "zb1", 1, 4, 4, 0)
+    plain = plan.predict(c, prof, cores=2).step_ms
+    prof.order = {("zb1", 2, 1): {}}
+    assert plan.predict(c, prof, cores=2).step_ms == pytest.approx(plain)
