@@ -202,7 +202,7 @@ def predict(c: Candidate, prof: Profile, cores: int, cost=None, gpu: bool = Fals
     else:
         i_pass = w_pass = [b / 2 for b in bw]
 
-    order = prof.order.get((c.schedule, c.pp, c.v), {}) if c.pp > 1 else {}
+    order = plan_order.of(c, prof)
 
     def action_cost(a) -> float:
         kind = str(a.kind)

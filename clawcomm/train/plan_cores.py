@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 
 from clawcomm.pipeline.schedules import build as build_schedule
+from clawcomm.train import plan_order
 from clawcomm.train.layout import balanced_cuts
 
 TRIAL_STEPS = 6  # the trial's steps; its figure is the median of the second half
@@ -64,7 +65,7 @@ def rank_seconds(c, prof, span, share, tau: float, schedule) -> dict[int, float]
     compute action, and the trainer's own time; each pass as its
     schedule's order makes it (``plan_order``)."""
     mbs = c.micro_batch_size
-    order = prof.order.get((c.schedule, c.pp, c.v), {}) if c.pp > 1 else {}
+    order = plan_order.of(c, prof)
 
     def cpu(times: list[float]) -> list[float]:
         return [sum(share[i] * times[i] for i in r) for r in span]

@@ -60,6 +60,12 @@ def shapes(cands: list) -> dict[Shape, tuple[int, int]]:
     return out
 
 
+def of(c, prof) -> dict[str, float]:
+    """The candidate's ratio per pass kind (empty at pp 1 or where unmeasured:
+    its passes unscaled)."""
+    return prof.order.get((c.schedule, c.pp, c.v), {}) if c.pp > 1 else {}
+
+
 def measure(cfg, cands: list, prof, built) -> tuple[dict, float]:
     """(``ratios`` for the candidates' pipeline shapes, the seconds it took),
     with a CPU rank's intra-op threads; ``built``: ``models.build``'s result
