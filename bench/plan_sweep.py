@@ -23,7 +23,9 @@ sync method (every-step, local-sgd:8: ``--search-sync``).
 Each layout is measured ``--rounds`` times, the layouts in turn, and its
 figure is the median (``plan_check.measure_rounds``); the rounds' agreement
 with one another (Spearman between rounds) is printed beside the plan's, as
-the most any prediction can show on this machine.
+the most any prediction can show on this machine, and so is how many of
+the pairs of layouts the rounds tell apart (one's range below the
+other's: ``plan_check.separated``) the plan orders the same way.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from clawcomm.train.plan_check import (
     measure_rounds,
     namespace_cores,
     on_hosts,
+    pairs_right,
     retest,
     shapes,
     spearman,
@@ -86,17 +89,47 @@ def run_scenario(name: str, args, progress) -> dict:
     first_ratio = measured[0] / min(measured)
     rho = spearman([p.step_ms for p in chosen], measured)
     self_rho = retest(runs) if args.rounds > 1 else None
+    right, told = pairs_right([p.step_ms for p in chosen], runs)
     print(f"# {name}: {model}, {world} ranks on {hosts} host(s)"
           + (f", links {rate}" if rate else "") + f"; planned in {plan_s:.1f} s")  # fmt: skip
     print(table(rows), flush=True)
     return {
         "scenario": name, "model": model, "ranks": world, "hosts": hosts, "link": rate,
         "plan_s": plan_s, "first_over_fastest": first_ratio, "spearman": rho,
-        "spearman_between_rounds": self_rho,
+        "spearman_between_rounds": self_rho, "pairs_told_apart": told, "pairs_plan_right": right,
         "layouts": [{"layout": p.cand.name(), "flags": p.cand.flags(), "predicted_ms": p.step_ms,
                      "measured_ms": m, "rounds_ms": r}
                     for p, m, r in zip(chosen, measured, runs, strict=True)],
     }  # fmt: skip
+
+
+def rescore(r: dict) -> dict:
+    """A stored scenario with the figures its rounds give counted anew (a
+    sweep stored before ``pairs_right``)."""
+    runs = [lay["rounds_ms"] for lay in r["layouts"]]
+    right, told = pairs_right([lay["predicted_ms"] for lay in r["layouts"]], runs)
+    return {**r, "pairs_told_apart": told, "pairs_plan_right": right}
+
+
+def summary(results: list[dict]) -> None:
+    """The sweep's table of scenarios, and the issue's targets counted."""
+    within = sum(r["first_over_fastest"] <= 1.10 for r in results)
+    print(f"# {'scenario':<22} {'first / fastest':>15} {'Spearman':>9} {'rounds':>7} "
+          f"{'pairs right':>11} {'plan s':>7}")  # fmt: skip
+    for r in results:
+        own = r["spearman_between_rounds"]
+        pairs = f"{r['pairs_plan_right']}/{r['pairs_told_apart']}"
+        print(f"  {r['scenario']:<22} {r['first_over_fastest']:15.2f} {r['spearman']:9.2f} "
+              f"{'-' if own is None else format(own, '.2f'):>7} {pairs:>11} "
+              f"{r['plan_s']:7.1f}")  # fmt: skip
+    right = sum(r["pairs_plan_right"] for r in results)
+    told = sum(r["pairs_told_apart"] for r in results)
+    print(
+        f"# first choice within 10% of the fastest measured: {within} of {len(results)}; "
+        f"Spearman >= 0.8: {sum(r['spearman'] >= 0.8 for r in results)} of {len(results)}; "
+        f"of the pairs of layouts the rounds tell apart, the plan orders {right} of {told} "
+        "the same way"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,7 +143,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--global-batch", type=int, default=32)
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--json", metavar="FILE")
+    p.add_argument("--rescore", metavar="FILE",
+                   help="measure nothing: a stored sweep's --json summed up anew")  # fmt: skip
     args = p.parse_args(argv)
+    if args.rescore:
+        with open(args.rescore) as f:
+            summary([rescore(r) for r in json.load(f)["scenarios"]])
+        return 0
     names = args.scenarios.split(",")
     if any(parse(n)[2] > 1 for n in names):
         from clawcomm.testing.netns import unavailable
@@ -126,17 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     with tqdm(total=total, unit="layout", file=sys.stderr) as progress:
         for name in names:
             results.append(run_scenario(name, args, progress))
-    within = sum(r["first_over_fastest"] <= 1.10 for r in results)
-    print(f"# {'scenario':<22} {'first / fastest':>15} {'Spearman':>9} {'rounds':>7} "
-          f"{'plan s':>7}")  # fmt: skip
-    for r in results:
-        own = r["spearman_between_rounds"]
-        print(f"  {r['scenario']:<22} {r['first_over_fastest']:15.2f} {r['spearman']:9.2f} "
-              f"{'-' if own is None else format(own, '.2f'):>7} {r['plan_s']:7.1f}")  # fmt: skip
-    print(
-        f"# first choice within 10% of the fastest measured: {within} of {len(results)}; "
-        f"Spearman >= 0.8: {sum(r['spearman'] >= 0.8 for r in results)} of {len(results)}"
-    )
+    summary(results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "scenarios": results}, f, indent=1)

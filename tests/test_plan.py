@@ -381,8 +381,25 @@ def test_check_rounds_give_medians_spreads_and_the_measurements_own_agreement():
     # round 1 swaps the last two layouts, which rounds 2 and 3 agree on: 0.5, 0.5, 1.0
     assert plan_check.retest(runs) == pytest.approx(0.5)
     assert "the measurement against itself: Spearman 0.50" in text
+    # only the first two layouts' ranges do not overlap (12 < 13), and the plan has them in order
+    assert (
+        "the pairs the rounds tell apart (one's range below the other's): 1 of 3; "
+        "the plan orders 1 of them the same way" in text
+    )
     single = plan_check.table([(p, r[0]) for p, r in zip(preds, runs, strict=True)])
-    assert "spread" not in single and "against itself" not in single
+    assert "spread" not in single and "against itself" not in single and "tell apart" not in single
+
+
+def test_the_pairs_the_rounds_tell_apart_and_how_many_the_plan_orders_right():
+    from clawcomm.train import plan_check
+
+    runs = [[20.0, 21.0], [10.0, 11.0], [10.5, 30.0], [40.0, 41.0]]
+    # 1 < 0 < 3 by whole ranges; 2 overlaps 0 (20-21 inside 10.5-30) and 1 (10.5 inside 10-11)
+    assert sorted(plan_check.separated(runs)) == [(0, 3), (1, 0), (1, 3), (2, 3)]
+    wrong_once = [1.0, 2.0, 0.0, 3.0]  # has 0 before 1, which the rounds put after it
+    assert plan_check.pairs_right(wrong_once, runs) == (3, 4)
+    assert plan_check.pairs_right([2.0, 1.0, 0.0, 3.0], runs) == (4, 4)
+    assert plan_check.separated([[1.0], [2.0], [3.0]]) == []  # one round tells nothing apart
 
 
 def test_check_on_namespace_hosts(capsys):
