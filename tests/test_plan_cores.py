@@ -77,9 +77,9 @@ def test_the_trial_trains_the_deepest_pipeline_at_its_middle_grain(monkeypatch):
         return 96e-3 + 96 * 0.5e-3
 
     monkeypatch.setattr(plan_check, "measure", fake)
-    tau, tried = plan_cores.trial(TrainConfig(model="mlp"), cands, _profile(), 4, 6)
+    cpu_s, tried = plan_cores.trial(TrainConfig(model="mlp"), cands, _profile(), 4, 6)
     assert tried == ZERO_BUBBLE and asked == [(ZERO_BUBBLE, 6, 4, None, "cpu_s")]
-    assert tau == pytest.approx(0.5e-3)
+    assert plan_cores.measured_tau(cpu_s, tried, _profile()) == pytest.approx(0.5e-3)
     # on namespace hosts, as --check trains there
     hosts = []
 
@@ -102,6 +102,8 @@ def test_the_trial_runs_only_where_ranks_outnumber_cores_and_can_run_here(monkey
         return 2e-3, plan_cores.trial_candidate(cands)
 
     monkeypatch.setattr(plan_cores, "trial", fake)
+    # the fake trial's CPU-seconds stand for tau (measured_tau has its own test)
+    monkeypatch.setattr(plan_cores, "measured_tau", lambda cpu_s, c, prof: cpu_s)
     cfg = TrainConfig(model="mlp", hidden=32, quiet=True, global_batch=16)
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     _, _, prof = plan.plan(cfg, 4, cores=4)

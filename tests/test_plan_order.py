@@ -123,3 +123,36 @@ def test_orders_over_the_budget_are_left_unscaled_and_said_to_be():
     plain = plan.predict(c, prof, cores=2).step_ms
     prof.order = {("zb1", 2, 1): {}}
     assert plan.predict(c, prof, cores=2).step_ms == pytest.approx(plain)
+
+
+def test_the_orders_get_what_the_plans_time_has_left(monkeypatch):
+    cfg = TrainConfig(**GPT)
+    built = models.build(dataclasses.replace(cfg, dp=1, pp=1))
+    cands = [c for c in plan.candidates(2, 4, 16) if c.pp > 1]
+    prof = profile(cfg, [c.micro_batch_size for c in cands], built=built)
+    every = set(plan_order.shapes(cands))
+    # no time left: every shape unscaled, and the clock stops a shape the estimate let in
+    order, _ = plan_order.measure(cfg, cands, prof, built, budget=0.0)
+    assert set(order) == every and not any(order.values())
+    layers, ds = list(built[0]), built[3]
+    batch = lambda n: ds.batch(torch.arange(n))[0]  # noqa: E731
+    late = plan_order.ratios(layers, prof.params, batch, plan_order.shapes(cands),
+                             deadline=0.0)  # fmt: skip
+    assert late == {}
+    order, _ = plan_order.measure(cfg, cands, prof, built, budget=60.0)  # at most ORDER_BUDGET_S
+    assert set(order) == every and all(order.values())
+    # the plan gives them what its measuring has left of PLAN_SECONDS
+    given = []
+    real = plan_order.measure
+
+    def spy(cfg, cands, prof, built, budget=plan_order.ORDER_BUDGET_S):
+        given.append(budget)
+        return real(cfg, cands, prof, built, budget)
+
+    monkeypatch.setattr(plan_order, "measure", spy)
+    monkeypatch.setattr(plan_order, "PLAN_SECONDS", 0.0)
+    preds, over, prof = plan.plan(cfg, 2, cores=2)
+    assert given == [pytest.approx(-prof.seconds, abs=1.0)] and given[0] < 0  # none left
+    assert prof.order and not any(prof.order.values())
+    text = plan.report(preds, over, prof, ["--nproc", "2"], 3)
+    assert "left unscaled, their orders past the time the plan had left for them" in text

@@ -263,6 +263,7 @@ class Cluster:
         env: dict[str, str] | None = None,
         timeout: float = 300,
         during=None,
+        fork: bool = False,
     ) -> list[HostRun]:
         """Runs `script_and_args` on every host under torchrun (c10d
         rendezvous on host 0), nproc_per_node ranks per host, and waits for
@@ -271,12 +272,18 @@ class Cluster:
         True, every host is killed when it returns. Ranks are
         numbered by host: host h runs ranks h*nproc .. (h+1)*nproc-1 when
         the rendezvous admits the hosts in order, which torchrun does not
-        promise; a job reads GROUP_RANK or CLAWCOMM_HOST_ID to know."""
+        promise; a job reads GROUP_RANK or CLAWCOMM_HOST_ID to know.
+        ``fork``: each host's agent imports the job once and forks its
+        workers (``clawcomm.testing.forkrun``; ``script_and_args`` then
+        starts with ``-m MODULE``), which starts them seconds sooner."""
+        if fork and script_and_args[:1] != ["-m"]:
+            raise ValueError("Cluster.torchrun(fork=True) runs a module: -m MODULE [ARGS]")
+        launcher = "clawcomm.testing.forkrun" if fork else "torch.distributed.run"
         run_id = uuid.uuid4().hex[:8]
         procs = []
         for h in range(self.hosts):
             argv = [
-                sys.executable, "-m", "torch.distributed.run",
+                sys.executable, "-m", launcher,
                 f"--nnodes={self.hosts}", f"--nproc-per-node={nproc_per_node}",
                 "--rdzv-backend=c10d", f"--rdzv-endpoint={self.addr(0)}:{RDZV_PORT}",
                 f"--rdzv-id={run_id}", f"--local-addr={self.addr(h)}", "--max-restarts=0",

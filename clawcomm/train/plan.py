@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from dataclasses import dataclass
 
 from clawcomm.pipeline.schedules import build as build_schedule
@@ -320,10 +321,8 @@ def plan(cfg, world: int, memory_mb: float = 0.0, cores: int | None = None, cost
         )
     gpu = on_gpu(cfg)
     split = any(c.schedule == "zb1" for c in cands)
+    t0 = time.perf_counter()
     prof = profile(cfg, [c.micro_batch_size for c in cands], built=built, gpu=gpu, split=split)
-    if not gpu:
-        prof.order, seconds = plan_order.measure(cfg, cands, prof, built)
-        prof.seconds += seconds
     cores = cores or os.cpu_count() or 1
     cap = cfg.bucket_cap_mb * 2**20
     shapes = [shape for layer in prof.tensors for shape in layer]
@@ -334,8 +333,14 @@ def plan(cfg, world: int, memory_mb: float = 0.0, cores: int | None = None, cost
         return [predict(c, prof, cores, cost, gpu, hosts, cap, codec, sync, cfg.sync_delay)
                 for c in cands]  # fmt: skip
 
-    plan_cores.settle(cfg, cands, prof, world, hosts, cores, gpu, trial_steps, predict_all,
-                      trial_on_hosts, link)  # fmt: skip
+    tried = plan_cores.settle(cfg, cands, prof, world, hosts, cores, gpu, trial_steps,
+                              predict_all, trial_on_hosts, link)  # fmt: skip
+    if not gpu:  # the orders get what the plan's time has left (plan_order.PLAN_SECONDS)
+        left = plan_order.PLAN_SECONDS - (time.perf_counter() - t0)
+        prof.order, seconds = plan_order.measure(cfg, cands, prof, built, left)
+        prof.seconds += seconds
+    if tried:  # tau, with the trial's passes in its schedule's order
+        prof.action_s = plan_cores.measured_tau(*tried, prof)
     preds = predict_all()
     fits = [p for p in preds if not memory_mb or p.memory_mb <= memory_mb]
     over = [p for p in preds if memory_mb and p.memory_mb > memory_mb]

@@ -194,7 +194,7 @@ def on_hosts(hosts: int, rate: str | None, world: int, timeout: float = 600):
 
         def launch(train_args):
             runs = cluster.torchrun(["-m", "clawcomm.train", *train_args], world // hosts,
-                                    timeout=timeout)  # fmt: skip
+                                    timeout=timeout, fork=True)  # fmt: skip
             if failed(runs):  # (it printed the end of the host's output)
                 raise RuntimeError(f"a namespace host failed training {' '.join(train_args)}")
 

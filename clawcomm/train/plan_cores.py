@@ -144,7 +144,8 @@ def measured_tau(cpu_s: float, c, prof) -> float:
 
 def trial(cfg, cands: list, prof, world: int, steps: int = TRIAL_STEPS, hosts: int = 1,
           link: str | None = None) -> tuple[float, object]:  # fmt: skip
-    """(tau, the candidate tried): ``trial_candidate(cands)`` trained for
+    """(its ranks' CPU-seconds a step, the candidate tried; ``measured_tau``
+    makes tau of them): ``trial_candidate(cands)`` trained for
     ``steps`` steps here (``plan_check.measure``, its ``cpu_s``), on
     ``hosts`` namespace hosts of this machine with links at ``link`` where
     hosts > 1 (as ``--check`` trains)."""
@@ -156,20 +157,22 @@ def trial(cfg, cands: list, prof, world: int, steps: int = TRIAL_STEPS, hosts: i
             cpu_s = plan_check.measure(cfg, c, steps, world, launch=launch, key="cpu_s")
     else:
         cpu_s = plan_check.measure(cfg, c, steps, world, launch=None, key="cpu_s")
-    return measured_tau(cpu_s, c, prof), c
+    return cpu_s, c
 
 
 def settle(cfg, cands: list, prof, world: int, hosts: int, cores: int, gpu: bool, steps: int,
-           predict_all, on_hosts: bool = False, link: str | None = None) -> None:  # fmt: skip
-    """Where a host's CPU ranks outnumber its cores, sets ``prof.action_s``
-    from a trial and ``prof.trial`` to what ran, or why none did: none asked
-    (``steps`` 0), none that runs here (``trial_unavailable``), or none
-    that could change a prediction (at ``TAU_BOUND`` a compute action,
+           predict_all, on_hosts: bool = False, link: str | None = None):  # fmt: skip
+    """Where a host's CPU ranks outnumber its cores, runs a trial and returns
+    (its ranks' CPU-seconds a step, the candidate tried), for
+    ``measured_tau`` once the schedules' orders are measured too; sets
+    ``prof.trial`` to what ran, or why none did (then returns None): none
+    asked (``steps`` 0), none that runs here (``trial_unavailable``), or
+    none that could change a prediction (at ``TAU_BOUND`` a compute action,
     ``predict_all()`` gives the same steps as at 0: the layers spend little
     of their time on a core). ``on_hosts``: train it on ``hosts`` namespace
     hosts (links at ``link``) rather than on this one host."""
     if not crowded(world, hosts, cores, gpu):
-        return
+        return None
     why = trial_unavailable(world) or ("" if steps else "--trial-steps 0")
     if not why:
         before = [p.step_ms for p in predict_all()]
@@ -181,19 +184,20 @@ def settle(cfg, cands: list, prof, world: int, hosts: int, cores: int, gpu: bool
                    "its layers spending little of their time on a core")  # fmt: skip
     if why:
         prof.trial = "no trial: " + why
-        return
+        return None
     where, failed = "", ""
     if hosts > 1 and on_hosts:
         try:
-            prof.action_s, tried = trial(cfg, cands, prof, world, steps, hosts, link)
+            cpu_s, tried = trial(cfg, cands, prof, world, steps, hosts, link)
             where = f" on {hosts} namespace hosts, links {link or 'unshaped'}"
         except (RuntimeError, OSError, ValueError) as e:  # made, but they failed: here instead
             failed = f"on one host: {hosts} namespace hosts failed ({e})"
     if not where:
-        prof.action_s, tried = trial(cfg, cands, prof, world, steps)
+        cpu_s, tried = trial(cfg, cands, prof, world, steps)
         if hosts > 1:
             where = f" {failed or 'on one host (namespace hosts need root and iproute2)'}"
     prof.trial = f"a trial: {steps} steps of {tried.name()}{where}"
+    return cpu_s, tried
 
 
 def caveat(prof, ranks: int, cores: int) -> str | None:

@@ -19,8 +19,10 @@ keeps per pass kind (F, B, I, W) the median ratio of the two. The GPT reads
 1.02-1.03 for 1F1B, 1.13-1.18 for gpipe at pp 2, 1.07-1.10 for zero-bubble
 and interleaved; the waiting model, whose layers sleep, 1.00. On a GPU the
 passes are the device's and none of this applies: no ratios. The shapes
-are measured cheapest first within ``ORDER_BUDGET_S`` as the profile
-estimates them; the rest are left unscaled, and the report says so.
+are measured cheapest first, as many as fit the time the plan has left
+(``PLAN_SECONDS``, at most ``ORDER_BUDGET_S``), as the profile estimates
+them and as the clock says; the rest are left unscaled, and the report
+says so.
 """
 
 from __future__ import annotations
@@ -39,6 +41,13 @@ ORDER_REPEATS = 3  # each order timed this many times, in turn; the median ratio
 # through the whole model; the GPT here: 2.9-3.9 s estimated, 2.8-3.9
 # measured). Shapes beyond it, the costliest first, are left unscaled.
 ORDER_BUDGET_S = 6.0
+# The plan's measuring (the profile, the trial where ranks outnumber cores,
+# the orders) aims to end within this, under issue 29's 15 s for a whole
+# plan: the orders, measured last, get what is left of it. On a 2-core VM
+# that ran the GPT 1.8x slower than the reference, the GPT on 2 namespace
+# hosts had planned in 21.8 s with a fixed budget (profile 3.5 s, orders
+# 4.4, the trial 13.1 before its ranks were forked: ``testing.forkrun``).
+PLAN_SECONDS = 13.0
 Shape = tuple[str, int, int]  # schedule, pp, v
 # Measured only where the layers spend at least this share of their time on
 # a core: the waiting model's layers sleep (share about 0), and timing their
@@ -66,21 +75,25 @@ def of(c, prof) -> dict[str, float]:
     return prof.order.get((c.schedule, c.pp, c.v), {}) if c.pp > 1 else {}
 
 
-def measure(cfg, cands: list, prof, built) -> tuple[dict, float]:
+def measure(cfg, cands: list, prof, built, budget: float = ORDER_BUDGET_S) -> tuple[dict, float]:
     """(``ratios`` for the candidates' pipeline shapes, the seconds it took),
-    with a CPU rank's intra-op threads; ``built``: ``models.build``'s result
-    for ``cfg`` at one rank, ``prof`` its profile (the layers' parameters)."""
+    with a CPU rank's intra-op threads, within ``budget`` seconds (at most
+    ``ORDER_BUDGET_S``); ``built``: ``models.build``'s result for ``cfg``
+    at one rank, ``prof`` its profile (the layers' parameters)."""
     from clawcomm.train.profiling import _split_copies, rank_threads
 
     t0 = time.perf_counter()
     if _on_core(prof) < ON_CORE:
         return {}, 0.0  # layers that wait: no caches for the order to cool
-    wanted, over = within_budget(shapes(cands), prof)
+    budget = max(0.0, min(budget, ORDER_BUDGET_S))
+    every = shapes(cands)
+    wanted, _ = within_budget(every, prof, budget)
     layers, ds = list(built[0]), built[3]
     split = _split_copies(layers) if any(s == "zb1" for s, _, _ in wanted) else None
     with rank_threads(False):
-        out = ratios(layers, prof.params, lambda n: ds.batch(torch.arange(n))[0], wanted, split)
-    out.update({shape: {} for shape in over})  # unmeasured: unscaled, and the report says so
+        out = ratios(layers, prof.params, lambda n: ds.batch(torch.arange(n))[0], wanted, split,
+                     deadline=t0 + budget)  # fmt: skip
+    out.update({shape: {} for shape in every if shape not in out})  # unscaled, and said so
     return out, time.perf_counter() - t0
 
 
@@ -104,13 +117,18 @@ def within_budget(wanted: dict, prof, budget: float = ORDER_BUDGET_S,
 
 
 def ratios(layers: list, params: list[float], batch, wanted: dict, split_layers=None,
-           repeats: int = ORDER_REPEATS) -> dict[Shape, dict[str, float]]:  # fmt: skip
+           repeats: int = ORDER_REPEATS,
+           deadline: float | None = None) -> dict[Shape, dict[str, float]]:  # fmt: skip
     """Per shape of ``wanted`` (``shapes``'s), per pass kind: its time in the
     schedule's order over its time with each micro-batch's passes back to
     back. ``batch(n)``: a micro-batch of n samples' inputs; ``split_layers``:
-    the layers split as zero-bubble's are (``profiling._split_copies``)."""
+    the layers split as zero-bubble's are (``profiling._split_copies``).
+    Past ``deadline`` (``time.perf_counter``'s) no further shape starts,
+    where the profile's estimate fell short of the clock."""
     out = {}
     for (schedule, pp, v), (m, mbs) in wanted.items():
+        if deadline is not None and time.perf_counter() > deadline:
+            break
         layer_list = split_layers if schedule == "zb1" and split_layers else layers
         cuts = balanced_cuts(params, pp * v)
         stages = [torch.nn.Sequential(*layer_list[cuts[s] : cuts[s + 1]]) for s in range(pp * v)]
@@ -134,8 +152,9 @@ def summary(order: dict) -> str | None:
         return None
     measured = {shape: kinds for shape, kinds in order.items() if kinds}
     over = len(order) - len(measured)
-    left = (f"; {over} of {len(order)} pipeline shapes left unscaled, their orders "
-            f"over the {ORDER_BUDGET_S:g} s budget") if over else ""  # fmt: skip
+    left = (f"; {over} of {len(order)} pipeline shapes left unscaled, their orders past "
+            f"the time the plan had left for them (its measuring within {PLAN_SECONDS:g} s, "
+            f"the orders' at most {ORDER_BUDGET_S:g})") if over else ""  # fmt: skip
     if not measured:
         return f"passes in their schedule's order: not measured{left} (docs/plan.md)"
     (schedule, pp, v), kinds = max(measured.items(), key=lambda kv: max(kv[1].values()))
