@@ -115,7 +115,8 @@ def test_orders_over_the_budget_are_left_unscaled_and_said_to_be():
     kept, over = plan_order.within_budget(wanted, prof, budget=0.05)
     assert kept == {} and len(over) == 3
     line = plan_order.summary({("gpipe", 2, 1): {"F": 1.1, "B": 1.0}, ("zb1", 2, 1): {}})
-    assert "gpipe at pp 2" in line and "1 of 2 pipeline shapes left unscaled" in line
+    assert "gpipe at pp 2" in line and "1 of 2 pipeline shapes unmeasured" in line
+    assert "0 scaled by their schedule's at another pp, 1 left unscaled" in line
     line = plan_order.summary({("zb1", 2, 1): {}})
     assert line.startswith("passes in their schedule's order: not measured; 1 of 1")
     # an unmeasured shape predicts as if no order were measured
@@ -123,6 +124,23 @@ def test_orders_over_the_budget_are_left_unscaled_and_said_to_be():
     plain = plan.predict(c, prof, cores=2).step_ms
     prof.order = {("zb1", 2, 1): {}}
     assert plan.predict(c, prof, cores=2).step_ms == pytest.approx(plain)
+
+
+def test_one_shape_of_each_schedule_first_and_the_others_borrow_its_ratios():
+    prof = _prof()
+    # (1 warm-up + 2 x 3 repeats) x m x 4 ms: gpipe pp 4 (m 4) 112 ms, pp 2 (m 2) 56;
+    # 1F1B pp 4 (m 8) 224 ms: the only 1F1B, so it goes before gpipe's second
+    wanted = {("gpipe", 4, 1): (4, 4), ("gpipe", 2, 1): (2, 4), ("1f1b", 4, 1): (8, 4)}
+    kept, over = plan_order.within_budget(wanted, prof, budget=0.29)
+    assert list(kept) == [("gpipe", 2, 1), ("1f1b", 4, 1)] and over == [("gpipe", 4, 1)]
+    prof.order = {("gpipe", 2, 1): {"F": 1.2, "B": 1.1}, ("gpipe", 4, 1): {},
+                  ("1f1b", 4, 1): {"F": 1.0, "B": 1.0}, ("zb1", 2, 1): {}}  # fmt: skip
+    assert plan_order.of(plan.Candidate(1, 4, "gpipe", 1, 8, 1, 0), prof) == {"F": 1.2, "B": 1.1}
+    assert plan_order.of(plan.Candidate(1, 2, "zb1", 1, 4, 4, 0), prof) == {}  # none to borrow
+    assert plan_order.of(plan.Candidate(2, 1, "1f1b", 1, 4, 4, 0), prof) == {}  # pp 1
+    line = plan_order.summary(prof.order)
+    assert "2 of 4 pipeline shapes unmeasured" in line
+    assert "1 scaled by their schedule's at another pp, 1 left unscaled" in line
 
 
 def test_the_orders_get_what_the_plans_time_has_left(monkeypatch):
@@ -155,4 +173,4 @@ def test_the_orders_get_what_the_plans_time_has_left(monkeypatch):
     assert given == [pytest.approx(-prof.seconds, abs=1.0)] and given[0] < 0  # none left
     assert prof.order and not any(prof.order.values())
     text = plan.report(preds, over, prof, ["--nproc", "2"], 3)
-    assert "left unscaled, their orders past the time the plan had left for them" in text
+    assert "unmeasured, past the time the plan had left for them" in text
