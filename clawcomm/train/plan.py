@@ -10,7 +10,8 @@ its step, with the reasons, and a check of the prediction on this machine.
    backward, at every micro-batch size a candidate uses; one optimizer
    step; all with the one intra-op thread a CPU rank runs with. On the
    CPU, each pipeline shape's passes in its schedule's order against back
-   to back (``plan_order``), which scales them.
+   to back (``plan_order``), which scales them: measured last, after the
+   trial of step 3, in what is left of the plan's 14 s.
 2. **Enumerate** dp x pp (dp * pp = the world, pp at most the layers) x
    schedule (gpipe, 1f1b, zb1, interleaved with v = 2) x micro-batches (pp,
    2 pp and 4 pp, where the global batch divides) x ZeRO stage (0-3 where
