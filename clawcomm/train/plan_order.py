@@ -127,19 +127,19 @@ def within_budget(wanted: dict, prof, budget: float = ORDER_BUDGET_S,
         (_, _, _), (m, mbs) = item
         return (1 + 2 * repeats) * m * (sum(prof.forward[mbs]) + sum(prof.backward[mbs]))
 
-    def first_of_its_schedule(item) -> bool:
-        (schedule, _, v), _ = item
-        return item == min((i for i in wanted.items() if (i[0][0], i[0][2]) == (schedule, v)),
-                           key=seconds)  # fmt: skip
+    cheapest = sorted(wanted.items(), key=seconds)
+    firsts = {}  # (schedule, v) -> its cheapest shape
+    for (schedule, pp, v), _ in cheapest:
+        firsts.setdefault((schedule, v), (schedule, pp, v))
 
     def rank(item) -> tuple:
         # one shape of each schedule first (the others can borrow its ratios), 1F1B's last of
         # them (its order keeps each backward near its forward, as the profile does: 1.02-1.04),
         # then the rest; the cheapest first within each
-        return (not first_of_its_schedule(item), item[0][0] == "1f1b", seconds(item))
+        return (item[0] not in firsts.values(), item[0][0] == "1f1b", seconds(item))
 
     kept, over, total = {}, [], 0.0
-    for item in sorted(wanted.items(), key=rank):
+    for item in sorted(cheapest, key=rank):
         if total + seconds(item) > budget:
             over.append(item[0])
             continue
