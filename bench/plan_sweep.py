@@ -39,6 +39,7 @@ import time
 from clawcomm.train import plan
 from clawcomm.train.config import TrainConfig
 from clawcomm.train.plan_check import (
+    grid,
     measure_rounds,
     namespace_cores,
     on_hosts,
@@ -78,7 +79,10 @@ def run_scenario(name: str, args, progress) -> dict:
                             syncs=SYNCS if "sync" in extras else None,
                             trial_on_hosts=hosts > 1, link=rate)  # fmt: skip
     plan_s = time.perf_counter() - t0
-    chosen = shapes(preds, args.layouts)
+    chosen = grid(preds, args.grid) if args.grid else shapes(preds, args.layouts)
+    if len(chosen) != args.layouts:  # the grid's size is the plan's to say
+        progress.total += (len(chosen) - args.layouts) * args.rounds
+        progress.refresh()
     if hosts == 1:
         runs = measure_rounds(cfg, chosen, args.steps, world, args.rounds, None, progress)
     else:
@@ -90,12 +94,14 @@ def run_scenario(name: str, args, progress) -> dict:
     rho = spearman([p.step_ms for p in chosen], measured)
     self_rho = retest(runs) if args.rounds > 1 else None
     right, told = pairs_right([p.step_ms for p in chosen], runs)
-    print(f"# {name}: {model}, {world} ranks on {hosts} host(s)"
-          + (f", links {rate}" if rate else "") + f"; planned in {plan_s:.1f} s")  # fmt: skip
+    which = f"; the plan's first and its grid at {args.grid} micro-batches" if args.grid else ""
+    links = f", links {rate}" if rate else ""
+    print(f"# {name}: {model}, {world} ranks on {hosts} host(s){links}; planned in {plan_s:.1f} s"
+          + which)  # fmt: skip
     print(table(rows), flush=True)
     return {
         "scenario": name, "model": model, "ranks": world, "hosts": hosts, "link": rate,
-        "plan_s": plan_s, "first_over_fastest": first_ratio, "spearman": rho,
+        "plan_s": plan_s, "grid": args.grid, "first_over_fastest": first_ratio, "spearman": rho,
         "spearman_between_rounds": self_rho, "pairs_told_apart": told, "pairs_plan_right": right,
         "layouts": [{"layout": p.cand.name(), "flags": p.cand.flags(), "predicted_ms": p.step_ms,
                      "measured_ms": m, "rounds_ms": r}
@@ -137,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scenarios", default=",".join(SCENARIOS),
                    help="MODEL-RANKS[@HOSTSxRATE], comma-separated")  # fmt: skip
     p.add_argument("--layouts", type=int, default=8, help="layouts measured per scenario (8)")
+    p.add_argument("--grid", type=int, default=0, metavar="M",
+                   help="measure the trainer's layout sweep instead of the plan's picks: the "
+                        "plan's first, then every dp x pp and schedule at M micro-batches, no "
+                        "ZeRO (bench/train_bench.py's layouts at M = 4)")  # fmt: skip
     p.add_argument("--steps", type=int, default=40, help="steps per layout and round (40)")
     p.add_argument("--rounds", type=int, default=3,
                    help="measurements of each layout, the layouts in turn (3)")  # fmt: skip

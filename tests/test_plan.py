@@ -402,6 +402,28 @@ def test_the_pairs_the_rounds_tell_apart_and_how_many_the_plan_orders_right():
     assert plan_check.separated([[1.0], [2.0], [3.0]]) == []  # one round tells nothing apart
 
 
+def test_the_grid_is_the_plans_first_then_every_shape_at_fixed_micro_batches():
+    from clawcomm.train import plan_check
+
+    cands = list(plan.candidates(4, 6, 32))
+    # any order the plan could give: here a scrambled one, its first at 8 micro-batches
+    preds = [plan.Prediction(c, float((i * 7) % len(cands)), 0.0, 0.0, 0.0, 1.0)
+             for i, c in enumerate(cands)]  # fmt: skip
+    preds.sort(key=lambda p: p.step_ms)
+    preds.insert(0, next(p for p in preds if p.cand.microbatches == 8))
+    chosen = plan_check.grid(preds, 4)
+    assert chosen[0] is preds[0]
+    rest = [p.cand for p in chosen[1:]]
+    assert all(c.microbatches == 4 and c.zero == 0 for c in rest)
+    shapes = {(c.dp, c.pp, c.schedule, c.v) for c in rest}
+    assert len(shapes) == len(rest)  # each layout once
+    # dp 4; dp 2 x pp 2 in all four schedules; pp 4 without interleaved (8 stages > 6 layers)
+    assert len(rest) == 1 + 4 + 3
+    assert (4, 1, "1f1b", 1) in shapes and (2, 2, "interleaved", 2) in shapes
+    steps = [p.step_ms for p in chosen[1:]]
+    assert steps == sorted(steps)  # in the plan's order
+
+
 def test_check_on_namespace_hosts(capsys):
     from clawcomm.cli import main
     from clawcomm.testing.netns import unavailable

@@ -195,24 +195,28 @@ def predict(c: Candidate, prof: Profile, cores: int, cost=None, gpu: bool = Fals
     # Only the share of a layer's time spent on a core slows down (waiting layers do not).
     scale = [1.0 + (slow - 1.0) * sh for sh in share]
 
-    def per_stage(times: list[float]) -> list[float]:
+    def per_stage(times: list[float], scale: list[float]) -> list[float]:
         return [sum(scale[i] * times[i] for i in r) for r in span]
 
-    fw, bw = per_stage(prof.forward[mbs]), per_stage(prof.backward[mbs])
-    if mbs in prof.input_grad:  # zero-bubble's split backward, as profiled
-        i_pass, w_pass = per_stage(prof.input_grad[mbs]), per_stage(prof.weight_grad[mbs])
-    else:
-        i_pass = w_pass = [b / 2 for b in bw]
+    def pass_costs(scale: list[float]) -> dict[str, list[float]]:  # each pass kind's, a stage
+        out = {"F": per_stage(prof.forward[mbs], scale), "B": per_stage(prof.backward[mbs], scale)}
+        if mbs in prof.input_grad:  # zero-bubble's split backward, as profiled
+            out["I"] = per_stage(prof.input_grad[mbs], scale)
+            out["W"] = per_stage(prof.weight_grad[mbs], scale)
+        else:
+            out["I"] = out["W"] = [b / 2 for b in out["B"]]
+        return out
 
     order = plan_order.of(c, prof)
 
-    def action_cost(a) -> float:
-        kind = str(a.kind)
-        if kind in ("F", "B"):
-            base = (fw if kind == "F" else bw)[a.stage]
-        else:
-            base = (i_pass if kind == "I" else w_pass)[a.stage] if kind in ("I", "W") else 0.0
-        return base * order.get(kind, 1.0)  # in the schedule's order (plan_order)
+    def costing(table: dict[str, list[float]]):
+        def action_cost(a) -> float:  # in the schedule's order (plan_order)
+            kind = str(a.kind)
+            return table[kind][a.stage] * order.get(kind, 1.0) if kind in table else 0.0
+
+        return action_cost
+
+    action_cost = costing(pass_costs(scale))
 
     act = max(prof.out_bytes[mbs][span[s][-1]] for s in range(stages))
     shm = cost.shm_alpha + act * cost.shm_beta
@@ -222,9 +226,8 @@ def predict(c: Candidate, prof: Profile, cores: int, cost=None, gpu: bool = Fals
         k = crossing(p, q)
         return cost.net_alpha + k * act * cost.net_beta if k else shm
 
-    sim = SimulationPlan(build_schedule(c.schedule, c.pp, c.microbatches, c.v)).run(
-        action_cost, latency if c.pp > 1 else 0.0
-    )
+    pipeline = SimulationPlan(build_schedule(c.schedule, c.pp, c.microbatches, c.v))
+    sim = pipeline.run(action_cost, latency if c.pp > 1 else 0.0)
     busy = max(sim.busy.values())
     # Per rank: its stages' parameters (the fullest rank decides).
     rank_params = [
@@ -284,9 +287,22 @@ def predict(c: Candidate, prof: Profile, cores: int, cost=None, gpu: bool = Fals
     memory = (held + saved * in_flight) / 2**20
     busy += slow * prof.host_s  # the trainer's own time, on the busiest rank
     makespan = sim.makespan + slow * prof.host_s
-    if plan_cores.crowded(c.dp * c.pp, hosts, cores, gpu):  # no less than the host's CPU
+    if plan_cores.crowded(c.dp * c.pp, hosts, cores, gpu):
+        # the ranks take turns on the cores (plan_cores): a rank alone in a bubble
+        # runs at a core's speed; and no less than the host's CPU over its cores,
+        # tau a compute action included
+        alone = pass_costs([1.0] * len(scale))
+        core_share = {k: [sum(share[i] * t[i] for i in r) / max(1e-12, sum(t[i] for i in r))
+                          for r in span] for k, t in
+                      (("F", prof.forward[mbs]), ("B", prof.backward[mbs]))}  # fmt: skip
+        on_core = lambda a: core_share["F" if str(a.kind) == "F" else "B"][a.stage]  # noqa: E731
+        shared = plan_cores.shared_makespan(pipeline, c, costing(alone), on_core,
+                                            latency if c.pp > 1 else lambda p, q: 0.0,
+                                            hosts, cores)  # fmt: skip
         per_rank = plan_cores.rank_seconds(c, prof, span, share, prof.action_s, sim.schedule)
-        makespan = max(makespan, plan_cores.floor(c, per_rank, hosts, cores))
+        floor = plan_cores.floor(c, per_rank, hosts, cores)
+        makespan = max(shared + slow * prof.host_s, floor)
+        busy = min(busy, makespan)
     return Prediction(c, 1e3 * busy, 1e3 * (makespan - busy), 1e3 * comm, 1e3 * opt, memory)
 
 

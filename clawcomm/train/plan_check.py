@@ -92,6 +92,24 @@ def shapes(preds: list, k: int) -> list:
     return out
 
 
+def grid(preds: list, microbatches: int = 4) -> list:
+    """The plan's first, then the trainer's layout sweep as the plan predicts
+    it, in the plan's order: every dp x pp and schedule (interleaved at 2
+    virtual stages) the plan considers, at ``microbatches`` micro-batches,
+    no ZeRO and the command's wire and sync (``bench/train_bench.py``'s
+    layouts at any world). Not the plan's picks but a fixed set, some far
+    from the best: how well it ranks layouts it would not choose."""
+    out, seen = [preds[0]], {preds[0].cand}
+    for p in preds:
+        c = p.cand
+        fixed = c.microbatches == microbatches and c.zero == 0 and c.v in (1, 2)
+        plain = c.compression in (None, "") and c.sync in (None, "every-step")
+        if fixed and plain and c not in seen:
+            seen.add(c)
+            out.append(p)
+    return out
+
+
 def table(rows: list[tuple]) -> str:
     """(prediction, measured ms, or a list of them, one a round) rows, in
     the plan's order, as the check's table."""

@@ -214,3 +214,90 @@ def caveat(prof, ranks: int, cores: int) -> str | None:
         f"host's CPU-seconds over its cores, with {what}; which rank's turn comes when "
         "is not modelled, so layouts within about 10% can swap (docs/plan.md)"
     )
+
+
+def shared_makespan(plan, c, alone, on_core, latency, hosts: int, cores: int) -> float:
+    """The pipeline's makespan where a host's ranks take turns on its cores:
+    ``plan`` (a ``SimulationPlan``) run in global time, each compute action
+    taking ``alone(a)`` seconds on a core of its own (as profiled; what a
+    trial measures beyond that, tau, is ``floor``'s) and progressing, while
+    the host's busy ranks outnumber its cores, at the host's cores over them
+    (processor sharing; only the share of an action's time on a core,
+    ``on_core(a)``, slows). Every replica of pipeline rank p runs p's
+    actions at once (ranks numbered host by host, as ``floor`` counts them),
+    so a rank runs at its slowest host's rate. A rank alone in a bubble has
+    a core to itself, and a pipeline whose ranks share a host fills one
+    rank's bubble with another's turn, which a makespan with every action
+    slowed alike does not see; replicas of one rank on one host idle
+    together, and keep their bubble. ``latency(p, q)``: a transfer's
+    seconds."""
+    from collections import Counter
+
+    sched, ranks = plan.schedule, plan.ranks
+    per_host = c.dp * c.pp // hosts
+    where = {p: Counter((p * c.dp + d) // per_host for d in range(c.dp)) for p in ranks}
+    owner = {a: r for r in ranks for a in sched[r]}
+    done: dict = {}
+    pos = dict.fromkeys(ranks, 0)
+    left: dict[int, float] = {}  # computing: seconds alone left of its action
+    until: dict[int, float] = {}  # waiting for a transfer to land, until then
+    now = 0.0
+
+    def ready(r: int) -> float | None:  # when action pos[r]'s inputs are there
+        t = 0.0
+        for group in plan.inputs[r][pos[r]]:
+            got = [done[n] + (latency(owner[n], r) if moved else 0.0)
+                   for n, moved in group if n in done]  # fmt: skip
+            if not got:
+                return None
+            t = max(t, min(got))
+        return t
+
+    def start(r: int) -> None:  # at ``now``, action pos[r], its inputs there
+        a = sched[r][pos[r]]
+        if a.is_compute:
+            left[r] = alone(a)
+        else:  # posted: costs the rank nothing
+            done[a] = now
+            pos[r] += 1
+
+    while True:
+        moved = True
+        while moved:  # instant actions, and whatever they unblock
+            moved = False
+            for r in ranks:
+                if r in left or r in until or pos[r] >= len(sched[r]):
+                    continue
+                t = ready(r)
+                if t is None:
+                    continue
+                if t > now:
+                    until[r] = t
+                else:
+                    start(r)
+                    moved = True
+        if not left and not until:
+            break
+        share = {r: on_core(sched[r][pos[r]]) for r in left}
+        demand: Counter = Counter()  # each host's busy ranks, by their share on a core
+        for r in left:
+            for h, n in where[r].items():
+                demand[h] += n * share[r]
+        rates = {}
+        for r in left:  # its slowest host's
+            k = max(max(1.0, demand[h] / cores) for h in where[r])
+            rates[r] = 1.0 / (1.0 + share[r] * (k - 1.0))
+        dt = min([left[r] / rates[r] for r in left] + [t - now for t in until.values()])
+        now += dt
+        for r in list(left):
+            left[r] -= rates[r] * dt
+            if left[r] <= 1e-12:
+                del left[r]
+                done[sched[r][pos[r]]] = now
+                pos[r] += 1
+        for r in [r for r, t in until.items() if t <= now]:
+            del until[r]
+            start(r)
+    if any(pos[r] < len(sched[r]) for r in ranks):
+        raise ValueError(f"{c.name()}: its schedule cannot finish")  # validate() says why
+    return now
