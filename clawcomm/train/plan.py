@@ -31,9 +31,11 @@ its step, with the reasons, and a check of the prediction on this machine.
    rank's timeline (``plan_dp``: what runs past the pipeline's end, and
    what the next forward waits for ZeRO's gathers, is exposed); the optimizer
    on the stage's (shard of its) parameters. Where a host's CPU ranks
-   outnumber its cores, the pipeline takes at least the host's CPU-seconds
-   over its cores, a compute action costing what a short trial measured
-   beyond its profile (``plan_cores``). Memory per rank: parameters,
+   outnumber its cores, the pipeline is simulated with the ranks taking
+   turns on the cores (a rank alone in a bubble runs at a core's speed),
+   and takes at least the host's CPU-seconds over its cores, a compute
+   action costing what a short trial measured beyond its profile
+   (``plan_cores``). Memory per rank: parameters,
    gradients and AdamW's state as ZeRO divides them, and the activations
    of the micro-batches in flight.
 4. **Rank** the candidates within ``--max-memory-mb`` (one over it is never
