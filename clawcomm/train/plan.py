@@ -294,10 +294,7 @@ def predict(c: Candidate, prof: Profile, cores: int, cost=None, gpu: bool = Fals
         # runs at a core's speed; and no less than the host's CPU over its cores,
         # tau a compute action included
         alone = pass_costs([1.0] * len(scale))
-        core_share = {k: [sum(share[i] * t[i] for i in r) / max(1e-12, sum(t[i] for i in r))
-                          for r in span] for k, t in
-                      (("F", prof.forward[mbs]), ("B", prof.backward[mbs]))}  # fmt: skip
-        on_core = lambda a: core_share["F" if str(a.kind) == "F" else "B"][a.stage]  # noqa: E731
+        on_core = plan_cores.core_shares(span, share, prof, mbs)
         shared = plan_cores.shared_makespan(pipeline, c, costing(alone), on_core,
                                             latency if c.pp > 1 else lambda p, q: 0.0,
                                             hosts, cores)  # fmt: skip

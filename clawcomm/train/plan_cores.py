@@ -222,6 +222,19 @@ def caveat(prof, ranks: int, cores: int) -> str | None:
     )
 
 
+def core_shares(span, share, prof, mbs: int):
+    """A compute action's share of its time on a core: its stage's layers'
+    shares (``stages``), weighted by their forward time for F and their
+    backward time for the backward's passes (B, I, W)."""
+
+    def weighted(times: list[float]) -> list[float]:
+        return [sum(share[i] * times[i] for i in r) / max(1e-12, sum(times[i] for i in r))
+                for r in span]  # fmt: skip
+
+    forward, backward = weighted(prof.forward[mbs]), weighted(prof.backward[mbs])
+    return lambda a: (forward if str(a.kind) == "F" else backward)[a.stage]
+
+
 def shared_makespan(plan, c, alone, on_core, latency, hosts: int, cores: int) -> float:
     """The pipeline's makespan where a host's ranks take turns on its cores:
     ``plan`` (a ``SimulationPlan``) run in global time, each compute action
