@@ -284,6 +284,21 @@ class SimulationPlan:
             ]
             for r, acts in schedule.items()
         }
+        self.owner = {a: r for r, acts in schedule.items() for a in acts}
+
+    def ready(self, r: int, i: int, done_at: dict, latency) -> tuple[float | None, list]:
+        """When rank ``r``'s action ``i`` has its inputs, given when each
+        action done so far ended (``done_at``) and ``latency(src, dst)`` per
+        transfer: (the time, []), or (None, the alternatives of an input
+        none of which is done yet)."""
+        t = 0.0
+        for group in self.inputs[r][i]:
+            got = [done_at[n] + (latency(self.owner[n], r) if moved else 0.0)
+                   for n, moved in group if n in done_at]  # fmt: skip
+            if not got:
+                return None, group
+            t = max(t, min(got))
+        return t, []
 
     def run(self, costs=None, latency=0.0, overhead=0.0) -> Simulation:
         """``latency``: seconds a transfer takes, or ``latency(src, dst)``
@@ -291,8 +306,7 @@ class SimulationPlan:
         cost = _cost_function(costs)
         host = overhead if callable(overhead) else (lambda r: overhead)
         schedule, ranks = self.schedule, self.ranks
-        pair = latency if callable(latency) else None
-        owner = {a: r for r in ranks for a in schedule[r]} if pair else {}
+        transfer = latency if callable(latency) else (lambda src, dst: latency)
         done_at: dict[Action, float] = {}  # when each action's result exists
         pos = dict.fromkeys(ranks, 0)
         clock = dict.fromkeys(ranks, 0.0)
@@ -304,24 +318,14 @@ class SimulationPlan:
         work = list(ranks)
         while work:
             r = work.pop()
-            acts, inputs = schedule[r], self.inputs[r]
+            acts = schedule[r]
             while pos[r] < len(acts):
                 i = pos[r]
                 a = acts[i]
-                ready = 0.0
-                for group in inputs[i]:
-                    got = [
-                        done_at[n] + ((pair(owner[n], r) if pair else latency) if t else 0.0)
-                        for n, t in group
-                        if n in done_at
-                    ]
-                    if not got:
-                        ready = None
-                        for n, _ in group:  # wake r when any of them is done
-                            waiters.setdefault(n, []).append(r)
-                        break
-                    ready = max(ready, min(got))
+                ready, missing = self.ready(r, i, done_at, transfer)
                 if ready is None:
+                    for n, _ in missing:  # wake r when any of them is done
+                        waiters.setdefault(n, []).append(r)
                     break
                 compute = a.is_compute
                 t0 = max(clock[r] + (overhead_of[r] if compute else 0.0), ready)

@@ -255,22 +255,11 @@ def shared_makespan(plan, c, alone, on_core, latency, hosts: int, cores: int) ->
     sched, ranks = plan.schedule, plan.ranks
     per_host = c.dp * c.pp // hosts
     where = {p: Counter((p * c.dp + d) // per_host for d in range(c.dp)) for p in ranks}
-    owner = {a: r for r in ranks for a in sched[r]}
     done: dict = {}
     pos = dict.fromkeys(ranks, 0)
     left: dict[int, float] = {}  # computing: seconds alone left of its action
     until: dict[int, float] = {}  # waiting for a transfer to land, until then
     now = 0.0
-
-    def ready(r: int) -> float | None:  # when action pos[r]'s inputs are there
-        t = 0.0
-        for group in plan.inputs[r][pos[r]]:
-            got = [done[n] + (latency(owner[n], r) if moved else 0.0)
-                   for n, moved in group if n in done]  # fmt: skip
-            if not got:
-                return None
-            t = max(t, min(got))
-        return t
 
     def start(r: int) -> None:  # at ``now``, action pos[r], its inputs there
         a = sched[r][pos[r]]
@@ -287,7 +276,7 @@ def shared_makespan(plan, c, alone, on_core, latency, hosts: int, cores: int) ->
             for r in ranks:
                 if r in left or r in until or pos[r] >= len(sched[r]):
                     continue
-                t = ready(r)
+                t, _ = plan.ready(r, pos[r], done, latency)
                 if t is None:
                     continue
                 if t > now:
