@@ -25,10 +25,7 @@ figure is the median (``plan_check.measure_rounds``); the rounds' agreement
 with one another (Spearman between rounds) is printed beside the plan's, as
 the most any prediction can show on this machine, and so is how many of
 the pairs of layouts the rounds tell apart (one's range below the
-other's: ``plan_check.separated``) the plan orders the same way. Before
-each measurement the sweep times the model's passes again in its own
-process (``profiling.pace_probe``): how fast the machine ran while the
-layouts were measured, against while it was profiled.
+other's: ``plan_check.separated``) the plan orders the same way.
 """
 
 from __future__ import annotations
@@ -52,7 +49,6 @@ from clawcomm.train.plan_check import (
     spearman,
     table,
 )
-from clawcomm.train.profiling import pace_probe
 
 SCENARIOS = ["gpt-2", "gpt-4", "wait-4", "gpt-4@2x1gbit", "wait-4@2x1gbit"]
 
@@ -78,23 +74,20 @@ def run_scenario(name: str, args, progress) -> dict:
     cores = namespace_cores(hosts)
     t0 = time.perf_counter()
     extras = name.split("+")[1:]
-    preds, _, prof = plan.plan(cfg, world, cores=cores, cost=plan.cost_model(None, rate),
-                               hosts=hosts, compressions=WIRES if "wire" in extras else None,
-                               syncs=SYNCS if "sync" in extras else None,
-                               trial_on_hosts=hosts > 1, link=rate)  # fmt: skip
+    preds, _, _ = plan.plan(cfg, world, cores=cores, cost=plan.cost_model(None, rate), hosts=hosts,
+                            compressions=WIRES if "wire" in extras else None,
+                            syncs=SYNCS if "sync" in extras else None,
+                            trial_on_hosts=hosts > 1, link=rate)  # fmt: skip
     plan_s = time.perf_counter() - t0
     chosen = grid(preds, args.grid) if args.grid else shapes(preds, args.layouts)
     if len(chosen) != args.layouts:  # the grid's size is the plan's to say
         progress.total += (len(chosen) - args.layouts) * args.rounds
         progress.refresh()
-    probe, paces = pace_probe(cfg, prof, plan.on_gpu(cfg)), []
-    before = lambda: paces.append(probe())  # noqa: E731
     if hosts == 1:
-        runs = measure_rounds(cfg, chosen, args.steps, world, args.rounds, None, progress, before)
+        runs = measure_rounds(cfg, chosen, args.steps, world, args.rounds, None, progress)
     else:
         with on_hosts(hosts, rate, world, args.timeout) as launch:
-            runs = measure_rounds(cfg, chosen, args.steps, world, args.rounds, launch, progress,
-                                  before)  # fmt: skip
+            runs = measure_rounds(cfg, chosen, args.steps, world, args.rounds, launch, progress)
     rows = list(zip(chosen, runs, strict=True))
     measured = [statistics.median(r) for r in runs]
     first_ratio = measured[0] / min(measured)
@@ -105,12 +98,11 @@ def run_scenario(name: str, args, progress) -> dict:
     links = f", links {rate}" if rate else ""
     print(f"# {name}: {model}, {world} ranks on {hosts} host(s){links}; planned in {plan_s:.1f} s"
           + which)  # fmt: skip
-    print(table(rows, paces), flush=True)
+    print(table(rows), flush=True)
     return {
         "scenario": name, "model": model, "ranks": world, "hosts": hosts, "link": rate,
         "plan_s": plan_s, "grid": args.grid, "first_over_fastest": first_ratio, "spearman": rho,
         "spearman_between_rounds": self_rho, "pairs_told_apart": told, "pairs_plan_right": right,
-        "paces": paces,
         "layouts": [{"layout": p.cand.name(), "flags": p.cand.flags(), "predicted_ms": p.step_ms,
                      "measured_ms": m, "rounds_ms": r}
                     for p, m, r in zip(chosen, measured, runs, strict=True)],

@@ -2,19 +2,13 @@
 clawcomm/train/plan_check.py): the check trains the layouts it names, on
 this host or on namespace hosts, in rounds whose medians, spreads and
 agreement with each other it reports; the pairs the rounds tell apart; the
-trainer's layout grid; and the machine's pace, the profile's pass timed
-again between the measurements."""
+trainer's layout grid."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
-from clawcomm.train import plan, plan_check, profiling
-from clawcomm.train.config import TrainConfig
-
-MLP = dict(model="mlp", hidden=32, quiet=True)
+from clawcomm.train import plan, plan_check
 
 
 def _fake(name_dp: int, step_ms: float):
@@ -103,7 +97,6 @@ def test_check_trains_the_first_layouts_and_compares(capsys):
     out = capsys.readouterr().out
     assert "run it: clawcomm train --nproc 2 --model mlp --hidden 32" in out
     assert "predicted ms" in out and "measured fastest: #" in out
-    assert "# the machine's pace: the model's passes, timed again here" in out
 
 
 def test_check_shapes_trains_layouts_that_differ(capsys):
@@ -117,41 +110,3 @@ def test_check_shapes_trains_layouts_that_differ(capsys):
     assert len(rows) == 2
     shapes = {line.split(",")[0].split(maxsplit=1)[1] for line in rows}
     assert len(shapes) == 2, rows  # two shapes (dp 2 x pp 1, dp 1 x pp 2 ...), not two ZeRO stages
-
-
-def test_the_profile_times_the_pace_pass_and_the_probe_reads_against_it():
-    cfg = TrainConfig(**MLP)
-    prof = profiling.profile(cfg, [2, 8])
-    assert prof.pace_mbs in (2, 8) and prof.pace_s > 0
-    probe = profiling.pace_probe(cfg, prof)
-    readings = [probe() for _ in range(3)]
-    assert all(r > 0 and math.isfinite(r) for r in readings)
-    with pytest.raises(ValueError, match="pace_probe: the profile timed no pace pass"):
-        profiling.pace_probe(cfg, profiling.profile(cfg, [2], repeats=1))
-
-
-def test_the_pace_probe_is_read_before_each_measurement(monkeypatch):
-    measured = []
-
-    def fake(cfg, c, steps, world, launch=None):
-        measured.append(c)
-        return 10.0
-
-    monkeypatch.setattr(plan_check, "measure", fake)
-    order = []
-    preds = [_fake(4, 10.0), _fake(2, 12.0)]
-    runs = plan_check.measure_rounds(None, preds, 5, 4, rounds=3,
-                                     before=lambda: order.append(len(measured)))  # fmt: skip
-    assert runs == [[10.0] * 3] * 2 and order == [0, 1, 2, 3, 4, 5]
-
-
-def test_the_table_says_the_machines_pace_and_the_errors_without_it():
-    preds = [_fake(4, 10.0), _fake(2, 12.0), _fake(1, 14.0)]
-    runs = [[12.0], [14.4], [15.4]]
-    rows = list(zip(preds, runs, strict=True))
-    assert "pace" not in plan_check.table(rows)
-    text = plan_check.table(rows, [1.1, 1.2, 1.3])
-    # scaled by 1.2: 12.0, 14.4, 16.8 against 12.0, 14.4, 15.4
-    assert ("the machine's pace: the model's passes, timed again here before each measurement, "
-            "took 1.20x their profiled time (1.10-1.30x); the predictions scaled by it err "
-            "+0% to +9%") in text  # fmt: skip

@@ -110,11 +110,9 @@ def grid(preds: list, microbatches: int = 4) -> list:
     return out
 
 
-def table(rows: list[tuple], paces: list[float] | None = None) -> str:
+def table(rows: list[tuple]) -> str:
     """(prediction, measured ms, or a list of them, one a round) rows, in
-    the plan's order, as the check's table; with ``paces`` (a pace probe's
-    readings, ``profiling.pace_probe``), a line on how fast the machine ran
-    while they were measured against while it was profiled."""
+    the plan's order, as the check's table."""
     runs = [m if isinstance(m, list | tuple) else [m] for _, m in rows]
     rounds = min(len(r) for r in runs)
     med = [statistics.median(r) for r in runs]
@@ -142,20 +140,7 @@ def table(rows: list[tuple], paces: list[float] | None = None) -> str:
             f"# the pairs the rounds tell apart (one's range below the other's): {told} of "
             f"{len(rows) * (len(rows) - 1) // 2}; the plan orders {right} of them the same way"
         )
-    if paces:
-        lines.append(pace_line(paces, [p.step_ms for p, _ in rows], med))
     return "\n".join(lines)
-
-
-def pace_line(paces: list[float], predicted: list[float], measured: list[float]) -> str:
-    """The table's line on the machine's pace: the probes' median and range,
-    and the predictions' errors with that pace taken out."""
-    pace = statistics.median(paces)
-    errs = [p * pace / m - 1 for p, m in zip(predicted, measured, strict=True)]
-    low, high = (f"{e:+.0%}".replace("-0%", "+0%") for e in (min(errs), max(errs)))
-    return (f"# the machine's pace: the model's passes, timed again here before each "
-            f"measurement, took {pace:.2f}x their profiled time ({min(paces):.2f}-"
-            f"{max(paces):.2f}x); the predictions scaled by it err {low} to {high}")  # fmt: skip
 
 
 def separated(runs: list[list[float]]) -> list[tuple[int, int]]:
@@ -195,15 +180,12 @@ def retest(runs: list[list[float]]) -> float:
 
 
 def measure_rounds(cfg, preds: list, steps: int, world: int, rounds: int = 1, launch=None,
-                   progress=None, before=None) -> list[list[float]]:  # fmt: skip
+                   progress=None) -> list[list[float]]:  # fmt: skip
     """Each prediction's layout measured ``rounds`` times, in turn: per
-    layout, its step (ms) in each round. ``before()`` is called before
-    each measurement (a pace probe: ``profiling.pace_probe``)."""
+    layout, its step (ms) in each round."""
     out = [[] for _ in preds]
     for _ in range(rounds):
         for i, p in enumerate(preds):
-            if before is not None:
-                before()
             out[i].append(measure(cfg, p.cand, steps, world, launch))
             if progress is not None:
                 progress.update()
@@ -238,21 +220,19 @@ def on_hosts(hosts: int, rate: str | None, world: int, timeout: float = 600):
 
 
 def check(cfg, preds: list, k: int, steps: int, world: int, rounds: int = 1,
-          hosts: int = 1, rate: str | None = None, probe=None) -> str:  # fmt: skip
+          hosts: int = 1, rate: str | None = None) -> str:  # fmt: skip
     """Trains the first ``k`` for ``steps`` steps each (``clawcomm train``,
     one after another, ``rounds`` times; on ``hosts`` namespace hosts with
     links at ``rate`` when hosts > 1) and prints predicted against measured
-    step times (the median of the second half) and their rank correlation;
-    with ``probe`` (``profiling.pace_probe``), the machine's pace too."""
+    step times (the median of the second half) and their rank correlation."""
     from tqdm import tqdm
 
-    chosen, paces = preds[:k], []
+    chosen = preds[:k]
     where = on_hosts(hosts, rate, world) if hosts > 1 else contextlib.nullcontext(None)
-    before = (lambda: paces.append(probe())) if probe else None
     with tqdm(total=len(chosen) * rounds, desc="clawcomm plan --check", unit="layout",
               leave=False) as bar, where as launch:  # fmt: skip
-        runs = measure_rounds(cfg, chosen, steps, world, rounds, launch, bar, before)
-    return table(list(zip(chosen, runs, strict=True)), paces)
+        runs = measure_rounds(cfg, chosen, steps, world, rounds, launch, bar)
+    return table(list(zip(chosen, runs, strict=True)))
 
 
 def spearman(a: list[float], b: list[float]) -> float:

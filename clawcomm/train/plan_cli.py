@@ -6,10 +6,9 @@ from __future__ import annotations
 import os
 
 from clawcomm.train import plan_cores
-from clawcomm.train.plan import cost_model, on_gpu, plan
+from clawcomm.train.plan import cost_model, plan
 from clawcomm.train.plan_check import check, model_flags, namespace_cores, shapes
 from clawcomm.train.plan_report import report
-from clawcomm.train.profiling import pace_probe
 
 
 def add_arguments(p) -> None:
@@ -113,10 +112,9 @@ def run(args) -> int:
             print(f"# checked on {args.hosts} namespace hosts of this machine, "
                   f"{cores} core(s) each, links {args.link or 'unshaped'}")  # fmt: skip
         chosen = shapes(preds, args.check) if args.check_shapes else preds[: args.check]
-        probe = pace_probe(cfg, prof, on_gpu(cfg))
         try:
             print(check(cfg, chosen, len(chosen), args.check_steps, args.nproc,
-                        args.check_rounds, args.hosts, args.link, probe))  # fmt: skip
+                        args.check_rounds, args.hosts, args.link))  # fmt: skip
         except (ValueError, RuntimeError, OSError) as e:
             print(f"clawcomm plan --check: error: {e}")
             return 1

@@ -69,11 +69,6 @@ class Profile:
     order: dict[tuple[str, int, int], dict[str, float]] = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
     threads: int = 0  # intra-op threads the layers were timed with
-    # a pace probe's reference (``pace_probe``): the micro-batch size it
-    # times, and the median of that pass timed alone between the profile's
-    # repeats
-    pace_mbs: int = 0
-    pace_s: float = 0.0
 
 
 def profile(cfg, sizes: list[int], repeats: int = 7, built=None, gpu: bool = False,
@@ -111,17 +106,11 @@ def _profile(cfg, sizes: list[int], repeats: int, built, split: bool) -> Profile
     times = {mbs: _Times(len(layers)) for mbs in sizes}
     # Repeats outermost: a slow stretch of the machine (seconds long) then
     # touches every size's samples alike instead of all of one size's.
-    paces = []
-    for r in range(repeats):
+    for _ in range(repeats):
         for mbs in sizes:
             _timed_pass(layers, inputs[mbs], times[mbs])
             if copies:
                 _timed_split_pass(copies, inputs[mbs], times[mbs])
-        if r == 0:
-            prof.pace_mbs = min(sizes, key=lambda m: (abs(_last_pass(times[m]) - PACE_PASS_S), m))
-        else:  # the pace probe's pass, as it will be timed: alone, after other work
-            paces.append(_pace_pass(layers, inputs[prof.pace_mbs]))
-    prof.pace_s = statistics.median(paces) if paces else 0.0
     for mbs, t in times.items():
         prof.forward[mbs], prof.backward[mbs] = t.medians("forward"), t.medians("backward")
         prof.saved[mbs], prof.out_bytes[mbs] = t.saved, t.out_bytes
@@ -141,47 +130,6 @@ def _profile(cfg, sizes: list[int], repeats: int, built, split: bool) -> Profile
     prof.host_s = _host_seconds(cfg, min(sizes), prof)
     prof.seconds = time.perf_counter() - t_start
     return prof
-
-
-PACE_PASS_S = 0.02  # a pace probe's pass: the profiled size whose pass is nearest this
-
-
-def pace_probe(cfg, prof: Profile, gpu: bool = False, built=None):
-    """A probe of the machine's pace against ``prof``: each call times one
-    pass of the model's layers (forward and backward, a rank's intra-op
-    threads) at ``prof.pace_mbs`` and returns it over ``prof.pace_s``, the
-    same pass timed the same way between the profile's repeats: 1.2 means
-    the machine now takes 20% longer than while it was profiled. On a
-    machine whose speed wanders (a VM beside others: 42-70 ms for the same
-    matrix products from one second to the next) the profile is a few
-    seconds of it; probes between the measured layouts say how fast it ran
-    while they were measured (``plan_check.measure_rounds``)."""
-    from clawcomm.train import models
-
-    if not prof.pace_s:
-        raise ValueError("pace_probe: the profile timed no pace pass (one repeat only)")
-    built = built or models.build(dataclasses.replace(cfg, dp=1, pp=1))
-    layers, x = list(built[0]), built[3].batch(torch.arange(prof.pace_mbs))[0]
-    with rank_threads(gpu):
-        _pace_pass(layers, x)  # a fresh model's first pass allocates
-
-    def probe() -> float:
-        with rank_threads(gpu):
-            return _pace_pass(layers, x) / prof.pace_s
-
-    return probe
-
-
-def _pace_pass(layers, x) -> float:
-    """One pass's seconds, its layers' forward and backward summed as the
-    profile times them."""
-    t = _Times(len(layers))
-    _timed_pass(layers, x, t)
-    return _last_pass(t)
-
-
-def _last_pass(t: _Times) -> float:
-    return sum(f[-1] for f in t.samples["forward"]) + sum(b[-1] for b in t.samples["backward"])
 
 
 def _tensors(layers) -> list[list[tuple[int, ...]]]:
