@@ -32,7 +32,7 @@ import tempfile
 
 from clawcomm import chakra
 from clawcomm.chakra_replay import replay
-from clawcomm.model import CostModel
+from clawcomm.cost_model import CostModel
 from clawcomm.testing.netns import Cluster, failed, unavailable
 
 RUNS = [

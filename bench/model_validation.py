@@ -7,7 +7,7 @@
    the shaped link, the reduction kernel) -> OUT/model.json.
 2. Measures every collective and all-reduce algorithm with ``clawcomm
    bench`` on 2 hosts x 2 ranks, 4 x 2 and 8 x 1 -> OUT/measured_<h>x<k>.json.
-3. Predicts each measured point with clawcomm.model (and the event
+3. Predicts each measured point with clawcomm.cost_model (and the event
    simulator) and prints the table and the geometric-mean error: the
    geometric mean over points of max(pred/meas, meas/pred), minus 1.
 
@@ -22,7 +22,7 @@ import math
 import os
 import sys
 
-from clawcomm.model import ALGORITHMS, CostModel, Layout, choose, predict
+from clawcomm.cost_model import ALGORITHMS, CostModel, Topology, choose, predict
 from clawcomm.simulator import simulate
 from clawcomm.testing.netns import Cluster, unavailable
 
@@ -58,43 +58,43 @@ def measure(out: str, rate: str, sizes: tuple[str, str]) -> None:
                    "--json", path])  # fmt: skip
 
 
-def ran(collective: str, name: str, size: int, layout: Layout) -> str:
+def ran(collective: str, name: str, size: int, topology: Topology) -> str:
     """The algorithm a run with CLAWCOMM_ALGO=name ran (csrc/algorithms/
-    selection.cc): the one it names if the collective has it and the layout
+    selection.cc): the one it names if the collective has it and the topology
     can run it (else the ring), otherwise auto's pick by the engine's
     built-in model (these runs set no CLAWCOMM_COST_MODEL)."""
     if name in ALGORITHMS[collective]:
-        if predict(collective, name, size, layout, CostModel()) == math.inf:
+        if predict(collective, name, size, topology, CostModel()) == math.inf:
             return "ring"
         return name
-    return choose(collective, size, layout, CostModel())
+    return choose(collective, size, topology, CostModel())
 
 
 def compare(out: str) -> tuple[str, float, float]:
     from clawcomm.simulator import simulates
 
     model = CostModel.load(os.path.join(out, "model.json"))
-    lines = [f"{'layout':>6} {'collective':>15} {'algorithm':>17} {'size':>10} {'measured':>11} "
+    lines = [f"{'topology':>6} {'collective':>15} {'algorithm':>17} {'size':>10} {'measured':>11} "
              f"{'model':>11} {'simulated':>11} {'error':>7}"]  # fmt: skip
-    logs, sim_logs, by_layout = [], [], {}
+    logs, sim_logs, by_topology = [], [], {}
     for hosts, per_host in LAYOUTS:
         with open(os.path.join(out, f"measured_{hosts}x{per_host}.json")) as f:
             records = json.load(f)["records"]
-        layout = Layout(hosts, per_host)
-        mine = by_layout.setdefault(f"{hosts} x {per_host}", [])
+        topology = Topology(hosts, per_host)
+        mine = by_topology.setdefault(f"{hosts} x {per_host}", [])
         for r in records:
             if "time_us" not in r:
                 continue
             coll = r["collective"]
-            algo = ran(coll, r["variant"].split("/")[-1], r["size"], layout)
+            algo = ran(coll, r["variant"].split("/")[-1], r["size"], topology)
             measured = r["time_us"] / 1e6
-            predicted = predict(coll, algo, r["size"], layout, model)
+            predicted = predict(coll, algo, r["size"], topology, model)
             err = max(predicted / measured, measured / predicted) - 1
             logs.append(math.log1p(err))
             mine.append(math.log1p(err))
             sim = "-"
             if simulates(coll, algo):
-                simulated = simulate(coll, algo, r["size"], layout, model)
+                simulated = simulate(coll, algo, r["size"], topology, model)
                 sim_logs.append(math.log(max(simulated / measured, measured / simulated)))
                 sim = f"{simulated * 1e3:.2f}ms"
             lines.append(f"{hosts}x{per_host:<4} {coll:>15} {algo:>17} {r['size']:>10} "
@@ -102,7 +102,7 @@ def compare(out: str) -> tuple[str, float, float]:
                          f"{sim:>11} {err:>6.1%}")  # fmt: skip
     geo = math.exp(sum(logs) / len(logs)) - 1
     sim_geo = math.exp(sum(sim_logs) / len(sim_logs)) - 1
-    for name, v in by_layout.items():
+    for name, v in by_topology.items():
         lines.append(f"# {name}: geometric-mean error over {len(v)} points: "
                      f"{math.exp(sum(v) / len(v)) - 1:.1%}")  # fmt: skip
     lines.append(f"# geometric-mean error over {len(logs)} points: model {geo:.1%}, "

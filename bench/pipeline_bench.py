@@ -14,7 +14,7 @@ reference and says so):
    gradient and weight-gradient passes take 20 ms each (10 ms per virtual
    stage for interleaved, the same work per rank). Measured bubble: the
    share of rank-time not spent in a compute action, 1 - sum(busy) / (p *
-   span), per step. Predicted: ``simulate`` of the same action list with the
+   span), per step. Predicted: ``pipeline.clock.timing`` of the same action list with the
    step's measured per-action costs, the measured p2p latency and each
    rank's measured host time per action (posting transfers, bookkeeping:
    time that is neither compute nor waiting); "ideal" charges the action
@@ -201,7 +201,7 @@ def _overlap(rank, world, schedule, m, steps, rounds, reps, width=2048, layer_ms
 
 def print_report(res) -> None:
     print("# 1. measured vs predicted bubble, 'wait' model (F = I = W = 20 ms per stage),")
-    print("#    median over timed steps. predicted: simulate() with the step's measured action")
+    print("#    median over timed steps. predicted: pipeline.clock with the step's measured action")
     print("#    costs, p2p latency and host time per action; ideal: action costs only")
     print(f"# {'schedule':<16}{'p':>2}{'m':>4}{'measured':>10}{'predicted':>11}{'rel err':>9}"
           f"{'ideal':>8}{'host us':>9}{'step ms':>9}")  # fmt: skip
@@ -257,7 +257,7 @@ def plot(res, path) -> None:
     ax.plot(xs, xs, "k-", lw=0.8, label="measured = predicted")
     ax.fill_between(xs, [x * 0.9 for x in xs], [x * 1.1 for x in xs], color="k", alpha=0.08,
                     label="within 10%")  # fmt: skip
-    ax.set_xlabel("predicted bubble (simulate, measured costs)")
+    ax.set_xlabel("predicted bubble (the clock, measured costs)")
     ax.set_ylabel("measured bubble")
     ax.set_title("pipeline bubbles, 'wait' model, m = 4, 8, 16")
     ax.legend(fontsize=7, ncol=2)

@@ -9,8 +9,8 @@ Every rank runs its nodes as their dependencies allow, with:
 * a collective starting once every member of its process group has reached
   it (the k-th collective of a group on each member is one collective) and
   the group's previous collective is done (a communicator runs one at a
-  time), and taking clawcomm.model's time for its kind, bytes and the
-  group's layout of hosts (``choose``: the algorithm ``CLAWCOMM_ALGO=auto``
+  time), and taking clawcomm.cost_model's time for its kind, bytes and the
+  group's topology of hosts (``choose``: the algorithm ``CLAWCOMM_ALGO=auto``
   would take);
 * a send starting when ready and once the previous message from that rank
   to that peer is through, taking one message's time over shared memory or
@@ -35,7 +35,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from clawcomm import chakra
-from clawcomm.model import CostModel, Layout, predict
+from clawcomm.cost_model import CostModel, Topology, predict
 
 _STAND_INS = {
     "all_to_all": "all_gather",
@@ -93,13 +93,13 @@ def _kind(n: chakra.Node) -> str:
     return _KINDS.get(n.type, "other")
 
 
-def group_layout(members: list[int], host_of) -> Layout:
-    """The hosts x ranks-per-host layout a group's members sit on (the most
+def group_topology(members: list[int], host_of) -> Topology:
+    """The hosts x ranks-per-host topology a group's members sit on (the most
     ranks on one host, when hosts hold different numbers)."""
     per_host = defaultdict(int)
     for r in members:
         per_host[host_of(r)] += 1
-    return Layout(len(per_host), max(per_host.values()))
+    return Topology(len(per_host), max(per_host.values()))
 
 
 def replay(
@@ -170,10 +170,10 @@ def replay(
                 f"Chakra trace: collective {n.name!r} has comm_type "
                 f"{n.attrs.get('comm_type')!r}, not one of Chakra's"
             )
-        layout = group_layout(members, host_of)
+        topology = group_topology(members, host_of)
         if project_hosts:
-            layout = Layout(project_hosts, layout.ranks_per_host)
-        return predict(kind, "auto", nbytes, layout, model) if layout.size > 1 else 0.0
+            topology = Topology(project_hosts, topology.ranks_per_host)
+        return predict(kind, "auto", nbytes, topology, model) if topology.size > 1 else 0.0
 
     def message_time(src: int, dst: int, nbytes: int) -> float:
         if host_of(src) == host_of(dst):

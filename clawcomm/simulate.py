@@ -15,7 +15,7 @@ another tool's) and prints the predicted step and its critical path
 (clawcomm.chakra_replay).
 
 These are projections of a calibrated alpha-beta-gamma model
-(clawcomm.model; docs/algorithms.md): they know link bandwidths and
+(clawcomm.cost_model; docs/algorithms.md): they know link bandwidths and
 latencies, the algorithms' steps and how streams share a host's link, not
 congestion inside a switch fabric, stragglers or the operating system.
 bench/model_validation.py compares them with measured times.
@@ -30,7 +30,7 @@ from dataclasses import asdict
 from clawcomm import outputs
 from clawcomm.bench.cli import parse_size
 from clawcomm.bench.report import size_text as _size
-from clawcomm.model import ALGORITHMS, CostModel, Layout, busbw_factor, choose, predict
+from clawcomm.cost_model import ALGORITHMS, CostModel, Topology, busbw_factor, choose, predict
 
 COLLECTIVES = list(ALGORITHMS)
 
@@ -101,10 +101,12 @@ def _count(n: float) -> str:
     return f"{n:g}"
 
 
-def table(collectives, sizes, layout: Layout, model: CostModel, check: bool) -> tuple[str, list]:
+def table(
+    collectives, sizes, topology: Topology, model: CostModel, check: bool
+) -> tuple[str, list]:
     from clawcomm.simulator import simulate, simulates
 
-    n = layout.size
+    n = topology.size
     lines, records = [], []
     head = (f"#{'size':>11} {'collective':>15} {'algorithm':>21} {'time (us)':>12} "
             f"{'algbw':>8} {'busbw':>8}")  # fmt: skip
@@ -113,9 +115,9 @@ def table(collectives, sizes, layout: Layout, model: CostModel, check: bool) -> 
     lines.append(head + "   (GB/s; * = what auto picks)")
     for coll in collectives:
         for size in sizes:
-            picked = choose(coll, size, layout, model)
+            picked = choose(coll, size, topology, model)
             for algo in ALGORITHMS[coll]:
-                t = predict(coll, algo, size, layout, model)
+                t = predict(coll, algo, size, topology, model)
                 if t == float("inf"):
                     continue
                 algbw = size / t / 1e9 if t > 0 else 0.0
@@ -126,7 +128,7 @@ def table(collectives, sizes, layout: Layout, model: CostModel, check: bool) -> 
                 rec = {"collective": coll, "algo": algo, "size": size, "time_s": t,
                        "busbw": busbw, "auto": algo == picked}  # fmt: skip
                 if check and n <= 64 and simulates(coll, algo):
-                    s = simulate(coll, algo, size, layout, model)
+                    s = simulate(coll, algo, size, topology, model)
                     line += f" {s * 1e6:>12.1f} {(s / t - 1) * 100 if t else 0:>5.1f}%"
                     rec["simulated_s"] = s
                 lines.append(line)
@@ -134,26 +136,26 @@ def table(collectives, sizes, layout: Layout, model: CostModel, check: bool) -> 
     return "\n".join(lines), records
 
 
-def training_step(params: int, compression: str, overlap: float, layout: Layout,
+def training_step(params: int, compression: str, overlap: float, topology: Topology,
                   model: CostModel) -> tuple[str, float]:  # fmt: skip
     """The gradient exchange of one data-parallel step, and what is left
     exposed after `overlap` of it hides behind backward."""
-    n = layout.size
+    n = topology.size
     if compression == "none":
         what, t = (
             "all-reduce of fp32 gradients",
-            predict("all_reduce", "auto", 4 * params, layout, model),
+            predict("all_reduce", "auto", 4 * params, topology, model),
         )
     elif compression in ("fp16", "bf16"):
         what = f"all-reduce with a 16-bit wire ({compression})"
-        t = predict("all_reduce", "auto", 2 * params, layout, model)
+        t = predict("all_reduce", "auto", 2 * params, topology, model)
     elif compression.startswith("topk:"):
         ratio = float(compression.split(":", 1)[1])
         if not 0 < ratio <= 1:
             raise ValueError(f"--compression {compression}: the ratio must be in (0, 1]")
         pairs = 8 * ratio * params  # int32 index + float32 value per kept element
         what = f"all-gather of top-k pairs (ratio {ratio:g})"
-        t = predict("all_gather", "ring", pairs * n, layout, model)
+        t = predict("all_gather", "ring", pairs * n, topology, model)
     else:
         raise ValueError(f"--compression {compression!r}: none, fp16, bf16 or topk:RATIO")
     return what, t
@@ -170,8 +172,8 @@ def plot(path: str, model: CostModel, ranks_per_host: int, max_size: int) -> Non
     n = 8
     while n <= 4096:
         k = min(ranks_per_host, n)
-        layout = Layout(n // k, k)
-        bw = [size / predict("all_reduce", "auto", size, layout, model) / 1e9
+        topology = Topology(n // k, k)
+        bw = [size / predict("all_reduce", "auto", size, topology, model) / 1e9
               * busbw_factor("all_reduce", n) for size in sizes]  # fmt: skip
         ax.plot(sizes, bw, marker=".", label=f"{n} ranks ({n // k} x {k})")
         n *= 2
@@ -252,29 +254,29 @@ def run(args) -> int:
                 raise ValueError(f"--op {c!r} is not one of {', '.join(COLLECTIVES)}")
         if args.stepfactor < 2 or args.minbytes > args.size:
             raise ValueError("need -f >= 2 and -b <= --size")
-        layout = Layout(args.hosts, args.ranks_per_host)
+        topology = Topology(args.hosts, args.ranks_per_host)
         sizes, s = [], args.minbytes
         while s <= args.size:
             sizes.append(s)
             s *= args.stepfactor
-        text, records = table(collectives, sizes, layout, model, args.check)
+        text, records = table(collectives, sizes, topology, model, args.check)
         step = None
         if args.params:
-            step = training_step(args.params, args.compression, args.overlap, layout, model)
+            step = training_step(args.params, args.compression, args.overlap, topology, model)
     except (OSError, ValueError) as e:
         print(f"clawcomm simulate: error: {e}", file=sys.stderr)
         return 2
     source = args.model or "the engine's default model"
     print(f"# clawcomm simulate: {args.hosts} hosts x {args.ranks_per_host} ranks = "
-          f"{layout.size} ranks, model {source}")  # fmt: skip
+          f"{topology.size} ranks, model {source}")  # fmt: skip
     print(f"# links: shm {1 / model.shm_beta / 1e9:.2f} GB/s + {model.shm_alpha * 1e6:.1f} us, "
           f"network {1 / model.net_beta / 1e9:.3f} GB/s + {model.net_alpha * 1e6:.1f} us, "
           f"reduction {1 / model.gamma / 1e9:.2f} GB/s")  # fmt: skip
     print(text)
     largest = sizes[-1]
-    print(f"# auto picks {choose('all_reduce', largest, layout, model)} for a "
+    print(f"# auto picks {choose('all_reduce', largest, topology, model)} for a "
           f"{_size(largest)} all-reduce")  # fmt: skip
-    payload = {"layout": [args.hosts, args.ranks_per_host], "model": asdict(model),
+    payload = {"topology": [args.hosts, args.ranks_per_host], "model": asdict(model),
                "records": records}  # fmt: skip
     if step:
         what, t = step

@@ -2,11 +2,11 @@
 runs the algorithm's steps (the same peers, bytes and order as the engine),
 and every message queues on the links it crosses.
 
-    from clawcomm.model import CostModel, Layout
+    from clawcomm.cost_model import CostModel, Topology
     from clawcomm.simulator import simulate
-    simulate("all_reduce", "hierarchical", 64 << 20, Layout(2, 4), CostModel())
+    simulate("all_reduce", "hierarchical", 64 << 20, Topology(2, 4), CostModel())
 
-What it models, with the cost model's numbers (clawcomm.model):
+What it models, with the cost model's numbers (clawcomm.cost_model):
   * a message inside a host takes shm_alpha + bytes * shm_beta; a rank's
     messages of one step inside its host are copied one after another;
   * a message between hosts waits net_alpha, then crosses the sender's
@@ -20,11 +20,11 @@ What it models, with the cost model's numbers (clawcomm.model):
     other lane it waits for) and ends when its sends have left and its
     receives have arrived and been reduced.
 
-It checks the closed forms in clawcomm.model where both apply (tests assert
+It checks the closed forms in clawcomm.cost_model where both apply (tests assert
 they agree within 5%), and shows what the closed forms leave out: queueing
 of several streams on one link, and the pipelined overlap of the
 hierarchical algorithms' phases. It runs every message in Python, so it is
-meant for up to a few dozen ranks; clawcomm.model projects further.
+meant for up to a few dozen ranks; clawcomm.cost_model projects further.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from clawcomm.model import CostModel, Layout, hierarchical_pieces
+from clawcomm.cost_model import CostModel, Topology, hierarchical_pieces
 
 __all__ = ["simulate", "simulates"]
 
@@ -173,17 +173,17 @@ def _broadcast(prog: _Program, n: int, nbytes: float) -> None:
             prog.send(rest, parent, 0.0)
 
 
-def _hierarchical(prog: _Program, layout: Layout, N: float) -> None:
+def _hierarchical(prog: _Program, topology: Topology, N: float) -> None:
     """The engine's schedule (hierarchical_all_reduce.cc): a shared-memory
     lane running RS 0, RS 1, AG 0, RS 2, AG 1, ..., AG P-1 and a network
     lane running the pieces' cross-host rings in order."""
-    k, hosts = layout.ranks_per_host, layout.hosts
+    k, hosts = topology.ranks_per_host, topology.hosts
     pieces = hierarchical_pieces(N)
     piece = N / pieces
     local = [[h * k + i for i in range(k)] for h in range(hosts)]
     cross = [[h * k + i for h in range(hosts)] for i in range(k)]
-    shm_last: dict[int, int | None] = dict.fromkeys(range(layout.size))
-    net_last: dict[int, int | None] = dict.fromkeys(range(layout.size))
+    shm_last: dict[int, int | None] = dict.fromkeys(range(topology.size))
+    net_last: dict[int, int | None] = dict.fromkeys(range(topology.size))
     rs_end: dict[int, dict] = {}
     ar_end: dict[int, dict] = {}
 
@@ -193,7 +193,7 @@ def _hierarchical(prog: _Program, layout: Layout, N: float) -> None:
         rs_end[p] = dict(shm_last)
 
     def cross_host(p):
-        after = {r: _latest(prog, net_last[r], rs_end[p][r]) for r in range(layout.size)}
+        after = {r: _latest(prog, net_last[r], rs_end[p][r]) for r in range(topology.size)}
         for group in cross:
             if pieces == 1 and _tree_is_cheaper(piece / k, hosts, k, prog):
                 after.update(_tree(prog, group, piece / k, after))
@@ -203,7 +203,7 @@ def _hierarchical(prog: _Program, layout: Layout, N: float) -> None:
         ar_end[p] = dict(after)
 
     def all_gather(p):
-        after = {r: _latest(prog, shm_last[r], ar_end[p][r]) for r in range(layout.size)}
+        after = {r: _latest(prog, shm_last[r], ar_end[p][r]) for r in range(topology.size)}
         for group in local:
             after.update(_ring(prog, group, piece / k, 0, k - 1, after))
         shm_last.update(after)
@@ -220,12 +220,12 @@ def _hierarchical(prog: _Program, layout: Layout, N: float) -> None:
     all_gather(pieces - 1)
 
 
-def _hierarchical_gather_scatter(prog: _Program, layout: Layout, N: float, reducing: bool):
+def _hierarchical_gather_scatter(prog: _Program, topology: Topology, N: float, reducing: bool):
     """hierarchical_gather_scatter.cc, pipelined in pieces: the reduce-
     scatter runs each piece inside the hosts, then across them; the all-
     gather across, then inside. Each lane takes the pieces in order, and a
     piece's second ring waits for its first."""
-    k, hosts = layout.ranks_per_host, layout.hosts
+    k, hosts = topology.ranks_per_host, topology.hosts
     pieces = hierarchical_pieces(N)
     piece = N / pieces
     local = [[h * k + i for i in range(k)] for h in range(hosts)]
@@ -233,8 +233,8 @@ def _hierarchical_gather_scatter(prog: _Program, layout: Layout, N: float, reduc
     inside = (local, piece / k, k - 1)
     across = (cross, piece / (k * hosts), hosts - 1)
     lanes = (inside, across) if reducing else (across, inside)
-    first_last: dict[int, int | None] = dict.fromkeys(range(layout.size))
-    second_last: dict[int, int | None] = dict.fromkeys(range(layout.size))
+    first_last: dict[int, int | None] = dict.fromkeys(range(topology.size))
+    second_last: dict[int, int | None] = dict.fromkeys(range(topology.size))
 
     def ring(groups, chunk, steps, after):
         for g in groups:
@@ -243,7 +243,7 @@ def _hierarchical_gather_scatter(prog: _Program, layout: Layout, N: float, reduc
 
     for _ in range(pieces):
         first_last = ring(*lanes[0], first_last)
-        after = {r: _latest(prog, second_last[r], first_last[r]) for r in range(layout.size)}
+        after = {r: _latest(prog, second_last[r], first_last[r]) for r in range(topology.size)}
         second_last = ring(*lanes[1], after)
 
 
@@ -256,18 +256,18 @@ def _latest(prog: _Program, a: int | None, b: int | None) -> int | None:
 
 
 def _tree_is_cheaper(shard: float, hosts: int, streams: int, prog: _Program) -> bool:
-    from clawcomm.model import _cross_host, ring_all_reduce
+    from clawcomm.cost_model import _cross_host, ring_all_reduce
 
     model = prog.model
     shared = CostModel(model.shm_alpha, model.shm_beta, model.net_alpha,
                        model.net_beta * streams, model.gamma)  # fmt: skip
     return _cross_host(shard, hosts, streams, model, 1) < ring_all_reduce(
-        shard, Layout(hosts, 1), shared
+        shard, Topology(hosts, 1), shared
     )
 
 
-def _build(collective: str, algo: str, N: float, layout: Layout, model: CostModel) -> _Program:
-    n = layout.size
+def _build(collective: str, algo: str, N: float, topology: Topology, model: CostModel) -> _Program:
+    n = topology.size
     prog = _Program(n)
     prog.model = model
     everyone: dict[int, int | None] = dict.fromkeys(range(n))
@@ -276,9 +276,9 @@ def _build(collective: str, algo: str, N: float, layout: Layout, model: CostMode
     elif (collective, algo) == ("all_reduce", "tree"):
         _tree(prog, list(range(n)), N, everyone)
     elif (collective, algo) == ("all_reduce", "hierarchical"):
-        if not layout.hierarchical:
-            raise ValueError(f"the hierarchical all-reduce needs 2+ hosts of 2+ ranks: {layout}")
-        _hierarchical(prog, layout, N)
+        if not topology.hierarchical:
+            raise ValueError(f"the hierarchical all-reduce needs 2+ hosts of 2+ ranks: {topology}")
+        _hierarchical(prog, topology, N)
     elif (collective, algo) == ("reduce_scatter", "ring"):
         # The ring reduces in place, in a working copy of the input.
         copied = {r: prog.local(r, N * model.shm_beta, []) for r in range(n)}
@@ -286,9 +286,11 @@ def _build(collective: str, algo: str, N: float, layout: Layout, model: CostMode
     elif (collective, algo) == ("all_gather", "ring"):
         _ring(prog, list(range(n)), N / n, 0, n - 1, everyone)
     elif algo == "hierarchical" and collective in ("reduce_scatter", "all_gather"):
-        if not layout.hierarchical:
-            raise ValueError(f"the hierarchical {collective} needs 2+ hosts of 2+ ranks: {layout}")
-        _hierarchical_gather_scatter(prog, layout, N, collective == "reduce_scatter")
+        if not topology.hierarchical:
+            raise ValueError(
+                f"the hierarchical {collective} needs 2+ hosts of 2+ ranks: {topology}"
+            )
+        _hierarchical_gather_scatter(prog, topology, N, collective == "reduce_scatter")
     elif (collective, algo) == ("broadcast", "tree"):
         _broadcast(prog, n, N)
     else:
@@ -296,20 +298,22 @@ def _build(collective: str, algo: str, N: float, layout: Layout, model: CostMode
     return prog
 
 
-def simulate(collective: str, algo: str, nbytes: float, layout: Layout, model: CostModel) -> float:
+def simulate(
+    collective: str, algo: str, nbytes: float, topology: Topology, model: CostModel
+) -> float:
     """Seconds until the last rank finishes `collective` of `nbytes` (sized
-    as clawcomm.model.predict sizes it)."""
-    prog = _build(collective, algo, float(nbytes), layout, model)
+    as clawcomm.cost_model.predict sizes it)."""
+    prog = _build(collective, algo, float(nbytes), topology, model)
     steps = prog.steps
     for i, st in enumerate(steps):
         st.unmet = len(st.deps)
         st.waiting = len(st.sends) + len(st.recvs)
         for d in st.deps:
             steps[d].dependents.append(i)
-    host = layout.host_of
-    up_free = [0.0] * layout.hosts
-    down_free = [0.0] * layout.hosts
-    compute_free = [0.0] * layout.size
+    host = topology.host_of
+    up_free = [0.0] * topology.hosts
+    down_free = [0.0] * topology.hosts
+    compute_free = [0.0] * topology.size
     arrived: dict[tuple[int, int, int], float] = {}  # message -> arrival time
     posted: dict[tuple[int, int, int], tuple[int, float, bool]] = {}  # -> (step, bytes, reduce)
     events: list = []

@@ -8,7 +8,7 @@ import json
 
 from clawcomm.bench import calibrate
 from clawcomm.cli import main
-from clawcomm.model import CostModel
+from clawcomm.cost_model import CostModel
 
 
 def test_the_median_and_the_spread_of_the_rounds_and_their_warnings():

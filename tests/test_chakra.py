@@ -20,7 +20,7 @@ pytest.importorskip("google.protobuf")
 
 from clawcomm import chakra  # noqa: E402
 from clawcomm.chakra_replay import replay  # noqa: E402
-from clawcomm.model import CostModel, Layout, predict  # noqa: E402
+from clawcomm.cost_model import CostModel, Topology, predict  # noqa: E402
 from clawcomm.testing import run_ranks  # noqa: E402
 
 HERE = os.path.dirname(__file__)
@@ -84,7 +84,7 @@ def test_the_reference_replays_to_the_step_worked_by_hand():
     the model's for 2 hosts x 1; rank 1 is the critical path."""
     result = replay(chakra.read(REFERENCE), MODEL, host_of=lambda r: r)
     message = MODEL.net_alpha + 65536 * MODEL.net_beta
-    allreduce = predict("all_reduce", "auto", 1 << 20, Layout(2, 1), MODEL)
+    allreduce = predict("all_reduce", "auto", 1 << 20, Topology(2, 1), MODEL)
     want = 100e-6 + message + 150e-6 + 300e-6 + allreduce
     assert result.step == pytest.approx(want, rel=1e-9)
     path = [(s.rank, s.node.name) for s in result.critical]
@@ -111,7 +111,7 @@ def test_a_rank_runs_one_compute_at_a_time_and_a_group_one_collective_at_a_time(
             _node(2, "c1", 7, data_deps=[0], **coll), _node(3, "c2", 7, data_deps=[0], **coll)],
     }  # fmt: skip
     result = replay(chakra.Trace(ranks, {"g": [0, 1]}), MODEL, host_of=lambda r: r)
-    ar = predict("all_reduce", "auto", 1 << 20, Layout(2, 1), MODEL)
+    ar = predict("all_reduce", "auto", 1 << 20, Topology(2, 1), MODEL)
     spans = {(s.rank, s.node.name): s for s in result.spans.values()}
     assert spans[(0, "b")].start == pytest.approx(100e-6)  # after a: one compute at a time
     assert spans[(0, "c1")].start == pytest.approx(100e-6)  # once rank 0 reaches it

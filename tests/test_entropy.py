@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import clawcomm
-import clawcomm.model
+import clawcomm.cost_model
 from clawcomm.compression import CompressorState, compressed_all_reduce, get_compressor
 from clawcomm.compression.entropy import (
     decode_bytes,
@@ -208,7 +208,7 @@ def test_ec_codes_where_the_link_makes_it_pay(tmp_path, spec):
     fast = run_ranks(_auto, 2, spec)[0]
     assert fast["messages"] > 0 and fast["coded"] == 0, fast
     slow_model = tmp_path / "slow.json"
-    clawcomm.model.CostModel(shm_beta=1 / 10e6).save(str(slow_model))
+    clawcomm.cost_model.CostModel(shm_beta=1 / 10e6).save(str(slow_model))
     slow = run_ranks(_auto, 2, spec, env={"CLAWCOMM_COST_MODEL": str(slow_model)})[0]
     assert slow["coded"] == slow["messages"] > 0, slow
     assert slow["bits_per_element"] < fast["bits_per_element"], (slow, fast)

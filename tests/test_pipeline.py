@@ -1,4 +1,4 @@
-"""Pipeline schedules, the validator and simulator (and their agreement with
+"""Pipeline schedules, the validator and the clock (and their agreement with
 torch.distributed.pipelining's), the I/W split, and the executor against
 single-process training for every schedule."""
 
@@ -11,9 +11,10 @@ from torch.distributed.pipelining.schedules import _simulate_comms_compute, _val
 
 from clawcomm.pipeline import build_schedule, format_schedule, parse_schedule
 from clawcomm.pipeline.actions import Action, to_torch
+from clawcomm.pipeline.clock import timing
 from clawcomm.pipeline.executor import PipelineExecutor
 from clawcomm.pipeline.schedules import check_schedule_args
-from clawcomm.pipeline.validate import ScheduleError, simulate, validate
+from clawcomm.pipeline.validate import ScheduleError, validate
 from clawcomm.pipeline.weight_grad import WeightGradStore, deferring, split_linear_backward
 from clawcomm.testing import run_ranks
 
@@ -42,7 +43,7 @@ def test_schedules_validate_here_and_in_torch_and_match_their_bubble(name, pp, m
     validate(sched, pp, pp * v, m)
     _validate_schedule(to_torch(sched, comms=False), pp, pp * v, m)
     _simulate_comms_compute(to_torch(sched), lambda s: s % pp, pp * v)
-    sim = simulate(sched, {"F": 1 / v, "B": 2 / v, "I": 1 / v, "W": 1 / v})
+    sim = timing(sched, {"F": 1 / v, "B": 2 / v, "I": 1 / v, "W": 1 / v})
     assert sim.bubble == pytest.approx(_closed_form(name, pp, m, v), abs=1e-9)
     assert parse_schedule(format_schedule(sched)) == sched
 
@@ -51,8 +52,8 @@ def test_zero_bubble_holds_at_most_half_of_1f1b_bubble():
     for pp in (2, 4):
         for m in (4, 8, 16):
             costs = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
-            zb = simulate(build_schedule("zb1", pp, m), costs).bubble
-            ofob = simulate(build_schedule("1f1b", pp, m), costs).bubble
+            zb = timing(build_schedule("zb1", pp, m), costs).bubble
+            ofob = timing(build_schedule("1f1b", pp, m), costs).bubble
             assert zb <= 0.5 * ofob, (pp, m, zb, ofob)
 
 
@@ -148,10 +149,10 @@ def test_validator_finds_a_deadlock_torch_finds_too():
     assert _torch_rejects(sched, 2, 2, 2)
 
 
-def test_simulation_counts_transfer_latency():
+def test_the_clock_counts_transfer_latency():
     sched = build_schedule("gpipe", 2, 1)
-    assert simulate(sched, {"F": 1, "B": 1}).makespan == 4
-    assert simulate(sched, {"F": 1, "B": 1}, latency=0.5).makespan == 5
+    assert timing(sched, {"F": 1, "B": 1}).makespan == 4
+    assert timing(sched, {"F": 1, "B": 1}, latency=0.5).makespan == 5
 
 
 # ---- the I/W split ---------------------------------------------------------------------

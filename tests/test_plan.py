@@ -152,14 +152,14 @@ def test_the_reduction_and_zeros_gathers_hide_where_the_trainers_buckets_let_the
     # ZeRO-2 gathers the updated shards in forward order after the
     # optimizer: the first forward waits for the first 3 layers' bucket,
     # and the last layer's lands while those compute.
-    from clawcomm.model import Layout
-    from clawcomm.model import predict as comm_time
+    from clawcomm.cost_model import Topology
+    from clawcomm.cost_model import predict as comm_time
     from clawcomm.train.profiling import Profile
 
     ms, mib = [1e-3] * 4, 2**18
     prof = Profile([mib] * 4, {4: ms}, {4: ms}, {4: [0.0] * 4}, {4: [4e3] * 4}, 1e-12,
                    tensors=[[(mib,)]] * 4)  # fmt: skip
-    slow, layout = plan.cost_model(None, "100mbit"), Layout(2, 2)
+    slow, layout = plan.cost_model(None, "100mbit"), Topology(2, 2)
 
     def op(name, nbytes):
         return comm_time(name, "auto", nbytes, layout, slow)
@@ -250,8 +250,8 @@ def test_searched_compression_is_costed_on_the_wire(gpt_plan):
 
 
 def test_searched_top_k_and_random_k_are_costed_by_their_bytes(gpt_plan):
-    from clawcomm.model import Layout
-    from clawcomm.model import predict as comm_time
+    from clawcomm.cost_model import Topology
+    from clawcomm.cost_model import predict as comm_time
     from clawcomm.train import plan_wire
 
     cfg, _, _, prof = gpt_plan
@@ -275,7 +275,7 @@ def test_searched_top_k_and_random_k_are_costed_by_their_bytes(gpt_plan):
     assert memory["topk:0.01"] == pytest.approx(memory[""] + 4 * params / 2**20)
     assert memory["randomk:0.01"] == pytest.approx(memory[""])
     # the wire: 4 ranks all-gather each one's k pairs (int32 index, float32 value)
-    lay, n = Layout(2, 2), 1 << 20
+    lay, n = Topology(2, 2), 1 << 20
     k = round(0.01 * n)
     pairs = comm_time("all_gather", "auto", 32, lay, slow) + comm_time(
         "all_gather", "auto", 4 * k * 8, lay, slow
@@ -295,8 +295,8 @@ def test_searched_powersgd_is_costed_by_its_factors(gpt_plan):
     # each (16-bit with +bf16); it keeps a residual of the gradient's size.
     import math
 
-    from clawcomm.model import Layout
-    from clawcomm.model import predict as comm_time
+    from clawcomm.cost_model import Topology
+    from clawcomm.cost_model import predict as comm_time
     from clawcomm.train import plan_wire
 
     cfg, _, _, prof = gpt_plan
@@ -306,7 +306,7 @@ def test_searched_powersgd_is_costed_by_its_factors(gpt_plan):
     params = int(sum(prof.params))
     codec = {"powersgd:4": plan_wire.codec_seconds("powersgd:4", params, shapes=shapes)}
     assert codec["powersgd:4"] > 0
-    slow, lay = plan.cost_model(None, "100mbit"), Layout(2, 2)
+    slow, lay = plan.cost_model(None, "100mbit"), Topology(2, 2)
 
     def ar(nbytes):
         return comm_time("all_reduce", "auto", nbytes, lay, slow)

@@ -68,18 +68,18 @@ def test_the_floor_counts_each_host_by_its_own_ranks():
 
 
 def _shared(c: plan.Candidate, hosts: int, cores: int, on_core: float = 1.0) -> float:
-    from clawcomm.pipeline.validate import SimulationPlan
+    from clawcomm.pipeline.clock import ScheduleClock
 
-    pipeline = SimulationPlan(plan.build_schedule(c.schedule, c.pp, c.microbatches, c.v))
+    pipeline = ScheduleClock(plan.build_schedule(c.schedule, c.pp, c.microbatches, c.v))
     cost = lambda a: {"F": 1.0, "B": 2.0}.get(str(a.kind), 0.0)  # noqa: E731
     return plan_cores.shared_makespan(pipeline, c, cost, lambda a: on_core, lambda p, q: 0.0,
                                       hosts, cores)  # fmt: skip
 
 
 def _alone(c: plan.Candidate, slow: float = 1.0) -> float:
-    from clawcomm.pipeline.validate import SimulationPlan
+    from clawcomm.pipeline.clock import ScheduleClock
 
-    pipeline = SimulationPlan(plan.build_schedule(c.schedule, c.pp, c.microbatches, c.v))
+    pipeline = ScheduleClock(plan.build_schedule(c.schedule, c.pp, c.microbatches, c.v))
     return pipeline.run({"F": slow, "B": 2.0 * slow}).makespan
 
 

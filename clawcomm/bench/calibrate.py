@@ -1,5 +1,5 @@
 """``clawcomm bench --calibrate FILE``: measures the cost model's building
-blocks and writes a model file (clawcomm.model.CostModel) for
+blocks and writes a model file (clawcomm.cost_model.CostModel) for
 ``CLAWCOMM_COST_MODEL`` and ``clawcomm simulate``.
 
     clawcomm bench --calibrate model.json     # one host: the "network" is TCP on loopback
@@ -155,7 +155,7 @@ def _local_rank(rank: int, world: int) -> dict | None:
 def run(path: str, torchrun: bool) -> int:
     """`clawcomm bench --calibrate`: on local ranks (two on one host, one
     on a pretend second host over TCP), or on torchrun's ranks."""
-    from clawcomm.model import CostModel
+    from clawcomm.cost_model import CostModel
 
     if torchrun:
         import torch.distributed as dist

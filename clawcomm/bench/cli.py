@@ -50,7 +50,7 @@ def _algorithms(text: str) -> list[str]:
     from dataclasses import asdict
 
     from clawcomm import _C
-    from clawcomm.model import CostModel
+    from clawcomm.cost_model import CostModel
 
     items = [x.strip() for x in text.split(",") if x.strip()]
     if not items:

@@ -70,7 +70,7 @@ def _link_seconds_per_byte(group) -> float:
     key = group if group is not None else dist.group.WORLD
     if key not in _LINKS:
         from clawcomm import backend_of
-        from clawcomm.model import CostModel
+        from clawcomm.cost_model import CostModel
 
         path = os.environ.get("CLAWCOMM_COST_MODEL")
         model = CostModel.load(path) if path else CostModel()

@@ -42,9 +42,9 @@ GATHERED = ("topk", "dgc", "threshold")  # their pairs are all-gathered
 def rate_bytes_per_s(link: str | None) -> float | None:
     if not link:
         return None
-    from clawcomm.testing.netns import _rate_bits
+    from clawcomm.cost_model import link_bits_per_s
 
-    return _rate_bits(link) / 8
+    return link_bits_per_s(link) / 8
 
 
 def reached(curve, target: float):
@@ -57,11 +57,11 @@ def reached(curve, target: float):
 
 
 def _comm_s(spec: str, nbytes: float, hosts: int, model) -> float:
-    from clawcomm.model import Layout, predict
+    from clawcomm.cost_model import Topology, predict
 
     if nbytes <= 0:
         return 0.0
-    layout = Layout(hosts, 1)
+    layout = Topology(hosts, 1)
     if spec.split(":")[0] in GATHERED:
         return predict("all_gather", "auto", nbytes * hosts, layout, model)
     return predict("all_reduce", "auto", nbytes, layout, model)
@@ -72,7 +72,7 @@ def analyse(results: list[dict], target: float | None, link: str | None, model=N
     returns the target used. Default target: 1.05 x dense's final loss."""
     from dataclasses import replace
 
-    from clawcomm.model import CostModel
+    from clawcomm.cost_model import CostModel
 
     model = model or CostModel()
     rate = rate_bytes_per_s(link)
@@ -197,9 +197,8 @@ def run_on_link(specs: list[str], cfg: dict, link: str, timeout: float, progress
     """Every method on namespace hosts (dp x pp of them, 2 by default; one
     rank each) whose links run at ``link``; raises RuntimeError with the
     hosts' output if a run fails."""
-    from dataclasses import replace
 
-    from clawcomm.model import CostModel
+    from clawcomm.cost_model import CostModel
     from clawcomm.testing.netns import Cluster
 
     results = []
@@ -211,7 +210,7 @@ def run_on_link(specs: list[str], cfg: dict, link: str, timeout: float, progress
         path = os.environ.get("CLAWCOMM_COST_MODEL")
         model = CostModel.load(path) if path else CostModel()
         link_model = os.path.join(tmp, "model.json")
-        replace(model, net_beta=1.0 / rate_bytes_per_s(link)).save(link_model)
+        model.with_link(link).save(link_model)
         env = {"OMP_NUM_THREADS": "1", "CLAWCOMM_COST_MODEL": link_model}
         for spec in specs:
             if progress is not None:

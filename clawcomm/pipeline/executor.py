@@ -27,7 +27,7 @@ How it runs a rank's list:
 
 Messages are tagged by (kind, stage, micro-batch), so a message can never be
 taken for another. Each compute action is timed (the trainer turns the
-times into the measured bubble and compares it with ``simulate``).
+times into the measured bubble and compares it with ``clock.timing``).
 """
 
 from __future__ import annotations

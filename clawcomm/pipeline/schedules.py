@@ -22,7 +22,7 @@ zb1            1f1b with the backward split into I (input  (p-1)(f+i-w) over
                cool-down (ZB-H1)                           f = i = w
 =============  =========================================  ====================
 
-``clawcomm.pipeline.validate`` checks a schedule and simulates it with
+``clawcomm.pipeline.validate`` checks a schedule and ``clock`` plays it with
 per-action costs, which is how these bubbles are predicted.
 """
 

@@ -41,6 +41,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from clawcomm.cost_model import link_bits_per_s
+
 __all__ = ["Cluster", "HostRun", "unavailable"]
 
 _PREFIX = "clawcomm"
@@ -194,7 +196,7 @@ class Cluster:
         """Limits host's upload and download to `rate` (a token bucket on
         both ends of its link; the bucket holds 1 ms of traffic, at least
         64 KB, so that TSO bursts pass)."""
-        bits = _rate_bits(rate)
+        bits = link_bits_per_s(rate)
         burst = max(64 << 10, int(bits / 8 / 1000))
         for ns, dev in ((self.names[host], "eth0"), (self.switch, f"p{host}")):
             subprocess.run(
@@ -317,10 +319,3 @@ class Cluster:
                 out, _ = p.communicate()
                 runs.append(HostRun(h, None, out))
         return runs
-
-
-def _rate_bits(rate: str) -> float:
-    m = re.fullmatch(r"([0-9.]+)\s*([kmg]?)bit", rate.strip().lower())
-    if not m:
-        raise ValueError(f"Cluster: rate {rate!r} is not like '1gbit', '200mbit' or '10gbit'")
-    return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]

@@ -25,7 +25,7 @@ its step, with the reasons, and a check of the prediction on this machine.
    core times the oversubscription) and the cost model's latency per
    activation (over the link where two stages sit on different hosts:
    ``--hosts``, ``--link``, ranks numbered host by host); the data-parallel
-   traffic from the cost model (``clawcomm.model``: an all-reduce of the
+   traffic from the cost model (``clawcomm.cost_model``: an all-reduce of the
    stage's gradients, or ZeRO's reduce-scatter and parameter all-gathers,
    on the hosts the dp group spans), in the trainer's buckets on the
    rank's timeline (``plan_dp``: what runs past the pipeline's end, and
@@ -52,9 +52,9 @@ import os
 import time
 from dataclasses import dataclass
 
+from clawcomm.pipeline.clock import ScheduleClock
 from clawcomm.pipeline.schedules import build as build_schedule
 from clawcomm.pipeline.schedules import check_schedule_args
-from clawcomm.pipeline.validate import SimulationPlan
 from clawcomm.train import plan_cores, plan_order
 from clawcomm.train.plan_check import model_flags, spearman  # noqa: F401 (the plan's API)
 from clawcomm.train.plan_dp import buckets, exposed_gathers, exposed_reduction, rank_timeline
@@ -161,7 +161,7 @@ def _placement(c: Candidate, hosts: int):
     host, as torchrun numbers them; the trainer's rank is pp_rank * dp +
     dp_rank): (how many replicas' pipeline ranks p and q are on different
     hosts, the cost model's layout of the widest dp group)."""
-    from clawcomm.model import Layout
+    from clawcomm.cost_model import Topology
 
     per_host = c.dp * c.pp // hosts
     host = lambda d, p: (p * c.dp + d) // per_host  # noqa: E731
@@ -170,7 +170,7 @@ def _placement(c: Candidate, hosts: int):
         return sum(host(d, p) != host(d, q) for d in range(c.dp))
 
     spans = max(len({host(d, p) for d in range(c.dp)}) for p in range(c.pp))
-    return crossing, Layout(spans, -(-c.dp // spans))
+    return crossing, Topology(spans, -(-c.dp // spans))
 
 
 def predict(c: Candidate, prof: Profile, cores: int, cost=None, gpu: bool = False,
@@ -181,8 +181,8 @@ def predict(c: Candidate, prof: Profile, cores: int, cost=None, gpu: bool = Fals
     searched compression's passes over the whole model's gradient; ``sync``:
     ``outer.parse_sync`` of the command's --sync, unless the candidate
     carries a searched one)."""
-    from clawcomm.model import CostModel
-    from clawcomm.model import predict as comm_time
+    from clawcomm.cost_model import CostModel
+    from clawcomm.cost_model import predict as comm_time
 
     cost, codec = cost or CostModel(), codec or {}
     if c.sync is not None:  # searched
@@ -228,7 +228,7 @@ def predict(c: Candidate, prof: Profile, cores: int, cost=None, gpu: bool = Fals
         k = crossing(p, q)
         return cost.net_alpha + k * act * cost.net_beta if k else shm
 
-    pipeline = SimulationPlan(build_schedule(c.schedule, c.pp, c.microbatches, c.v))
+    pipeline = ScheduleClock(build_schedule(c.schedule, c.pp, c.microbatches, c.v))
     sim = pipeline.run(action_cost, latency if c.pp > 1 else 0.0)
     busy = max(sim.busy.values())
     # Per rank: its stages' parameters (the fullest rank decides).
@@ -395,8 +395,8 @@ def global_batch(cfg) -> int:
 def cost_model(path: str | None = None, link: str | None = None):
     """The cost model from ``path`` (or the engine's defaults), with each
     host's link at ``link`` (tc syntax) when given."""
+    from clawcomm.cost_model import CostModel
     from clawcomm.experiments.lab import rate_bytes_per_s
-    from clawcomm.model import CostModel
 
     model = CostModel.load(path) if path else CostModel()
     if link:

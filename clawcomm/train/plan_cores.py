@@ -237,7 +237,7 @@ def core_shares(span, share, prof, mbs: int):
 
 def shared_makespan(plan, c, alone, on_core, latency, hosts: int, cores: int) -> float:
     """The pipeline's makespan where a host's ranks take turns on its cores:
-    ``plan`` (a ``SimulationPlan``) run in global time, each compute action
+    ``plan`` (a ``ScheduleClock``) run in global time, each compute action
     taking ``alone(a)`` seconds on a core of its own (as profiled; what a
     trial measures beyond that, tau, is ``floor``'s) and progressing, while
     the host's busy ranks outnumber its cores, at the host's cores over them

@@ -133,7 +133,7 @@ def reduction_seconds(spec: str, zero: int, nbytes: float, layout, cost, codec_s
     ``stretch`` (ranks that share cores), plus the codec's passes
     (``codec_s`` per encode and decode of the whole gradient: the quantisers
     encode and decode once a stage)."""
-    from clawcomm.model import predict as comm_time
+    from clawcomm.cost_model import predict as comm_time
 
     comp = compressor(spec)
     if isinstance(comp, PowerSGD):
@@ -184,7 +184,7 @@ def _sparse_reduction(comp, zero: int, nbytes: float, layout, cost) -> float:
     gradients (module docstring)."""
     from clawcomm.compression.compressors import TopK, _k_of
     from clawcomm.compression.sparse import VALUE_DTYPES, _index_dtype
-    from clawcomm.model import predict as comm_time
+    from clawcomm.cost_model import predict as comm_time
 
     elems = max(1, int(nbytes // 4))
     k, n = _k_of(comp.k, elems), layout.size
@@ -209,7 +209,7 @@ def _sparse_reduction(comp, zero: int, nbytes: float, layout, cost) -> float:
 def _low_rank_reduction(comp, nbytes: float, shapes, layout, cost) -> float:
     """PowerSGD's wire for a bucket of ``nbytes`` laid out as ``shapes``:
     the dense values' all-reduce, then the P's and the Q's."""
-    from clawcomm.model import predict as comm_time
+    from clawcomm.cost_model import predict as comm_time
 
     elems = max(1, int(nbytes // 4))
     matrices, dense = comp.plan(elems, shapes or [(elems,)])

@@ -53,9 +53,10 @@ from clawcomm.parallel.reducer import GradReducer
 from clawcomm.parallel.zero import ZeroShards, drop_masters
 from clawcomm.parallel.zero3 import ParamUnits, Trackers, unit_of_params
 from clawcomm.pipeline.actions import B, I, W
+from clawcomm.pipeline.clock import ScheduleClock
 from clawcomm.pipeline.executor import PipelineExecutor
 from clawcomm.pipeline.schedules import build, stage_to_rank
-from clawcomm.pipeline.validate import SimulationPlan, validate
+from clawcomm.pipeline.validate import validate
 from clawcomm.pipeline.weight_grad import split_linear_backward
 from clawcomm.train import trace
 from clawcomm.train.config import TrainConfig
@@ -117,7 +118,7 @@ class Trainer:
         self.shapes = parameter_shapes(model, stages)
         self.schedule = build(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages)
         validate(self.schedule, cfg.pp, S, cfg.microbatches)
-        self._plan = SimulationPlan(self.schedule, S)
+        self._plan = ScheduleClock(self.schedule, S)
         me = self.grid.pp_rank
         self.local = {s: stages[s] for s in range(S) if stage_to_rank(s, cfg.pp) == me}
         # Every rank builds the whole model on the CPU from one seed (the same

@@ -1,4 +1,4 @@
-"""The cost model (clawcomm.model) against the engine's own closed forms
+"""The cost model (clawcomm.cost_model) against the engine's own closed forms
 (what CLAWCOMM_ALGO=auto chooses by) and against the event simulator
 (clawcomm.simulator); `clawcomm simulate` and model files."""
 
@@ -11,11 +11,11 @@ from dataclasses import asdict
 import pytest
 
 from clawcomm import _C
-from clawcomm.model import ALGORITHMS, CostModel, Layout, choose, predict
+from clawcomm.cost_model import ALGORITHMS, CostModel, Topology, choose, predict
 from clawcomm.simulator import simulate, simulates
 
-LAYOUTS = [Layout(1, 1), Layout(1, 4), Layout(2, 2), Layout(2, 4), Layout(4, 2), Layout(3, 3),
-           Layout(8, 1), Layout(5, 2)]  # fmt: skip
+TOPOLOGIES = [Topology(1, 1), Topology(1, 4), Topology(2, 2), Topology(2, 4), Topology(4, 2),
+              Topology(3, 3), Topology(8, 1), Topology(5, 2)]  # fmt: skip
 SIZES = [0, 8, 4096, 1 << 20, 5 << 20, 64 << 20, 1 << 30]
 MODELS = [CostModel(), CostModel(net_beta=1 / 1.2e8, net_alpha=120e-6)]
 
@@ -28,28 +28,31 @@ def test_the_python_table_is_the_engines():
 
 
 @pytest.mark.parametrize("model", MODELS, ids=["default", "1gbit"])
-@pytest.mark.parametrize("layout", LAYOUTS + [Layout(1, 8), Layout(1, 17), Layout(2, 3)], ids=str)
-def test_python_and_engine_closed_forms_agree(layout, model):
+@pytest.mark.parametrize(
+    "topology", TOPOLOGIES + [Topology(1, 8), Topology(1, 17), Topology(2, 3)], ids=str
+)
+def test_python_and_engine_closed_forms_agree(topology, model):
     """Every collective and algorithm of the engine's table: the same
     seconds, and the same choice under CLAWCOMM_ALGO=auto (so `clawcomm
     simulate` shows what the engine will run)."""
-    host_of = [layout.host_of(r) for r in range(layout.size)]
+    host_of = [topology.host_of(r) for r in range(topology.size)]
     for nbytes in SIZES:
         for op, algos in ALGORITHMS.items():
             for algo in algos:
                 engine = _C._collective_cost(op, algo, nbytes, host_of, asdict(model))
-                python = predict(op, algo, nbytes, layout, model)
+                python = predict(op, algo, nbytes, topology, model)
                 if math.isinf(python):
                     assert math.isinf(engine), (op, algo, nbytes)
                 else:
                     assert engine == pytest.approx(python, rel=1e-9, abs=1e-15), (op, algo, nbytes)
             engine_pick = _C._choose_algorithm(op, nbytes, host_of, asdict(model))
-            assert engine_pick == choose(op, nbytes, layout, model), (op, nbytes)
+            assert engine_pick == choose(op, nbytes, topology, model), (op, nbytes)
 
 
-@pytest.mark.parametrize("layout", [Layout(2, 2), Layout(2, 4), Layout(4, 2), Layout(8, 1),
-                                    Layout(3, 3), Layout(1, 4)], ids=str)  # fmt: skip
-def test_simulator_agrees_with_the_closed_form(layout):
+@pytest.mark.parametrize("topology", [Topology(2, 2), Topology(2, 4), Topology(4, 2),
+                                      Topology(8, 1), Topology(3, 3), Topology(1, 4)],
+                         ids=str)  # fmt: skip
+def test_simulator_agrees_with_the_closed_form(topology):
     """With 1 Gbit/s links: within 5% for every collective and algorithm,
     but the tree and the hierarchical algorithms (all-reduce, reduce-scatter,
     all-gather) at 64 KiB over three or more hosts, where the latency of one
@@ -63,13 +66,13 @@ def test_simulator_agrees_with_the_closed_form(layout):
         for algo in algos:
             if not simulates(collective, algo):
                 continue
-            if algo == "hierarchical" and not layout.hierarchical:
+            if algo == "hierarchical" and not topology.hierarchical:
                 continue
             for nbytes in [64 << 10, 1 << 20, 4 << 20, 64 << 20]:
-                closed = predict(collective, algo, nbytes, layout, model)
-                simulated = simulate(collective, algo, nbytes, layout, model)
+                closed = predict(collective, algo, nbytes, topology, model)
+                simulated = simulate(collective, algo, nbytes, topology, model)
                 logs.append(abs(math.log(simulated / closed)))
-                if algo in ("tree", "hierarchical") and layout.hosts > 2 and nbytes < 1 << 20:
+                if algo in ("tree", "hierarchical") and topology.hosts > 2 and nbytes < 1 << 20:
                     continue
                 assert simulated == pytest.approx(closed, rel=0.05), (collective, algo, nbytes)
     assert math.exp(sum(logs) / len(logs)) - 1 < 0.04, math.exp(sum(logs) / len(logs)) - 1
@@ -77,12 +80,12 @@ def test_simulator_agrees_with_the_closed_form(layout):
 
 def test_hierarchical_beats_the_ring_by_the_byte_count_across_a_slow_link():
     model = MODELS[1]
-    for layout, bound in [(Layout(2, 2), 1.5), (Layout(2, 4), 1.75)]:
-        ratio = predict("all_reduce", "ring", 64 << 20, layout, model) / predict(
-            "all_reduce", "hierarchical", 64 << 20, layout, model
+    for topology, bound in [(Topology(2, 2), 1.5), (Topology(2, 4), 1.75)]:
+        ratio = predict("all_reduce", "ring", 64 << 20, topology, model) / predict(
+            "all_reduce", "hierarchical", 64 << 20, topology, model
         )
         assert 0.9 * bound < ratio <= bound * 1.01
-        assert choose("all_reduce", 64 << 20, layout, model) == "hierarchical"
+        assert choose("all_reduce", 64 << 20, topology, model) == "hierarchical"
 
 
 def test_model_file_round_trip_and_errors(tmp_path):
@@ -188,7 +191,7 @@ def test_clawcomm_algo_names_an_algorithm_per_op():
     assert _pick("reduce_scatter", 8, one_host4, "ring") == "ring"
     assert _pick("broadcast", 64 << 20, [0] * 8, "ring") == "direct"
     assert _pick("reduce", 64 << 20, one_host4, "tree") == "tree"
-    # One the layout cannot run gives the ring.
+    # One the topology cannot run gives the ring.
     assert _pick("reduce_scatter", 8, one_host4, "reduce_scatter:hierarchical") == "ring"
     assert _pick("all_gather", 8, [0, 1], "all_gather:direct") == "ring"
     assert _pick("all_gather", 8, one_host4, "all_gather:auto") == "direct"
