@@ -31,8 +31,8 @@ import sys
 import tempfile
 
 from clawcomm import chakra
-from clawcomm.chakra_replay import replay
 from clawcomm.cost_model import CostModel
+from clawcomm.simulate.replay import replay
 from clawcomm.testing.netns import Cluster, failed, unavailable
 
 RUNS = [

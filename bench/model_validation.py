@@ -23,7 +23,7 @@ import os
 import sys
 
 from clawcomm.cost_model import ALGORITHMS, CostModel, Topology, choose, predict
-from clawcomm.simulator import simulate
+from clawcomm.simulate.messages import simulate
 from clawcomm.testing.netns import Cluster, unavailable
 
 LAYOUTS = [(2, 2), (4, 2), (8, 1)]
@@ -71,7 +71,7 @@ def ran(collective: str, name: str, size: int, topology: Topology) -> str:
 
 
 def compare(out: str) -> tuple[str, float, float]:
-    from clawcomm.simulator import simulates
+    from clawcomm.simulate.messages import simulates
 
     model = CostModel.load(os.path.join(out, "model.json"))
     lines = [f"{'topology':>6} {'collective':>15} {'algorithm':>17} {'size':>10} {'measured':>11} "

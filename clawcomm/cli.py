@@ -18,9 +18,10 @@ def _add(sub, name: str, help: str, module) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from clawcomm import flight, simulate
+    from clawcomm import flight
     from clawcomm.bench import cli as bench_cli
     from clawcomm.experiments import compression as compression_experiment
+    from clawcomm.simulate import cli as simulate_cli
     from clawcomm.train import cli as train_cli
     from clawcomm.train import plan_cli, tokens
 
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         sub,
         "simulate",
         "predict collectives and a training step's communication at any scale from a model",
-        simulate,
+        simulate_cli,
     )
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "flight":
         return flight.run(args)
     if args.command == "simulate":
-        return simulate.run(args)
+        return simulate_cli.run(args)
     return 2
 
 

@@ -2,7 +2,7 @@
 
 The engine's ``CLAWCOMM_ALGO=auto`` chooses by the same closed forms
 (``csrc/algorithms/selection.cc``; tests compare the two), and
-``clawcomm simulate`` prints them at any scale. ``clawcomm.simulator`` runs
+``clawcomm simulate`` prints them at any scale. ``clawcomm.simulate.messages`` runs
 the same algorithms message by message as a check.
 
 A message between ranks of one host costs ``shm_alpha + bytes * shm_beta``.

@@ -19,8 +19,8 @@ import pytest
 pytest.importorskip("google.protobuf")
 
 from clawcomm import chakra  # noqa: E402
-from clawcomm.chakra_replay import replay  # noqa: E402
 from clawcomm.cost_model import CostModel, Topology, predict  # noqa: E402
+from clawcomm.simulate.replay import replay  # noqa: E402
 from clawcomm.testing import run_ranks  # noqa: E402
 
 HERE = os.path.dirname(__file__)

@@ -1,6 +1,6 @@
 """The cost model (clawcomm.cost_model) against the engine's own closed forms
 (what CLAWCOMM_ALGO=auto chooses by) and against the event simulator
-(clawcomm.simulator); `clawcomm simulate` and model files."""
+(clawcomm.simulate.messages); `clawcomm simulate` and model files."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from clawcomm import _C
 from clawcomm.cost_model import ALGORITHMS, CostModel, Topology, choose, predict
-from clawcomm.simulator import simulate, simulates
+from clawcomm.simulate.messages import simulate, simulates
 
 TOPOLOGIES = [Topology(1, 1), Topology(1, 4), Topology(2, 2), Topology(2, 4), Topology(4, 2),
               Topology(3, 3), Topology(8, 1), Topology(5, 2)]  # fmt: skip

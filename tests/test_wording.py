@@ -1,11 +1,12 @@
 """Printed text that is a contract: what a user reads at the start of a run,
-under a bench table, in a flight report and in the simulator's lines."""
+under a bench table, in a flight report and in `clawcomm simulate`'s lines."""
 
 from __future__ import annotations
 
-from clawcomm import flight, simulate
+from clawcomm import flight
 from clawcomm.bench.report import format_tables
 from clawcomm.bench.torch_worker import reference_algo
+from clawcomm.simulate import cli as simulate
 from clawcomm.train.config import TrainConfig
 from clawcomm.train.layout import describe
 

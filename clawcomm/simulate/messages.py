@@ -3,7 +3,7 @@ runs the algorithm's steps (the same peers, bytes and order as the engine),
 and every message queues on the links it crosses.
 
     from clawcomm.cost_model import CostModel, Topology
-    from clawcomm.simulator import simulate
+    from clawcomm.simulate.messages import simulate
     simulate("all_reduce", "hierarchical", 64 << 20, Topology(2, 4), CostModel())
 
 What it models, with the cost model's numbers (clawcomm.cost_model):

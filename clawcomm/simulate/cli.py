@@ -12,7 +12,7 @@ communication time of one data-parallel training step, and with --plot a
 picture of predicted busbw against size for 8 to 4096 ranks. With --chakra
 it replays Chakra execution traces instead (``clawcomm train --chakra``'s, or
 another tool's) and prints the predicted step and its critical path
-(clawcomm.chakra_replay).
+(clawcomm.simulate.replay).
 
 These are projections of a calibrated alpha-beta-gamma model
 (clawcomm.cost_model; docs/algorithms.md): they know link bandwidths and
@@ -46,7 +46,8 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--check",
         action="store_true",
-        help="also run the event simulator (clawcomm.simulator) where it is cheap (<= 64 ranks)",
+        help="also run the message-level simulation (clawcomm.simulate.messages) where it is cheap "
+        "(<= 64 ranks)",
     )
     p.add_argument(
         "--params", type=parse_count, default=0,
@@ -104,7 +105,7 @@ def _count(n: float) -> str:
 def table(
     collectives, sizes, topology: Topology, model: CostModel, check: bool
 ) -> tuple[str, list]:
-    from clawcomm.simulator import simulate, simulates
+    from clawcomm.simulate.messages import simulate, simulates
 
     n = topology.size
     lines, records = [], []
@@ -189,7 +190,8 @@ def plot(path: str, model: CostModel, ranks_per_host: int, max_size: int) -> Non
 
 
 def run_chakra(args, model: CostModel) -> int:
-    from clawcomm import chakra, chakra_replay
+    from clawcomm import chakra
+    from clawcomm.simulate import replay as chakra_replay
 
     try:
         projections = [int(h) for h in args.project_hosts.split(",") if h.strip()]
