@@ -7,7 +7,7 @@ wait (as on an accelerator) instead of computing.
         --json bench/results/chakra_validation.json | tee bench/results/chakra_validation.txt
 
 Each run is ``clawcomm train --chakra DIR`` under torchrun on two network
-namespaces (clawcomm.testing.netns) whose links are limited to --rate; its
+namespaces (clawcomm.launch.netns) whose links are limited to --rate; its
 last step becomes a Chakra trace (one file per rank), which
 ``clawcomm simulate --chakra DIR`` replays with the cost model calibrated
 on the same links (--model; bench/model_validation.py made the default one
@@ -32,8 +32,8 @@ import tempfile
 
 from clawcomm import chakra
 from clawcomm.cost_model import CostModel
+from clawcomm.launch.netns import Cluster, failed, unavailable
 from clawcomm.simulate.replay import replay
-from clawcomm.testing.netns import Cluster, failed, unavailable
 
 RUNS = [
     ("dense", []),

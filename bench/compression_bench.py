@@ -27,7 +27,7 @@ import torch
 
 from clawcomm import _C
 from clawcomm.compression import CompressorState, compressed_all_reduce
-from clawcomm.testing import run_ranks
+from clawcomm.launch import run_ranks
 
 SPECS = ["none", "fp16", "topk:0.01", "topk:0.01+fp16"]
 

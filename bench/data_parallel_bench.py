@@ -50,8 +50,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from clawcomm.launch import run_ranks
 from clawcomm.parallel import DataParallel
-from clawcomm.testing import run_ranks
 
 SETUPS = ["dp-overlap", "dp-after", "dp-auto", "ddp-gloo", "ddp-clawcomm"]
 

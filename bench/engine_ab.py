@@ -97,7 +97,7 @@ def _torch_cases() -> dict[str, float]:
 
 
 def _child():
-    from clawcomm.testing import run_ranks
+    from clawcomm.launch import run_ranks
 
     res = run_ranks(_work, 2, timeout=900)
     print(json.dumps({k: max(r[k] for r in res) for k in res[0]}))

@@ -25,7 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from clawcomm.testing import run_ranks
+from clawcomm.launch import run_ranks
 
 SIZES = [8, 4096, 65536, 262144, 1 << 20, 8 << 20]
 

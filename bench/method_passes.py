@@ -34,7 +34,7 @@ from tqdm import tqdm
 from clawcomm import _C
 from clawcomm.compression import CompressorState
 from clawcomm.compression.powersgd import PowerSGD
-from clawcomm.testing import run_ranks
+from clawcomm.launch import run_ranks
 
 
 def best_of(fn, repeats, setup=lambda: None):

@@ -11,7 +11,7 @@
    simulator) and prints the table and the geometric-mean error: the
    geometric mean over points of max(pred/meas, meas/pred), minus 1.
 
-Needs root and iproute2 (clawcomm.testing.netns). About 10 minutes on 2 cores.
+Needs root and iproute2 (clawcomm.launch.netns). About 10 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import os
 import sys
 
 from clawcomm.cost_model import ALGORITHMS, CostModel, Topology, choose, predict
+from clawcomm.launch.netns import Cluster, unavailable
 from clawcomm.simulate.messages import simulate
-from clawcomm.testing.netns import Cluster, unavailable
 
 LAYOUTS = [(2, 2), (4, 2), (8, 1)]
 OPS = "all_reduce,all_gather,reduce_scatter,broadcast"

@@ -4,7 +4,7 @@ against the hierarchical all-reduce (and gloo), as nccl-tests tables.
     python3 bench/multihost.py --hosts 2 --ranks-per-host 2 --rate 1gbit \\
         --json bench/results/multihost_2x2_1gbit.json
 
-Each host is a network namespace (clawcomm.testing.netns) whose link is limited to
+Each host is a network namespace (clawcomm.launch.netns) whose link is limited to
 --rate in each direction; each runs its ranks under torchrun, which runs
 ``clawcomm bench``. Needs root and iproute2. The printed summary compares
 the hierarchical all-reduce's speed-up over the flat ring with its
@@ -20,7 +20,7 @@ import os
 import sys
 import tempfile
 
-from clawcomm.testing.netns import Cluster, failed, unavailable
+from clawcomm.launch.netns import Cluster, failed, unavailable
 
 
 def bound(hosts: int, per_host: int) -> float:

@@ -64,7 +64,7 @@ def worker() -> None:
 
 
 def main() -> int:
-    from clawcomm.testing.netns import Cluster, failed, unavailable
+    from clawcomm.launch.netns import Cluster, failed, unavailable
 
     why = unavailable()
     if why:

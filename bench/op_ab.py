@@ -37,7 +37,7 @@ def _one_run(op: str, nbytes: int, blocks: int) -> list[float]:
     import torch.distributed as dist
 
     from clawcomm.bench.runners import host_array
-    from clawcomm.testing import run_ranks
+    from clawcomm.launch import run_ranks
 
     def body(rank, n):
         count = nbytes // 4

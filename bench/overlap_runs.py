@@ -16,7 +16,7 @@ import statistics
 
 from data_parallel_bench import _rank
 
-from clawcomm.testing import run_ranks
+from clawcomm.launch import run_ranks
 
 SETUPS = ("dp-overlap", "dp-after", "dp-auto")
 

@@ -43,7 +43,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from clawcomm.testing import run_ranks
+from clawcomm.launch import run_ranks
 from clawcomm.train import TrainConfig, Trainer, models
 from clawcomm.train import models as train_models
 from clawcomm.train.data import Noise, global_batches

@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     names = args.scenarios.split(",")
     if any(parse(n)[2] > 1 for n in names):
-        from clawcomm.testing.netns import unavailable
+        from clawcomm.launch.netns import unavailable
 
         why = unavailable()
         if why:

@@ -43,7 +43,7 @@ def _time(rank, n, iters):
 
 
 def main() -> int:
-    from clawcomm.testing import run_ranks
+    from clawcomm.launch import run_ranks
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=4)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import shutil
 import sys
 
-from clawcomm.testing import run_ranks
+from clawcomm.launch import run_ranks
 
 
 def _body(rank, world):

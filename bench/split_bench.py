@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 import clawcomm
-from clawcomm.testing import run_ranks
+from clawcomm.launch import run_ranks
 
 WAYS = ["new_group", "split_group", "engine_split"]
 

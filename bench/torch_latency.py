@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 import clawcomm
-from clawcomm.testing import run_ranks
+from clawcomm.launch import run_ranks
 
 LAYERS = ["fake", "clawcomm x1", "engine", "clawcomm", "gloo"]
 

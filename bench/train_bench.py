@@ -22,7 +22,7 @@ import argparse
 import json
 import statistics
 
-from clawcomm.testing import run_ranks
+from clawcomm.launch import run_ranks
 from clawcomm.train import TrainConfig
 from clawcomm.train import cli as train_cli
 

@@ -5,7 +5,7 @@ gradients and int8 parameters (ZeRO++'s qgZ and qwZ), the GPT at dp 4 on
     python3 bench/zero_multihost.py --steps 300 --rate 1gbit \\
         --json bench/results/zero_multihost.json | tee bench/results/zero_multihost.txt
 
-Each host is a network namespace (clawcomm.testing.netns) whose link is
+Each host is a network namespace (clawcomm.launch.netns) whose link is
 limited to --rate in each direction; its ranks run ``clawcomm train`` under
 torchrun. Bytes across hosts are what the hosts' links sent (the kernel's
 counters: everything, rendezvous and setup included), per step; the step
@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 
-from clawcomm.testing.netns import Cluster, failed, unavailable
+from clawcomm.launch.netns import Cluster, failed, unavailable
 
 RUNS = [
     ("dense", []),

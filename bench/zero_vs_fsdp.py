@@ -37,7 +37,7 @@ import time
 
 import torch
 
-from clawcomm.testing import run_ranks
+from clawcomm.launch import run_ranks
 from clawcomm.train import TrainConfig
 
 

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from clawcomm.testing import run_ranks
+from clawcomm.launch import run_ranks
 from clawcomm.train import TrainConfig
 from clawcomm.train import cli as train_cli
 

@@ -13,7 +13,7 @@ _FLIGHT = tempfile.mkdtemp(prefix="clawcomm-test-flight-")
 os.environ.setdefault("CLAWCOMM_FLIGHT_DIR", _FLIGHT)
 atexit.register(shutil.rmtree, _FLIGHT, True)
 
-# Ranks are forked from this process (clawcomm.testing.run_ranks): what it
+# Ranks are forked from this process (clawcomm.launch.run_ranks): what it
 # has imported, they have. torch imports these on first use, at 1.5-2.5 s of
 # CPU each, which every rank of every test that uses DDP, DCP or FSDP paid
 # again; imported once here, they cost that once.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from clawcomm.testing import run_ranks
+from clawcomm.launch import run_ranks
 
 
 def _bad_arguments(rank, ws):

@@ -20,8 +20,8 @@ pytest.importorskip("google.protobuf")
 
 from clawcomm import chakra  # noqa: E402
 from clawcomm.cost_model import CostModel, Topology, predict  # noqa: E402
+from clawcomm.launch import run_ranks  # noqa: E402
 from clawcomm.simulate.replay import replay  # noqa: E402
-from clawcomm.testing import run_ranks  # noqa: E402
 
 HERE = os.path.dirname(__file__)
 REFERENCE = os.path.join(HERE, "data", "chakra_reference")

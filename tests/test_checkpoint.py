@@ -11,7 +11,7 @@ import pytest
 import torch
 from _training import _run
 
-from clawcomm.testing import run_ranks
+from clawcomm.launch import run_ranks
 from clawcomm.testing.checkpoint import kill_mid_save_trial
 from clawcomm.train import checkpoint
 from clawcomm.train.config import TrainConfig

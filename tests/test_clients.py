@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from clawcomm.testing import run_ranks
+from clawcomm.launch import run_ranks
 
 STEPS = 3
 GLOBAL_BATCH = 24  # divisible by 1, 2, 3, 4

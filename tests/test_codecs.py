@@ -8,7 +8,7 @@ import pytest
 
 from clawcomm import _C
 from clawcomm.compression import codecs
-from clawcomm.testing import run_ranks
+from clawcomm.launch import run_ranks
 
 CASES = [
     np.array([], np.int32),

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from _cases import DTYPES, REDUCE_OPS, SIZES, check, expected_reduce, make_input, op_applies
 
-from clawcomm.testing import run_ranks
+from clawcomm.launch import run_ranks
 
 CONFIGS = {
     "shm-ring": {"CLAWCOMM_TRANSPORT": "shm", "CLAWCOMM_ALGO": "ring"},

@@ -22,7 +22,7 @@ from clawcomm.compression import (
     register_compressor,
     sparse_all_reduce,
 )
-from clawcomm.testing import run_ranks
+from clawcomm.launch import run_ranks
 
 
 @pytest.mark.parametrize(

@@ -102,7 +102,7 @@ def test_engine_reads_the_model_file(tmp_path):
     """CLAWCOMM_COST_MODEL: shared memory with a slow start and a fast network make
     the engine's auto prefer a flat algorithm across hosts; a broken file is
     a clear error at setup."""
-    from clawcomm.testing import RankFailure, run_ranks
+    from clawcomm.launch import RankFailure, run_ranks
 
     path = tmp_path / "model.json"
     CostModel(shm_alpha=1e-2, net_beta=1 / 1e10, net_alpha=1e-6).save(str(path))

@@ -16,8 +16,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from clawcomm.compression import Compressor, register_compressor
+from clawcomm.launch import RankFailure, run_ranks
 from clawcomm.parallel import DataParallel
-from clawcomm.testing import RankFailure, run_ranks
 
 BATCH = 6  # per rank and micro-step: odd shards on purpose
 

@@ -25,7 +25,7 @@ from _cases import DTYPES, check, expected_reduce, make_input, op_applies
 
 import clawcomm
 from clawcomm import _C
-from clawcomm.testing import RankFailure, run_ranks
+from clawcomm.launch import RankFailure, run_ranks
 
 LAYOUTS = {
     "own": lambda rank: rank,  # one device per rank (torchrun's LOCAL_RANK)

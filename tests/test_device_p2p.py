@@ -16,7 +16,7 @@ import pytest
 
 import clawcomm
 from clawcomm import _C
-from clawcomm.testing import run_ranks
+from clawcomm.launch import run_ranks
 
 RINGS = {"CLAWCOMM_CUDA_P2P_BYTES": str(64 << 10)}  # 64 KiB per rank, split among its peers
 

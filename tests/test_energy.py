@@ -94,7 +94,7 @@ def _train(rank, world, powercap):
 
 
 def test_the_metrics_carry_energy_with_a_meter_and_say_why_not_without(tmp_path):
-    from clawcomm.testing import run_ranks
+    from clawcomm.launch import run_ranks
 
     _zone(tmp_path / "host", "intel-rapl:0", 0)  # a counter that stands still: 0 J a step
     metered = run_ranks(_train, 2, str(tmp_path / "host"))[0]

@@ -12,7 +12,7 @@ import torch
 
 import clawcomm
 from clawcomm import _C
-from clawcomm.testing import run_ranks
+from clawcomm.launch import run_ranks
 
 
 def _input(rank, count, dtype):

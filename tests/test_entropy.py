@@ -21,7 +21,7 @@ from clawcomm.compression.entropy import (
     encode_pairs,
     entropy_bits,
 )
-from clawcomm.testing import run_ranks
+from clawcomm.launch import run_ranks
 
 
 def _top(n: int, density: float, seed: int = 0):

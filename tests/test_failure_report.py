@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from clawcomm import flight as clawcomm_flight
 from clawcomm.cli import main
-from clawcomm.testing import RankFailure, run_ranks
+from clawcomm.launch import RankFailure, run_ranks
 from clawcomm.train import failure
 
 

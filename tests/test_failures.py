@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from clawcomm.testing import RankFailure, run_ranks
+from clawcomm.launch import RankFailure, run_ranks
 
 TRANSPORTS = [{"CLAWCOMM_TRANSPORT": "shm"}, {"CLAWCOMM_TRANSPORT": "tcp"}]
 
@@ -240,7 +240,7 @@ def test_rank_exiting_after_its_last_op_is_not_reported_dead():
 
 SMALL_SHM_SCRIPT = """
 import torch, torch.distributed as dist
-from clawcomm.testing import run_ranks, RankFailure
+from clawcomm.launch import RankFailure, run_ranks
 def f(rank, n):
     t = torch.ones(1 << 20)
     dist.all_reduce(t)

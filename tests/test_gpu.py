@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from clawcomm.testing import run_ranks
+from clawcomm.launch import run_ranks
 
 # device_count() asks NVML: the driver stays uninitialised in this process, so
 # the forked ranks can use the GPU.

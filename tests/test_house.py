@@ -1,6 +1,8 @@
 """The house rules that code review would otherwise have to keep: no import
-cycle inside the package (an import made inside a function counts too), and
-no source file over 500 lines in clawcomm/ or csrc/."""
+cycle inside the package (an import made inside a function counts too), no
+module of the package's runtime importing the test harness
+(``clawcomm.testing``), and no source file over 500 lines in clawcomm/ or
+csrc/."""
 
 from __future__ import annotations
 
@@ -98,6 +100,16 @@ def test_no_import_cycle_in_the_package():
     found = cycles(graph)
     detail = [{m: sorted(graph[m] & set(c)) for m in c} for c in found]
     assert not found, f"import cycles: {detail}"
+
+
+def test_nothing_in_the_runtime_imports_the_test_harness():
+    graph = import_graph()
+    harness = {m for m in graph if m == "clawcomm.testing" or m.startswith("clawcomm.testing.")}
+    assert "clawcomm.testing.chaos" in harness and "clawcomm.launch.ranks" in graph
+    leaks = {
+        m: sorted(graph[m] & harness) for m in graph if m not in harness and graph[m] & harness
+    }
+    assert not leaks, f"runtime modules importing the test harness: {leaks}"
 
 
 def test_no_source_file_over_500_lines():

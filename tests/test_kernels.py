@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from clawcomm import _C
-from clawcomm.testing import run_ranks
+from clawcomm.launch import run_ranks
 
 K = _C.kernels
 ORDER = ["portable", "avx2", "avx512"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from clawcomm.testing import run_ranks
+from clawcomm.launch import run_ranks
 
 COUNTS = [0, 1, 5, 1000, 262147]  # 262147 floats: past the 1 MiB inline size
 

@@ -14,7 +14,7 @@ import torch
 import clawcomm
 from clawcomm.compression import CompressorState, compressed_all_reduce, get_compressor
 from clawcomm.compression.quantized import dequantize, quantize
-from clawcomm.testing import run_ranks
+from clawcomm.launch import run_ranks
 
 CODES = [(8, "max"), (4, "max"), (2, "max"), (2, "l2"), (8, "l2"), (1, "mean_abs")]
 UNBIASED = ["int8", "int4", "qsgd:2:64", "qsgd:4", "qsgd:8", "terngrad"]

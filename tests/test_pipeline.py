@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.distributed.pipelining.schedules import _simulate_comms_compute, _validate_schedule
 
+from clawcomm.launch import run_ranks
 from clawcomm.pipeline import build_schedule, format_schedule, parse_schedule
 from clawcomm.pipeline.actions import Action, to_torch
 from clawcomm.pipeline.clock import timing
@@ -16,7 +17,6 @@ from clawcomm.pipeline.executor import PipelineExecutor
 from clawcomm.pipeline.schedules import check_schedule_args
 from clawcomm.pipeline.validate import ScheduleError, validate
 from clawcomm.pipeline.weight_grad import WeightGradStore, deferring, split_linear_backward
-from clawcomm.testing import run_ranks
 
 CASES = [
     (name, pp, m, v)

@@ -68,7 +68,7 @@ def test_the_grid_is_the_plans_first_then_every_shape_at_fixed_micro_batches():
 
 def test_check_on_namespace_hosts(capsys):
     from clawcomm.cli import main
-    from clawcomm.testing.netns import unavailable
+    from clawcomm.launch.netns import unavailable
 
     why = unavailable()
     if why:

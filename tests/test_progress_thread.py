@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import clawcomm
-from clawcomm.testing import RankFailure, run_ranks
+from clawcomm.launch import RankFailure, run_ranks
 
 
 def _nice_values() -> list[int]:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from clawcomm.launch import run_ranks
 from clawcomm.parallel.reducer import GradReducer
 from clawcomm.pipeline.weight_grad import notify_grad
-from clawcomm.testing import run_ranks
 
 
 def _params():

@@ -13,7 +13,7 @@ import sys
 import pytest
 from _training import _run
 
-from clawcomm.testing import RankFailure, run_ranks
+from clawcomm.launch import RankFailure, run_ranks
 from clawcomm.train import resume
 from clawcomm.train.config import TrainConfig
 

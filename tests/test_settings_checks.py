@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from clawcomm.testing import RankFailure, run_ranks
+from clawcomm.launch import RankFailure, run_ranks
 
 
 def _nothing(rank, ws):

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from clawcomm.testing import RankFailure, run_ranks
+from clawcomm.launch import RankFailure, run_ranks
 from clawcomm.testing.chaos.endurance import listening_ports, tcp_hello
 from clawcomm.testing.chaos.harness import segments, slow_to_read_addresses
 from clawcomm.testing.stores import StoreServer, open_store

@@ -22,7 +22,7 @@ import pytest
 import torch.distributed as dist
 
 import clawcomm
-from clawcomm.testing import RankFailure, run_ranks
+from clawcomm.launch import RankFailure, run_ranks
 
 BY_REFERENCE = {"CLAWCOMM_SINGLE_COPY": "all", "CLAWCOMM_SINGLE_COPY_BYTES": "64"}
 RING = {"CLAWCOMM_SINGLE_COPY": "off"}

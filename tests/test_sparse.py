@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from clawcomm.testing import run_ranks
+from clawcomm.launch import run_ranks
 
 
 def _sparse_input(rank, shape, sparse_dim, nnz, dtype):

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from _cases import check, make_input
 
 import clawcomm
-from clawcomm.testing import RankFailure, run_ranks
+from clawcomm.launch import RankFailure, run_ranks
 
 
 def _engine_split(rank, n):

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from clawcomm.cli import main
-from clawcomm.testing import run_ranks
+from clawcomm.launch import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from _training import _ckpt_config, _config, _reference, _run, _train
 
-from clawcomm.testing import RankFailure, run_ranks
+from clawcomm.launch import RankFailure, run_ranks
 from clawcomm.train import TrainConfig
 from clawcomm.train.outer import parse_sync
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from _training import _check_against_reference, _config, _reference
 
-from clawcomm.testing import run_ranks
+from clawcomm.launch import run_ranks
 from clawcomm.train import Trainer, tokens
 from clawcomm.train import models as train_models
 from clawcomm.train.cli import _batches, _held_out

@@ -18,7 +18,7 @@ import pytest
 import torch
 from _training import STEPS, _check_against_reference, _config, _reference, _train
 
-from clawcomm.testing import RankFailure, run_ranks
+from clawcomm.launch import RankFailure, run_ranks
 from clawcomm.train import TrainConfig, Trainer
 from clawcomm.train import models as train_models
 from clawcomm.train.data import global_batches

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import clawcomm
-from clawcomm.testing import run_ranks
+from clawcomm.launch import run_ranks
 
 
 def _future_then_work(rank, ws):

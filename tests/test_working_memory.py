@@ -11,7 +11,7 @@ import resource
 import numpy as np
 
 import clawcomm
-from clawcomm.testing import run_ranks
+from clawcomm.launch import run_ranks
 
 MIB = 1 << 20
 

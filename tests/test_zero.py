@@ -14,7 +14,7 @@ import pytest
 import torch
 from _training import LAYOUTS, _check_against_reference, _ckpt_config, _config, _run, _train
 
-from clawcomm.testing import RankFailure, run_ranks
+from clawcomm.launch import RankFailure, run_ranks
 
 
 @pytest.mark.parametrize("zero", [1, 2])

@@ -171,7 +171,7 @@ def run(path: str, torchrun: bool) -> int:
             return 0
         where = f"{os.environ.get('WORLD_SIZE')} ranks under torchrun"
     else:
-        from clawcomm.testing import run_ranks
+        from clawcomm.launch import run_ranks
 
         hosts = [{"CLAWCOMM_HOST_ID": h} for h in ("calibrate-a", "calibrate-a", "calibrate-b")]
         numbers = run_ranks(_local_rank, 3, rank_env=hosts, timeout=300)[0]

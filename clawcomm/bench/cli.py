@@ -28,7 +28,7 @@ import time
 
 from clawcomm import outputs
 from clawcomm.bench.collectives import COLLECTIVES, DTYPE_ALIASES, REDOPS
-from clawcomm.testing import under_torchrun
+from clawcomm.launch import under_torchrun
 
 COMPARE_CHOICES = ("gloo", "mpi", "raw", "nccl")
 ALGO_CHOICES = (
@@ -359,7 +359,7 @@ def run(args, argv: list[str] | None = None) -> int:
         if rank != 0:
             return 0
     else:
-        from clawcomm.testing import run_ranks
+        from clawcomm.launch import run_ranks
 
         result = run_ranks(
             rank_main,

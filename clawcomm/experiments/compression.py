@@ -239,7 +239,7 @@ def torch_lr_schedule(opt, steps: int):
 
 def run(args) -> int:
     from clawcomm.cost_model import CostModel
-    from clawcomm.testing import run_ranks
+    from clawcomm.launch import run_ranks
 
     specs = [s.strip() for s in args.compressors.split(",") if s.strip()]
     steps, batch, lr = MODEL_DEFAULTS[args.model]

@@ -18,7 +18,7 @@ all-gather of N times them for the sparse methods, whose pairs every rank
 gathers).
 
 ``--links 1gbit,10gbit`` runs every method on network-namespace hosts
-(``clawcomm.testing.netns``; two, or dp x pp with ``--layout``) whose links
+(``clawcomm.launch.netns``; two, or dp x pp with ``--layout``) whose links
 are shaped to that rate, one rank each, under torchrun: the step time is
 measured on that link, not modelled. The ranks' cost model
 (``CLAWCOMM_COST_MODEL``, else the defaults) gets the shaped rate as the
@@ -199,7 +199,7 @@ def run_on_link(specs: list[str], cfg: dict, link: str, timeout: float, progress
     hosts' output if a run fails."""
 
     from clawcomm.cost_model import CostModel
-    from clawcomm.testing.netns import Cluster
+    from clawcomm.launch.netns import Cluster
 
     results = []
     hosts = cfg.get("dp", 2) * cfg.get("pp", 1)
@@ -234,7 +234,7 @@ def run_on_link(specs: list[str], cfg: dict, link: str, timeout: float, progress
 
 
 def links_unavailable() -> str | None:
-    from clawcomm.testing.netns import unavailable
+    from clawcomm.launch.netns import unavailable
 
     why = unavailable()
     if why:

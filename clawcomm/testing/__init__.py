@@ -1,18 +1,13 @@
-"""Test support, shipped so that the CLIs and bench/ can use it too; not
-part of the communication API.
+"""The test harness, shipped so that tests/ and bench/ share it; not part of
+the API, and nothing in the package's runtime imports it (tests/test_house.py
+checks that). The launcher the tests start ranks with is
+:mod:`clawcomm.launch`.
 
-- :mod:`clawcomm.testing.ranks`: ``run_ranks`` runs a function on N local
-  ranks (the helper every multi-rank test uses, and the launcher of
-  ``clawcomm bench`` / ``clawcomm train`` outside torchrun).
+- :mod:`clawcomm.testing.chaos`: the chaos families (kill, mismatch,
+  settings, timeout, soak, storm) and their scores.
 - :mod:`clawcomm.testing.stores`: a ``TCPStore`` the test process serves,
   for tests that kill ranks mid-setup (a ``FileStore`` hangs its readers
   when a writer dies mid-record).
-- :mod:`clawcomm.testing.chaos`: the chaos families (kill, mismatch,
-  settings, timeout, soak, storm) and their scores.
-- :mod:`clawcomm.testing.netns`: hosts as network namespaces with shaped
-  links (root only), for the multi-host tests and benchmarks.
+- :mod:`clawcomm.testing.frames`: wire frames and their fuzzer.
+- :mod:`clawcomm.testing.checkpoint`: a trainer killed while it saves.
 """
-
-from .ranks import RankFailure, run_ranks, under_torchrun
-
-__all__ = ["RankFailure", "run_ranks", "under_torchrun"]

@@ -285,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"clawcomm train: error: {e}", file=sys.stderr)
         return 2
-    from clawcomm.testing import under_torchrun
+    from clawcomm.launch import under_torchrun
 
     torchrun = under_torchrun()
     world = int(os.environ["WORLD_SIZE"]) if torchrun else (args.nproc or cfg.dp * cfg.pp)
@@ -331,7 +331,7 @@ def run(args: argparse.Namespace) -> int:
     # construction imports torch._dynamo (2.5 s of CPU), a save DCP (1.5 s).
     import torch._dynamo  # noqa: F401
 
-    from clawcomm.testing import RankFailure, run_ranks
+    from clawcomm.launch import RankFailure, run_ranks
 
     if cfg.checkpoint_dir:
         import torch.distributed.checkpoint  # noqa: F401

@@ -203,7 +203,7 @@ def on_hosts(hosts: int, rate: str | None, world: int, timeout: float = 600):
     """A ``launch`` for ``measure`` that trains on ``hosts`` namespace hosts
     of this machine, each link shaped to ``rate`` (root and iproute2; the
     error says why not)."""
-    from clawcomm.testing.netns import Cluster, failed, unavailable
+    from clawcomm.launch.netns import Cluster, failed, unavailable
 
     why = unavailable()
     if why:

@@ -122,6 +122,6 @@ def run(args) -> int:
 
 
 def netns_unavailable() -> str | None:
-    from clawcomm.testing.netns import unavailable
+    from clawcomm.launch.netns import unavailable
 
     return unavailable()

@@ -21,7 +21,7 @@ import torch
 
 from clawcomm.train.layout import parameter_costs
 
-RANK_THREADS = 1  # intra-op threads of a CPU trainer rank (clawcomm.testing.ranks, torchrun)
+RANK_THREADS = 1  # intra-op threads of a CPU trainer rank (clawcomm.launch.ranks, torchrun)
 
 
 @contextlib.contextmanager

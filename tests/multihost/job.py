@@ -1,5 +1,5 @@
 """One rank of the multi-host tests (tests/multihost/test_multihost.py),
-started by torchrun inside a namespace host (clawcomm.testing.netns):
+started by torchrun inside a namespace host (clawcomm.launch.netns):
 
     python3 job.py conformance|training|fault|elastic OUT_DIR
 

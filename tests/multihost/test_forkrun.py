@@ -1,4 +1,4 @@
-"""torchrun with forked workers (clawcomm.testing.forkrun): the module
+"""torchrun with forked workers (clawcomm.launch.forkrun): the module
 imported once by each host's agent, each worker a rank of the whole job
 with torchrun's environment and one intra-op thread, and a failing worker
 failing its host. On one host always; on 2 namespace hosts where they can
@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 
-from clawcomm.testing.netns import Cluster, unavailable
+from clawcomm.launch.netns import Cluster, unavailable
 
 JOB = textwrap.dedent(
     """
@@ -59,7 +59,7 @@ def _results(out) -> dict[int, dict]:
 
 def test_forked_workers_are_the_ranks_of_one_job(tmp_path):
     env = {**os.environ, **_job(tmp_path)}
-    args = [sys.executable, "-m", "clawcomm.testing.forkrun", "--nnodes", "1",
+    args = [sys.executable, "-m", "clawcomm.launch.forkrun", "--nnodes", "1",
             "--nproc-per-node", "3", f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
             "-m", "forkjob", str(tmp_path), "ok"]  # fmt: skip
     done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=180)
@@ -74,7 +74,7 @@ def test_forked_workers_are_the_ranks_of_one_job(tmp_path):
 
 
 def test_forkrun_refuses_what_it_cannot_run():
-    done = subprocess.run([sys.executable, "-m", "clawcomm.testing.forkrun", "job.py"],
+    done = subprocess.run([sys.executable, "-m", "clawcomm.launch.forkrun", "job.py"],
                           capture_output=True, text=True)  # fmt: skip
     assert done.returncode != 0 and "-m MODULE" in done.stderr
     with pytest.raises(ValueError, match="-m MODULE"):

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from clawcomm.testing.netns import unavailable
+from clawcomm.launch.netns import unavailable
 
 WHY = unavailable()
 # About 50 s (four runs under torchrun on namespace hosts): a long test,

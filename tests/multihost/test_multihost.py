@@ -1,5 +1,5 @@
 """Two hosts of two ranks each, as network namespaces with 1 Gbit/s links
-(clawcomm.testing.netns), each host under its own torchrun: every collective against
+(clawcomm.launch.netns), each host under its own torchrun: every collective against
 local references, DataParallel and DDP against single-process training, and
 a link that dies or a host that is killed mid-run giving errors on every
 surviving rank within the timeout + 2 s, and a job that loses a host,
@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from clawcomm.testing.netns import Cluster, unavailable
+from clawcomm.launch.netns import Cluster, unavailable
 
 JOB = os.path.join(os.path.dirname(__file__), "job.py")
 WHY = unavailable()

@@ -116,7 +116,7 @@ def run_trial(fn, ws, *args, env=None, limit=60.0):
     """run_ranks with a fresh store (a TCPStore served here: trials kill
     ranks mid-setup, which hangs a FileStore's readers); returns (results,
     hung)."""
-    from clawcomm.testing import RankFailure, run_ranks
+    from clawcomm.launch import RankFailure, run_ranks
     from clawcomm.testing.stores import StoreServer
 
     with StoreServer() as server:

@@ -1,7 +1,7 @@
 """Test hosts on one machine: network namespaces joined by a bridge, each
 host's link shaped with ``tc``.
 
-    from clawcomm.testing.netns import Cluster
+    from clawcomm.launch.netns import Cluster
 
     with Cluster(hosts=2, rate="1gbit") as cluster:
         runs = cluster.torchrun(["job.py", "--size", "64M"], nproc_per_node=2)
@@ -142,7 +142,7 @@ class Cluster:
     def __enter__(self) -> Cluster:
         why = unavailable()
         if why:
-            raise RuntimeError(f"clawcomm.testing.netns: cannot make test hosts: {why}")
+            raise RuntimeError(f"clawcomm.launch.netns: cannot make test hosts: {why}")
         _remove_stale()
         try:
             self._create()
@@ -276,11 +276,11 @@ class Cluster:
         the rendezvous admits the hosts in order, which torchrun does not
         promise; a job reads GROUP_RANK or CLAWCOMM_HOST_ID to know.
         ``fork``: each host's agent imports the job once and forks its
-        workers (``clawcomm.testing.forkrun``; ``script_and_args`` then
+        workers (``clawcomm.launch.forkrun``; ``script_and_args`` then
         starts with ``-m MODULE``), which starts them seconds sooner."""
         if fork and script_and_args[:1] != ["-m"]:
             raise ValueError("Cluster.torchrun(fork=True) runs a module: -m MODULE [ARGS]")
-        launcher = "clawcomm.testing.forkrun" if fork else "torch.distributed.run"
+        launcher = "clawcomm.launch.forkrun" if fork else "torch.distributed.run"
         run_id = uuid.uuid4().hex[:8]
         procs = []
         for h in range(self.hosts):

@@ -1,10 +1,10 @@
-"""torchrun whose workers are forked: ``python -m clawcomm.testing.forkrun``
+"""torchrun whose workers are forked: ``python -m clawcomm.launch.forkrun``
 takes torchrun's rendezvous flags (those ``netns.Cluster.torchrun`` passes)
 and ``-m MODULE ARGS``, imports the module's package (and torch._dynamo)
 once, then runs torch's elastic agent with ``start_method="fork"``, so that
 each worker starts with them imported instead of importing them itself.
 
-    python -m clawcomm.testing.forkrun --nnodes 2 --nproc-per-node 2 \\
+    python -m clawcomm.launch.forkrun --nnodes 2 --nproc-per-node 2 \\
         --rdzv-endpoint 10.99.0.1:29400 --rdzv-id job1 -m clawcomm.train --steps 5
 
 Why: on the 2-core reference machines each worker of ``torchrun -m
@@ -61,7 +61,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, str, list[str]]:
     at = argv.index("-m")
     if at + 1 >= len(argv):
         raise SystemExit("forkrun: -m needs a module")
-    p = argparse.ArgumentParser(prog="python -m clawcomm.testing.forkrun")
+    p = argparse.ArgumentParser(prog="python -m clawcomm.launch.forkrun")
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--nproc-per-node", type=int, default=1)
     p.add_argument("--rdzv-backend", default="c10d")

@@ -1,6 +1,7 @@
-"""Run a function on N local ranks: the one helper every clawcomm test uses.
+"""Run a function on N local ranks: the launcher of ``clawcomm train``, ``bench``
+and ``experiment`` outside torchrun, and the one helper every clawcomm test uses.
 
-    from clawcomm.testing import run_ranks
+    from clawcomm.launch import run_ranks
 
     def body(rank, world_size):
         t = torch.full((4,), float(rank))
