@@ -21,9 +21,9 @@ import statistics
 import sys
 
 from clawcomm.bench.report import write_json
+from clawcomm.plan.check import measure
+from clawcomm.plan.search import Candidate
 from clawcomm.train.config import TrainConfig
-from clawcomm.train.plan import Candidate
-from clawcomm.train.plan_check import measure
 
 LAYOUTS = [  # world, then dp, pp, schedule, v, micro-batches, micro-batch size, ZeRO
     (2, Candidate(2, 1, "1f1b", 1, 1, 16, 0)),

@@ -21,11 +21,11 @@ topk:0.01, powersgd:4: ``clawcomm plan --search-compression``), a ``+sync`` one 
 sync method (every-step, local-sgd:8: ``--search-sync``).
 
 Each layout is measured ``--rounds`` times, the layouts in turn, and its
-figure is the median (``plan_check.measure_rounds``); the rounds' agreement
+figure is the median (``clawcomm.plan.check.measure_rounds``); the rounds' agreement
 with one another (Spearman between rounds) is printed beside the plan's, as
 the most any prediction can show on this machine, and so is how many of
 the pairs of layouts the rounds tell apart (one's range below the
-other's: ``plan_check.separated``) the plan orders the same way.
+other's: ``clawcomm.plan.check.separated``) the plan orders the same way.
 """
 
 from __future__ import annotations
@@ -36,9 +36,8 @@ import statistics
 import sys
 import time
 
-from clawcomm.train import plan
-from clawcomm.train.config import TrainConfig
-from clawcomm.train.plan_check import (
+from clawcomm.plan import search as plan
+from clawcomm.plan.check import (
     grid,
     measure_rounds,
     namespace_cores,
@@ -49,6 +48,7 @@ from clawcomm.train.plan_check import (
     spearman,
     table,
 )
+from clawcomm.train.config import TrainConfig
 
 SCENARIOS = ["gpt-2", "gpt-4", "wait-4", "gpt-4@2x1gbit", "wait-4@2x1gbit"]
 

@@ -33,6 +33,7 @@ import json
 import statistics
 
 from clawcomm.launch import run_ranks
+from clawcomm.parallel.zero import model_state_bytes
 from clawcomm.train import TrainConfig
 from clawcomm.train import cli as train_cli
 
@@ -44,14 +45,11 @@ def _run(rank, world, cfg):
 
 
 def _expected(stage: int, dp: int) -> dict:
-    """Each figure as a fraction of stage 0's at the same dp."""
-    out = {
-        "optim_bytes": 1 / dp if stage >= 1 else 1.0,
-        "grad_bytes": {0: 1.0, 1: 1 + 1 / dp, 2: 1 / dp, 3: 1 / dp}[stage],
-    }
-    if stage == 3:
-        out["param_bytes"] = 1 / dp
-    return out
+    """Each figure as a fraction of stage 0's at the same dp (the sharded
+    ones: parameters only at stage 3)."""
+    held, whole = model_state_bytes(1, dp, stage), model_state_bytes(1, dp, 0)
+    keys = ["optim_bytes", "grad_bytes"] + (["param_bytes"] if stage == 3 else [])
+    return {k: held[k] / whole[k] for k in keys}
 
 
 def main() -> None:

@@ -21,9 +21,10 @@ def main(argv: list[str] | None = None) -> int:
     from clawcomm import flight
     from clawcomm.bench import cli as bench_cli
     from clawcomm.experiments import compression as compression_experiment
+    from clawcomm.plan import cli as plan_cli
     from clawcomm.simulate import cli as simulate_cli
     from clawcomm.train import cli as train_cli
-    from clawcomm.train import plan_cli, tokens
+    from clawcomm.train import tokens
 
     parser = argparse.ArgumentParser(prog="clawcomm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)

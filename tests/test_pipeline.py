@@ -279,3 +279,23 @@ def test_the_package_docstring_runs_as_written():
     exec("\n".join(lines[:-1]), namespace)  # noqa: S102
     bubble = eval(lines[-1], namespace)  # noqa: S307 - the last line is an expression
     assert bubble == pytest.approx(3 / 11)
+
+
+@pytest.mark.parametrize("name,pp,m,v", [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("zb1", 4, 8, 1),
+                                         ("interleaved", 2, 4, 2), ("1f1b", 1, 4, 1)])  # fmt: skip
+def test_what_a_schedule_holds_for_backward(name, pp, m, v):
+    # Each stage's forward holds 1 (or its stage number + 1) until its
+    # backward (B, or zero-bubble's I): GPipe holds every micro-batch,
+    # 1F1B a rank's depth (pp - r), pp 1 one micro-batch.
+    from clawcomm.pipeline.schedules import held_for_backward
+
+    sched = build_schedule(name, pp, m, v)
+    held = {r: held_for_backward(sched[r], lambda s: 1.0) for r in sched}
+    if name == "gpipe":
+        assert held == dict.fromkeys(range(pp), m)
+    elif name in ("1f1b", "zb1"):
+        assert held == {r: min(m, pp - r) for r in range(pp)}
+    else:  # interleaved: more than 1F1B's depth, at most every stage's micro-batches
+        assert all(pp - r < held[r] <= m * v for r in range(pp))
+    weighted = held_for_backward(sched[0], lambda s: s + 1.0)
+    assert weighted >= held[0]

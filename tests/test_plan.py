@@ -1,5 +1,5 @@
 """The planner (``clawcomm plan``, ``clawcomm train --layout auto``;
-clawcomm/train/plan.py): every candidate is a layout the trainer accepts,
+clawcomm/plan/search.py): every candidate is a layout the trainer accepts,
 the predictions' terms move the way the layouts say, nothing over the
 memory limit is chosen, the report explains the choice and prints a
 command that runs, and ``--check`` and ``--layout auto`` train."""
@@ -10,7 +10,9 @@ import dataclasses
 
 import pytest
 
-from clawcomm.train import plan, plan_cli
+from clawcomm.plan import cli as plan_cli
+from clawcomm.plan import search as plan
+from clawcomm.plan import step
 from clawcomm.train.config import TrainConfig
 
 MLP = dict(model="mlp", hidden=32, quiet=True)
@@ -25,7 +27,11 @@ def test_every_candidate_is_a_layout_the_trainer_accepts():
         assert c.dp * c.microbatches * c.micro_batch_size == 16
         assert c.zero == 0 or c.dp > 1
         plan.apply(cfg, c).check(4)  # raises if the trainer would refuse it
-    assert not list(plan.candidates(4, 4, 6))  # 6 samples: no dp of 4 or 2 divides them
+    # micro-batch counts beyond pp, 2 pp and 4 pp where none of those divides
+    # the batch: 32 samples on 3 ranks train at pp 3 in 4 or 8 micro-batches
+    three = {(c.pp, c.microbatches) for c in plan.candidates(3, 3, 32) if c.pp == 3}
+    assert (3, 4) in three and (3, 8) in three and not any(m % 3 == 0 for _, m in three)
+    assert not list(plan.candidates(4, 2, 5))  # 5 samples: no dp of 4 or 2 divides them
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +93,7 @@ def test_the_profile_times_layers_with_a_ranks_threads(gpt_plan):
     # the planning process predicted CPU steps at about half their time.
     import torch
 
-    from clawcomm.train import profiling
+    from clawcomm.plan import profile as profiling
 
     _, _, _, prof = gpt_plan
     assert prof.threads == profiling.RANK_THREADS == 1
@@ -112,7 +118,7 @@ def test_the_profile_times_zero_bubbles_split_backward(gpt_plan):
 def test_only_the_time_on_a_core_slows_when_ranks_outnumber_cores():
     # Waiting layers (as on an accelerator) hold no core: 4 ranks on 2 cores
     # do not take twice their time, where CPU-bound layers do.
-    from clawcomm.train import profiling
+    from clawcomm.plan import profile as profiling
 
     wait = TrainConfig(model="wait", layers=4, quiet=True)
     prof = profiling.profile(wait, [2])
@@ -131,7 +137,7 @@ def test_the_reduction_gets_a_cores_share_where_computing_ranks_outnumber_cores(
     # half a core each (the cost model prices a rank with a core of its
     # own), as they compute at half: the exposed reduction doubles; where
     # they wait, as on an accelerator, the reduction keeps its price.
-    from clawcomm.train.profiling import Profile
+    from clawcomm.plan.profile import Profile
 
     def prof(share: float) -> Profile:
         two = [1e-3, 1e-3]
@@ -154,7 +160,7 @@ def test_the_reduction_and_zeros_gathers_hide_where_the_trainers_buckets_let_the
     # and the last layer's lands while those compute.
     from clawcomm.cost_model import Topology
     from clawcomm.cost_model import predict as comm_time
-    from clawcomm.train.profiling import Profile
+    from clawcomm.plan.profile import Profile
 
     ms, mib = [1e-3] * 4, 2**18
     prof = Profile([mib] * 4, {4: ms}, {4: ms}, {4: [0.0] * 4}, {4: [4e3] * 4}, 1e-12,
@@ -196,15 +202,19 @@ def test_plan_refuses_hosts_that_do_not_divide_the_world(capsys, monkeypatch):
     from clawcomm.cli import main
 
     assert main(["plan", "--nproc", "4", "--hosts", "3", "--model", "mlp"]) == 2
-    assert "--hosts 3 does not divide the world of 4 ranks" in capsys.readouterr().out
+    assert "--hosts 3 does not divide the world of 4 ranks" in capsys.readouterr().err
     # --check across hosts trains on namespace hosts of this machine, or says why it cannot
     monkeypatch.setattr(plan_cli, "netns_unavailable", lambda: "network namespaces need root")
     assert main(["plan", "--nproc", "4", "--hosts", "2", "--model", "mlp", "--check", "2"]) == 2
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert "--check with --hosts 2 trains on namespace hosts" in out and "need root" in out
     assert main(["plan", "--nproc", "2", "--model", "mlp", "--check", "1",
                  "--check-rounds", "0"]) == 2  # fmt: skip
-    assert "--check-rounds 0: must be >= 1" in capsys.readouterr().out
+    assert "--check-rounds 0: must be >= 1" in capsys.readouterr().err
+    # a world of no rank is refused as such, on stderr
+    assert main(["plan", "--nproc", "0", "--model", "mlp", "--global-batch", "32"]) == 2
+    err = capsys.readouterr().err
+    assert "--nproc 0: a world needs at least 1 rank" in err and "global batch" not in err
 
 
 def test_the_report_says_how_it_prices_ranks_that_outnumber_cores(capsys):
@@ -226,18 +236,17 @@ def test_the_report_says_how_it_prices_ranks_that_outnumber_cores(capsys):
 
 
 def test_searched_compression_is_costed_on_the_wire(gpt_plan):
-    from clawcomm.train import plan_wire
-
     cfg, _, _, prof = gpt_plan
-    wires = plan_wire.check_specs(["none", "bf16", "int8"])
+    wires = plan.check_wires(["none", "bf16", "int8"])
     assert wires == ["", "bf16", "int8"]
     with pytest.raises(ValueError, match="follow from the gradient's size"):
-        plan_wire.check_specs(["dgc:0.01"])
+        plan.check_wires(["dgc:0.01"])
     cands = list(plan.candidates(4, 4, 16, wires))
     assert {c.compression for c in cands if c.dp > 1} == set(wires)
     assert {c.compression for c in cands if c.dp == 1} == {""}
     slow = plan.cost_model(None, "100mbit")
-    codec = {w: plan_wire.codec_seconds(w, int(sum(prof.params))) for w in wires if w}
+    params = int(sum(prof.params))
+    codec = plan.codec_seconds([w for w in wires if w], params, 4)
     assert codec["bf16"] == 0 and codec["int8"] > 0
     comm = {}
     for w in wires:
@@ -249,19 +258,63 @@ def test_searched_compression_is_costed_on_the_wire(gpt_plan):
     assert comm["int8"] < comm["bf16"] < comm[""]
 
 
+def test_the_plan_prices_what_the_compressor_says_it_sends():
+    # The compressor owns its wire; the plan adds the cost model's time of
+    # each collective it names and the codec's passes.
+    from clawcomm.cost_model import Topology, predict_sequence
+
+    lay, n, slow = Topology(2, 2), 1 << 20, plan.cost_model(None, "100mbit")
+    for spec, sharded in [("", False), ("", True), ("bf16", False), ("int8", False),
+                          ("int8", True), ("topk:0.01", False), ("randomk:0.01", True),
+                          ("qsgd:4", False)]:  # fmt: skip
+        comp = plan.compressor(spec)
+        wire = comp.wire(n, lay.size, sharded)
+        want = 2.0 * predict_sequence(wire.collectives, lay, slow) + wire.codec_passes * 1e-3
+        got = step.reduction_seconds(comp, int(sharded), 4 * n, lay, slow, 1e-3, stretch=2.0)
+        assert got == pytest.approx(want), spec
+    assert plan.compressor("").wire(n, 4).collectives == (("all_reduce", 4.0 * n),)
+    assert plan.compressor("").wire(n, 4, sharded=True).collectives == (
+        ("reduce_scatter", 4.0 * n),
+    )
+    assert plan.compressor("bf16").wire(n, 4).collectives == (("all_reduce", 2.0 * n),)
+    # int8 at 4 ranks: the codes (one byte a value) and one float32 scale per
+    # 256 values, all-to-all then all-gathered; one codec pass each way
+    int8 = plan.compressor("int8").wire(n, 4)
+    assert [c for c, _ in int8.collectives] == ["all_to_all", "all_to_all", "all_gather",
+                                                "all_gather"]  # fmt: skip
+    assert [b for _, b in int8.collectives] == [n, 4 * n / 256] * 2 and int8.codec_passes == 2
+    assert plan.compressor("int8").wire(n, 4, sharded=True).codec_passes == 1
+    # what the values decide is not priced
+    assert plan.compressor("dgc:0.01").wire(n, 4) is None
+    assert plan.compressor("topk:0.01+ec").wire(n, 4) is None
+
+
+def test_the_memory_counts_what_the_commands_own_wire_keeps(gpt_plan):
+    # a compressor with error feedback keeps a residual of the gradient's
+    # size, whether searched or the command's own; replicas that only meet
+    # every H steps keep none
+    _, _, _, prof = gpt_plan
+    c = plan.Candidate(4, 1, "1f1b", 1, 1, 4, 0)
+    dense = plan.predict(c, prof, 4).memory_mb
+    own = plan.predict(c, prof, 4, compression="topk:0.01").memory_mb
+    assert own == pytest.approx(dense + 4 * sum(prof.params) / 2**20)
+    meeting = plan.predict(c, prof, 4, sync=("diloco", 8), compression="topk:0.01").memory_mb
+    assert meeting == pytest.approx(dense)
+    assert plan.compressor("dgc:0.01").state_bytes(10) == 80  # a residual and a momentum
+
+
 def test_searched_top_k_and_random_k_are_costed_by_their_bytes(gpt_plan):
     from clawcomm.cost_model import Topology
     from clawcomm.cost_model import predict as comm_time
-    from clawcomm.train import plan_wire
 
     cfg, _, _, prof = gpt_plan
-    wires = plan_wire.check_specs(["none", "int8", "topk:0.01", "randomk:0.01"])
+    wires = plan.check_wires(["none", "int8", "topk:0.01", "randomk:0.01"])
     with pytest.raises(ValueError, match="coded wire"):
-        plan_wire.check_specs(["topk:0.01+ec"])
+        plan.check_wires(["topk:0.01+ec"])
     with pytest.raises(ValueError, match="topk"):
-        plan_wire.check_specs(["topk:2.0"])
+        plan.check_wires(["topk:2.0"])
     params = int(sum(prof.params))
-    codec = {w: plan_wire.codec_seconds(w, params) for w in wires if w}
+    codec = plan.codec_seconds([w for w in wires if w], params, 4)
     assert codec["topk:0.01"] > 0 and codec["randomk:0.01"] > 0
     slow = plan.cost_model(None, "100mbit")
     comm, memory = {}, {}
@@ -280,12 +333,9 @@ def test_searched_top_k_and_random_k_are_costed_by_their_bytes(gpt_plan):
     pairs = comm_time("all_gather", "auto", 32, lay, slow) + comm_time(
         "all_gather", "auto", 4 * k * 8, lay, slow
     )
-    topk = plan_wire.compressor("topk:0.01")
-    assert plan_wire.reduction_seconds("topk:0.01", 0, 4 * n, lay, slow, 0.0) == pytest.approx(
-        pairs
-    )
-    assert topk.k == 0.01 and plan_wire.compressor("int8") is None
-    half = plan_wire.reduction_seconds("randomk:0.01+bf16", 0, 4 * n, lay, slow, 0.0)
+    topk = plan.compressor("topk:0.01")
+    assert step.reduction_seconds(topk, 0, 4 * n, lay, slow, 0.0) == pytest.approx(pairs)
+    half = step.reduction_seconds(plan.compressor("randomk:0.01+bf16"), 0, 4 * n, lay, slow, 0.0)
     assert half == pytest.approx(comm_time("all_reduce", "auto", 2 * k, lay, slow))
 
 
@@ -297,14 +347,13 @@ def test_searched_powersgd_is_costed_by_its_factors(gpt_plan):
 
     from clawcomm.cost_model import Topology
     from clawcomm.cost_model import predict as comm_time
-    from clawcomm.train import plan_wire
 
     cfg, _, _, prof = gpt_plan
     shapes = [s for layer in prof.tensors for s in layer]
     assert [sum(math.prod(s) for s in layer) + 1 for layer in prof.tensors] == prof.params
-    assert plan_wire.check_specs(["none", "powersgd:4"]) == ["", "powersgd:4"]
+    assert plan.check_wires(["none", "powersgd:4"]) == ["", "powersgd:4"]
     params = int(sum(prof.params))
-    codec = {"powersgd:4": plan_wire.codec_seconds("powersgd:4", params, shapes=shapes)}
+    codec = plan.codec_seconds(["powersgd:4"], params, 4, shapes)
     assert codec["powersgd:4"] > 0
     slow, lay = plan.cost_model(None, "100mbit"), Topology(2, 2)
 
@@ -314,9 +363,11 @@ def test_searched_powersgd_is_costed_by_its_factors(gpt_plan):
     bucket = [(256, 1024), (1024,)]  # a 256 x 1024 matrix and a bias
     nbytes = 4 * (256 * 1024 + 1024)
     want = ar(4 * 1024) + ar(4 * 256 * 2) + ar(4 * 1024 * 2)
-    got = plan_wire.reduction_seconds("powersgd:2", 0, nbytes, lay, slow, 0.0, shapes=bucket)
+    two = plan.compressor("powersgd:2")
+    got = step.reduction_seconds(two, 0, nbytes, lay, slow, 0.0, shapes=bucket)
     assert got == pytest.approx(want)
-    half = plan_wire.reduction_seconds("powersgd:2+bf16", 2, nbytes, lay, slow, 0.0, shapes=bucket)
+    half = step.reduction_seconds(plan.compressor("powersgd:2+bf16"), 2, nbytes, lay, slow, 0.0,
+                                  shapes=bucket)  # fmt: skip
     assert half == pytest.approx(ar(4 * 1024) + ar(2 * 256 * 2) + ar(2 * 1024 * 2))
     preds = {}
     for w in ("", "powersgd:4"):
@@ -373,8 +424,17 @@ def test_train_with_layout_auto(capsys):
     assert "run it: clawcomm train --nproc 2" in out and "final loss" in out
 
 
-def test_layout_auto_refuses_what_it_cannot_plan(tmp_path):
+def test_layout_auto_refuses_what_it_cannot_plan(capsys):
+    # one sample cannot be split over 2 replicas or 2 micro-batches; a memory
+    # limit nothing fits is refused in one line, before any rank starts
     from clawcomm.train import cli
 
     assert cli.main(["--nproc", "2", "--layout", "auto", "--model", "mlp",
-                     "--global-batch", "7", "--steps", "1", "--quiet"]) == 2  # fmt: skip
+                     "--global-batch", "1", "--steps", "1", "--quiet"]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert "no layout runs a global batch of 1 on 2 ranks" in err and "Traceback" not in err
+    assert cli.main(["--nproc", "2", "--layout", "auto", "--model", "mlp", "--max-memory-mb", "1",
+                     "--global-batch", "8", "--steps", "1", "--quiet"]) == 2  # fmt: skip
+    out = capsys.readouterr()
+    assert "every layout needs more than --max-memory-mb 1" in out.err
+    assert "Traceback" not in out.err + out.out

@@ -1,5 +1,5 @@
 """How far to trust a plan (``clawcomm plan --check``,
-clawcomm/train/plan_check.py): the check trains the layouts it names, on
+clawcomm/plan/check.py): the check trains the layouts it names, on
 this host or on namespace hosts, in rounds whose medians, spreads and
 agreement with each other it reports; the pairs the rounds tell apart; the
 trainer's layout grid."""
@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from clawcomm.train import plan, plan_check
+from clawcomm.plan import check as plan_check
+from clawcomm.plan import search as plan
 
 
 def _fake(name_dp: int, step_ms: float):
@@ -57,7 +58,7 @@ def test_the_grid_is_the_plans_first_then_every_shape_at_fixed_micro_batches():
     assert chosen[0] is preds[0]
     rest = [p.cand for p in chosen[1:]]
     assert all(c.microbatches == 4 and c.zero == 0 for c in rest)
-    shapes = {(c.dp, c.pp, c.schedule, c.v) for c in rest}
+    shapes = {c.shape() for c in rest}
     assert len(shapes) == len(rest)  # each layout once
     # dp 4; dp 2 x pp 2 in all four schedules; pp 4 without interleaved (8 stages > 6 layers)
     assert len(rest) == 1 + 4 + 3
@@ -83,9 +84,9 @@ def test_check_on_namespace_hosts(capsys):
 
 
 def test_spearman():
-    assert plan.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
-    assert plan.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
-    assert plan.spearman([1, 1, 2], [5, 5, 9]) == pytest.approx(1.0)
+    assert plan_check.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert plan_check.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert plan_check.spearman([1, 1, 2], [5, 5, 9]) == pytest.approx(1.0)
 
 
 def test_check_trains_the_first_layouts_and_compares(capsys):

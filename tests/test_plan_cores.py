@@ -1,5 +1,5 @@
 """The plan where a host's CPU ranks outnumber its cores
-(clawcomm/train/plan_cores.py): each layout's step is at least the host's
+(clawcomm/plan/shared_cores.py): each layout's step is at least the host's
 CPU-seconds over its cores, a compute action costing what a short trial
 measured beyond its profile; the trial runs only there, trains the layout
 it says, and measures without the command's outputs."""
@@ -13,9 +13,12 @@ import subprocess
 
 import pytest
 
-from clawcomm.train import plan, plan_check, plan_cores
+from clawcomm.pipeline.schedules import build as build_schedule
+from clawcomm.plan import check as plan_check
+from clawcomm.plan import search as plan
+from clawcomm.plan import shared_cores as plan_cores
+from clawcomm.plan.profile import Profile
 from clawcomm.train.config import TrainConfig
-from clawcomm.train.profiling import Profile
 
 
 def _profile(action_s: float = 0.0) -> Profile:
@@ -60,7 +63,7 @@ def test_the_floor_counts_each_host_by_its_own_ranks():
     # replicas, so the floor is the busier pipeline rank's CPU twice over
     c = plan.Candidate(2, 2, "1f1b", 1, 4, 4, 0)
     span, share = plan_cores.stages(c, _profile())
-    schedule = plan.build_schedule(c.schedule, c.pp, c.microbatches, c.v)
+    schedule = build_schedule(c.schedule, c.pp, c.microbatches, c.virtual_stages)
     per_rank = plan_cores.rank_seconds(c, _profile(), span, share, 1e-3, schedule)
     assert per_rank == {0: pytest.approx(4 * 6e-3 + 8e-3), 1: pytest.approx(4 * 6e-3 + 8e-3)}
     assert plan_cores.floor(c, per_rank, hosts=2, cores=1) == pytest.approx(2 * 32e-3)
@@ -70,7 +73,7 @@ def test_the_floor_counts_each_host_by_its_own_ranks():
 def _shared(c: plan.Candidate, hosts: int, cores: int, on_core: float = 1.0) -> float:
     from clawcomm.pipeline.clock import ScheduleClock
 
-    pipeline = ScheduleClock(plan.build_schedule(c.schedule, c.pp, c.microbatches, c.v))
+    pipeline = ScheduleClock(build_schedule(c.schedule, c.pp, c.microbatches, c.virtual_stages))
     cost = lambda a: {"F": 1.0, "B": 2.0}.get(str(a.kind), 0.0)  # noqa: E731
     return plan_cores.shared_makespan(pipeline, c, cost, lambda a: on_core, lambda p, q: 0.0,
                                       hosts, cores)  # fmt: skip
@@ -79,7 +82,7 @@ def _shared(c: plan.Candidate, hosts: int, cores: int, on_core: float = 1.0) -> 
 def _alone(c: plan.Candidate, slow: float = 1.0) -> float:
     from clawcomm.pipeline.clock import ScheduleClock
 
-    pipeline = ScheduleClock(plan.build_schedule(c.schedule, c.pp, c.microbatches, c.v))
+    pipeline = ScheduleClock(build_schedule(c.schedule, c.pp, c.microbatches, c.virtual_stages))
     return pipeline.run({"F": slow, "B": 2.0 * slow}).makespan
 
 
@@ -224,4 +227,4 @@ def test_the_command_refuses_a_trial_too_short_to_measure(capsys):
     from clawcomm.cli import main
 
     assert main(["plan", "--nproc", "4", "--model", "mlp", "--trial-steps", "1"]) == 2
-    assert "--trial-steps 1: must be 0 (none) or >= 2" in capsys.readouterr().out
+    assert "--trial-steps 1: must be 0 (none) or >= 2" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""What a schedule's order does to its passes (clawcomm/train/plan_order.py):
+"""What a schedule's order does to its passes (clawcomm/plan/pass_order.py):
 the shapes it measures, every action run once in each order, the ratios
 the prediction scales each pass by, and layers that wait left unmeasured."""
 
@@ -10,9 +10,11 @@ import math
 import pytest
 import torch
 
-from clawcomm.train import models, plan, plan_order
+from clawcomm.plan import pass_order as plan_order
+from clawcomm.plan import search as plan
+from clawcomm.plan.profile import Profile, profile
+from clawcomm.train import models
 from clawcomm.train.config import TrainConfig
-from clawcomm.train.profiling import Profile, profile
 
 GPT = dict(model="gpt", dim=32, heads=2, layers=2, seq_len=16, global_batch=16, quiet=True)
 
@@ -20,9 +22,13 @@ GPT = dict(model="gpt", dim=32, heads=2, layers=2, seq_len=16, global_batch=16, 
 def test_each_pipeline_shape_is_measured_once_near_two_micro_batches_a_stage():
     cands = list(plan.candidates(4, 4, 16))
     wanted = plan_order.shapes(cands)
-    assert set(wanted) == {(c.schedule, c.pp, c.v) for c in cands if c.pp > 1}
+    assert set(wanted) == {(c.schedule, c.pp, c.virtual_stages) for c in cands if c.pp > 1}
     for (schedule, pp, v), (m, mbs) in wanted.items():
-        ms = {c.microbatches for c in cands if (c.schedule, c.pp, c.v) == (schedule, pp, v)}
+        ms = {
+            c.microbatches
+            for c in cands
+            if (c.schedule, c.pp, c.virtual_stages) == (schedule, pp, v)
+        }
         assert m == min(ms, key=lambda k: abs(k - 2 * pp)) and m * mbs <= 16
 
 
@@ -41,7 +47,7 @@ def test_every_action_runs_once_in_either_order_and_nothing_is_left_alive(monkey
                 counted[key] = counted.get(key, 0) + 1
         return real(stages, inputs, acts)
 
-    from clawcomm.train.profiling import _split_copies
+    from clawcomm.plan.profile import _split_copies
 
     monkeypatch.setattr(plan_order, "_run", counting)
     batch = lambda n: ds.batch(torch.arange(n))[0]  # noqa: E731
@@ -84,7 +90,7 @@ def test_the_prediction_scales_each_pass_by_its_schedules_order():
 
 def test_the_floor_where_ranks_outnumber_cores_counts_the_order_too():
     from clawcomm.pipeline.schedules import build
-    from clawcomm.train import plan_cores
+    from clawcomm.plan import shared_cores as plan_cores
 
     c = plan.Candidate(1, 2, "gpipe", 1, 4, 4, 0)
     prof = _prof()

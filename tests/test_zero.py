@@ -334,3 +334,18 @@ def test_param_compression_without_zero_is_refused_before_training():
     cfg = _config(dp=2, param_compression="int8", microbatches=2, micro_batch_size=2)
     with pytest.raises(RankFailure, match="param_compression 'int8' .* needs zero 1, 2 or 3"):
         run_ranks(_train, 2, cfg)
+
+
+def test_the_model_state_a_zero_stage_leaves_a_rank():
+    # The one rule the planner and bench/zero_memory.py read (the trainer's
+    # measured figures are checked against the same fractions above).
+    from clawcomm.parallel.zero import model_state_bytes
+
+    assert model_state_bytes(100, 4, 0) == {"param_bytes": 400, "grad_bytes": 400,
+                                            "optim_bytes": 800}  # fmt: skip
+    assert model_state_bytes(100, 4, 1) == {"param_bytes": 400, "grad_bytes": 500,
+                                            "optim_bytes": 200}  # fmt: skip
+    assert model_state_bytes(100, 4, 2)["grad_bytes"] == 100
+    assert model_state_bytes(100, 4, 3) == {"param_bytes": 100, "grad_bytes": 100,
+                                            "optim_bytes": 200}  # fmt: skip
+    assert model_state_bytes(100, 1, 3)["param_bytes"] == 400  # one replica shards nothing

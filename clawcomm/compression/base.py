@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import copy
+import statistics
+import time
 import zlib
+from dataclasses import dataclass
 
 import torch
 import torch.distributed
@@ -98,12 +101,41 @@ def shared_seed(state: CompressorState | None, key) -> int:
     return calls * 1_000_003 + zlib.crc32(repr(key).encode())
 
 
+@dataclass(frozen=True)
+class Wire:
+    """What one reduction of a float32 gradient puts on the wire, for a cost
+    model to price (``clawcomm.plan`` does): its collectives in order, each
+    as (name, bytes per rank as nccl-tests counts them: an all-reduce's
+    buffer, an all-gather's output, a reduce-scatter's or an all-to-all's
+    input), and how many encode-and-decode passes over the gradient it
+    makes (each costs ``Compressor.codec_seconds``)."""
+
+    collectives: tuple[tuple[str, float], ...]
+    codec_passes: int = 0
+
+
+def median_seconds(run, repeats: int) -> float:
+    """The median wall time of ``repeats`` calls of ``run(i)``, ``i`` the
+    call's index; a call may return a ``perf_counter`` time to start the
+    clock from (after its own set-up)."""
+    times = []
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        started = run(i)
+        times.append(time.perf_counter() - (started or t0))
+    return statistics.median(times)
+
+
 class Compressor:
     """Sums a float32 tensor over a group, compressing what it sends.
 
     Subclasses implement ``all_reduce``; ``spec`` is the string that rebuilds
     the compressor. ``with_values`` returns a variant whose values travel in
     16 bits (``+fp16``/``+bf16``), when the compressor has values to send.
+
+    A compressor also says what it costs, for the planner: ``wire`` (what
+    one reduction sends), ``codec_seconds`` (what encoding and decoding
+    take here) and ``state_bytes`` (what it keeps between steps).
     """
 
     spec = "none"
@@ -135,6 +167,28 @@ class Compressor:
             f"clawcomm.compression: {self.spec} has no reduce-scatter (every built-in "
             "compressor has)"
         )
+
+    def wire(self, elems: int, world: int, sharded: bool = False, shapes=None) -> Wire | None:
+        """What one reduction of ``elems`` float32 values over ``world``
+        ranks sends (``sharded``: ZeRO's ``reduce_scatter_mean``; ``shapes``:
+        the parameters laid out in the tensor, where the method reads them),
+        or None where the values decide it (threshold, DGC, a coded ``+ec``
+        wire): what those send, the compression lab measures."""
+        return None
+
+    def codec_seconds(self, elems: int, world: int, shapes=None, repeats: int = 5) -> float:
+        """One encode of ``elems`` float32 values and the decode of what
+        ``world`` ranks send, on this machine (the median of ``repeats``):
+        what each of ``wire``'s codec passes costs. 0 where nothing is coded
+        in Python or C++ beside the collectives (a 16-bit wire is converted
+        inside the engine's ring)."""
+        return 0.0
+
+    def state_bytes(self, elems: int) -> float:
+        """The bytes this method keeps between steps for a gradient of
+        ``elems`` values: its error-feedback residual and its momentum, each
+        the gradient's size."""
+        return 4.0 * elems * (int(self.uses_error_feedback) + int(self.keeps_momentum))
 
     def with_values(self, values: str, spec: str) -> Compressor:
         raise ValueError(f"compressor spec {spec!r}: {self.spec} has no values to send as {values}")

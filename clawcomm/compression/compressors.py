@@ -3,12 +3,21 @@ random-k. Each sums a float32 tensor over a group in place."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
 from clawcomm._torch_names import reduce_scatter_single
-from clawcomm.compression import powersgd, quantized, sparsified
-from clawcomm.compression.base import Compressor, CompressorState, flat_f32, shared_seed
+from clawcomm.compression import powersgd, quantized, sparse, sparsified
+from clawcomm.compression.base import (
+    Compressor,
+    CompressorState,
+    Wire,
+    flat_f32,
+    median_seconds,
+    shared_seed,
+)
 from clawcomm.compression.registry import parse_k, register_compressor
 from clawcomm.compression.sparse import VALUE_DTYPES, sparse_all_reduce, sparse_reduce_scatter
 
@@ -43,6 +52,9 @@ class NoCompression(Compressor):
         reduce_scatter_single(out, tensor, group=group)
         out.div_(dist.get_world_size(group))
 
+    def wire(self, elems, world, sharded=False, shapes=None):
+        return Wire((("reduce_scatter" if sharded else "all_reduce", 4.0 * elems),))
+
 
 class HalfPrecision(Compressor):
     """16 bits on the wire, float32 accumulation at every step.
@@ -60,7 +72,7 @@ class HalfPrecision(Compressor):
     reduces_scatter = True
 
     def __init__(self, wire: str, prescale: bool = True):
-        self.wire = wire
+        self.dtype = wire
         self.prescale = prescale
         self.spec = {"float16": "fp16", "bfloat16": "bf16"}[wire]
 
@@ -71,17 +83,21 @@ class HalfPrecision(Compressor):
         # The 1/n pre-scale already is the division: one pass, not three.
         self._reduce(tensor, group, mean=True)
 
+    def wire(self, elems, world, sharded=False, shapes=None):
+        """Half the bytes of float32; the conversion is the engine's, inside its ring."""
+        return Wire((("reduce_scatter" if sharded else "all_reduce", 2.0 * elems),))
+
     def _reduce(self, tensor, group, mean: bool):
         n = dist.get_world_size(group)
         if tensor.is_cuda:
             from clawcomm.compression import gpu
 
             pre = 1.0 / n if self.prescale or mean else 1.0
-            gpu.half_all_reduce(tensor, self.wire, pre, 1.0 if mean else 1.0 / pre, group)
+            gpu.half_all_reduce(tensor, self.dtype, pre, 1.0 if mean else 1.0 / pre, group)
             return
         engine = _engine(group)
         if engine is None:
-            half = tensor.to(getattr(torch, self.wire))
+            half = tensor.to(getattr(torch, self.dtype))
             dist.all_reduce(half, group=group)
             tensor.copy_(half)
             if mean:
@@ -89,7 +105,7 @@ class HalfPrecision(Compressor):
             return
         pre = 1.0 / n if self.prescale or mean else 1.0
         post = n if pre != 1.0 and not mean else 1.0  # back to the sum, in the engine
-        engine.all_reduce_16bit_wire(tensor.numpy(), self.wire, pre, post)
+        engine.all_reduce_16bit_wire(tensor.numpy(), self.dtype, pre, post)
 
     def reduce_scatter_mean(self, tensor, out, state, key, group):
         """The mean's part of this rank, with the same wire and float32
@@ -100,9 +116,9 @@ class HalfPrecision(Compressor):
         n = dist.get_world_size(group)
         engine = None if tensor.is_cuda else _engine(group)
         if engine is not None:
-            engine.reduce_scatter_16bit_wire(tensor.numpy(), out.numpy(), self.wire, 1.0 / n, 1.0)
+            engine.reduce_scatter_16bit_wire(tensor.numpy(), out.numpy(), self.dtype, 1.0 / n, 1.0)
             return
-        half = tensor.mul(1.0 / n).to(getattr(torch, self.wire))
+        half = tensor.mul(1.0 / n).to(getattr(torch, self.dtype))
         part = half.new_empty(out.numel())
         reduce_scatter_single(part, half, group=group)
         out.copy_(part)
@@ -166,6 +182,32 @@ class TopK(Compressor):
         sparse_reduce_scatter(
             idx, val, out, tensor.numel(), group, self.values, scale=1.0 / n, coded=self.coded
         )
+
+    def wire(self, elems, world, sharded=False, shapes=None):
+        """The pairs of ``sparse_all_reduce`` (or ``sparse_reduce_scatter``)."""
+        if self.coded:
+            return None
+        k = _k_of(self.k, elems)
+        return Wire(sparse.wire(k, elems, world, self.values, self.form, sharded), codec_passes=1)
+
+    def codec_seconds(self, elems, world, shapes=None, repeats=5):
+        """The selection with its residual, and the scatter-add of
+        ``world`` ranks' pairs."""
+        if elems <= 0:
+            return 0.0
+        k = _k_of(self.k, elems)
+        grad = torch.randn(elems, generator=torch.Generator().manual_seed(0))
+        residual, out = torch.zeros(elems), torch.zeros(elems)
+
+        def run(step: int) -> float:
+            g = grad.clone()
+            t0 = time.perf_counter()
+            idx, val = self._select(g, residual, k, step)
+            for _ in range(world):
+                out.index_add_(0, idx.long(), val)
+            return t0
+
+        return median_seconds(run, repeats)
 
     def _reduce(self, tensor, state, key, group, scale):
         flat_f32(tensor, "topk")
@@ -240,6 +282,30 @@ class RandomK(Compressor):
             )
         tensor.zero_()
         tensor.index_add_(0, idx, vals)
+
+    def wire(self, elems, world, sharded=False, shapes=None):
+        """The k values alone (every rank draws the same indices): all-reduced,
+        or, sharded, sent each to the rank whose part holds it."""
+        value = VALUE_DTYPES[self.values].itemsize * _k_of(self.k, elems)
+        return Wire((("all_to_all" if sharded else "all_reduce", float(value)),), codec_passes=1)
+
+    def codec_seconds(self, elems, world, shapes=None, repeats=5):
+        """The draw, the gather of the k values and their scatter back."""
+        if elems <= 0:
+            return 0.0
+        k = _k_of(self.k, elems)
+        grad = torch.randn(elems, generator=torch.Generator().manual_seed(0))
+
+        def run(step: int) -> float:
+            g = grad.clone()
+            t0 = time.perf_counter()
+            idx = _draw(None, step, elems, k)
+            vals = g[idx] * (elems / k)
+            g.zero_()
+            g.index_add_(0, idx, vals)
+            return t0
+
+        return median_seconds(run, repeats)
 
     reduces_scatter = True
 

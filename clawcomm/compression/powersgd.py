@@ -29,11 +29,12 @@ values, against one of every value.
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 import torch.distributed as dist
 
-from clawcomm.compression.base import Compressor, shared_seed
+from clawcomm.compression.base import Compressor, CompressorState, Wire, median_seconds, shared_seed
 from clawcomm.compression.registry import get_compressor
 
 
@@ -87,6 +88,38 @@ class PowerSGD(Compressor):
         matrices, dense = self.plan(numel, shapes)
         return sum((rows + cols) * r for _, rows, cols, r in matrices) + sum(n for _, n in dense)
 
+    def wire(self, elems, world, sharded=False, shapes=None):
+        """The values of what is not a matrix all-reduced densely, then the
+        P factors and the Q factors, one all-reduce each (in 16 bits with
+        ``+fp16``/``+bf16``); sharded the same (the part is kept)."""
+        matrices, dense = self.plan(elems, shapes or [(elems,)])
+        value = 4 if self.values == "fp32" else 2
+        sizes = ((4, sum(n for _, n in dense)),
+                 (value, sum(rows * r for _, rows, _, r in matrices)),
+                 (value, sum(cols * r for _, _, cols, r in matrices)))  # fmt: skip
+        return Wire(tuple(("all_reduce", float(b * n)) for b, n in sizes if n), codec_passes=1)
+
+    def codec_seconds(self, elems, world, shapes=None, repeats=5):
+        """The passes of ``mean`` over a gradient of ``shapes`` with its
+        all-reduces left out: the residual added and kept, the dense values
+        packed and unpacked, the factors' products and orthogonalisations."""
+        shapes = list(shapes or [(elems,)])
+        elems = sum(math.prod(s) for s in shapes)
+        if elems <= 0:
+            return 0.0
+        grad, state = torch.randn(elems), CompressorState()
+        state.shapes[0] = shapes
+        local = PowerSGD(self.rank, self.values, self.min_compression_rate)
+        local._sum = local._sum_dense = lambda t, group: None  # the wire is priced apart
+
+        def run(step: int) -> float:
+            flat = grad.clone()
+            t0 = time.perf_counter()
+            local.mean(flat, state, 0, None, world)
+            return t0
+
+        return median_seconds(run, repeats)
+
     def all_reduce(self, tensor, state, key, group):
         self.all_reduce_mean(tensor, state, key, group)
         tensor.mul_(dist.get_world_size(group))
@@ -103,7 +136,7 @@ class PowerSGD(Compressor):
     def mean(self, tensor, state, key, group, n: int) -> None:
         """``all_reduce_mean`` over ``n`` ranks. Every collective goes
         through ``_sum_dense`` and ``_sum``, so that the passes can be timed
-        without them (the plan's cost of the codec, ``train.plan_wire``)."""
+        without them (``codec_seconds``)."""
         flat = tensor.view(-1)
         shapes = state.shapes.get(key) if state is not None else None
         if shapes is None:

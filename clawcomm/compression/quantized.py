@@ -39,7 +39,14 @@ import torch.distributed as dist
 
 from clawcomm._torch_names import all_gather_single
 from clawcomm.compression import gpu
-from clawcomm.compression.base import Compressor, CompressorState, shared_seed, zeros_like_in
+from clawcomm.compression.base import (
+    Compressor,
+    CompressorState,
+    Wire,
+    median_seconds,
+    shared_seed,
+    zeros_like_in,
+)
 from clawcomm.compression.coding import exchange_codes, gather_codes
 
 SCALES = ("max", "l2", "mean_abs")
@@ -181,6 +188,35 @@ class BlockQuantized(Compressor):
     def all_reduce(self, tensor, state, key, group):
         self.all_reduce_mean(tensor, state, key, group)
         tensor.mul_(dist.get_world_size(group))
+
+    def wire(self, elems, world, sharded=False, shapes=None):
+        """The reduce-scatter's codes and scales (two all-to-alls), and for
+        an all-reduce the summed parts' again (two all-gathers); every part
+        padded to whole blocks. One encode and decode a stage."""
+        if self.coded:
+            return None
+        block = self.codec.block
+        part = -(-elems // (world * block)) * block
+        codes = float(world * self.codec.row_bytes(part))
+        scales = 4.0 * world * part / block
+        scatter = (("all_to_all", codes), ("all_to_all", scales))
+        if sharded:
+            return Wire(scatter, codec_passes=1)
+        return Wire(scatter + (("all_gather", codes), ("all_gather", scales)), codec_passes=2)
+
+    def codec_seconds(self, elems, world, shapes=None, repeats=5):
+        """One encode and one decode of ``elems`` values (whole blocks)."""
+        if elems <= 0:
+            return 0.0
+        elems = -(-elems // self.codec.block) * self.codec.block
+        x = torch.randn(elems, generator=torch.Generator().manual_seed(0))
+        out = torch.zeros(elems)
+
+        def run(step: int) -> None:
+            codes, scales = self.codec.encode(x, step)
+            self.codec.decode(codes, scales, out, accumulate=True)
+
+        return median_seconds(run, repeats)
 
     def _seed(self, state: CompressorState | None, key, group) -> int:
         return shared_seed(state, key) * 65_537 + dist.get_rank(group)

@@ -103,6 +103,30 @@ def sparse_all_reduce(
         _reduce_scatter_form(idx, val, out, group, values, n, scale, coded)
 
 
+def wire(k: int, numel: int, n: int, values: str = "fp32", form: str = "auto",
+         sharded: bool = False) -> tuple[tuple[str, float], ...]:  # fmt: skip
+    """What ``sparse_all_reduce`` (``sharded``: ``sparse_reduce_scatter``)
+    of ``k`` pairs a rank over ``n`` ranks sends, as (collective, bytes per
+    rank) pairs: the counts, then the pairs. Beyond the gather form, the
+    slices' non-zeros are counted at their bound (no two ranks' pairs
+    alike, each slice holding at most its ``numel / n`` entries)."""
+    value = VALUE_DTYPES[values].itemsize
+    counts = 8.0 * n  # one int64 a rank
+    scatter = (("all_to_all", counts), ("all_to_all", 4.0 * k), ("all_to_all", float(k * value)))
+    if sharded:
+        return scatter
+    if form == "auto":
+        form = "gather" if n <= 4 else "reduce_scatter"
+
+    def gathered(pairs: int) -> tuple[tuple[str, float], ...]:
+        packed = sum(_section_bytes(pairs, numel, values))  # a rank's indices and values
+        return ("all_gather", counts), ("all_gather", float(n * packed))
+
+    if form == "gather":
+        return gathered(k)
+    return scatter + gathered(min(n * k, -(-numel // n)))
+
+
 def _all_counts(count: int, group, n: int) -> list[int]:
     counts = torch.zeros(n, dtype=torch.int64)
     all_gather_single(counts, torch.tensor([count], dtype=torch.int64), group=group)

@@ -58,6 +58,20 @@ _BLOCK = 256  # int8 parameter blocks
 _WIRES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
+def model_state_bytes(params: float, dp: int, zero: int,
+                      optimizer_bytes: float = 8.0) -> dict[str, float]:  # fmt: skip
+    """What a rank holds between steps of ``params`` float32 parameters over
+    ``dp`` replicas at ZeRO stage ``zero``, as the trainer holds it (an
+    optimizer of ``optimizer_bytes`` a parameter: AdamW's two moments, 8):
+    optimizer state 1/dp from stage 1; gradients 1/dp from stage 2 (stage 1
+    keeps the full buffers beside its shards); parameters 1/dp at stage 3
+    between uses (the layers gathered while they compute come on top)."""
+    shard = lambda stage: dp if zero >= stage else 1  # noqa: E731
+    grads = 4.0 * params * (1 + 1 / dp if zero == 1 and dp > 1 else 1 / shard(2))
+    return {"param_bytes": 4.0 * params / shard(3), "grad_bytes": grads,
+            "optim_bytes": optimizer_bytes * params / shard(1)}  # fmt: skip
+
+
 def drop_masters(state: dict) -> dict:
     """One parameter's optimizer state without the master weights a run
     with ``param_compression`` saved."""

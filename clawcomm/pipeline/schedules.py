@@ -84,6 +84,22 @@ def build(name: str, pp: int, microbatches: int, virtual_stages: int = 1) -> Sch
     return add_communication(compute, pp, pp * virtual_stages)
 
 
+def held_for_backward(actions: list[Action], saved) -> float:
+    """The most that one rank's ``actions`` hold for backward at once: a
+    micro-batch's forward on stage s holds ``saved(s)`` (bytes, say) until
+    its backward (B, or I: the input-gradient pass frees the graph; W keeps
+    only what the weight gradients read). At pp 1 that is one micro-batch,
+    under 1F1B a rank's pipeline depth at most, under GPipe all of them."""
+    held = peak = 0.0
+    for a in actions:
+        if a.kind == F:
+            held += saved(a.stage)
+            peak = max(peak, held)
+        elif a.kind in (B, I):
+            held -= saved(a.stage)
+    return peak
+
+
 # ---- compute orders -----------------------------------------------------------
 
 

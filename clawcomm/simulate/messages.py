@@ -256,7 +256,7 @@ def _latest(prog: _Program, a: int | None, b: int | None) -> int | None:
 
 
 def _tree_is_cheaper(shard: float, hosts: int, streams: int, prog: _Program) -> bool:
-    from clawcomm.cost_model import _cross_host, ring_all_reduce
+    from clawcomm.cost_model.formulas import _cross_host, ring_all_reduce
 
     model = prog.model
     shared = CostModel(model.shm_alpha, model.shm_beta, model.net_alpha,

@@ -299,7 +299,7 @@ def run(args: argparse.Namespace) -> int:
                     "--layout auto plans before the ranks start: under torchrun, run "
                     "clawcomm plan and pass the layout flags it prints"
                 )
-            from clawcomm.train import plan
+            from clawcomm.plan import search as plan
 
             cfg = plan.choose(cfg, world, say=lambda text: print(text, flush=True))
         cfg.check(world)

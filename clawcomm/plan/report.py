@@ -4,8 +4,8 @@ the best layout of another shape), and the command that runs the first."""
 
 from __future__ import annotations
 
-from clawcomm.train.plan_order import summary
-from clawcomm.train.profiling import Profile
+from clawcomm.plan.pass_order import summary
+from clawcomm.plan.profile import Profile
 
 
 def why(first, second) -> str:
@@ -51,7 +51,7 @@ def report(preds: list, over: list, prof: Profile, base: list[str],
         )
     if len(preds) > 1:
         lines.append("# " + why(preds[0], preds[1]))
-        shape = lambda c: (c.dp, c.pp, c.schedule, c.v)  # noqa: E731
+        shape = lambda c: c.shape()  # noqa: E731
         other = next((p for p in preds if shape(p.cand) != shape(preds[0].cand)), None)
         if other is not None and other is not preds[1]:
             k = preds.index(other) + 1

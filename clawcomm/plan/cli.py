@@ -1,14 +1,15 @@
 """``clawcomm plan``, the command: its flags, and the report it prints
-(``plan`` predicts, ``plan_report`` lays out, ``plan_check`` measures)."""
+(``search`` predicts, ``report`` lays out, ``check`` measures)."""
 
 from __future__ import annotations
 
 import os
+import sys
 
-from clawcomm.train import plan_cores
-from clawcomm.train.plan import cost_model, plan
-from clawcomm.train.plan_check import check, model_flags, namespace_cores, shapes
-from clawcomm.train.plan_report import report
+from clawcomm.plan import shared_cores
+from clawcomm.plan.check import check, model_flags, namespace_cores, shapes
+from clawcomm.plan.report import report
+from clawcomm.plan.search import cost_model, plan
 
 
 def add_arguments(p) -> None:
@@ -49,7 +50,7 @@ def add_arguments(p) -> None:
     p.add_argument("--search-sync", metavar="LIST", default="",
                    help="also choose the sync method among these: every-step, local-sgd:H, "
                         "diloco:H (comma-separated; default: keep --sync)")  # fmt: skip
-    p.add_argument("--trial-steps", type=int, default=plan_cores.TRIAL_STEPS, metavar="N",
+    p.add_argument("--trial-steps", type=int, default=shared_cores.TRIAL_STEPS, metavar="N",
                    help="where a host's ranks outnumber its cores, train one layout "
                         "N steps here to measure what an action costs beyond its profile "
                         "(%(default)s; 0: none, the plan counts the profiled compute "
@@ -86,16 +87,16 @@ def run(args) -> int:
                                  searched or None, syncs or None, args.trial_steps, on_hosts,
                                  args.link)  # fmt: skip
     except (ValueError, OSError) as e:
-        print(f"clawcomm plan: error: {e}")
+        print(f"clawcomm plan: error: {e}", file=sys.stderr)
         return 2
     if not preds:
         least = min(p.memory_mb for p in over)
         print(f"clawcomm plan: every layout needs more than --max-memory-mb "
-              f"{cfg.max_memory_mb:g} MB (the least: {least:.0f} MB)")  # fmt: skip
+              f"{cfg.max_memory_mb:g} MB (the least: {least:.0f} MB)", file=sys.stderr)  # fmt: skip
         return 2
     base = ["--nproc", str(args.nproc), *model_flags(cfg)]
     print(report(preds, over, prof, base, args.top), flush=True)
-    crowded = plan_cores.caveat(prof, args.nproc // args.hosts, cores or os.cpu_count() or 1)
+    crowded = shared_cores.caveat(prof, args.nproc // args.hosts, cores or os.cpu_count() or 1)
     if crowded:
         print("# " + crowded)
     if searched:
@@ -116,7 +117,7 @@ def run(args) -> int:
             print(check(cfg, chosen, len(chosen), args.check_steps, args.nproc,
                         args.check_rounds, args.hosts, args.link))  # fmt: skip
         except (ValueError, RuntimeError, OSError) as e:
-            print(f"clawcomm plan --check: error: {e}")
+            print(f"clawcomm plan --check: error: {e}", file=sys.stderr)
             return 1
     return 0
 

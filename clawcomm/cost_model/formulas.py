@@ -1,39 +1,12 @@
-"""The cost model: what a collective takes on a topology of hosts x ranks.
-
-The engine's ``CLAWCOMM_ALGO=auto`` chooses by the same closed forms
-(``csrc/algorithms/selection.cc``; tests compare the two), and
-``clawcomm simulate`` prints them at any scale. ``clawcomm.simulate.messages`` runs
-the same algorithms message by message as a check.
-
-A message between ranks of one host costs ``shm_alpha + bytes * shm_beta``.
-One between hosts costs ``net_alpha + bytes * net_beta`` per stream, and the
-streams that leave one host in the same step share its link, so ``s`` of
-them take ``net_alpha + s * bytes * net_beta``. A step costs its slowest
-message; reducing costs ``gamma`` per byte. docs/algorithms.md derives each
-formula.
-
-    from clawcomm.cost_model import CostModel, Topology, predict
-    model = CostModel.load("model.json")            # clawcomm bench --calibrate
-    predict("all_reduce", "hierarchical", 1 << 30, Topology(128, 8), model)
-"""
+"""Each algorithm's closed form: seconds for a collective of N bytes per
+rank on a topology, as docs/algorithms.md derives it (and
+``csrc/algorithms/costs.cc`` computes it for the engine's own choices)."""
 
 from __future__ import annotations
 
-import json
 import math
-import re
-from dataclasses import asdict, dataclass, fields, replace
 
-__all__ = [
-    "ALGORITHMS",
-    "CostModel",
-    "Topology",
-    "busbw_factor",
-    "choose",
-    "hierarchical_pieces",
-    "link_bits_per_s",
-    "predict",
-]
+from clawcomm.cost_model.parameters import CostModel, Topology
 
 # Mirrors csrc/algorithms/algorithms.h.
 PIECE_BYTES = 4 << 20
@@ -46,89 +19,6 @@ DIRECT_MAX_RANKS = 16
 # Mirrors csrc/common/settings.h: frames of at least this many bytes go by
 # single copy (CLAWCOMM_SINGLE_COPY_BYTES's default).
 SINGLE_COPY_BYTES = 1 << 20
-
-# Which algorithms each collective has: the engine's table
-# (csrc/algorithms/selection.cc), its names and its order (ties in cost go
-# to the later row).
-ALGORITHMS = {
-    "all_reduce": ("oneshot", "twoshot", "ring", "tree", "hierarchical"),
-    "reduce_scatter": ("ring", "hierarchical", "direct"),
-    "all_gather": ("ring", "hierarchical", "direct"),
-    "broadcast": ("direct", "scatter_allgather", "tree"),
-    "reduce": ("reducescatter_gather", "tree"),
-}
-
-# The rows auto passes over (selection.cc's chooseAlgorithm): the two-shot
-# all-reduce runs only where named (measured behind the ring at 3 ranks).
-NAMED_ONLY = {("all_reduce", "twoshot")}
-
-
-@dataclass
-class CostModel:
-    """Seconds per message (alpha), per byte (beta) and per byte reduced
-    (gamma); the defaults are the engine's (csrc/common/cost_model.h)."""
-
-    shm_alpha: float = 8e-6
-    shm_beta: float = 1 / 5e9
-    net_alpha: float = 50e-6
-    net_beta: float = 1 / 1.25e9
-    gamma: float = 1 / 4e9
-
-    @classmethod
-    def load(cls, path: str) -> CostModel:
-        with open(path) as f:
-            data = json.load(f)
-        missing = [f.name for f in fields(cls) if f.name not in data]
-        if missing:
-            raise ValueError(f"cost model {path}: missing {', '.join(missing)}")
-        return cls(**{f.name: float(data[f.name]) for f in fields(cls)})
-
-    def save(self, path: str, **extra) -> None:
-        with open(path, "w") as f:
-            json.dump({**asdict(self), **extra}, f, indent=2)
-            f.write("\n")
-
-    def with_link(self, rate: str | None) -> CostModel:
-        """This model with each host's link at ``rate`` (tc's syntax, as
-        ``--link`` takes it: ``1gbit``, ``200mbit``); unchanged for None."""
-        return replace(self, net_beta=8 / link_bits_per_s(rate)) if rate else self
-
-
-def link_bits_per_s(rate: str) -> float:
-    """A link rate in tc's syntax (``10gbit``, ``200mbit``, ``500kbit``) in
-    bits per second: the one parser of ``--link`` for the cost model, the
-    compression lab and the namespace hosts that shape their links with it."""
-    m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([kmg]?)bit", str(rate).strip().lower())
-    if not m or float(m.group(1)) <= 0:
-        raise ValueError(f"link rate {rate!r} is not like '1gbit', '200mbit' or '10gbit'")
-    return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
-
-
-@dataclass(frozen=True)
-class Topology:
-    """`hosts` hosts of `ranks_per_host` ranks, numbered host by host (as
-    torchrun numbers them)."""
-
-    hosts: int
-    ranks_per_host: int
-
-    @property
-    def size(self) -> int:
-        return self.hosts * self.ranks_per_host
-
-    def host_of(self, rank: int) -> int:
-        return rank // self.ranks_per_host
-
-    @property
-    def hierarchical(self) -> bool:
-        return self.hosts >= 2 and self.ranks_per_host >= 2
-
-
-def busbw_factor(collective: str, n: int) -> float:
-    """nccl-tests' factor from algorithm bandwidth to bus bandwidth."""
-    if n <= 1:
-        return 1.0
-    return {"all_reduce": 2 * (n - 1) / n, "broadcast": 1.0}.get(collective, (n - 1) / n)
 
 
 def hierarchical_pieces(nbytes: float) -> int:
@@ -310,6 +200,20 @@ def direct_all_gather(N: float, topology: Topology, m: CostModel) -> float:
     return m.shm_alpha + (n - 1) * N / n * m.shm_beta
 
 
+def pairwise_all_to_all(N: float, topology: Topology, m: CostModel) -> float:
+    """pairwise_all_to_all.cc: each rank posts its n-1 sends of N/n at once
+    and then waits. Inside a host they go one after another through the
+    rank's channel; the k ranks of a host send k (n-k) of them over its
+    link together."""
+    n, k = topology.size, topology.ranks_per_host
+    if n <= 1:
+        return 0.0
+    local = m.shm_alpha + (k - 1) * N / n * m.shm_beta if k > 1 else 0.0
+    if topology.hosts == 1:
+        return local
+    return max(local, m.net_alpha + k * (n - k) * N / n * m.net_beta)
+
+
 def direct_broadcast(N: float, topology: Topology, m: CostModel) -> float:
     """direct_broadcast.cc, one host: from the single-copy size every peer
     reads the root at once (one copy of N), below it the root copies N into
@@ -452,39 +356,5 @@ _FORMULAS = {
     ("broadcast", "tree"): binomial_broadcast,
     ("reduce", "reducescatter_gather"): reducescatter_gather_reduce,
     ("reduce", "tree"): binomial_reduce,
+    ("all_to_all", "pairwise"): pairwise_all_to_all,
 }
-
-
-def predict(
-    collective: str, algo: str, nbytes: float, topology: Topology, model: CostModel
-) -> float:
-    """Seconds for `collective` of `nbytes` per rank (an all-reduce's whole
-    buffer; all-gather's output, reduce-scatter's input, as nccl-tests
-    counts them)."""
-    if algo == "auto":
-        algo = choose(collective, nbytes, topology, model)
-    try:
-        formula = _FORMULAS[(collective, algo)]
-    except KeyError:
-        raise ValueError(f"no {algo!r} algorithm for {collective}") from None
-    return formula(float(nbytes), topology, model)
-
-
-def choose(collective: str, nbytes: float, topology: Topology, model: CostModel) -> str:
-    """What CLAWCOMM_ALGO=auto picks, as the engine does: the cheapest of
-    the collective's algorithms but NAMED_ONLY, ties to the later row (one
-    rank's all-reduce: the tree, which returns at once)."""
-    try:
-        algos = ALGORITHMS[collective]
-    except KeyError:
-        raise ValueError(f"no collective {collective!r}: one of {', '.join(ALGORITHMS)}") from None
-    if collective == "all_reduce" and topology.size <= 1:
-        return "tree"
-    best, best_cost = algos[0], math.inf
-    for a in algos:
-        if (collective, a) in NAMED_ONLY:
-            continue
-        c = _FORMULAS[(collective, a)](float(nbytes), topology, model)
-        if c <= best_cost:
-            best, best_cost = a, c
-    return best

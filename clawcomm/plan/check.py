@@ -83,7 +83,7 @@ def shapes(preds: list, k: int) -> list:
     often one shape's ZeRO stages."""
     seen, out = set(), []
     for p in preds:
-        shape = (p.cand.dp, p.cand.pp, p.cand.schedule, p.cand.v, p.cand.compression, p.cand.sync)
+        shape = (*p.cand.shape(), p.cand.compression, p.cand.sync)
         if shape not in seen:
             seen.add(shape)
             out.append(p)
@@ -102,7 +102,7 @@ def grid(preds: list, microbatches: int = 4) -> list:
     out, seen = [preds[0]], {preds[0].cand}
     for p in preds:
         c = p.cand
-        fixed = c.microbatches == microbatches and c.zero == 0 and c.v in (1, 2)
+        fixed = c.microbatches == microbatches and c.zero == 0 and c.virtual_stages in (1, 2)
         plain = c.compression in (None, "") and c.sync in (None, "every-step")
         if fixed and plain and c not in seen:
             seen.add(c)

@@ -61,11 +61,11 @@ class Profile:
     host_s: float = 0.0  # a trainer step's own time beyond its layers and optimizer
     # where ranks outnumber cores: CPU-seconds a compute action costs beyond
     # its profile, and the trial that measured it ("a trial: ..."), or why
-    # none ran ("no trial: ..."; plan_cores)
+    # none ran ("no trial: ..."; shared_cores)
     action_s: float = 0.0
     trial: str = ""
     # per pipeline shape (schedule, pp, v): each pass kind's time in the
-    # schedule's order over its time back to back (plan_order; none on GPUs)
+    # schedule's order over its time back to back (pass_order; none on GPUs)
     order: dict[tuple[str, int, int], dict[str, float]] = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
     threads: int = 0  # intra-op threads the layers were timed with
@@ -224,7 +224,8 @@ def _host_seconds(cfg, mbs: int, prof: Profile, steps: int = 4) -> float:
     one = dataclasses.replace(cfg, dp=1, pp=1, microbatches=1, micro_batch_size=mbs,
                               accumulation=1, global_batch=0, zero=0, layout="", quiet=True,
                               compression="", sync="every-step", metrics="", trace="",
-                              timeline="", tensorboard="", checkpoint_dir="")  # fmt: skip
+                              timeline="", tensorboard="", checkpoint_dir="",
+                              max_memory_mb=0.0)  # fmt: skip
     model, loss, make_opt, ds, tokens, sample = models.build(one)
     trainer = Trainer(model, loss, make_opt, one, tokens_per_sample=tokens, sample=sample)
     try:

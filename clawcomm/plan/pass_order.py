@@ -48,7 +48,7 @@ ORDER_BUDGET_S = 6.0
 # plan: the orders, measured last, get what is left of it. On a 2-core VM
 # that ran the GPT 1.8x slower than the reference, the GPT on 2 namespace
 # hosts had planned in 21.8 s with a fixed budget (profile 3.5 s, orders
-# 4.4, the trial 13.1 before its ranks were forked: ``testing.forkrun``).
+# 4.4, the trial 13.1 before its ranks were forked: ``launch.forkrun``).
 PLAN_SECONDS = 14.0
 Shape = tuple[str, int, int]  # schedule, pp, v
 # Measured only where the layers spend at least this share of their time on
@@ -65,7 +65,7 @@ def shapes(cands: list) -> dict[Shape, tuple[int, int]]:
     for c in cands:
         if c.pp < 2:
             continue
-        key = (c.schedule, c.pp, c.v)
+        key = (c.schedule, c.pp, c.virtual_stages)
         if key not in out or abs(c.microbatches - 2 * c.pp) < abs(out[key][0] - 2 * c.pp):
             out[key] = (c.microbatches, c.micro_batch_size)
     return out
@@ -78,10 +78,10 @@ def of(c, prof) -> dict[str, float]:
     its passes unscaled)."""
     if c.pp < 2:
         return {}
-    own = prof.order.get((c.schedule, c.pp, c.v))
+    own = prof.order.get((c.schedule, c.pp, c.virtual_stages))
     if own:
         return own
-    lender = borrowed((c.schedule, c.pp, c.v), prof.order)
+    lender = borrowed((c.schedule, c.pp, c.virtual_stages), prof.order)
     return prof.order[lender] if lender else {}
 
 
@@ -100,7 +100,7 @@ def measure(cfg, cands: list, prof, built, budget: float = ORDER_BUDGET_S) -> tu
     with a CPU rank's intra-op threads, within ``budget`` seconds (at most
     ``ORDER_BUDGET_S``); ``built``: ``models.build``'s result for ``cfg``
     at one rank, ``prof`` its profile (the layers' parameters)."""
-    from clawcomm.train.profiling import _split_copies, rank_threads
+    from clawcomm.plan.profile import _split_copies, rank_threads
 
     t0 = time.perf_counter()
     if _on_core(prof) < ON_CORE:
@@ -154,7 +154,7 @@ def ratios(layers: list, params: list[float], batch, wanted: dict, split_layers=
     """Per shape of ``wanted`` (``shapes``'s), per pass kind: its time in the
     schedule's order over its time with each micro-batch's passes back to
     back. ``batch(n)``: a micro-batch of n samples' inputs; ``split_layers``:
-    the layers split as zero-bubble's are (``profiling._split_copies``).
+    the layers split as zero-bubble's are (``profile._split_copies``).
     Past ``deadline`` (``time.perf_counter``'s) no further shape starts,
     where the profile's estimate fell short of the clock."""
     out = {}

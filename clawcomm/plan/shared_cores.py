@@ -35,7 +35,7 @@ from __future__ import annotations
 import os
 
 from clawcomm.pipeline.schedules import build as build_schedule
-from clawcomm.train import plan_order
+from clawcomm.plan import pass_order
 from clawcomm.train.layout import balanced_cuts
 
 TRIAL_STEPS = 6  # the trial's steps; its figure is the median of the second half
@@ -50,8 +50,8 @@ def stages(c, prof) -> tuple[list[range], list[float]]:
     """The candidate's stages as ranges of layers (cut by parameters, as the
     trainer cuts them), and each layer's share of its time on a core at the
     candidate's micro-batch size."""
-    cuts = balanced_cuts(prof.params, c.pp * c.v)
-    span = [range(cuts[s], cuts[s + 1]) for s in range(c.pp * c.v)]
+    cuts = balanced_cuts(prof.params, c.pp * c.virtual_stages)
+    span = [range(cuts[s], cuts[s + 1]) for s in range(c.pp * c.virtual_stages)]
     return span, prof.cpu_share.get(c.micro_batch_size) or [1.0] * len(prof.params)
 
 
@@ -69,9 +69,9 @@ def rank_seconds(c, prof, span, share, tau: float, schedule) -> dict[int, float]
     """Each pipeline rank's CPU-seconds a step, unshared: its compute
     actions as profiled (the share of each layer's time on a core), tau a
     compute action, and the trainer's own time; each pass as its
-    schedule's order makes it (``plan_order``)."""
+    schedule's order makes it (``pass_order``)."""
     mbs = c.micro_batch_size
-    order = plan_order.of(c, prof)
+    order = pass_order.of(c, prof)
 
     def cpu(times: list[float]) -> list[float]:
         return [sum(share[i] * times[i] for i in r) for r in span]
@@ -114,7 +114,7 @@ def trial_candidate(cands: list):
     actions = {}  # the deepest pipeline's layouts, in order: their compute actions a rank
     for c in cands:
         if c.pp == deepest:
-            schedule = build_schedule(c.schedule, c.pp, c.microbatches, c.v)
+            schedule = build_schedule(c.schedule, c.pp, c.microbatches, c.virtual_stages)
             actions[c] = max(len(acts) for acts in compute_actions(schedule).values())
     counts = sorted(set(actions.values()))
     middle = counts[len(counts) // 2]
@@ -138,7 +138,7 @@ def measured_tau(cpu_s: float, c, prof) -> float:
     rank's compute, the trainer's own time, its optimizer step) per compute
     action, never below 0."""
     span, share = stages(c, prof)
-    schedule = build_schedule(c.schedule, c.pp, c.microbatches, c.v)
+    schedule = build_schedule(c.schedule, c.pp, c.microbatches, c.virtual_stages)
     per_rank = rank_seconds(c, prof, span, share, 0.0, schedule)
     params = [sum(prof.params[i] for s, r in enumerate(span) if s % c.pp == p for i in r)
               for p in range(c.pp)]  # fmt: skip
@@ -152,17 +152,17 @@ def trial(cfg, cands: list, prof, world: int, steps: int = TRIAL_STEPS, hosts: i
           link: str | None = None) -> tuple[float, object]:  # fmt: skip
     """(its ranks' CPU-seconds a step, the candidate tried; ``measured_tau``
     makes tau of them): ``trial_candidate(cands)`` trained for
-    ``steps`` steps here (``plan_check.measure``, its ``cpu_s``), on
+    ``steps`` steps here (``check.measure``, its ``cpu_s``), on
     ``hosts`` namespace hosts of this machine with links at ``link`` where
     hosts > 1 (as ``--check`` trains)."""
-    from clawcomm.train import plan_check
+    from clawcomm.plan.check import measure, on_hosts
 
     c = trial_candidate(cands)
     if hosts > 1:
-        with plan_check.on_hosts(hosts, link, world) as launch:
-            cpu_s = plan_check.measure(cfg, c, steps, world, launch=launch, key="cpu_s")
+        with on_hosts(hosts, link, world) as launch:
+            cpu_s = measure(cfg, c, steps, world, launch=launch, key="cpu_s")
     else:
-        cpu_s = plan_check.measure(cfg, c, steps, world, launch=None, key="cpu_s")
+        cpu_s = measure(cfg, c, steps, world, launch=None, key="cpu_s")
     return cpu_s, c
 
 

@@ -1,0 +1,276 @@
+"""The plan's search (step 2 of ``clawcomm.plan``): the candidate layouts,
+each predicted (``step``), ranked within the memory limit.
+
+A candidate is named by ``TrainConfig``'s own fields (``dp``, ``pp``,
+``schedule``, ``virtual_stages``, ``microbatches``, ``micro_batch_size``,
+``zero``, ``compression``, ``sync``), so that applying it to a config is
+one ``dataclasses.replace``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import time
+from dataclasses import dataclass
+
+from clawcomm.pipeline.schedules import check_schedule_args
+from clawcomm.plan import pass_order, shared_cores
+from clawcomm.plan.check import model_flags
+from clawcomm.plan.profile import profile, rank_threads
+from clawcomm.plan.report import report
+from clawcomm.plan.step import Prediction, predict
+
+SCHEDULE_CHOICES = (("gpipe", 1), ("1f1b", 1), ("zb1", 1), ("interleaved", 2))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    dp: int
+    pp: int
+    schedule: str
+    virtual_stages: int
+    microbatches: int
+    micro_batch_size: int
+    zero: int
+    compression: str | None = None  # searched ('' none); None: the command's own
+    sync: str | None = None  # searched; None: the command's own
+
+    def flags(self) -> list[str]:
+        out = ["--dp", str(self.dp), "--pp", str(self.pp)]
+        if self.pp > 1:
+            out += ["--schedule", self.schedule, "-v", str(self.virtual_stages)]
+        out += ["--microbatches", str(self.microbatches)]
+        out += ["--micro-batch-size", str(self.micro_batch_size), "--zero", str(self.zero)]
+        out += ["--compression", self.compression] if self.compression else []
+        return out + (["--sync", self.sync] if self.sync else [])
+
+    def name(self) -> str:
+        v = self.virtual_stages
+        pipe = f" {self.schedule}" + (f" v{v}" if v > 1 else "") if self.pp > 1 else ""
+        zero = f" ZeRO-{self.zero}" if self.zero else ""
+        wire = f" {self.compression}" if self.compression else ""
+        sync = f" {self.sync}" if self.sync else ""
+        return (f"dp {self.dp} x pp {self.pp}{pipe}, {self.microbatches} x "
+                f"{self.micro_batch_size}{zero}{wire}{sync}")  # fmt: skip
+
+    def shape(self) -> tuple:
+        """The pipeline's shape: (dp, pp, schedule, virtual_stages)."""
+        return self.dp, self.pp, self.schedule, self.virtual_stages
+
+
+def apply(cfg, c: Candidate):
+    """``cfg`` with the candidate's layout (a searched field it leaves None
+    keeps the command's)."""
+    chosen = {f.name: getattr(c, f.name) for f in dataclasses.fields(c)}
+    chosen = {k: v for k, v in chosen.items() if v is not None}
+    return dataclasses.replace(cfg, **chosen, accumulation=1, global_batch=0, layout="")
+
+
+def _runs(cfg, world: int) -> bool:
+    try:
+        cfg.check(world)
+        return True
+    except ValueError:  # (ZeRO beside a sync method, say)
+        return False
+
+
+def microbatch_counts(schedule: str, pp: int, v: int, per_replica: int) -> list[int]:
+    """The micro-batch counts tried for a replica's batch of ``per_replica``
+    samples: pp, 2 pp and 4 pp (1, 2, 4 at pp 1) where the schedule runs
+    with them and the batch divides; where none does, the others from pp to
+    4 pp; where none of those, the smallest count above that runs."""
+
+    def runs(m: int) -> bool:
+        try:
+            check_schedule_args(schedule, pp, m, v)
+        except ValueError:
+            return False
+        return per_replica % m == 0
+
+    first = [m for m in (pp, 2 * pp, 4 * pp) if runs(m)]
+    if first:
+        return first
+    within = [m for m in range(pp, 4 * pp + 1) if runs(m)]
+    if within:
+        return within
+    beyond = next((m for m in range(4 * pp + 1, per_replica + 1) if runs(m)), None)
+    return [beyond] if beyond else []
+
+
+def candidates(world: int, layers: int, global_batch: int, compressions=(None,), syncs=(None,)):
+    """Every layout the trainer can run ``global_batch`` samples a step with
+    (with each of ``compressions`` and ``syncs`` where dp > 1)."""
+    for pp in range(1, min(world, layers) + 1):
+        if world % pp:
+            continue
+        dp = world // pp
+        if global_batch % dp:
+            continue
+        per_replica = global_batch // dp
+        schedules = SCHEDULE_CHOICES if pp > 1 else (("1f1b", 1),)
+        for schedule, v in schedules:
+            if pp * v > layers:
+                continue
+            for m in microbatch_counts(schedule, pp, v, per_replica):
+                for zero in range(4) if dp > 1 else (0,):
+                    for wire in compressions if dp > 1 else compressions[:1]:
+                        for sync in syncs if dp > 1 else (None,):
+                            yield Candidate(dp, pp, schedule, v, m, per_replica // m, zero, wire,
+                                            sync)  # fmt: skip
+
+
+def plan(cfg, world: int, memory_mb: float = 0.0, cores: int | None = None, cost=None,
+         hosts: int = 1, compressions: list[str] | None = None,
+         syncs: list[str] | None = None, trial_steps: int = shared_cores.TRIAL_STEPS,
+         trial_on_hosts: bool = False, link: str | None = None):  # fmt: skip
+    """(predictions best first, those over the memory limit, the profile).
+    ``cores``: what the ranks of one host share (this machine's by default);
+    ``compressions``: the wires to search (``check_wires``; '' is none);
+    ``syncs``: the sync methods to search (``outer.parse_sync``'s);
+    ``trial_steps``: where ranks outnumber cores, the steps of the trial
+    that measures a compute action's cost there (``shared_cores``; 0: none),
+    on ``hosts`` namespace hosts with links at ``link`` if ``trial_on_hosts``."""
+    from clawcomm.train import models
+    from clawcomm.train.outer import parse_sync
+
+    if world < 1:
+        raise ValueError(f"--nproc {world}: a world needs at least 1 rank")
+    if hosts < 1 or world % hosts:
+        raise ValueError(f"--hosts {hosts} does not divide the world of {world} ranks")
+    built = models.build(dataclasses.replace(cfg, dp=1, pp=1))
+    layers = len(list(built[0]))
+    batch = global_batch(cfg)
+    wires = check_wires(compressions) if compressions else [None]
+    if compressions:
+        cfg = dataclasses.replace(cfg, compression="")  # the search decides it
+    methods = check_syncs(syncs) if syncs else [None]
+    cands = [c for c in candidates(world, layers, batch, wires, methods)
+             if _runs(apply(cfg, c), world)]  # fmt: skip
+    if not cands:
+        raise ValueError(
+            f"no layout runs a global batch of {batch} on {world} ranks with {layers} layers: "
+            "choose a global batch that some dp (a divisor of the world) divides"
+        )
+    gpu = on_gpu(cfg)
+    split = any(c.schedule == "zb1" for c in cands)
+    t0 = time.perf_counter()
+    prof = profile(cfg, [c.micro_batch_size for c in cands], built=built, gpu=gpu, split=split)
+    cores = cores or os.cpu_count() or 1
+    cap = cfg.bucket_cap_mb * 2**20
+    shapes = [shape for layer in prof.tensors for shape in layer]
+    widest = max(c.dp for c in cands)  # the most ranks' pairs a decode adds
+    codec = codec_seconds([w for w in wires if w], int(sum(prof.params)), widest, shapes, gpu)
+    sync = parse_sync(cfg.sync)
+
+    def predict_all() -> list[Prediction]:
+        return [predict(c, prof, cores, cost, gpu, hosts, cap, codec, sync, cfg.sync_delay,
+                        cfg.compression) for c in cands]  # fmt: skip
+
+    tried = shared_cores.settle(cfg, cands, prof, world, hosts, cores, gpu, trial_steps,
+                              predict_all, trial_on_hosts, link)  # fmt: skip
+    if not gpu:  # the orders get what the plan's time has left (pass_order.PLAN_SECONDS)
+        left = pass_order.PLAN_SECONDS - (time.perf_counter() - t0)
+        prof.order, seconds = pass_order.measure(cfg, cands, prof, built, left)
+        prof.seconds += seconds
+    if tried:  # tau, with the trial's passes in its schedule's order
+        prof.action_s = shared_cores.measured_tau(*tried, prof)
+    preds = predict_all()
+    fits = [p for p in preds if not memory_mb or p.memory_mb <= memory_mb]
+    over = [p for p in preds if memory_mb and p.memory_mb > memory_mb]
+    fits.sort(key=lambda p: (p.step_ms, p.memory_mb))
+    return fits, over, prof
+
+
+def on_gpu(cfg) -> bool:
+    """Whether the ranks compute on GPUs (``--device``, as the trainer resolves it)."""
+    from clawcomm.train import device
+
+    return device.check(cfg.device) == "cuda"
+
+
+@functools.lru_cache(maxsize=64)
+def compressor(spec: str):
+    """The compressor of ``spec`` ('' dense), cached: the plan asks for
+    every bucket of every candidate, and only reads it."""
+    from clawcomm.plan.step import compressor as build
+
+    return build(spec)
+
+
+def codec_seconds(wires: list[str], params: int, world: int, shapes=None,
+                  gpu: bool = False) -> dict[str, float]:  # fmt: skip
+    """Each wire's codec pass over ``params`` gradients of ``shapes`` with
+    ``world`` ranks' messages to decode, timed as a rank runs it (one
+    intra-op thread on the CPU: with the machine's two, a loaded machine
+    timed PowerSGD's small products 80x slower)."""
+    with rank_threads(gpu):
+        return {w: compressor(w).codec_seconds(params, world, shapes) for w in wires}
+
+
+def check_wires(specs: list[str]) -> list[str]:
+    """The searched compressions ('' for none), or ValueError naming one
+    whose bytes on the wire the values decide (the plan cannot price it)."""
+    out = []
+    for s in specs:
+        s = "" if s in ("none", "") else s
+        try:
+            comp = compressor(s)
+        except ValueError as e:
+            raise ValueError(f"--search-compression: {e}") from None
+        if comp.coded:
+            raise ValueError(f"--search-compression {s!r}: a coded wire sends what the values "
+                             "decide; the plan costs it uncoded (drop +ec)")  # fmt: skip
+        if comp.wire(1 << 20, 2) is None:
+            raise ValueError(
+                f"--search-compression {s!r}: what it sends depends on the gradient's values; "
+                "the plan costs the wires whose bytes follow from the gradient's size (none, "
+                "fp16, bf16, int8, int4, qsgd, terngrad, sign, topk, randomk, powersgd): "
+                "compare others with clawcomm experiment compression"
+            )
+        if s not in out:
+            out.append(s)
+    return out
+
+
+def check_syncs(specs: list[str]) -> list[str]:
+    """The searched sync methods, or ValueError naming one ``--sync`` would
+    refuse."""
+    from clawcomm.train.outer import parse_sync
+
+    out = []
+    for s in specs:
+        try:
+            parse_sync(s)
+        except ValueError as e:
+            raise ValueError(f"--search-sync: {e}") from None
+        out += [s] if s not in out else []
+    return out
+
+
+def global_batch(cfg) -> int:
+    """The samples per step the plan keeps: --global-batch, else what the
+    command's own micro-batch settings make at its dp."""
+    return cfg.global_batch or cfg.effective_batch
+
+
+def cost_model(path: str | None = None, link: str | None = None):
+    """The cost model from ``path`` (or the engine's defaults), with each
+    host's link at ``link`` (tc syntax) when given."""
+    from clawcomm.cost_model import CostModel
+
+    return (CostModel.load(path) if path else CostModel()).with_link(link)
+
+
+def choose(cfg, world: int, say=print):
+    """``cfg`` with the plan's first layout (``clawcomm train --layout auto``)."""
+    preds, over, prof = plan(cfg, world, cfg.max_memory_mb)
+    if not preds:
+        raise ValueError(f"--layout auto: every layout needs more than --max-memory-mb "
+                         f"{cfg.max_memory_mb:g}")  # fmt: skip
+    say(report(preds, over, prof, ["--nproc", str(world), *model_flags(cfg)], 3))
+    crowded = shared_cores.caveat(prof, world, os.cpu_count() or 1)
+    if crowded:
+        say("# " + crowded)
+    return apply(cfg, preds[0].cand)

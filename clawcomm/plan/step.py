@@ -1,0 +1,214 @@
+"""The plan's model of one training step of a candidate layout (step 3 of
+``clawcomm.plan``): its time in four terms and the memory of its fullest
+rank, from the profile and the answers of the rooms that own each rule.
+
+- **Pipeline**: the schedule played on the pipeline's clock
+  (``pipeline.clock``) with the profiled costs of each stage (stages cut by
+  parameters, as the trainer cuts them; each pass kind scaled by its
+  schedule's order, ``pass_order``), and the cost model's latency per
+  activation (over the link where two stages sit on different hosts: ranks
+  numbered host by host). Where a host's CPU ranks outnumber its cores,
+  the ranks take turns on the cores (``shared_cores``).
+- **Data-parallel traffic**: what the compressor says one reduction sends
+  (``Compressor.wire``, dense float32 by default) priced by the cost model
+  on the hosts the dp group spans, plus its codec's passes, in the
+  trainer's buckets on the rank's timeline (``dp_timeline``: what runs past
+  the pipeline's end, and what the next forward waits for ZeRO's gathers,
+  is exposed); local SGD and DiLoCo meet once every H steps instead.
+- **Optimizer**: the profiled step on the stage's (shard of its) parameters.
+- **Memory**: the model state ZeRO leaves a rank (``parallel.zero``), what
+  the compressor keeps between steps (``Compressor.state_bytes``), and the
+  activations the schedule holds for backward (``pipeline.schedules``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from clawcomm.compression import get_compressor
+from clawcomm.cost_model import CostModel, Topology, predict_sequence
+from clawcomm.cost_model import predict as comm_time
+from clawcomm.parallel.zero import model_state_bytes
+from clawcomm.pipeline.clock import ScheduleClock
+from clawcomm.pipeline.schedules import build as build_schedule
+from clawcomm.pipeline.schedules import held_for_backward
+from clawcomm.plan import pass_order, shared_cores
+from clawcomm.plan.dp_timeline import buckets, exposed_gathers, exposed_reduction, rank_timeline
+from clawcomm.plan.profile import Profile
+
+
+@dataclass
+class Prediction:
+    cand: object  # the search's Candidate
+    compute_ms: float  # the busiest rank's compute in the pipeline
+    bubble_ms: float  # the pipeline's makespan beyond it
+    comm_ms: float  # exposed data-parallel communication
+    opt_ms: float  # the optimizer step
+    memory_mb: float  # the fullest rank's tensors
+
+    @property
+    def step_ms(self) -> float:
+        return self.compute_ms + self.bubble_ms + self.comm_ms + self.opt_ms
+
+
+def compressor(spec: str | None):
+    """The compressor of a ``--compression`` spec ('' or None: dense)."""
+    return get_compressor(spec or "none")
+
+
+def reduction_seconds(comp, zero: int, nbytes: float, topology: Topology, cost: CostModel,
+                      codec_s: float, stretch: float = 1.0, shapes=None) -> float:  # fmt: skip
+    """One reduction of ``nbytes`` of float32 gradients (parameters of
+    ``shapes`` laid out back to back) over ``topology`` with ``comp`` on the
+    wire (ZeRO: its sharded reduction): what the compressor says it sends,
+    priced by the cost model, times ``stretch`` (ranks that share cores),
+    plus its codec passes at ``codec_s`` each."""
+    wire = comp.wire(max(1, int(nbytes // 4)), topology.size, zero >= 1, shapes)
+    seconds = predict_sequence(wire.collectives, topology, cost)
+    return stretch * seconds + wire.codec_passes * codec_s
+
+
+def placement(c, hosts: int):
+    """Where the candidate's ranks sit on ``hosts`` hosts (numbered host by
+    host, as torchrun numbers them; the trainer's rank is pp_rank * dp +
+    dp_rank): (how many replicas' pipeline ranks p and q are on different
+    hosts, the cost model's topology of the widest dp group)."""
+    per_host = c.dp * c.pp // hosts
+    host = lambda d, p: (p * c.dp + d) // per_host  # noqa: E731
+
+    def crossing(p: int, q: int) -> int:
+        return sum(host(d, p) != host(d, q) for d in range(c.dp))
+
+    spans = max(len({host(d, p) for d in range(c.dp)}) for p in range(c.pp))
+    return crossing, Topology(spans, -(-c.dp // spans))
+
+
+def predict(c, prof: Profile, cores: int, cost=None, gpu: bool = False, hosts: int = 1,
+            cap_bytes: float = 25 * 2**20, codec=None, sync=("every-step", 1),
+            sync_delay: int = 0, compression: str = "") -> Prediction:  # fmt: skip
+    """The candidate's step time and memory (the module docstring) on
+    ``hosts`` hosts of ``cores`` cores each. ``codec``: seconds of one codec
+    pass of each searched compression over the whole model's gradient;
+    ``sync``: ``outer.parse_sync`` of the command's --sync, unless the
+    candidate carries a searched one; ``compression``: the command's own
+    wire, for the memory it keeps (its time is costed only where searched)."""
+    cost, codec = cost or CostModel(), codec or {}
+    if c.sync is not None:  # searched
+        from clawcomm.train.outer import parse_sync
+
+        sync = parse_sync(c.sync)
+    stages = c.pp * c.virtual_stages
+    span, share = shared_cores.stages(c, prof)
+    crossing, dp_topology = placement(c, hosts)
+    slow = 1.0 if gpu else max(1.0, c.dp * c.pp / hosts / cores)  # ranks sharing cores
+    mbs = c.micro_batch_size
+    # Only the share of a layer's time spent on a core slows down (waiting layers do not).
+    scale = [1.0 + (slow - 1.0) * sh for sh in share]
+
+    def per_stage(times: list[float], scale: list[float]) -> list[float]:
+        return [sum(scale[i] * times[i] for i in r) for r in span]
+
+    def pass_costs(scale: list[float]) -> dict[str, list[float]]:  # each pass kind's, a stage
+        out = {"F": per_stage(prof.forward[mbs], scale), "B": per_stage(prof.backward[mbs], scale)}
+        if mbs in prof.input_grad:  # zero-bubble's split backward, as profiled
+            out["I"] = per_stage(prof.input_grad[mbs], scale)
+            out["W"] = per_stage(prof.weight_grad[mbs], scale)
+        else:
+            out["I"] = out["W"] = [b / 2 for b in out["B"]]
+        return out
+
+    order = pass_order.of(c, prof)
+
+    def costing(table: dict[str, list[float]]):
+        def action_cost(a) -> float:  # in the schedule's order (pass_order)
+            kind = str(a.kind)
+            return table[kind][a.stage] * order.get(kind, 1.0) if kind in table else 0.0
+
+        return action_cost
+
+    action_cost = costing(pass_costs(scale))
+
+    act = max(prof.out_bytes[mbs][span[s][-1]] for s in range(stages))
+    shm = cost.shm_alpha + act * cost.shm_beta
+
+    def latency(p: int, q: int) -> float:
+        # the replicas run the same schedule: those crossing here share the link
+        k = crossing(p, q)
+        return cost.net_alpha + k * act * cost.net_beta if k else shm
+
+    pipeline = ScheduleClock(build_schedule(c.schedule, c.pp, c.microbatches, c.virtual_stages))
+    sim = pipeline.run(action_cost, latency if c.pp > 1 else 0.0)
+    busy = max(sim.busy.values())
+    # Per rank: its stages' parameters (the fullest rank decides).
+    rank_params = [
+        sum(prof.params[i] for s in range(stages) if s % c.pp == r for i in span[s])
+        for r in range(c.pp)
+    ]
+    p_max = max(rank_params)
+    grad_bytes = 4 * p_max
+    comm = 0.0
+    if c.dp > 1 and sync[0] != "every-step":
+        # local SGD / DiLoCo: no gradient exchange a step; the replicas' parameters
+        # are averaged every H steps (on a thread of its own with --sync-delay)
+        meeting = comm_time("all_reduce", "auto", grad_bytes, dp_topology, cost)
+        comm = 0.0 if sync_delay else meeting / sync[1]
+    elif c.dp > 1:
+        # The buckets are reduced while the host's ranks still compute their
+        # backward: where ranks outnumber cores, the reduction's copies, sums
+        # and sockets get a core's share as the layers do (the cost model's
+        # figures are for a rank with a core of its own).
+        crowded = 1.0 + (slow - 1.0) * sum(share) / len(share)
+        wire = c.compression or ""  # searched, so costed (the command's own: as float32)
+        comp = compressor(wire)
+        tensors = prof.tensors or [[(int(n),)] for n in prof.params]
+        w_layers = prof.weight_grad.get(mbs) or [b / 2 for b in prof.backward[mbs]]
+        passes = {"F": prof.forward[mbs], "B": prof.backward[mbs], "W": w_layers}
+        gathers = 0.0
+        gather = lambda b: crowded * comm_time("all_gather", "auto", b, dp_topology, cost)  # noqa: E731
+        for r in range(c.pp):
+            rank = rank_timeline(sim, r, span, lambda k, i: scale[i] * passes[k][i], tensors)
+            bs = buckets(rank, cap_bytes)
+            codec_s = slow * codec.get(wire, 0.0) * rank_params[r] / max(1.0, sum(prof.params))
+            reduce = lambda b, share, shapes, cs=codec_s: reduction_seconds(  # noqa: E731
+                comp, c.zero, b, dp_topology, cost, share * cs, crowded, shapes
+            )
+            comm = max(comm, exposed_reduction(bs, sim.makespan, reduce))
+            if c.zero in (1, 2):  # the updated shards gathered behind the next forward
+                gathers = max(gathers, exposed_gathers(rank, bs, gather))
+        if c.zero == 3:  # gathered before forward and again before backward
+            gathers = 2 * crowded * comm_time("all_gather", "auto", grad_bytes, dp_topology, cost)
+        comm += gathers
+    opt = slow * prof.opt_s_per_param * p_max / (c.dp if c.zero >= 1 else 1)
+    memory = _memory(c, prof, sim.schedule, span, rank_params, compression, sync)
+    busy += slow * prof.host_s  # the trainer's own time, on the busiest rank
+    makespan = sim.makespan + slow * prof.host_s
+    if shared_cores.crowded(c.dp * c.pp, hosts, cores, gpu):
+        # the ranks take turns on the cores (shared_cores): a rank alone in a bubble
+        # runs at a core's speed; and no less than the host's CPU over its cores,
+        # tau a compute action included
+        alone = pass_costs([1.0] * len(scale))
+        on_core = shared_cores.core_shares(span, share, prof, mbs)
+        shared = shared_cores.shared_makespan(pipeline, c, costing(alone), on_core,
+                                              latency if c.pp > 1 else lambda p, q: 0.0,
+                                              hosts, cores)  # fmt: skip
+        per_rank = shared_cores.rank_seconds(c, prof, span, share, prof.action_s, sim.schedule)
+        floor = shared_cores.floor(c, per_rank, hosts, cores)
+        makespan = max(shared + slow * prof.host_s, floor)
+        busy = min(busy, makespan)
+    return Prediction(c, 1e3 * busy, 1e3 * (makespan - busy), 1e3 * comm, 1e3 * opt, memory)
+
+
+def _memory(c, prof: Profile, schedule, span, rank_params, compression: str, sync) -> float:
+    """The fullest rank's MB: the model state ZeRO leaves it, what the wire
+    keeps between steps (error feedback, momentum; replicas that meet every
+    step only), and the activations its schedule holds for backward."""
+    wire = c.compression if c.compression is not None else compression
+    keeps = c.dp > 1 and sync[0] == "every-step"
+    saved = prof.saved[c.micro_batch_size]
+    most = 0.0
+    for r, params in enumerate(rank_params):
+        held = sum(model_state_bytes(params, c.dp, c.zero).values())
+        held += compressor(wire).state_bytes(params) if keeps else 0.0
+        acts = held_for_backward(schedule[r], lambda s: sum(saved[i] for i in span[s]))
+        most = max(most, held + acts)
+    return most / 2**20
