@@ -81,3 +81,20 @@ def test_mkdocs_is_optional_for_the_package():
     text = open(os.path.join(ROOT, "pyproject.toml")).read()
     deps = text.split("dependencies = [", 1)[1].split("]", 1)[0]
     assert "mkdocs" not in deps and "docs = [" in text
+
+
+def test_the_glossarys_modules_exist():
+    """Every module the glossary names imports: a rename that forgets the
+    glossary fails here."""
+    import importlib
+    import re
+
+    text = open(os.path.join(ROOT, "docs", "glossary.md")).read()
+    names = set(re.findall(r"`(clawcomm(?:\.[a-z_0-9]+)+)", text))
+    assert len(names) > 10
+    for name in sorted(names):
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError:
+            module, _, attr = name.rpartition(".")
+            assert hasattr(importlib.import_module(module), attr), name

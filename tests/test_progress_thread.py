@@ -98,7 +98,7 @@ def test_options_that_are_not_clawcomms_are_refused():
 
 
 def _trainer_groups(rank, ws):
-    from clawcomm.train.layout import Grid
+    from clawcomm.train.grid import Grid
 
     pp, dp = Grid(dp=2, pp=2, rank=rank).make_groups()
     return (

@@ -8,7 +8,7 @@ from clawcomm.bench.report import format_tables
 from clawcomm.bench.torch_worker import reference_algo
 from clawcomm.simulate import cli as simulate
 from clawcomm.train.config import TrainConfig
-from clawcomm.train.layout import describe
+from clawcomm.train.grid import describe
 
 
 def test_the_start_of_a_run_says_stages_layers_and_compression():

@@ -95,15 +95,15 @@ def decode_bytes(message: np.ndarray, size: int) -> np.ndarray:
 
 # Per value width: the unsigned view, and the planes below the top byte
 # (shift, type), least significant first.
-_LAYOUT = {
+_BYTE_PLANES = {
     2: (np.uint16, [(0, np.uint8)]),
     4: (np.uint32, [(0, np.uint16), (16, np.uint8)]),
 }
 
 
-def _layout(width: int, what: str):
+def _byte_planes(width: int, what: str):
     try:
-        return _LAYOUT[width]
+        return _BYTE_PLANES[width]
     except KeyError:
         raise ValueError(f"{what}: {width}-byte values; 2 or 4 bytes are coded") from None
 
@@ -112,7 +112,7 @@ def top_plane(values: np.ndarray) -> np.ndarray:
     """Each value's most significant byte (its sign and the top of its
     exponent): the plane ``encode_pairs`` codes."""
     width = values.dtype.itemsize
-    unsigned, _ = _layout(width, "top_plane")
+    unsigned, _ = _byte_planes(width, "top_plane")
     return (np.ascontiguousarray(values).view(unsigned) >> (8 * width - 8)).astype(np.uint8)
 
 
@@ -125,7 +125,7 @@ def encode_pairs(idx: np.ndarray, values: np.ndarray, code: bool = True) -> np.n
     if values.size != k:
         raise ValueError(f"encode_pairs: {k} indices but {values.size} values")
     width = values.dtype.itemsize
-    unsigned, lower = _layout(width, "encode_pairs")
+    unsigned, lower = _byte_planes(width, "encode_pairs")
     idx = np.ascontiguousarray(idx, np.int32)
     if code:
         index_bytes = _C.compress.encode_rice(idx)
@@ -155,7 +155,7 @@ def decode_pairs(message: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, np.n
     dtype = np.dtype(dtype)
     if width != dtype.itemsize:
         raise ValueError(f"decode_pairs: {width}-byte values in the message, {dtype} expected")
-    unsigned, lower = _layout(width, "decode_pairs")
+    unsigned, lower = _byte_planes(width, "decode_pairs")
     at = _HEADER.size
     need = at + index_bytes + top_bytes + k * (width - 1)
     if data.size < need:

@@ -20,11 +20,11 @@ How a bucket is averaged:
   ``compression_state``.
 
 Sharded buckets (``zero=1``, ZeRO-1): each bucket's flat buffer is
-padded to a multiple of the group's size, and once the layout is learned
+padded to a multiple of the group's size, and once the order is learned
 each bucket is reduce-scattered (AVG) into ``bucket.shard_grad``, this
 rank's part: ``clawcomm.parallel.zero.ZeroShards`` steps the optimizer on
 those parts and all-gathers the parameters. The first step, which learns
-the layout, all-reduces and keeps each rank's part of the result.
+the order, all-reduces and keeps each rank's part of the result.
 ``zero=2`` (ZeRO-2; and 3, whose parameters ``clawcomm.parallel.zero3``
 handles) keeps gradients as those parts only, but while a
 pipeline round's backward runs: the full buffers come at its first backward
@@ -94,8 +94,7 @@ class GradReducer(BucketBuffers):
         self.params = params
         # ZeRO-1/2 (see "sharded buckets" above): every parameter but those
         # in `replicated` sits in a bucket sharded over the group.
-        self.stage = int(zero)
-        self.zero = self.stage >= 1
+        self.zero = int(zero)  # the ZeRO stage
         self._fresh_shards = True  # this step's first reduce-scatter overwrites the parts
         self._final_round = True  # see begin_round
         self.peak_grad_bytes = 0  # the most gradient bytes held during the last step
@@ -105,7 +104,7 @@ class GradReducer(BucketBuffers):
         # ZeRO-3: the layer (unit) each parameter belongs to; a bucket never
         # spans two, so that a layer's parameters are gathered and freed alone.
         self.units = units
-        self.layout_version = 0
+        self.buckets_version = 0
         self.names = names or [str(i) for i in range(len(params))]
         self.group = group
         self.cap_bytes = int(bucket_cap_mb * MB)
@@ -134,11 +133,11 @@ class GradReducer(BucketBuffers):
         self.build(order if order is not None else list(reversed(range(len(params)))))
         self.reset()
 
-    # ---- layout ---------------------------------------------------------------
+    # ---- bucket layout --------------------------------------------------------
 
     def sharded(self, i: int) -> bool:
         """Whether parameter i's gradient and optimizer state are sharded."""
-        return self.zero and i not in self.replicated
+        return self.zero >= 1 and i not in self.replicated
 
     def _kind(self, i: int):
         """What a bucket holds one of: sharded or not, and (ZeRO-3) the unit."""
@@ -160,7 +159,7 @@ class GradReducer(BucketBuffers):
                 bucket.shard_grad = bucket.flat.new_zeros(bucket.shard)
             # What lies in each bucket, for compressors that work per matrix (PowerSGD).
             self.compression_state.shapes[bucket.index] = list(bucket.shapes)
-        self.layout_version += 1
+        self.buckets_version += 1
         self.slot: dict[int, tuple[GradBucket, int]] = {}
         for bucket in self.buckets:
             for s, i in enumerate(bucket.params):
@@ -259,16 +258,16 @@ class GradReducer(BucketBuffers):
     def begin_round(self, round_index: int, last: bool = True) -> None:
         """An accumulation round of the pipeline starts (``last``: the
         step's last, whose final gradients launch their buckets). ZeRO-2,
-        once the layout is learned: a later round first reduce-scatters the
+        once the bucket layout is learned: a later round first reduce-scatters the
         earlier rounds' contributions into the parts and lets the full
         buffers go; they come back, zeroed, at the round's first backward
         action (``begin_action``), so no full gradient is held while only
-        forwards run. (Before the layout is learned, the rounds add up in
-        the full buffers, as at stage 1.)"""
+        forwards run. (Before the bucket layout is learned, the rounds add up in
+        the full buffers, as at ZeRO-1.)"""
         self._final_round = last
-        if self.stage < 2 or not self.learned or round_index == 0:
+        if self.zero < 2 or not self.learned or round_index == 0:
             return
-        if self.stage == 2:
+        if self.zero == 2:
             self._allocate_full()  # (a rank that ran no backward: zeros)
         for b in self.buckets:  # the same buckets in the same order on every rank
             if b.shards:
@@ -306,7 +305,7 @@ class GradReducer(BucketBuffers):
         ``final_actions`` arms the reducer until ``end_action``."""
         from clawcomm.pipeline.weight_grad import set_listener
 
-        if self.stage == 2 and self.learned and getattr(action, "kind", "F") != "F":
+        if self.zero == 2 and self.learned and getattr(action, "kind", "F") != "F":
             self._allocate_full()  # ZeRO-2: the first backward action of the round
         self.armed = final_round and self._final_round and action in self.final_actions
         set_listener(self._mark_param if self.armed else None)
@@ -353,7 +352,7 @@ class GradReducer(BucketBuffers):
                         b.shard_grad.copy_(b.flat[k * b.shard : (k + 1) * b.shard])
         self.peak_grad_bytes = max(self._peak, self.grad_bytes())
         self._peak, self._in_flight = 0, []
-        if self.stage >= 2:
+        if self.zero >= 2:
             self._release_full()
         self.end_step()
         return waited
@@ -384,7 +383,7 @@ class GradReducer(BucketBuffers):
             "order": [i for b in self.buckets for i in b.params],
             "compression_step": self.compression_state.step,
             "calls": dict(self.compression_state.calls),
-            # Small per-bucket tensors (PowerSGD's Q): valid at this layout only.
+            # Small per-bucket tensors (PowerSGD's Q): valid at this bucket layout only.
             "memory": {k: v.cpu() for k, v in self.compression_state.memory.items()},
         }
 
@@ -420,7 +419,7 @@ class GradReducer(BucketBuffers):
 
     def _launch(self, bucket: GradBucket) -> None:
         sharded = bucket.shards and self.learned
-        lazy = sharded and self.stage == 3  # the buffer made now, and let go once launched
+        lazy = sharded and self.zero == 3  # the buffer made now, and let go once launched
         if lazy and bucket.flat is None:
             self._collect(bucket)
         flat = bucket.flat

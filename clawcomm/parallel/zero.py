@@ -4,7 +4,7 @@ the parameters only (Rajbhandari et al., stage 1: optimizer state / dp).
     reducer = GradReducer(params, dp_group, zero=True, replicated=tied)
     shards = ZeroShards(reducer)
     ... backward; reducer.finish() ...
-    optimizer = shards.ready(optimizer, make_optimizer)   # new shards after a new layout
+    optimizer = shards.ready(optimizer, make_optimizer)   # new shards after a new bucket layout
     optimizer.step()                                      # on this rank's shards
     shards.all_gather()                               # everyone's updated parameters
 
@@ -17,9 +17,9 @@ How it works:
   sharded bucket's gradient buffer is padded to a multiple of the group's
   size and reduce-scattered (AVG), so rank k holds the average of its
   k-th slice (``bucket.shard_grad``).
-- ``build`` gives every sharded bucket a flat parameter buffer of the same
-  layout and makes its parameters views of it (``p.data``); rank k's slice
-  of that buffer is a leaf tensor, ``shard``, whose gradient is
+- ``build`` gives every sharded bucket a flat parameter buffer laid out
+  as its gradient's (the same offsets) and makes its parameters views of
+  it (``p.data``); rank k's slice of that buffer is a leaf tensor, ``shard``, whose gradient is
   ``bucket.shard_grad``. The optimizer steps the shards (and the
   replicated parameters, whose gradients the reducer all-reduces: the
   tied ones that other pipeline ranks also update), in place.
@@ -106,7 +106,7 @@ class ZeroShards:
         self._loaded: dict | None = None
 
     def ready(self, optimizer, make_optimizer):
-        """The optimizer to step: ``optimizer`` while the layout holds, else
+        """The optimizer to step: ``optimizer`` while the bucket layout holds, else
         ``make_optimizer`` over freshly laid-out shards, with the state
         carried over (or the state ``load`` was given) and the same LRs."""
         if not self.stale():
@@ -125,7 +125,7 @@ class ZeroShards:
 
     def state(self, optimizer) -> dict:
         """The optimizer state by whole parameter (``full_state``; before
-        the first layout, what ``load`` was given)."""
+        the first bucket layout, what ``load`` was given)."""
         if self.stale():
             return dict(self._loaded or {})
         return self.full_state(optimizer)
@@ -137,9 +137,9 @@ class ZeroShards:
         self._version = -1
 
     def stale(self) -> bool:
-        """Whether the reducer's layout changed since ``build`` (or there
+        """Whether the reducer's bucket layout changed since ``build`` (or there
         was none yet)."""
-        return self._version != self.reducer.layout_version
+        return self._version != self.reducer.buckets_version
 
     def build(self) -> list[torch.Tensor]:
         """Lays the parameters out over the reducer's buckets and returns
@@ -162,7 +162,7 @@ class ZeroShards:
             shard.grad = bucket.shard_grad
             self.entries.append((bucket, flat, shard))
         self.replicated = [p for i, p in enumerate(r.params) if not r.sharded(i)]
-        self._version = r.layout_version
+        self._version = r.buckets_version
         return self.tensors()
 
     def tensors(self) -> list[torch.Tensor]:
@@ -225,7 +225,7 @@ class ZeroShards:
         return list(quantize(padded, 8, _BLOCK))
 
     def _decode(self, wholes: list[torch.Tensor], shard: int) -> torch.Tensor:
-        """Every rank's shard, decoded, back to back (the flat layout)."""
+        """Every rank's shard, decoded, back to back (the flat buffer's order)."""
         if self.codec in _WIRES:
             return wholes[0].float()
         rows = dequantize(wholes[0], wholes[1], 8, _BLOCK).view(self.n, -1)

@@ -2,7 +2,7 @@
 stage 3: parameters / dp as well as gradients and optimizer state); and, at
 stages 1 and 2, the next forward waiting only for the buckets it needs.
 
-    units = ParamUnits(zero_shards, stages, last_backward, group=params_dp_group)
+    units = ParamUnits(shards, stages, last_backward, group=params_dp_group)
     executor.run(..., tracker=Trackers(reducer, units))   # gathers and frees by action
     ... optimizer.step(); units.updated()                # shards stepped: all freed
 
@@ -34,10 +34,10 @@ How it works:
   thread of its own (compressed, overlapped), on a group of their own
   (``group``: the same ranks), so that the two never interleave.
 - The parameters are sharded from the start (``Trainer`` builds the
-  shards at once, over the reducer's first layout). When the layout
-  changes (the first step's learned order, or a load) the parameters are
-  gathered whole, stay so, and the hooks do nothing, until the new layout
-  is built (and the first step, which learns, holds the whole gradient).
+  shards at once, over the reducer's first bucket layout). When the
+  bucket layout changes (the first step's learned order, or a load) the
+  parameters are gathered whole, stay so, and the hooks do nothing, until
+  the new bucket layout is built (and the first step, which learns, holds the whole gradient).
 - The gradients: each bucket's full buffer is made as it launches, from
   autograd's gradients, and let go once reduce-scattered (the reducer).
 - At stages 1 and 2 (``frees=False``) the parameters stay whole: after the
@@ -90,14 +90,14 @@ class ParamUnits:
 
     def __init__(
         self,
-        zero: ZeroShards,
+        shards: ZeroShards,
         stages: dict[int, nn.Module],
         last_backward: dict,
         group=None,
         reshard_after_forward: bool = False,
         frees: bool = True,
     ):
-        self.zero = zero
+        self.shards = shards
         self.group = group
         self.reshard = reshard_after_forward
         # False at stages 1 and 2: the parameters stay whole, and the units
@@ -124,21 +124,21 @@ class ParamUnits:
     # ---- state --------------------------------------------------------------------
 
     def active(self) -> bool:
-        """Whether parameters are sharded now (the layout is built)."""
-        if self.zero.stale() or not self.zero.entries:
+        """Whether parameters are sharded now (the bucket layout is built)."""
+        if self.shards.stale() or not self.shards.entries:
             return False
-        if self._version != self.zero._version:
+        if self._version != self.shards._version:
             self._map()
         return True
 
     def _map(self) -> None:
-        for finish in self._pending.values():  # (gathers into the old layout: let them land)
+        for finish in self._pending.values():  # (gathers into the old bucket layout: let them land)
             finish()
         owner = {}
-        for entry in self.zero.entries:
+        for entry in self.shards.entries:
             bucket = entry[0]
             for i in bucket.params:
-                owner[id(self.zero.reducer.params[i])] = entry
+                owner[id(self.shards.reducer.params[i])] = entry
         for u, ids in enumerate(self._params):
             seen, self._entries[u] = set(), []
             for pid in ids:
@@ -147,7 +147,7 @@ class ParamUnits:
                     seen.add(entry[0].index)
                     self._entries[u].append(entry)
         self._pending, self._stale = {}, set()
-        self._version = self.zero._version
+        self._version = self.shards._version
 
     # ---- gather and free ----------------------------------------------------------
 
@@ -162,7 +162,7 @@ class ParamUnits:
             if not _held(flat):
                 flat.untyped_storage().resize_(flat.numel() * flat.element_size())
             self._stale.discard(bucket.index)
-            self._pending[bucket.index] = self.zero.gather(entry, self.group)
+            self._pending[bucket.index] = self.shards.gather(entry, self.group)
         self._track()
 
     def use(self, u: int) -> None:
@@ -196,20 +196,20 @@ class ParamUnits:
         Stage 3 frees them all; stages 1 and 2 start gathering every bucket,
         in the order the next forward needs them, and that forward waits
         for each unit's buckets only (``settle`` waits for all)."""
-        self.zero.updated()
+        self.shards.updated()
         if not self.active():
             return
         if self.frees:
             self.free_all()
             return
-        self._stale = {entry[0].index for entry in self.zero.entries}
+        self._stale = {entry[0].index for entry in self.shards.entries}
         for u in range(len(self.units)):
             self.prefetch(u)
 
     def settle(self) -> None:
         """Every parameter whole, now: gathers in flight landed, freed units
         gathered (and left so: before a load writes the parameters, which
-        makes the layout stale, so they stay whole until it is rebuilt)."""
+        makes the bucket layout stale, so they stay whole until it is rebuilt)."""
         if self.active():
             self._use_all()
 
@@ -227,10 +227,10 @@ class ParamUnits:
             self.free_all()
 
     def unshard_stale(self) -> None:
-        """Before a new layout is built from the parameters (the reducer
-        learned another order, or a load): the old layout's units whole, as
+        """Before a new bucket layout is built from the parameters (the reducer
+        learned another order, or a load): the old bucket layout's units whole, as
         the parameters are views of its buffers."""
-        if self.zero.stale() and self._version >= 0:
+        if self.shards.stale() and self._version >= 0:
             self._use_all()
 
     def _use_all(self) -> None:
@@ -238,10 +238,10 @@ class ParamUnits:
             self.use(u)
 
     def reset_peak(self) -> None:
-        self.peak_bytes = self.zero.param_bytes()
+        self.peak_bytes = self.shards.param_bytes()
 
     def _track(self) -> None:
-        self.peak_bytes = max(self.peak_bytes, self.zero.param_bytes())
+        self.peak_bytes = max(self.peak_bytes, self.shards.param_bytes())
 
     # ---- hooks and actions --------------------------------------------------------
 

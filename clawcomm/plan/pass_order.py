@@ -35,7 +35,7 @@ import time
 import torch
 
 from clawcomm.pipeline.schedules import build as build_schedule
-from clawcomm.train.layout import balanced_cuts
+from clawcomm.train.stage_cuts import balanced_cuts
 
 ORDER_REPEATS = 3  # each order timed this many times, in turn; the median ratio
 # The most seconds the orders may add to a plan, as the profile estimates

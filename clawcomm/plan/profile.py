@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from clawcomm.train.layout import parameter_costs
+from clawcomm.train.stage_cuts import parameter_costs
 
 RANK_THREADS = 1  # intra-op threads of a CPU trainer rank (clawcomm.launch.ranks, torchrun)
 

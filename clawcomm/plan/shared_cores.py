@@ -36,7 +36,7 @@ import os
 
 from clawcomm.pipeline.schedules import build as build_schedule
 from clawcomm.plan import pass_order
-from clawcomm.train.layout import balanced_cuts
+from clawcomm.train.stage_cuts import balanced_cuts
 
 TRIAL_STEPS = 6  # the trial's steps; its figure is the median of the second half
 TRIAL_MAX_RANKS_PER_CORE = 4  # beyond this the trial would take too long to be part of a plan

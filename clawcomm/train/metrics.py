@@ -105,9 +105,9 @@ def check_memory(rows: list[RankSample], limit_mb: float, step: int) -> None:
         )
 
 
-def held_bytes(params, reducer, optimizer, zero=None, units=None) -> dict:
+def held_bytes(params, reducer, optimizer, shards=None, units=None) -> dict:
     """The bytes of the tensors a rank holds for training: its parameters
-    (under ZeRO, ``zero``'s flat buffers and shards; ZeRO-3's ``units`` say
+    (under ZeRO, ``shards``' flat buffers and shards; ZeRO-3's ``units`` say
     the most held during the step), its gradient buffers (the reducer's
     buckets and, under ZeRO, their shards; else the parameters' gradients)
     and its optimizer's state."""
@@ -117,8 +117,8 @@ def held_bytes(params, reducer, optimizer, zero=None, units=None) -> dict:
 
     grads = reducer.grad_bytes() if reducer is not None else nbytes(p.grad for p in params)
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-    sharded = zero is not None and not zero.stale()  # (laid out from the first step's end)
-    held = zero.param_bytes() if sharded else nbytes(params)
+    sharded = shards is not None and not shards.stale()  # (laid out from the first step's end)
+    held = shards.param_bytes() if sharded else nbytes(params)
     return {
         "param_bytes": held,
         "grad_bytes": grads,

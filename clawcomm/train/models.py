@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from clawcomm.pipeline.weight_grad import defer_weight_grad, notify_grad
-from clawcomm.train.layout import balanced_cuts, measured_costs, parameter_costs
+from clawcomm.train.stage_cuts import balanced_cuts, measured_costs, parameter_costs
 
 # ---- GPT ------------------------------------------------------------------------
 

@@ -63,7 +63,7 @@ from clawcomm.train.config import TrainConfig
 from clawcomm.train.device import for_rank as device_for_rank
 from clawcomm.train.device import keep_heap, peak_mb, reset_peak
 from clawcomm.train.energy import StepEnergy
-from clawcomm.train.layout import Grid, describe, sync_initial_weights, tied_parameters
+from clawcomm.train.grid import Grid, describe, sync_initial_weights, tied_parameters
 from clawcomm.train.metrics import (
     PipelineTotals,
     RankSample,
@@ -190,21 +190,21 @@ class Trainer:
         self._peak_lr = [g["lr"] for g in self.optimizer.param_groups]
         # Under ZeRO the optimizer is rebuilt over the shards once the
         # reducer's layout is learned (the first step), or after a load.
-        self.zero = self.units = params_group = None
+        self.shards = self.units = params_group = None
         if self.reducer is not None and self.reducer.zero:
-            self.zero = ZeroShards(self.reducer, cfg.param_compression, separate=cfg.zero == 3)
-        if self.zero is not None:  # parameters gathered as the actions need them
+            self.shards = ZeroShards(self.reducer, cfg.param_compression, separate=cfg.zero == 3)
+        if self.shards is not None:  # parameters gathered as the actions need them
             # ZeRO-3 gathers during the step: on a group of their own where a
             # reduction thread issues collectives too (compressed, overlapped).
             threaded = self.reducer.compressor is not None and cfg.overlap and cfg.zero == 3
             params_group = self.grid.make_dp_group() if threaded else None
             last = {a.stage: a for a in self.schedule[me] if a.kind in (B, I, W)}
             self.units = ParamUnits(
-                self.zero, self.local, last, params_group or self.dp_group,
+                self.shards, self.local, last, params_group or self.dp_group,
                 cfg.reshard_after_forward, frees=cfg.zero == 3,
             )  # fmt: skip
             if cfg.zero == 3:  # sharded from the start
-                self.optimizer = self.zero.ready(self.optimizer, optimizer)
+                self.optimizer = self.shards.ready(self.optimizer, optimizer)
         self.tracker = Trackers(self.reducer, self.units) if self.units else self.reducer
         self.step_index = 0
         self.traffic = Traffic(
@@ -235,7 +235,7 @@ class Trainer:
 
     def describe(self) -> str:
         """What rank 0 prints at start: the batch, the LR, the layout, the stages."""
-        return describe(self.cfg, self.cuts, self._peak_lr[0], self.zero is not None)
+        return describe(self.cfg, self.cuts, self._peak_lr[0], self.shards is not None)
 
     def step(self, batch) -> dict:
         """One optimizer step on ``batch`` = (inputs, targets), the whole
@@ -259,10 +259,10 @@ class Trainer:
         dp_wait = self.reducer.finish() if self.reducer is not None else 0.0
         for p, group, _ in self._ties:
             dist.all_reduce(p.grad, group=group)
-        if self.zero is not None:  # a new layout (the first step, a load): new shards
+        if self.shards is not None:  # a new layout (the first step, a load): new shards
             if self.units is not None:
                 self.units.unshard_stale()
-            self.optimizer = self.zero.ready(self.optimizer, self._make_optimizer)
+            self.optimizer = self.shards.ready(self.optimizer, self._make_optimizer)
         now = self.traffic.sent()
         sent = [a - b for a, b in zip(now, bytes_before, strict=True)]
         sample = RankSample(
@@ -272,7 +272,7 @@ class Trainer:
             busy=totals.busy, span=t_pipe - t0, recv_wait=totals.recv_wait, dp_wait=dp_wait,
             host=totals.host / max(1, totals.computes), gpu_mb=peak_mb(self.device),
             costs=totals.mean_costs(sorted(self.local)),
-            **held_bytes(self.params, self.reducer, self.optimizer, self.zero, self.units),
+            **held_bytes(self.params, self.reducer, self.optimizer, self.shards, self.units),
             stop=self.stop.signum if self.stop is not None else 0, energy_j=self.energy.lap(),
             cpu_s=self.energy.cpu_lap(),
         )  # fmt: skip
@@ -360,7 +360,7 @@ class Trainer:
     def _clip(self, grad_norm: float) -> None:
         if self.cfg.clip > 0 and grad_norm > self.cfg.clip:
             factor = self.cfg.clip / (grad_norm + 1e-6)
-            for p in self.zero.tensors() if self.zero is not None else self.params:
+            for p in self.shards.tensors() if self.shards is not None else self.params:
                 if p.grad is not None:
                     p.grad.mul_(factor)
 
@@ -368,14 +368,14 @@ class Trainer:
         """{parameter: {key: tensor}}: the optimizer's state by this rank's
         parameters, whole at any ZeRO stage (under ZeRO a collective over
         the data-parallel group: every rank calls it)."""
-        if self.zero is not None:
-            return self.zero.state(self.optimizer)
+        if self.shards is not None:
+            return self.shards.state(self.optimizer)
         return {p: dict(s) for p, s in self.optimizer.state.items()}
 
     def load_optimizer_state(self, state: dict) -> None:
         """The inverse of ``optimizer_state``."""
-        if self.zero is not None:
-            self.zero.load(state)  # laid out over the shards at the next step
+        if self.shards is not None:
+            self.shards.load(state)  # laid out over the shards at the next step
             return
         for p, s in state.items():  # (a ZeRO run's master weights are not state here)
             self.optimizer.state.setdefault(p, {}).update(drop_masters(s))
@@ -413,8 +413,8 @@ class Trainer:
         """Squared norm of this rank's gradients; a tied parameter counts on
         its first stage's rank only."""
         shared_elsewhere = {id(p) for p, _, owner in self._ties if not owner}
-        if self.zero is not None:
-            return self.zero.sumsq(shared_elsewhere)
+        if self.shards is not None:
+            return self.shards.sumsq(shared_elsewhere)
         grads = [
             p.grad for p in self.params if p.grad is not None and id(p) not in shared_elsewhere
         ]
