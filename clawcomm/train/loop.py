@@ -52,52 +52,69 @@ def fit(
     steps = cfg.steps - trainer.step_index if steps is None else steps
     out = []
     rank0 = trainer.grid.rank == 0
-    trainer._deferring = True  # a step's gathers may land in the next one
-    try:
-        with MetricsSink(
-            metrics_file if rank0 else None,
-            cfg.tensorboard if rank0 else "",
-            steps if rank0 and progress else 0,
-            append=trainer.step_index > 0,
-        ) as sink:
-            it = iter(batches)
-            for k in range(steps):
+    with MetricsSink(
+        metrics_file if rank0 else None,
+        cfg.tensorboard if rank0 else "",
+        steps if rank0 and progress else 0,
+        append=trainer.step_index > 0,
+    ) as sink:
+        it = iter(batches)
+        for k in range(steps):
+            t0 = time.perf_counter()
+            batch = next(it, None)
+            if batch is None:
+                break
+            waited = (t0, time.perf_counter())
+            # a step's gathers for the next one may land while that one starts
+            m = trainer.step(batch, data_wait=waited, defer_gathers=True)
+            m["data_wait_ms"] = 1e3 * (waited[1] - t0)
+            if k == 0 and "energy_j" not in m:  # why there is no energy figure
+                m["energy_note"] = trainer.energy.reason or "no meter on rank 0"
+            if trainer.stopped_by:
+                m["stopped_by"] = trainer.stopped_by
+            last = k == steps - 1 or trainer.stopped_by
+            due = cfg.eval_every and trainer.step_index % cfg.eval_every == 0
+            if val_batches and (due or last):
+                m["val_loss"] = evaluate(trainer, val_batches)
+            every = checkpoint_every and trainer.step_index % checkpoint_every == 0
+            if checkpoint_dir and (every or last):
                 t0 = time.perf_counter()
-                batch = next(it, None)
-                if batch is None:
-                    break
-                trainer._data_wait = (t0, time.perf_counter())
-                m = trainer.step(batch)
-                m["data_wait_ms"] = 1e3 * (trainer._data_wait[1] - t0)
-                if k == 0 and "energy_j" not in m:  # why there is no energy figure
-                    m["energy_note"] = trainer.energy.reason or "no meter on rank 0"
-                if trainer.stopped_by:
-                    m["stopped_by"] = trainer.stopped_by
-                last = k == steps - 1 or trainer.stopped_by
-                due = cfg.eval_every and trainer.step_index % cfg.eval_every == 0
-                if val_batches and (due or last):
-                    m["val_loss"] = evaluate(trainer, val_batches)
-                every = checkpoint_every and trainer.step_index % checkpoint_every == 0
-                if checkpoint_dir and (every or last):
-                    t0 = time.perf_counter()
-                    saved = trainer.save_checkpoint(
-                        checkpoint_dir, keep_checkpoints, asynchronous=cfg.async_checkpoint
-                    )
-                    m["checkpoint_ms"] = 1e3 * (time.perf_counter() - t0)
-                    m["checkpoint"] = saved if isinstance(saved, str) else saved.path
-                out.append(m)
-                sink.write(m)
-                if log is not None:
-                    log(m)
-                if trainer.stopped_by:
-                    break
-    finally:
-        trainer._deferring = False
+                saved = trainer.save_checkpoint(
+                    checkpoint_dir, keep_checkpoints, asynchronous=cfg.async_checkpoint
+                )
+                m["checkpoint_ms"] = 1e3 * (time.perf_counter() - t0)
+                m["checkpoint"] = saved if isinstance(saved, str) else saved.path
+            out.append(m)
+            sink.write(m)
+            if log is not None:
+                log(m)
+            if trainer.stopped_by:
+                break
     if trainer.units is not None:
         trainer.units.settle()
     trainer.wait_checkpoint()
-    trainer.write_trace(cfg.trace or None, cfg.timeline or None)
+    write_recorded(trainer)
     return out
+
+
+def write_recorded(trainer) -> None:
+    """Gathers every rank's recorded steps on rank 0 and writes the trace,
+    the timeline and the Chakra files the config asks for (collective); a
+    failed write is one line."""
+    from clawcomm import outputs
+    from clawcomm.train import trace
+
+    cfg = trainer.cfg
+    if trainer.recorder is None:
+        return
+    try:
+        trace.write_recorded(trainer, cfg.trace or None, cfg.timeline or None)
+        if cfg.chakra:
+            from clawcomm.train import chakra
+
+            chakra.write(trainer, cfg.chakra)
+    except OSError as e:
+        outputs.failed("clawcomm train", "--trace/--timeline/--chakra", e.filename or "", e)
 
 
 def evaluate(trainer, batches: Iterable) -> float:

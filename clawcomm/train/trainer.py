@@ -141,7 +141,7 @@ class Trainer:
             for p in reversed(list(self.local[s].parameters()))
             if p.requires_grad
         )
-        self._sync_initial_weights()
+        sync_initial_weights(self.local, self.dp_group, self._ties)
         self.executor = PipelineExecutor(
             self.local,
             self.schedule[me],
@@ -211,7 +211,6 @@ class Trainer:
             self.pp_group, self.dp_group, (t[1] for t in self._ties), params_group or exchange_group
         )
         self._mark = None  # traffic where the next step's figures start (ZeRO: its gathers)
-        self._deferring = False  # inside fit: the step's gathers may land in the next one
         self._pending_save = None
         self._checkpoint_group = None
         # SIGTERM/SIGINT (clawcomm.train.stop): this rank's request, and the signal every
@@ -219,17 +218,11 @@ class Trainer:
         self.stop, self.stopped_by, self.on_durable = None, 0, None
         # Per-step events for --trace/--timeline (clawcomm.train.trace), or None.
         self.recorder = None
-        self._data_wait: tuple[float, float] | None = None  # the step's wait for its batch
         self.eval_executor: PipelineExecutor | None = None  # forward only (loop.evaluate)
         local = int(os.environ.get("LOCAL_RANK", self.grid.rank))
         self.energy = StepEnergy(self.device, local)  # this rank's joules per step, if metered
         if cfg.trace or cfg.timeline or cfg.chakra:
             self.recorder = trace.StepRecorder()
-
-    # ---- setup ----------------------------------------------------------------------
-
-    def _sync_initial_weights(self) -> None:
-        sync_initial_weights(self.local, self.dp_group, self._ties)
 
     # ---- the step ---------------------------------------------------------------------
 
@@ -237,46 +230,23 @@ class Trainer:
         """What rank 0 prints at start: the batch, the LR, the layout, the stages."""
         return describe(self.cfg, self.cuts, self._peak_lr[0], self.shards is not None)
 
-    def step(self, batch) -> dict:
+    def step(self, batch, *, data_wait=None, defer_gathers: bool = False) -> dict:
         """One optimizer step on ``batch`` = (inputs, targets), the whole
         effective batch (every rank passes the same), or a
-        ``tokens.ReplicaSlice`` (this replica's rows). Returns the metrics."""
+        ``tokens.ReplicaSlice`` (this replica's rows). Returns the metrics.
+        ``data_wait``: when the wait for this batch began and ended, for the
+        trace; ``defer_gathers``: ZeRO's gathers for the next step may land
+        in it (``fit`` says so; a step on its own lets them land first)."""
         cfg = self.cfg
         x, y, whole = cfg.check_batch(batch)
         count = float(self.count_fn(y) if whole else batch.items)
-        for i, g in enumerate(self.optimizer.param_groups):
-            g["lr"] = self._peak_lr[i] * cfg.lr_factor(self.step_index)
-        bytes_before = self._mark if self._mark is not None else self.traffic.sent()
-        reset_peak(self.device)
-        if self.units is not None:
-            self.units.reset_peak()
-        if self.pp_group is not None:
-            dist.barrier(group=self.pp_group)
+        bytes_before = self._begin_step()
         t0 = time.perf_counter()
         self.energy.begin()
         totals, events = self._run_pipeline(x, y, cfg.dp / count, whole)
         t_pipe = time.perf_counter()
-        dp_wait = self.reducer.finish() if self.reducer is not None else 0.0
-        for p, group, _ in self._ties:
-            dist.all_reduce(p.grad, group=group)
-        if self.shards is not None:  # a new layout (the first step, a load): new shards
-            if self.units is not None:
-                self.units.unshard_stale()
-            self.optimizer = self.shards.ready(self.optimizer, self._make_optimizer)
-        now = self.traffic.sent()
-        sent = [a - b for a, b in zip(now, bytes_before, strict=True)]
-        sample = RankSample(
-            loss=float(sum(float(v) for v in totals.losses)),
-            sumsq=self._owned_sumsq(),
-            **Traffic.fields(sent),
-            busy=totals.busy, span=t_pipe - t0, recv_wait=totals.recv_wait, dp_wait=dp_wait,
-            host=totals.host / max(1, totals.computes), gpu_mb=peak_mb(self.device),
-            costs=totals.mean_costs(sorted(self.local)),
-            **held_bytes(self.params, self.reducer, self.optimizer, self.shards, self.units),
-            stop=self.stop.signum if self.stop is not None else 0, energy_j=self.energy.lap(),
-            cpu_s=self.energy.cpu_lap(),
-        )  # fmt: skip
-        rows = gather(sample)
+        dp_wait = self._finish_gradients()
+        rows = gather(self._sample(totals, bytes_before, t_pipe - t0, dp_wait))
         self.stopped_by = int(max(r.stop for r in rows))  # every rank reads the same rows
         check_memory(rows, cfg.max_memory_mb, self.step_index + 1)
         grad_norm = math.sqrt(sum(r.sumsq for r in rows) / cfg.dp)
@@ -284,6 +254,65 @@ class Trainer:
         self._check_finite(loss, grad_norm)
         self._clip(grad_norm)
         t_opt = time.perf_counter()
+        self._update(defer_gathers)
+        step_s = time.perf_counter() - t0
+        if self.recorder is not None:
+            times = (t0, t_pipe, dp_wait, t_opt, t0 + step_s)
+            trace.record_step(self, events, *times, data_wait=data_wait)
+        self.step_index += 1
+        lr = self.optimizer.param_groups[0]["lr"]
+        out = step_metrics(self.step_index, loss, lr, grad_norm, step_s, cfg.effective_batch)
+        if self.tokens_per_sample:
+            out["tokens_per_s"] = cfg.effective_batch * self.tokens_per_sample / step_s
+        out["device_s"] = step_s * cfg.dp * cfg.pp
+        cuda = self.device.type == "cuda"
+        return out | summarise(rows, cfg, self.grid, self._plan, self.p2p_latency, cuda)
+
+    def _begin_step(self) -> list[int]:
+        """The step's learning rates, its peaks reset, the pipeline's ranks
+        started together; returns the traffic the step's figures start from."""
+        for i, g in enumerate(self.optimizer.param_groups):
+            g["lr"] = self._peak_lr[i] * self.cfg.lr_factor(self.step_index)
+        bytes_before = self._mark if self._mark is not None else self.traffic.sent()
+        reset_peak(self.device)
+        if self.units is not None:
+            self.units.reset_peak()
+        if self.pp_group is not None:
+            dist.barrier(group=self.pp_group)
+        return bytes_before
+
+    def _finish_gradients(self) -> float:
+        """The data-parallel reduction waited for, tied copies summed, and
+        ZeRO's shards made anew where the bucket layout changed (the first
+        step, a load); returns the seconds waited for the reduction."""
+        dp_wait = self.reducer.finish() if self.reducer is not None else 0.0
+        for p, group, _ in self._ties:
+            dist.all_reduce(p.grad, group=group)
+        if self.shards is not None:
+            if self.units is not None:
+                self.units.unshard_stale()
+            self.optimizer = self.shards.ready(self.optimizer, self._make_optimizer)
+        return dp_wait
+
+    def _sample(self, totals, bytes_before, span: float, dp_wait: float) -> RankSample:
+        """This rank's figures of the step, which every rank gathers."""
+        sent = [a - b for a, b in zip(self.traffic.sent(), bytes_before, strict=True)]
+        return RankSample(
+            loss=float(sum(float(v) for v in totals.losses)),
+            sumsq=self._owned_sumsq(),
+            **Traffic.fields(sent),
+            busy=totals.busy, span=span, recv_wait=totals.recv_wait, dp_wait=dp_wait,
+            host=totals.host / max(1, totals.computes), gpu_mb=peak_mb(self.device),
+            costs=totals.mean_costs(sorted(self.local)),
+            **held_bytes(self.params, self.reducer, self.optimizer, self.shards, self.units),
+            stop=self.stop.signum if self.stop is not None else 0, energy_j=self.energy.lap(),
+            cpu_s=self.energy.cpu_lap(),
+        )  # fmt: skip
+
+    def _update(self, defer_gathers: bool) -> None:
+        """The optimizer's step, the replicas' meeting where one is due, and
+        ZeRO's gathers for the next step started (landed at once unless
+        ``defer_gathers``); the gradients zeroed."""
         self.optimizer.step()
         self._mark = None
         if self.outer is not None:
@@ -293,21 +322,9 @@ class Trainer:
         if self.units is not None:  # gathered as the next step needs them (its bytes, too)
             self._mark = self.traffic.sent()
             self.units.updated()
-            if not self._deferring:
+            if not defer_gathers:
                 self.units.settle()
         self._zero_grads()
-        step_s = time.perf_counter() - t0
-        if self.recorder is not None:
-            times = (t0, t_pipe, dp_wait, t_opt, t0 + step_s)
-            trace.record_step(self, events, *times, data_wait=self._data_wait)
-        self.step_index += 1
-        lr = self.optimizer.param_groups[0]["lr"]
-        out = step_metrics(self.step_index, loss, lr, grad_norm, step_s, cfg.effective_batch)
-        if self.tokens_per_sample:
-            out["tokens_per_s"] = cfg.effective_batch * self.tokens_per_sample / step_s
-        out["device_s"] = step_s * cfg.dp * cfg.pp
-        cuda = self.device.type == "cuda"
-        return out | summarise(rows, cfg, self.grid, self._plan, self.p2p_latency, cuda)
 
     def data_rows(self) -> tuple[slice, bool]:
         """This replica's rows of each effective batch, and whether this rank
@@ -379,21 +396,6 @@ class Trainer:
             return
         for p, s in state.items():  # (a ZeRO run's master weights are not state here)
             self.optimizer.state.setdefault(p, {}).update(drop_masters(s))
-
-    def write_trace(self, trace_path: str | None, timeline_path: str | None) -> None:
-        """Gathers every rank's recorded steps on rank 0 and writes the trace,
-        timeline, Chakra files (collective); a failed write is one line."""
-        from clawcomm import outputs
-
-        try:
-            if self.recorder is not None:
-                trace.write_recorded(self, trace_path, timeline_path)
-            if self.recorder is not None and self.cfg.chakra:
-                from clawcomm.train import chakra
-
-                chakra.write(self, self.cfg.chakra)
-        except OSError as e:
-            outputs.failed("clawcomm train", "--trace/--timeline/--chakra", e.filename or "", e)
 
     def _zero_grads(self) -> None:
         if self.reducer is not None:
