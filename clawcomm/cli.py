@@ -6,15 +6,39 @@ import argparse
 import sys
 
 
+def plain(text: str | None) -> str | None:
+    """A docstring as a terminal shows it: reStructuredText's ``literal``
+    quotes and ``::`` dropped."""
+    if text is None:
+        return None
+    return text.replace("``", "").replace("::\n", ":\n")
+
+
 def _add(sub, name: str, help: str, module) -> None:
     """A subcommand whose parser and description are `module`'s."""
     p = sub.add_parser(
         name,
         help=help,
-        description=module.__doc__,
+        description=plain(module.__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     module.add_arguments(p)
+
+
+def version() -> str:
+    """``clawcomm 0.1.0 (torch 2.13.0+cpu; engine without CUDA)``: what a bug
+    report needs to say."""
+    import clawcomm
+    from clawcomm import _C
+
+    try:
+        import torch
+
+        torch_version = f"torch {torch.__version__}"
+    except ModuleNotFoundError:
+        torch_version = "no torch"
+    cuda = "with CUDA kernels" if hasattr(_C, "cuda") else "without CUDA"
+    return f"clawcomm {clawcomm.__version__} ({torch_version}; engine {cuda})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     from clawcomm.train import tokens
 
     parser = argparse.ArgumentParser(prog="clawcomm", description=__doc__)
+    parser.add_argument("--version", action="version", version=version(),
+                        help="clawcomm's version, its torch and its build")  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True)
     _add(sub, "bench", "nccl-tests-style bandwidth tables, against gloo and MPI", bench_cli)
     experiment = sub.add_parser("experiment", help="training experiments on local ranks")

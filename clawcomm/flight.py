@@ -2,13 +2,17 @@
 
 A communicator that fails (a timeout, a dead peer, ranks calling different
 collectives) writes its flight record, its last operations with their
-state, to ``<CLAWCOMM_FLIGHT_DIR>/<job token>/rank<r>.json`` and names the
-file in its error. Point this command at that folder::
+state, and names the file in its error. A job writes one folder,
+``<CLAWCOMM_FLIGHT_DIR>/<job token>/``: the first group's records (the
+default group's, under torch) as ``rank<r>.json``, every other group's
+(a dp x pp run's pipeline and data-parallel groups) in
+``group-<token>/rank<r>.json`` beside them. Point this command at the job's
+folder (or at one group's)::
 
     clawcomm flight /tmp/clawcomm-flight/1bcf244e98326bc3
 
-It reads every rank's record and reports the first collective that did not
-complete everywhere: the ranks that reached it (and whether they were
+For each group that failed it reads every rank's record and reports the
+first collective that did not complete everywhere: the ranks that reached it (and whether they were
 waiting in it or failed), the ranks that never called it and the last
 collective they did call, ranks that called a different collective under
 the same number, pending sends and receives, and ranks that wrote no record
@@ -25,13 +29,28 @@ import sys
 
 
 def load(directory: str) -> dict[int, dict]:
-    """rank -> its flight record, for every rank<r>.json in `directory`."""
+    """rank -> its flight record, for every rank<r>.json in `directory` (one
+    group's)."""
     out = {}
     for path in glob.glob(os.path.join(directory, "rank*.json")):
         with open(path) as f:
             record = json.load(f)
         out[int(record["rank"])] = record
     return out
+
+
+def load_job(directory: str) -> dict[str, dict[int, dict]]:
+    """Each group's records in a job's folder: "" for the folder's own
+    ``rank<r>.json``, the subfolder's name for each ``group-<token>/``."""
+    groups = {"": load(directory)}
+    for sub in sorted(glob.glob(os.path.join(directory, "group-*"))):
+        groups[os.path.basename(sub)] = load(sub)
+    return {name: records for name, records in groups.items() if records}
+
+
+def _members(records: dict[int, dict]) -> str:
+    mapping = next((r["global_ranks"] for r in records.values() if "global_ranks" in r), None)
+    return f"ranks {mapping}" if mapping else "every rank"
 
 
 def _describe(op: dict) -> str:
@@ -104,14 +123,25 @@ def diagnose(records: dict[int, dict]) -> list[str]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("directory", help="the folder holding rank<r>.json (named in the error)")
+    p.add_argument("directory", help="the job's folder, named in the error (or one group's)")
 
 
 def run(args) -> int:
-    records = load(args.directory)
-    for line in diagnose(records):
-        print(line)
-    return 0 if records else 1
+    if not os.path.isdir(args.directory):
+        print(f"clawcomm flight: error: {args.directory} is not a folder (the error that named a "
+              "flight record gives its job's folder)", file=sys.stderr)  # fmt: skip
+        return 2
+    groups = load_job(args.directory)
+    if not groups:
+        print(f"clawcomm flight: no flight records in {args.directory} (rank<r>.json, or "
+              "group-*/rank<r>.json)", file=sys.stderr)  # fmt: skip
+        return 1
+    for k, (name, records) in enumerate(groups.items()):
+        if len(groups) > 1:
+            print(("" if k == 0 else "\n") + f"# group {name or 'of the job'}: {_members(records)}")
+        for line in diagnose(records):
+            print(line)
+    return 0
 
 
 def main(argv=None) -> int:

@@ -82,7 +82,7 @@ def test_reduction_ops_types_and_algorithms():
     p = _bench("--nproc", "2", "-o", "all_reduce,reduce,all", "-d", "half", "-b", "1K",
                "-e", "1K", "--algo", "ring,tree,auto", "--compare", "gloo", *FAST)  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "# all_reduce, 2 ranks" in p.stdout and "# reduce, 2 ranks" in p.stdout
+    assert "# all_reduce (sum), 2 ranks" in p.stdout and "# reduce (max), 2 ranks" in p.stdout
     for redop in collectives.REDOPS:
         assert f"half {redop:>6}" in p.stdout, redop
     assert "clawcomm/ring" in p.stdout and "clawcomm/tree" in p.stdout

@@ -1,5 +1,7 @@
 """The command line: every subcommand's help prints (argparse formats help
-strings with %, so a stray percent sign in any option's help breaks --help)."""
+strings with %, so a stray percent sign in any option's help breaks --help)
+in plain text, without reStructuredText's quotes; ``--version`` says what a
+bug report needs."""
 
 import pytest
 
@@ -11,6 +13,8 @@ COMMANDS = [
     ["train"],
     ["flight"],
     ["simulate"],
+    ["plan"],
+    ["tokenize"],
 ]
 
 
@@ -21,3 +25,14 @@ def test_every_subcommand_prints_its_help(command, capsys):
     assert done.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: clawcomm " + " ".join(command))
+    assert "``" not in out, [line for line in out.splitlines() if "``" in line]
+
+
+def test_version(capsys):
+    import clawcomm
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out.strip()
+    assert out.startswith(f"clawcomm {clawcomm.__version__} (torch ") and "engine " in out, out

@@ -87,7 +87,6 @@ def test_the_glossarys_modules_exist():
     """Every module the glossary names imports: a rename that forgets the
     glossary fails here."""
     import importlib
-    import re
 
     text = open(os.path.join(ROOT, "docs", "glossary.md")).read()
     names = set(re.findall(r"`(clawcomm(?:\.[a-z_0-9]+)+)", text))
@@ -98,3 +97,17 @@ def test_the_glossarys_modules_exist():
         except ModuleNotFoundError:
             module, _, attr = name.rpartition(".")
             assert hasattr(importlib.import_module(module), attr), name
+
+
+def test_no_copy_paste_command_overwrites_the_committed_results():
+    """The README's and docs' code blocks write into runs/; the commands
+    that regenerate bench/results/ live in bench/README.md, marked so."""
+    writes = re.compile(r"(--json|--plot|--trace|--timeline|--metrics|\| *tee|>) +bench/results/")
+    pages = [os.path.join(ROOT, "README.md"), *glob.glob(os.path.join(ROOT, "docs", "*.md"))]
+    found = []
+    for page in pages:
+        for block in re.findall(r"```[a-z]*\n(.*?)```", open(page).read(), re.S):
+            found += [f"{os.path.basename(page)}: {m.group(0)}" for m in writes.finditer(block)]
+    assert not found, found
+    bench = open(os.path.join(ROOT, "bench", "README.md")).read()
+    assert "overwrite the files in `bench/results/`" in bench

@@ -39,14 +39,20 @@ def _dies_in_a_subgroup(rank, ws, flight_dir):
 
 
 def test_an_error_in_a_subgroup_names_the_global_rank_first(tmp_path):
+    # the subgroup's records go in a folder of their own inside the job's
     flight = str(tmp_path / "flight")
     out = run_ranks(_dies_in_a_subgroup, 3, flight, allow_failures=True, pg_timeout=30)
     assert isinstance(out[2], RankFailure)
     assert "rank 2 (group rank 1, pid " in out[0] and ") died" in out[0], out[0]
-    (folder,) = os.listdir(flight)
-    record = json.loads(open(os.path.join(flight, folder, "rank0.json")).read())
+    (job,) = os.listdir(flight)
+    (group,) = os.listdir(os.path.join(flight, job))
+    assert group.startswith("group-"), group
+    folder = os.path.join(flight, job, group)
+    assert f"flight record: {folder}/rank0.json" in out[0], out[0]
+    record = json.loads(open(os.path.join(folder, "rank0.json")).read())
     assert record["global_rank"] == 0 and record["global_ranks"] == [0, 2]
-    report = clawcomm_flight.diagnose(clawcomm_flight.load(os.path.join(flight, folder)))
+    assert list(clawcomm_flight.load_job(os.path.join(flight, job))) == [group]
+    report = clawcomm_flight.diagnose(clawcomm_flight.load(folder))
     assert report[0].startswith("rank 0 (group rank 0) failed: clawcomm::all_reduce: rank 2 (")
     assert report[1].startswith("ranks [2] (group ranks [1]) wrote no flight record"), report
 
@@ -78,7 +84,11 @@ def test_the_summary_names_the_first_failure_and_where_to_look(tmp_path, monkeyp
     assert "Traceback" in text  # its own code raised: its traceback is the user's
 
 
-def test_a_killed_rank_ends_clawcomm_train_with_one_summary(tmp_path, capsys):
+def test_a_killed_rank_ends_clawcomm_train_with_one_summary(tmp_path, capsys, monkeypatch):
+    # dp 2 x pp 2: the pipeline and data-parallel groups that saw the death
+    # write their records in one folder of the job, which the summary names
+    # once and ``clawcomm flight`` reads group by group
+    monkeypatch.setenv("CLAWCOMM_FLIGHT_DIR", str(tmp_path / "flight"))
     ck = tmp_path / "ck"
     argv = ["train", "--model", "mlp", "--hidden", "32", "--dp", "2", "--pp", "2", "--steps", "6",
             "--kill-rank", "3", "--kill-at-step", "2", "--checkpoint-dir", str(ck),
@@ -90,20 +100,45 @@ def test_a_killed_rank_ends_clawcomm_train_with_one_summary(tmp_path, capsys):
     assert "was killed by SIGKILL" in first, err
     assert f"last checkpoint: {ck}/step-00000002; the same command with --resume goes on" in err
     assert "Traceback" not in err, err
+    (job,) = os.listdir(tmp_path / "flight")
+    folder = str(tmp_path / "flight" / job)
+    flights = [line for line in err.splitlines() if line.startswith("  flight record:")]
+    assert flights == [f"  flight record: {folder} (clawcomm flight {folder})"], err
+    assert main(["flight", folder]) == 0
+    out = capsys.readouterr().out
+    groups = [line for line in out.splitlines() if line.startswith("# group ")]
+    assert len(groups) == len(clawcomm_flight.load_job(folder)) >= 2, out
+    assert "rank 3" in out
 
 
-def test_a_bad_setting_is_one_line_before_any_rank_starts(monkeypatch, capsys):
-    monkeypatch.setenv("CLAWCOMM_SPIN_US", "abc")
-    assert main(["train", "--model", "mlp", "--steps", "1"]) == 2
+@pytest.mark.parametrize(
+    "argv",
+    [["train", "--model", "mlp", "--steps", "1"], ["bench", "-b", "8", "-e", "8"],
+     ["experiment", "compression", "--compressors", "none", "--steps", "1"]],
+    ids=["train", "bench", "experiment"],
+)  # fmt: skip
+def test_a_bad_setting_is_one_line_before_any_rank_starts(monkeypatch, capsys, argv):
+    monkeypatch.setenv("CLAWCOMM_SPIN_US", "99999999")
+    assert main(argv) == 2
     err = capsys.readouterr().err
+    command = " ".join(argv[:2] if argv[0] == "experiment" else argv[:1])
     assert err.strip() == (
-        "clawcomm train: error: CLAWCOMM_SPIN_US=abc is not a whole number in [0, 1000000]"
+        f"clawcomm {command}: error: CLAWCOMM_SPIN_US=99999999 is not a whole number in "
+        "[0, 1000000]"
     ), err
+
+
+def test_clawcomm_flight_on_a_folder_that_is_not_there(tmp_path, capsys):
+    assert main(["flight", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"clawcomm flight: error: {tmp_path / 'nowhere'} is not a folder"), err
+    assert main(["flight", str(tmp_path)]) == 1
+    assert "no flight records in" in capsys.readouterr().err
 
 
 def _fails_with_records(rank, ws, flight_dir, keep):
     os.environ.update({"CLAWCOMM_FLIGHT_DIR": flight_dir, "CLAWCOMM_FLIGHT_KEEP": str(keep)})
-    group = dist.new_group([0, 1])  # a fresh job token: a folder of its own
+    group = dist.new_group([0, 1])  # its records go in the job's folder
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     with pytest.raises(Exception, match="died"):

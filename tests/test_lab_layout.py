@@ -101,3 +101,25 @@ def test_delayed_meetings_count_their_bytes_in_the_lab(tmp_path):
     by = {r["compressor"]: r for r in json.loads(out.read_text())["links"]["one host"]["results"]}
     on_time, late = by["diloco:4"]["bytes_per_step"], by["diloco:4:delay=2"]["bytes_per_step"]
     assert on_time > 0 and late == pytest.approx(on_time, rel=0.02)
+
+
+def test_ctrl_c_ends_the_lab_with_one_line():
+    # Ctrl-C reaches the whole foreground process group: the lab and its ranks
+    import signal
+    import time
+
+    code = "import sys; from clawcomm.cli import main; sys.exit(main(sys.argv[1:]))"
+    argv = ["experiment", "compression", "--model", "mlp", "-c", "none", "--steps", "100000",
+            "--quiet"]  # fmt: skip
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "-c", code, *argv], stderr=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, start_new_session=True,
+                            env=dict(os.environ, PYTHONPATH=root))  # fmt: skip
+    time.sleep(12)  # the ranks are training
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, (out, err)
+    assert err.strip().splitlines()[-1] == (
+        "clawcomm experiment compression: interrupted after 0 of 2 runs; nothing written"
+    ), err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err

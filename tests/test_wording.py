@@ -34,6 +34,7 @@ def test_a_bench_table_explains_its_ratio_column_only_when_it_has_one():
     assert "ratio" not in alone
     both = format_tables([_record("clawcomm"), _record("gloo", t=20.0)], lambda _c: "clawcomm", 2)
     assert "# ratio = that variant's time / the first variant's time" in both
+    assert "# all_reduce (sum), 2 ranks" in both  # a title names the reduction
 
 
 def test_algorithms_are_compared_in_the_order_given():

@@ -28,7 +28,7 @@ import time
 
 from clawcomm import outputs
 from clawcomm.bench.collectives import COLLECTIVES, DTYPE_ALIASES, REDOPS
-from clawcomm.launch import under_torchrun
+from clawcomm.launch import check_settings, under_torchrun
 
 COMPARE_CHOICES = ("gloo", "mpi", "raw", "nccl")
 ALGO_CHOICES = (
@@ -286,6 +286,7 @@ def run(args, argv: list[str] | None = None) -> int:
         return calibrate.run(args.calibrate, under_torchrun())
 
     try:
+        check_settings()  # every CLAWCOMM_* setting, before any rank starts
         sizes = sizes_from(args)
         collectives, redops = parse_ops(args.op)
         if args.datatype not in DTYPE_ALIASES:

@@ -36,7 +36,8 @@ def format_tables(records, reference_of, world_size: int, header: str = "") -> s
         ratios = ratios or len(variants) > 1
         by = {(r["size"], r["variant"]): r for r in rows}
         sizes = sorted({r["size"] for r in rows})
-        out.append(f"#\n# {coll}, {world_size} ranks{header}")
+        what = coll if redop == "-" else f"{coll} ({redop})"
+        out.append(f"#\n# {what}, {world_size} ranks{header}")
         top = "#" + " " * 48 + f"{variants[0]:>31}"
         cols = "#       size      count      type  redop  root     time   algbw   busbw  #wrong"
         units = "#        (B) (elements)                            (us)  (GB/s)  (GB/s)        "

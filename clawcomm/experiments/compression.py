@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 
@@ -239,7 +240,7 @@ def torch_lr_schedule(opt, steps: int):
 
 def run(args) -> int:
     from clawcomm.cost_model import CostModel
-    from clawcomm.launch import run_ranks
+    from clawcomm.launch import RankFailure, check_settings, run_ranks
 
     specs = [s.strip() for s in args.compressors.split(",") if s.strip()]
     steps, batch, lr = MODEL_DEFAULTS[args.model]
@@ -247,6 +248,7 @@ def run(args) -> int:
     args.batch = batch if args.batch is None else args.batch
     args.lr = lr if args.lr is None else args.lr
     try:
+        check_settings()  # every CLAWCOMM_* setting, before any rank starts
         args.dp, args.pp = layout.parse_layout(args.layout) if args.layout else (args.nproc or 2, 1)
         if args.nproc not in (None, args.dp * args.pp):
             raise ValueError(f"--nproc {args.nproc} is not --layout {args.layout}'s dp x pp")
@@ -300,6 +302,13 @@ def run(args) -> int:
     import torch._dynamo  # noqa: F401
 
     groups: dict[str, list[dict]] = {}
+    interrupted: list[int] = []
+
+    def on_interrupt(signum, frame):
+        interrupted.append(signum)
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGINT, on_interrupt)
     try:
         if links:
             for link in links:
@@ -314,7 +323,19 @@ def run(args) -> int:
                 groups["one host"].append(out[0])
                 if progress is not None:
                     progress.update(1)
+    except (KeyboardInterrupt, RankFailure) as e:
+        # Ctrl-C reaches the ranks too: whichever notices first, it is one line
+        if not interrupted and not isinstance(e, KeyboardInterrupt):
+            raise
+        if progress is not None:
+            progress.close()
+            progress = None
+        done, total = sum(len(g) for g in groups.values()), len(runs) * max(1, len(links))
+        print(f"clawcomm experiment compression: interrupted after {done} of {total} runs; "
+              "nothing written", file=sys.stderr)  # fmt: skip
+        return 130
     finally:
+        signal.signal(signal.SIGINT, before)
         if progress is not None:
             progress.close()
     model = CostModel.load(args.cost_model) if args.cost_model else None

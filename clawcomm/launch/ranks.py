@@ -32,7 +32,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["RankFailure", "run_ranks", "under_torchrun"]
+__all__ = ["RankFailure", "check_settings", "run_ranks", "under_torchrun"]
 
 
 def under_torchrun() -> bool:
@@ -41,6 +41,20 @@ def under_torchrun() -> bool:
     return all(
         k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "TORCHELASTIC_RUN_ID")
     )
+
+
+def check_settings() -> None:
+    """Every ``CLAWCOMM_*`` setting read as the engine will read it:
+    ValueError naming the first bad one and what it must be. Every command
+    that starts ranks (``clawcomm train``, ``bench``, ``experiment``) calls
+    it before the first one starts, so a bad value is one line, not a
+    traceback from each rank."""
+    from clawcomm import _C
+
+    try:
+        _C._check_settings()
+    except ValueError as e:
+        raise ValueError(str(e).removeprefix("clawcomm: ")) from None
 
 
 class RankFailure(AssertionError):

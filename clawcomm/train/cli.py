@@ -285,14 +285,13 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"clawcomm train: error: {e}", file=sys.stderr)
         return 2
-    from clawcomm.launch import under_torchrun
+    from clawcomm.launch import check_settings, under_torchrun
 
     torchrun = under_torchrun()
     world = int(os.environ["WORLD_SIZE"]) if torchrun else (args.nproc or cfg.dp * cfg.pp)
     rank0 = int(os.environ.get("RANK", "0")) == 0
     try:  # (a CheckpointError and an outputs.OutputError are ValueErrors too)
-        from clawcomm import _C
-
+        check_settings()  # every CLAWCOMM_* setting, once, before any rank starts (or a plan)
         if cfg.layout == "auto":
             if torchrun:  # each rank would profile, and might choose, on its own
                 raise ValueError(
@@ -305,7 +304,6 @@ def run(args: argparse.Namespace) -> int:
         cfg.check(world)
         build_check(cfg)
         cfg, changed = resume.plan(cfg)
-        _C._check_settings()  # every CLAWCOMM_* setting, once, before any rank starts
         for flag, (path, folder) in _outputs(cfg).items() if rank0 else ():
             outputs.check(flag, path, folder)
     except ValueError as e:

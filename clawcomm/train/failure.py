@@ -16,7 +16,7 @@ import signal
 # What a rank's error says when a peer, not its own code, ended it.
 _PEER = re.compile(r"pid \d+\) died|died or aborted|the rank died|aborted|PeerError")
 _EXIT = re.compile(r"rank died with exit code (-?\d+)")
-_FLIGHT = re.compile(r"flight record: (\S+?)/rank\d+\.json")
+_FLIGHT = re.compile(r"flight record: (\S+?)(?:/group-[0-9a-f]+)?/rank\d+\.json")
 _STEP = re.compile(r"^clawcomm train: rank \d+ failed in step (\d+)$", re.M)
 
 

@@ -36,6 +36,11 @@ std::set<Communicator*>& registry() {
 // How many communicators are alive: asked by every collective, so not the
 // registry's lock (Settings::inlineMaxBytes says why it matters).
 std::atomic<int> liveCommunicators{0};
+// The job's flight-record folder: the token of the first communicator that
+// is alive in this process (torch's default group, made before any other),
+// so that every group of a job writes under one folder. Under registryMutex.
+const Communicator* jobOwner = nullptr;
+std::string jobFolder;
 }  // namespace
 
 Connections Communicator::connectThrough(Store& store, int rank, int size,
@@ -87,6 +92,10 @@ Communicator::Communicator(std::shared_ptr<Store> store, int rank, int size,
   liveCommunicators.fetch_add(1);
   std::lock_guard<std::mutex> lock(registryMutex);
   registry().insert(this);
+  if (jobOwner == nullptr) {
+    jobOwner = this;
+    jobFolder = jobToken_;
+  }
 }
 
 std::shared_ptr<Communicator> Communicator::create(std::shared_ptr<Store> store, int rank, int size,
@@ -120,6 +129,10 @@ Communicator::~Communicator() {
   liveCommunicators.fetch_sub(1);
   std::lock_guard<std::mutex> lock(registryMutex);
   registry().erase(this);
+  if (jobOwner == this) {  // the next group made starts the next job's folder
+    jobOwner = nullptr;
+    jobFolder.clear();
+  }
 }
 
 void Communicator::shutdown() {
@@ -380,8 +393,18 @@ std::string Communicator::inGlobalRanks(const std::string& text) const {
   return out + text.substr(i);
 }
 
+std::string Communicator::flightJobFolder() const {
+  std::lock_guard<std::mutex> lock(registryMutex);
+  return jobFolder.empty() ? jobToken_ : jobFolder;
+}
+
+// <dir>/<job>/rank<r>.json for the job's first group, and
+// <dir>/<job>/group-<token>/rank<r>.json for every other: one folder a job,
+// which `clawcomm flight` reads group by group.
 std::string Communicator::flightRecordPath() const {
-  return CLAWCOMM_CONCAT(settings_.flightDir, "/", jobToken_, "/rank", rank_, ".json");
+  const std::string job = flightJobFolder();
+  const std::string group = job == jobToken_ ? "" : CLAWCOMM_CONCAT("/group-", jobToken_);
+  return CLAWCOMM_CONCAT(settings_.flightDir, "/", job, group, "/rank", rank_, ".json");
 }
 
 // Writes the flight record where flightRecordPath() says (best effort: a
@@ -390,10 +413,11 @@ std::string Communicator::flightRecordPath() const {
 std::string Communicator::dumpFlightRecord(const std::string& why) noexcept {
   if (!recorder_.enabled() || settings_.flightDir.empty()) return "";
   try {
-    const std::string dir = CLAWCOMM_CONCAT(settings_.flightDir, "/", jobToken_);
-    ::mkdir(settings_.flightDir.c_str(), 0777);
-    ::mkdir(dir.c_str(), 0777);
+    const std::string job = flightJobFolder();
     const std::string path = flightRecordPath();
+    ::mkdir(settings_.flightDir.c_str(), 0777);
+    ::mkdir(CLAWCOMM_CONCAT(settings_.flightDir, "/", job).c_str(), 0777);
+    ::mkdir(path.substr(0, path.rfind('/')).c_str(), 0777);
     const std::string tmp = path + ".tmp";
     {
       std::ofstream f(tmp);
@@ -401,8 +425,7 @@ std::string Communicator::dumpFlightRecord(const std::string& why) noexcept {
       if (!f) return "";
     }
     if (std::rename(tmp.c_str(), path.c_str()) != 0) return "";
-    pruneFlightRecords(settings_.flightDir, jobToken_, settings_.flightKeepDays,
-                       settings_.flightKeep);
+    pruneFlightRecords(settings_.flightDir, job, settings_.flightKeepDays, settings_.flightKeep);
     return path;
   } catch (...) {
     return "";

@@ -174,8 +174,11 @@ class Communicator {
   // The flight record (comm/recorder.h) as JSON: the last operations, oldest
   // first, with their state. Any thread; fields may be mid-update.
   std::string flightRecord(const std::string& why = "requested") const;
-  // Where this communicator writes it if it fails.
+  // Where this communicator writes it if it fails: under its job's folder
+  // (flightJobFolder: the first live group's token in this process), in a
+  // folder of its own unless it is that group.
   std::string flightRecordPath() const;
+  std::string flightJobFolder() const;
 
   // --- Operations that move their bytes outside the messenger -------------
   // (device/device_comm.h: device collectives through CUDA IPC.) They belong
