@@ -13,7 +13,7 @@ from _training import _run
 
 from clawcomm.testing import run_ranks
 from clawcomm.testing.checkpoint import kill_mid_save_trial
-from clawcomm.train import checkpoint
+from clawcomm.train import checkpoint, checkpoint_files
 from clawcomm.train.config import TrainConfig
 
 
@@ -110,7 +110,7 @@ def test_no_checkpoint_and_a_dangling_latest_are_errors(tmp_path):
         _load_once(_config(), str(tmp_path))
     (tmp_path / "latest").write_text("step-00000009\n")
     with pytest.raises(checkpoint.CheckpointError, match="not a complete checkpoint"):
-        checkpoint.latest(str(tmp_path))
+        checkpoint_files.latest(str(tmp_path))
 
 
 def test_a_process_killed_while_saving_leaves_a_loadable_checkpoint(tmp_path):
@@ -142,12 +142,12 @@ def test_an_asynchronous_save_resumes_exactly_too(tmp_path, dp, pp, zero):
 
 FULL_DISK_SCRIPT = """
 import os, sys
-from clawcomm.train import checkpoint
+from clawcomm.train import checkpoint_files
 from clawcomm.train.models import build
 from clawcomm.train.config import TrainConfig
 from clawcomm.train.trainer import Trainer
 if sys.argv[1] == "write":  # the room check passes, then the disk is full
-    checkpoint._check_room = lambda *a: None
+    checkpoint_files.check_room = lambda *a: None
 cfg = TrainConfig(model="gpt", steps=1, quiet=True)
 model, loss, opt, _, _, _ = build(cfg)
 tr = Trainer(model, loss, opt, cfg)

@@ -23,7 +23,7 @@ def _stopped_at(rank, world, ck, layout, zero, signum):
     """Rank 1 alone signals itself after step 3: the flag rides the step's
     all-gather, so every rank stops after step 4 (not 3: rank 1 raised it
     after step 3's figures were gathered)."""
-    from clawcomm.train import checkpoint, models
+    from clawcomm.train import checkpoint_files, models
     from clawcomm.train.config import TrainConfig
     from clawcomm.train.data import global_batches
     from clawcomm.train.stop import StopRequest
@@ -53,7 +53,7 @@ def _stopped_at(rank, world, ck, layout, zero, signum):
     finally:
         trainer.stop.uninstall()
         trainer.close()
-    return [m["step"] for m in metrics], metrics[-1].get("stopped_by"), checkpoint.latest(ck)
+    return [m["step"] for m in metrics], metrics[-1].get("stopped_by"), checkpoint_files.latest(ck)
 
 
 @pytest.mark.parametrize(

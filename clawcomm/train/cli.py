@@ -71,7 +71,7 @@ def train_rank(cfg: TrainConfig, announce: bool = True) -> list[dict]:
 
     import torch.distributed as dist
 
-    from clawcomm.train import checkpoint, models
+    from clawcomm.train import checkpoint_files, models
     from clawcomm.train.trainer import Trainer
 
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -85,7 +85,7 @@ def train_rank(cfg: TrainConfig, announce: bool = True) -> list[dict]:
         print(trainer.describe(), flush=True)
     start = 0
     if cfg.resume and cfg.checkpoint_dir:
-        if checkpoint.latest(cfg.checkpoint_dir) is None:
+        if checkpoint_files.latest(cfg.checkpoint_dir) is None:
             if rank == 0 and announce:  # right for a first attempt, but said
                 print(
                     f"clawcomm train: --resume: no checkpoint in {cfg.checkpoint_dir} yet; "
@@ -117,7 +117,7 @@ def train_rank(cfg: TrainConfig, announce: bool = True) -> list[dict]:
 
     def durable(path: str, seconds: float) -> None:
         if announce:
-            size = checkpoint.size_bytes(path) / 1e6
+            size = checkpoint_files.size_bytes(path) / 1e6
             say(f"clawcomm train: checkpoint {path} durable ({size:.1f} MB, {seconds:.2f} s)")
 
     def on_signal(signum: int) -> None:
@@ -201,14 +201,14 @@ def say(line: str) -> None:
 
 
 def saved_line(m: dict, asynchronous: bool) -> str:
-    from clawcomm.train import checkpoint
+    from clawcomm.train import checkpoint_files
 
     if asynchronous:
         return (
             f"clawcomm train: checkpoint of step {m['step']}: state copied in "
             f"{m['checkpoint_ms']:.0f} ms; {m['checkpoint']} is written meanwhile"
         )
-    size = checkpoint.size_bytes(m["checkpoint"]) / 1e6
+    size = checkpoint_files.size_bytes(m["checkpoint"]) / 1e6
     return (
         f"clawcomm train: checkpoint of step {m['step']} saved in {m['checkpoint']} "
         f"({size:.1f} MB, {m['checkpoint_ms']:.0f} ms)"

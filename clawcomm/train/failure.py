@@ -64,9 +64,9 @@ def summary(errors: dict[int, str], pids: list[int], checkpoint_dir: str = "") -
     for folder in folders:
         lines.append(f"  flight record: {folder} (clawcomm flight {folder})")
     if checkpoint_dir:
-        from clawcomm.train import checkpoint
+        from clawcomm.train import checkpoint_files
 
-        latest = checkpoint.latest(checkpoint_dir) if os.path.isdir(checkpoint_dir) else None
+        latest = checkpoint_files.latest(checkpoint_dir) if os.path.isdir(checkpoint_dir) else None
         if latest:
             lines.append(f"  last checkpoint: {latest}; the same command with --resume goes on")
         else:

@@ -23,9 +23,11 @@ class BatchChangeError(ValueError):
 
 def plan(cfg: TrainConfig) -> tuple[TrainConfig, str]:
     """``keep_batch`` for ``cfg``'s latest checkpoint, when it resumes from one."""
-    from clawcomm.train import checkpoint
+    from clawcomm.train import checkpoint_files
 
-    found = checkpoint.latest(cfg.checkpoint_dir) if cfg.resume and cfg.checkpoint_dir else None
+    found = (
+        checkpoint_files.latest(cfg.checkpoint_dir) if cfg.resume and cfg.checkpoint_dir else None
+    )
     if found is None:
         return cfg, ""
     return keep_batch(cfg, read_meta(found), found)
@@ -36,7 +38,7 @@ def read_meta(path: str) -> dict:
     this rank alone (no collective)."""
     import torch.distributed.checkpoint as dcp
 
-    from clawcomm.train.checkpoint import single_process
+    from clawcomm.train.checkpoint_files import single_process
 
     head = {"meta": None}
     with single_process():
