@@ -271,16 +271,22 @@ def _check(meta: dict, trainer, path: str) -> None:
 
 
 def load(trainer, path: str) -> int:
-    """Loads the checkpoint at ``path`` (a checkpoint, or a root whose
-    ``latest`` names one) into ``trainer`` on every rank; returns its step."""
+    """Loads the checkpoint at ``path`` into ``trainer`` on every rank and
+    returns its step. ``path`` is a checkpoint, or a root: then the one
+    ``latest`` names, or the newest intact one before it where its files
+    are damaged (``checkpoint_files.choose``)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    if not os.path.exists(os.path.join(path, ".metadata")):
-        found = files.latest(path)
+    if os.path.exists(os.path.join(path, ".metadata")):  # this checkpoint, and no other
+        wrong = files.damage(path)
+        if wrong:
+            raise CheckpointError(wrong)
+    else:
+        found = files.choose(path)
         if found is None:
             raise CheckpointError(f"{path}: no checkpoint there (no .metadata, no latest)")
-        path = found
+        path = found.path
     reader = dcp.FileSystemReader(path)
     have = reader.read_metadata().state_dict_metadata
     rank, d = files.rank(), trainer.grid.dp_rank

@@ -1,5 +1,5 @@
 """A checkpoint's folders on disk: how a save becomes a checkpoint
-atomically, and which checkpoints are kept.
+atomically, which checkpoints are kept, and which one a load can trust.
 What goes into a checkpoint and comes out of it is ``checkpoint.py``'s.
 
     <root>/step-<N>.tmp-<token>/   DCP writes here (files fsynced)
@@ -10,11 +10,21 @@ A process killed at any moment leaves ``latest`` naming a complete
 checkpoint (or no ``latest`` at all before the first one); leftover
 ``*.tmp-*`` folders are removed by the next save, and all but the newest
 ``keep`` checkpoints with them.
+
+A committed checkpoint's files can still be damaged afterwards (a copy cut
+short, a disk that lost blocks). DCP's index (``.metadata``) records where
+every item lies: a file and a byte range in it. ``damage`` checks each file
+against it (it reads no data, only sizes), and ``choose`` takes the
+checkpoint ``latest`` names when its files hold what the index says, else
+the newest intact one before it, saying what was wrong with those it
+passed over: a resume names the bad file and goes on from the step before,
+instead of failing inside DCP's reader with an EOFError that names no file.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import time
@@ -154,12 +164,15 @@ def commit(root: str, tmp: str, name: str, keep: int) -> str:
 
 
 def _prune(root: str, keep: int, newest: str) -> None:
-    """Drops leftover temporaries and all but the newest ``keep`` checkpoints."""
+    """Drops leftover temporaries and all but the newest ``keep`` checkpoints.
+    Checkpoints after ``newest`` (left behind where a resume went on from an
+    older, intact one) are neither counted nor removed: the run replaces
+    each when it saves that step again."""
     entries = sorted(os.listdir(root))
     for e in entries:
         if ".tmp-" in e and not e.startswith(newest + ".tmp-"):
             shutil.rmtree(os.path.join(root, e), ignore_errors=True)
-    done = [e for e in entries if e.startswith(PREFIX) and ".tmp-" not in e]
+    done = [e for e in entries if e.startswith(PREFIX) and ".tmp-" not in e and e <= newest]
     for e in done[: max(0, len(done) - keep)]:
         if e != newest:
             shutil.rmtree(os.path.join(root, e), ignore_errors=True)
@@ -176,3 +189,66 @@ def latest(root: str) -> str | None:
     if not os.path.exists(os.path.join(path, ".metadata")):
         raise CheckpointError(f"{root}/latest names {name!r}, which is not a complete checkpoint")
     return path
+
+
+def damage(path: str) -> str:
+    """What is wrong with the files of checkpoint ``path``, in one line
+    naming the file ('' when nothing is): no index, an index that cannot
+    be read, or a file it names that is missing or shorter than the items
+    it places there. Sizes only: no data is read."""
+    import torch.distributed.checkpoint as dcp
+
+    index = os.path.join(path, ".metadata")
+    if not os.path.isfile(index):
+        return f"{path}: no .metadata (not a checkpoint, or a save that never finished)"
+    try:
+        with single_process():
+            storage = dcp.FileSystemReader(path).read_metadata().storage_data
+    except Exception as e:  # a cut or garbled pickle: EOFError, UnpicklingError, ...
+        return f"{index}: DCP's index cannot be read ({type(e).__name__}: {str(e)[:80]})"
+    need: dict[str, int] = {}
+    for item in storage.values():
+        end = item.offset + item.length
+        need[item.relative_path] = max(need.get(item.relative_path, 0), end)
+    for name, end in sorted(need.items()):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            return f"{file}: missing (DCP's index places items in it)"
+        size = os.path.getsize(file)
+        if size < end:
+            return f"{file}: cut short, {size} bytes where DCP's index places items up to {end}"
+    return ""
+
+
+@dataclasses.dataclass
+class Choice:
+    """The checkpoint a resume loads, and what was wrong with each newer
+    one passed over (newest first; empty when it is the one ``latest``
+    names)."""
+
+    path: str
+    passed_over: list[str]
+
+
+def choose(root: str) -> Choice | None:
+    """The checkpoint a resume from ``root`` loads: the one ``latest`` names
+    when its files are intact, else the newest intact one before it. None
+    when ``root`` has no checkpoint yet (no ``latest``). Raises
+    CheckpointError saying what is wrong with each when none is intact."""
+    try:
+        with open(os.path.join(root, LATEST)) as f:
+            name = f.read().strip()
+    except FileNotFoundError:
+        return None
+    bad = []
+    older = sorted(
+        (e for e in os.listdir(root) if e.startswith(PREFIX) and ".tmp-" not in e and e < name),
+        reverse=True,
+    )
+    for candidate in [name, *older]:
+        path = os.path.join(root, candidate)
+        wrong = damage(path)
+        if not wrong:
+            return Choice(path, bad)
+        bad.append(wrong)
+    raise CheckpointError(f"no intact checkpoint in {root}: " + "; ".join(bad))
