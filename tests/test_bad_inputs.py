@@ -15,7 +15,7 @@ from _training import _save_at
 
 from clawcomm.cli import main
 from clawcomm.train import tokens
-from clawcomm.train.cli import check_data
+from clawcomm.train.cli import read_corpus
 from clawcomm.train.config import TrainConfig
 
 RNG = np.random.default_rng(0)
@@ -152,19 +152,19 @@ def test_what_a_token_file_was_read_as_is_said(tmp_path):
     bare = _file(tmp_path, "bare/ids.bin", _ids(np.uint16, 60))
     wide = _file(tmp_path, "wide/ids.bin", _ids(np.uint32, 70_000))
     cfg = TrainConfig(data=f"{data}/train.bin", data_val=f"{data}/val.bin", seq_len=16)
-    assert check_data(cfg) == [
+    assert read_corpus(cfg) == [
         f"clawcomm train: --data {data}/train.bin: 304 tokens, uint16 ids (meta.json), "
         f"vocabulary {vocab} (meta.json)",
         f"clawcomm train: --data-val {data}/val.bin: 76 tokens, uint16 ids (meta.json), "
         f"vocabulary {vocab} (meta.json)",
     ]
     top = int(np.fromfile(bare, np.uint16).max())
-    assert check_data(TrainConfig(data=bare)) == [
+    assert read_corpus(TrainConfig(data=bare)) == [
         f"clawcomm train: --data {bare}: 4,096 tokens, uint16 ids (no meta.json: the default), "
         f"vocabulary {top + 1} (the largest id + 1)"
     ]
     top = int(np.fromfile(wide, np.uint32).max())
-    assert check_data(TrainConfig(data=wide, data_dtype="uint32")) == [
+    assert read_corpus(TrainConfig(data=wide, data_dtype="uint32")) == [
         f"clawcomm train: --data {wide}: 4,096 tokens, uint32 ids (--data-dtype), "
         f"vocabulary {top + 1:,} (the largest id + 1)"
     ]

@@ -178,12 +178,13 @@ def _check_val(ds, val) -> None:
         )
 
 
-def check_data(cfg: TrainConfig) -> list[str]:
-    """The corpus read as the ranks will read it, before they start: what
-    they could not train on is refused in one line naming the file. Returns
-    the lines that say what each token file was read as."""
+def read_corpus(cfg: TrainConfig) -> list[str]:
+    """The corpus read as the ranks (and the planner) will read it, before
+    they start: what they could not train on is refused in one line naming
+    the file. Returns the lines that say what each token file was read as."""
     from clawcomm.train import data, tokens
 
+    cfg.check_files()
     if cfg.model != "gpt":
         return []
     if cfg.text:
@@ -325,6 +326,7 @@ def run(args: argparse.Namespace) -> int:
     try:  # (a CheckpointError and an outputs.OutputError are ValueErrors too)
         from clawcomm import _C
 
+        read = read_corpus(cfg)  # (the planner reads it too)
         if cfg.layout == "auto":
             if torchrun:  # each rank would profile, and might choose, on its own
                 raise ValueError(
@@ -336,7 +338,6 @@ def run(args: argparse.Namespace) -> int:
             cfg = plan.choose(cfg, world, say=lambda text: print(text, flush=True))
         cfg.check(world)
         build_check(cfg)
-        read = check_data(cfg)
         cfg, changed = resume.plan(cfg)
         _C._check_settings()  # every CLAWCOMM_* setting, once, before any rank starts
         for flag, (path, folder) in _outputs(cfg).items() if rank0 else ():

@@ -327,7 +327,7 @@ class TrainConfig:
         check_schedule_args(self.schedule, self.pp, self.microbatches, self.virtual_stages)
         if self.model == "wait":
             self.wait_times()
-        self._check_data()
+        self.check_files()
         from clawcomm.train import device
 
         device.check(self.device)
@@ -336,7 +336,9 @@ class TrainConfig:
 
             get_compressor(self.compression)
 
-    def _check_data(self) -> None:
+    def check_files(self) -> None:
+        """The corpus files named exist and suit the model (what they hold is
+        ``clawcomm.train.cli.read_corpus``'s to check)."""
         import os
 
         if self.model == "gpt" and self.text and not os.path.isfile(self.text):
