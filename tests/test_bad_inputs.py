@@ -104,6 +104,10 @@ BAD = {
     ),
     # --resume and --checkpoint-every need a folder: said with the flags' names
     "resume without a folder": (["--resume"], "--resume needs --checkpoint-dir (what to load)"),
+    "a checkpoint folder that is a file": (
+        ["--resume", "--checkpoint-dir", ("ck", "not a folder")],
+        "--checkpoint-dir {}: is a file, not a folder",
+    ),
     "checkpoint-every without a folder": (
         ["--checkpoint-every", "5"],
         "--checkpoint-every needs --checkpoint-dir (where to save)",

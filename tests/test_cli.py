@@ -11,6 +11,7 @@ COMMANDS = [
     ["train"],
     ["flight"],
     ["simulate"],
+    ["tokenize"],
 ]
 
 

@@ -14,7 +14,7 @@ checkpoint (or no ``latest`` at all before the first one); leftover
 A committed checkpoint's files can still be damaged afterwards (a copy cut
 short, a disk that lost blocks). DCP's index (``.metadata``) records where
 every item lies: a file and a byte range in it. ``damage`` checks each file
-against it (it reads no data, only sizes), and ``choose`` takes the
+against it (reading the index and the sizes, no data), and ``choose`` takes the
 checkpoint ``latest`` names when its files hold what the index says, else
 the newest intact one before it, saying what was wrong with those it
 passed over: a resume names the bad file and goes on from the step before,
@@ -238,7 +238,7 @@ def choose(root: str) -> Choice | None:
     try:
         with open(os.path.join(root, LATEST)) as f:
             name = f.read().strip()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # (a root that is a file: not ours to say)
         return None
     bad = []
     older = sorted(
