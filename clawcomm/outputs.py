@@ -43,8 +43,24 @@ def check(flag: str, path: str, folder: bool = False) -> None:
             if not existed:
                 os.unlink(path)
     except OSError as e:
+        blocker = file_in_the_way(where)
+        if blocker:
+            raise OutputError(f"{flag} {path}: {blocker} is a file, not a folder") from None
         reason = e.strerror or str(e)
         raise OutputError(f"{flag} {path}: cannot write there ({reason})") from None
+
+
+def file_in_the_way(folder: str) -> str:
+    """The file that stands where ``folder`` or one of its parents must be
+    a folder ('' when none does): what makedirs' "File exists" and "Not a
+    directory" mean."""
+    here = os.path.abspath(folder)
+    while not os.path.exists(here):
+        here = os.path.dirname(here)
+    if os.path.isdir(here):
+        return ""
+    rel = os.path.relpath(here)
+    return rel if not rel.startswith("..") else here
 
 
 def wrote(prog: str, what: str, path: str) -> None:

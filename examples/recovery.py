@@ -101,9 +101,13 @@ def run(args, work: str, dp: int, pp: int) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     whole = os.path.join(work, "whole.jsonl")
     print("1. the uninterrupted run", flush=True)
-    subprocess.run(
-        [sys.executable, "-m", "clawcomm.train", *common, "--metrics", whole], check=True, env=env
-    )
+    first = subprocess.run(
+        [sys.executable, "-m", "clawcomm.train", *common, "--metrics", whole],
+        check=True, env=env, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    for line in first.stdout.splitlines():
+        if args.dir or work not in line:  # a temporary folder's files are gone at the end
+            print(line, flush=True)
     torn = os.path.join(work, "recovered.jsonl")
     print("2. under torchrun --max-restarts 1, rank", args.kill_rank, "killed", flush=True)
     t = time.time()
@@ -159,6 +163,8 @@ def run(args, work: str, dp: int, pp: int) -> int:
         f"   checkpoint of step {split['resumed_from_step']} loaded in {split['load_s']:.2f} s\n"
         f"   kill -> first step done again: {split['to_first_step_s']:.2f} s"
     )
+    if not args.dir:
+        print("   (the runs' metrics and checkpoints were in a temporary folder: --dir keeps them)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(

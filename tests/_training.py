@@ -109,3 +109,16 @@ def _run(rank, n, cfg, stop, resume):
         params = {tr.names[id(p)]: p.detach().clone() for p in tr.params}
     tr.close()
     return [m["loss"] for m in metrics], params
+
+
+def _save_at(cfg: TrainConfig, root: str, steps, keep: int = 3) -> None:
+    """Checkpoints of ``cfg``'s untrained model under ``root``, one per step
+    in ``steps``, saved in this process (no ranks)."""
+    model, loss, opt, _, _, _ = train_models.build(cfg)
+    tr = Trainer(model, loss, opt, cfg)
+    try:
+        for step in steps:
+            tr.step_index = step
+            tr.save_checkpoint(root, keep=keep)
+    finally:
+        tr.close()

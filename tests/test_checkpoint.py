@@ -5,15 +5,16 @@ checkpoint of another model, compressor or optimizer."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 
 import pytest
 import torch
-from _training import _run
+from _training import _run, _save_at
 
 from clawcomm.launch import run_ranks
 from clawcomm.testing.checkpoint import kill_mid_save_trial
-from clawcomm.train import checkpoint
+from clawcomm.train import checkpoint, checkpoint_files
 from clawcomm.train.config import TrainConfig
 
 
@@ -110,7 +111,56 @@ def test_no_checkpoint_and_a_dangling_latest_are_errors(tmp_path):
         _load_once(_config(), str(tmp_path))
     (tmp_path / "latest").write_text("step-00000009\n")
     with pytest.raises(checkpoint.CheckpointError, match="not a complete checkpoint"):
-        checkpoint.latest(str(tmp_path))
+        checkpoint_files.latest(str(tmp_path))
+
+
+def _cut_short(folder) -> str:
+    """Cuts checkpoint ``folder``'s data file to half its size; returns it."""
+    (shard,) = [f for f in os.listdir(folder) if f.endswith(".distcp")]
+    path = os.path.join(folder, shard)
+    os.truncate(path, os.path.getsize(path) // 2)
+    return path
+
+
+def test_a_damaged_checkpoint_is_named_and_the_intact_step_before_it_loads(tmp_path):
+    """A shard cut short used to fail inside DCP's reader (EOFError, no file
+    named) and the intact step beside it went unused."""
+    cfg, root = _config(), str(tmp_path)
+    _save_at(cfg, root, [2, 4])
+    folder = tmp_path / "step-00000004"
+    whole = checkpoint_files.size_bytes(folder) - os.path.getsize(folder / ".metadata")
+    shard = _cut_short(folder)
+    found = checkpoint_files.choose(root)
+    assert found.path == os.path.join(root, "step-00000002")
+    assert found.passed_over == [
+        f"{shard}: cut short, {whole // 2} bytes where DCP's index places items up to {whole}"
+    ]
+    assert _load_once(cfg, root) == 2  # a root: the newest intact step
+    with pytest.raises(checkpoint.CheckpointError, match=f"^{shard}: cut short"):
+        _load_once(cfg, str(tmp_path / "step-00000004"))  # this one and no other
+    # A resumed run saves over the damaged step; until then it is neither
+    # counted among those kept nor removed.
+    _save_at(cfg, root, [3], keep=2)
+    assert sorted(os.listdir(root)) == ["latest", "step-00000002", "step-00000003",
+                                        "step-00000004"]  # fmt: skip
+    _save_at(cfg, root, [4], keep=2)
+    assert sorted(os.listdir(root)) == ["latest", "step-00000003", "step-00000004"]
+    assert checkpoint_files.choose(root).passed_over == []
+
+
+def test_when_no_checkpoint_is_intact_each_is_named(tmp_path):
+    cfg, root = _config(), str(tmp_path)
+    _save_at(cfg, root, [2, 4])
+    os.truncate(tmp_path / "step-00000004" / ".metadata", 10)
+    shard = _cut_short(tmp_path / "step-00000002")
+    os.remove(shard)
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint_files.choose(root)
+    assert str(e.value) == (
+        f"no intact checkpoint in {root}: {root}/step-00000004/.metadata: DCP's index cannot be "
+        f"read (UnpicklingError: pickle data was truncated); {shard}: missing (DCP's index "
+        "places items in it)"
+    )
 
 
 def test_a_process_killed_while_saving_leaves_a_loadable_checkpoint(tmp_path):
@@ -142,12 +192,12 @@ def test_an_asynchronous_save_resumes_exactly_too(tmp_path, dp, pp, zero):
 
 FULL_DISK_SCRIPT = """
 import os, sys
-from clawcomm.train import checkpoint
+from clawcomm.train import checkpoint_files
 from clawcomm.train.models import build
 from clawcomm.train.config import TrainConfig
 from clawcomm.train.trainer import Trainer
 if sys.argv[1] == "write":  # the room check passes, then the disk is full
-    checkpoint._check_room = lambda *a: None
+    checkpoint_files.check_room = lambda *a: None
 cfg = TrainConfig(model="gpt", steps=1, quiet=True)
 model, loss, opt, _, _, _ = build(cfg)
 tr = Trainer(model, loss, opt, cfg)

@@ -14,11 +14,13 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from _training import _save_at
 
 from clawcomm import flight as clawcomm_flight
 from clawcomm.cli import main
 from clawcomm.launch import RankFailure, run_ranks
 from clawcomm.train import failure
+from clawcomm.train.config import TrainConfig
 
 
 def _dies_in_a_subgroup(rank, ws, flight_dir):
@@ -82,6 +84,46 @@ def test_the_summary_names_the_first_failure_and_where_to_look(tmp_path, monkeyp
     text = failure.summary(own, [7, 8])
     assert text.startswith("clawcomm train: the run failed: rank 1 (pid 8) raised ZeroDivision")
     assert "Traceback" in text  # its own code raised: its traceback is the user's
+
+
+def test_the_summary_says_resume_goes_on_only_where_a_retry_can(tmp_path, monkeypatch):
+    """Not past a damaged checkpoint without naming it, not where none is
+    intact, and not where the checkpoint does not fit the command (whose
+    one line then stands without a traceback)."""
+    monkeypatch.delenv("CLAWCOMM_DEBUG", raising=False)
+    root = str(tmp_path / "ck")
+    _save_at(TrainConfig(model="mlp", hidden=32), root, [2, 4])
+    killed = {1: "rank died with exit code -9"}
+    newest = f"{root}/step-00000004"
+    lines = failure.summary(killed, [5, 6], root).splitlines()
+    assert f"  last checkpoint: {newest}; the same command with --resume goes on" in lines
+    lines = failure.summary(killed, [5, 6], root, resume=True).splitlines()
+    assert f"  last checkpoint: {newest}; the same command goes on" in lines
+    unfit = {
+        0: "Traceback (most recent call last):\n  File x\nclawcomm.train.checkpoint_files."
+        f"CheckpointError: {newest} holds another model: it lacks ['4.weight']"
+    }
+    text = failure.summary(unfit, [5], root, resume=True)
+    assert text.splitlines()[0] == (
+        f"clawcomm train: the run failed: rank 0 (pid 5) raised CheckpointError: {newest} holds "
+        "another model: it lacks ['4.weight']"
+    )
+    assert f"  last checkpoint: {newest}; it does not fit this command (above)" in text
+    assert "Traceback" not in text and "goes on" not in text
+    shard = f"{newest}/__0_0.distcp"
+    os.truncate(shard, 1000)
+    lines = failure.summary(killed, [5, 6], root).splitlines()
+    assert lines[1].startswith(f"  {shard}: cut short, 1000 bytes where"), lines
+    assert lines[1].endswith(
+        f"; last intact checkpoint: {root}/step-00000002; the same command with --resume goes "
+        "on from it"
+    ), lines
+    os.remove(f"{root}/step-00000002/.metadata")
+    lines = failure.summary(killed, [5, 6], root).splitlines()
+    assert lines[1].startswith(f"  no intact checkpoint in {root}: {shard}: cut short"), lines
+    assert lines[1].endswith(
+        ": --resume cannot go on; without it the run starts from step 0"
+    ), lines
 
 
 def test_a_killed_rank_ends_clawcomm_train_with_one_summary(tmp_path, capsys, monkeypatch):

@@ -23,7 +23,7 @@ def _stopped_at(rank, world, ck, layout, zero, signum):
     """Rank 1 alone signals itself after step 3: the flag rides the step's
     all-gather, so every rank stops after step 4 (not 3: rank 1 raised it
     after step 3's figures were gathered)."""
-    from clawcomm.train import checkpoint, models
+    from clawcomm.train import checkpoint_files, models
     from clawcomm.train.config import TrainConfig
     from clawcomm.train.data import global_batches
     from clawcomm.train.stop import StopRequest
@@ -53,7 +53,7 @@ def _stopped_at(rank, world, ck, layout, zero, signum):
     finally:
         trainer.stop.uninstall()
         trainer.close()
-    return [m["step"] for m in metrics], metrics[-1].get("stopped_by"), checkpoint.latest(ck)
+    return [m["step"] for m in metrics], metrics[-1].get("stopped_by"), checkpoint_files.latest(ck)
 
 
 @pytest.mark.parametrize(
@@ -89,8 +89,9 @@ def _wait_for_steps(path, n, proc, limit=120.0):
 
 def test_ctrl_c_saves_stops_with_130_and_resume_goes_on(tmp_path, capfd):
     """Ctrl-C as a terminal sends it (to the whole process group): the
-    launcher passes it on once, the ranks finish their step and save, the
-    run prints its summary and how to go on, and exits 130."""
+    launcher says it as SIGINT and passes it on once, the ranks finish their
+    step and save, the run prints its summary and how to go on, and exits
+    130; the resumed run's summary says which steps it ran."""
     ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
     proc = _train("--dp", "2", "--steps", "100000", "--checkpoint-dir", str(ck),
                   "--metrics", str(metrics))  # fmt: skip
@@ -102,7 +103,9 @@ def test_ctrl_c_saves_stops_with_130_and_resume_goes_on(tmp_path, capfd):
     step = last["step"]
     # (the ranks heard the launcher's SIGTERM)
     assert last["stopped_by"] == signal.SIGTERM and last["checkpoint"].endswith(f"{step:08d}")
-    assert "SIGINT: every rank finishes its step, saves and stops" in err, err
+    asked = f"SIGINT: asking every rank to stop after the step it is in and save it in {ck} ("
+    assert asked in err, err
+    assert "SIGTERM" not in out + err, (out, err)  # the ranks' SIGTERM is the launcher's
     assert f"stopped by SIGINT after step {step}; checkpoint {last['checkpoint']}" in out, out
     assert "final loss" in out and "Traceback" not in err, err
     # (in this process: the same command line, where torch is imported already)
@@ -111,7 +114,8 @@ def test_ctrl_c_saves_stops_with_130_and_resume_goes_on(tmp_path, capfd):
     capfd.readouterr()
     assert main(argv) == 0
     out = capfd.readouterr().out  # (rank 0, a forked process, says it resumed)
-    assert f"resumed from step {step}" in out and "after 2 steps" in out, out
+    assert f"resumed from step {step}" in out, out
+    assert f"at step {step + 2}, after 2 steps resumed from step {step}" in out, out
 
 
 def test_a_second_signal_stops_at_once(tmp_path):
@@ -131,4 +135,6 @@ def test_a_second_signal_stops_at_once(tmp_path):
     assert proc.returncode == 143, (out, err)
     assert time.monotonic() - t0 < 5.0
     assert "a second SIGTERM: ranks killed" in err and "stopped at once" in err, err
+    nothing = "SIGTERM: asking every rank to stop after the step it is in; nothing is saved"
+    assert nothing in err, err
     assert len(metrics.read_text().splitlines()) == 1  # step 2 never ended

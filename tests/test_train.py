@@ -321,7 +321,7 @@ def test_a_checkpoint_dir_alone_keeps_the_last_step_and_says_so(tmp_path, capsys
     """--checkpoint-dir without --checkpoint-every saves after the last step
     (it saved nothing), every save is announced with its step, folder and
     time, and --resume on a folder with no checkpoint says it starts fresh."""
-    from clawcomm.train import checkpoint
+    from clawcomm.train import checkpoint_files
     from clawcomm.train.cli import train_rank
     from clawcomm.train.config import TrainConfig
 
@@ -330,13 +330,13 @@ def test_a_checkpoint_dir_alone_keeps_the_last_step_and_says_so(tmp_path, capsys
     train_rank(cfg)
     out = capsys.readouterr().out
     assert f"--resume: no checkpoint in {ck} yet; starting from step 0" in out, out
-    assert checkpoint.latest(ck) is not None and checkpoint.latest(ck).endswith("3")
+    assert checkpoint_files.latest(ck) is not None and checkpoint_files.latest(ck).endswith("3")
     assert f"clawcomm train: checkpoint of step 3 saved in {ck}/step-00000003 (" in out, out
     assert " MB, " in out.split("step-00000003 (")[1].splitlines()[0], out
     train_rank(dataclasses.replace(cfg, steps=5))
     out = capsys.readouterr().out
     assert "resumed from step 3" in out and "checkpoint of step 5" in out, out
-    assert checkpoint.latest(ck).endswith("5")
+    assert checkpoint_files.latest(ck).endswith("5")
     train_rank(dataclasses.replace(cfg, steps=6, async_checkpoint=True))  # said when durable
     out = capsys.readouterr().out
     assert "checkpoint of step 6: state copied in " in out, out

@@ -30,68 +30,25 @@ streams, the reducer's bucket order) is restored only there; residuals of a
 different data-parallel width are averaged, which keeps the mean update
 they still owe.
 
-Atomic: DCP writes into ``<root>/step-<N>.tmp-<token>`` (files fsynced), rank
-0 renames it to ``<root>/step-<N>`` and then replaces ``<root>/latest``
-(a one-line file naming it) by writing ``latest.tmp``, fsyncing and renaming.
-A process killed at any moment leaves ``latest`` naming a complete
-checkpoint (or no ``latest`` at all before the first one); leftover
-``*.tmp-*`` folders are removed by the next save.
+How a save becomes a checkpoint atomically, which checkpoints are kept and
+the folders' names are ``checkpoint_files.py``'s.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
 import shutil
-import time
-import warnings
 
 import torch
 import torch.distributed as dist
 
+from clawcomm.train import checkpoint_files as files
 from clawcomm.train import rng
 
 FORMAT = 1
-LATEST = "latest"
 
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded into this run: it says why."""
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-@contextlib.contextmanager
-def single_process():
-    """DCP without a process group: torch warns that it assumes one process (ours to keep)."""
-    with warnings.catch_warnings():
-        if not dist.is_initialized():
-            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        yield
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _broadcast_object(obj):
-    if not dist.is_initialized():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+CheckpointError = files.CheckpointError  # (what load raises, named where load is)
 
 
 def _state_bytes(obj) -> int:
@@ -104,50 +61,6 @@ def _state_bytes(obj) -> int:
     if isinstance(obj, list | tuple):
         return sum(_state_bytes(v) for v in obj)
     return 0
-
-
-def _free_bytes(path: str) -> int:
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
-
-
-def _mb(n: int) -> str:
-    return f"{n / 1e6:.1f} MB"
-
-
-def size_bytes(path: str) -> int:
-    """The bytes of the files under ``path`` (a checkpoint's folder)."""
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
-
-
-def _check_room(sd, root: str, name: str) -> None:
-    """Refuses a save that cannot fit, on every rank alike (before DCP's
-    collectives, which would otherwise be left half-entered)."""
-    need = _state_bytes(sd)
-    if dist.is_initialized():
-        total = torch.tensor([need], dtype=torch.int64)
-        dist.all_reduce(total)  # every rank writes into the same folder
-        need = int(total.item())
-    free = _broadcast_object(_free_bytes(root) if _rank() == 0 else None)
-    want = int(need * 1.05) + (1 << 20)  # DCP's metadata and file headers
-    if free < want:
-        raise OSError(
-            f"clawcomm.train: checkpoint {name} needs about {_mb(want)} in {root}, which has "
-            f"{_mb(free)} free; free some space, or save elsewhere (--checkpoint-dir)"
-        )
-
-
-def latest(root: str) -> str | None:
-    """The checkpoint ``<root>/latest`` names, or None when there is none yet."""
-    try:
-        with open(os.path.join(root, LATEST)) as f:
-            name = f.read().strip()
-    except FileNotFoundError:
-        return None
-    path = os.path.join(root, name)
-    if not os.path.exists(os.path.join(path, ".metadata")):
-        raise CheckpointError(f"{root}/latest names {name!r}, which is not a complete checkpoint")
-    return path
 
 
 def _layout(trainer) -> dict:
@@ -208,7 +121,7 @@ def _residual_segments(trainer) -> dict[str, torch.Tensor]:
 
 def state_dict(trainer) -> dict:
     """This rank's part of the checkpoint (see the module docstring)."""
-    rank, d = _rank(), trainer.grid.dp_rank
+    rank, d = files.rank(), trainer.grid.dp_rank
     sd: dict = {}
     optim = trainer.optimizer_state()  # whole per parameter, whatever the ZeRO stage
     with trainer.whole_params() as gathered:  # ZeRO-3: copies, the gathered ones freed after
@@ -254,49 +167,24 @@ def state_dict(trainer) -> dict:
     return sd
 
 
-class PendingSave:
-    """An asynchronous save in flight: the state was copied when it began;
-    ``wait()`` waits for the files and commits the checkpoint (the renames),
-    as a synchronous save does at its end."""
-
-    def __init__(self, future, commit, path: str):
-        self._future = future
-        self._commit = commit
-        self.path = path  # the checkpoint's folder once committed
-        self.started = time.perf_counter()
-
-    def wait(self) -> None:
-        if self._future is None:
-            return
-        future, self._future = self._future, None
-        future.result()  # the files are written (an error surfaces here)
-        self._commit()
-
-
 def save(trainer, root: str, keep: int = 2, asynchronous: bool = False, group=None):
     """Saves ``trainer`` under ``root`` (every rank calls it) and returns the
     checkpoint's path. Keeps the newest ``keep`` checkpoints.
 
-    ``asynchronous``: returns a ``PendingSave`` as soon as the state has been
-    copied; DCP writes the files from a thread, talking over ``group`` (a
-    group of its own, so that its collectives never interleave with the
-    training's), and ``wait()`` commits. Until then ``latest`` still names
-    the previous checkpoint."""
+    ``asynchronous``: returns a ``checkpoint_files.PendingSave`` as soon as
+    the state has been copied; DCP writes the files from a thread, talking
+    over ``group`` (a group of its own, so that its collectives never
+    interleave with the training's), and ``wait()`` commits. Until then
+    ``latest`` still names the previous checkpoint."""
     import torch.distributed.checkpoint as dcp
 
-    rank = _rank()
-    name = f"step-{trainer.step_index:08d}"
-    token = _broadcast_object(
-        f"{os.getpid():x}{time.time_ns() & 0xFFFFFF:x}" if rank == 0 else None
-    )
-    tmp = os.path.join(root, f"{name}.tmp-{token}")
+    rank = files.rank()
+    name = files.folder_name(trainer.step_index)
+    tmp = files.new_folder(root, name)
     final = os.path.join(root, name)
-    if rank == 0:
-        os.makedirs(tmp, exist_ok=True)
-    _barrier()
     sd = state_dict(trainer)
     try:
-        _check_room(sd, root, name)
+        files.check_room(_state_bytes(sd), root, name)
     except OSError:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -305,16 +193,16 @@ def save(trainer, root: str, keep: int = 2, asynchronous: bool = False, group=No
 
     def commit() -> None:
         if rank == 0:
-            _commit(root, tmp, final, name, keep)
+            files.commit(root, tmp, name, keep)
 
     if asynchronous:
-        with single_process():
+        with files.single_process():
             future = dcp.async_save(sd, storage_writer=writer, process_group=group)
-        return PendingSave(future, commit, final)
+        return files.PendingSave(future, commit, final)
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        with single_process():
+        with files.single_process():
             dcp.save(sd, storage_writer=writer, no_dist=not dist.is_initialized())
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         # The disk filled up meanwhile (another writer), or the write failed
@@ -322,43 +210,14 @@ def save(trainer, root: str, keep: int = 2, asynchronous: bool = False, group=No
         # zip writer's "unexpected pos" message; `latest` is untouched.
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        left = _mb(_free_bytes(root))
+        left = files.mb(files.free_bytes(root))
         raise OSError(
             f"clawcomm.train: writing checkpoint {name} into {root} failed ({left} free there "
             f"now): {str(e).strip().splitlines()[-1][:200]}"
         ) from e
     commit()
-    _barrier()
+    files.barrier()
     return final
-
-
-def _commit(root: str, tmp: str, final: str, name: str, keep: int) -> None:
-    """Rank 0: the written folder becomes the checkpoint, then `latest` names it."""
-    _fsync_dir(tmp)
-    if os.path.exists(final):  # the same step saved again: replace it
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    _fsync_dir(root)
-    pointer = os.path.join(root, LATEST + ".tmp")
-    with open(pointer, "w") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(pointer, os.path.join(root, LATEST))
-    _fsync_dir(root)
-    _prune(root, keep, name)
-
-
-def _prune(root: str, keep: int, newest: str) -> None:
-    """Drops leftover temporaries and all but the newest ``keep`` checkpoints."""
-    entries = sorted(os.listdir(root))
-    for e in entries:
-        if ".tmp-" in e and not e.startswith(newest + ".tmp-"):
-            shutil.rmtree(os.path.join(root, e), ignore_errors=True)
-    done = [e for e in entries if e.startswith("step-") and ".tmp-" not in e]
-    for e in done[: max(0, len(done) - keep)]:
-        if e != newest:
-            shutil.rmtree(os.path.join(root, e), ignore_errors=True)
 
 
 def _check(meta: dict, trainer, path: str) -> None:
@@ -412,26 +271,32 @@ def _check(meta: dict, trainer, path: str) -> None:
 
 
 def load(trainer, path: str) -> int:
-    """Loads the checkpoint at ``path`` (a checkpoint, or a root whose
-    ``latest`` names one) into ``trainer`` on every rank; returns its step."""
+    """Loads the checkpoint at ``path`` into ``trainer`` on every rank and
+    returns its step. ``path`` is a checkpoint, or a root: then the one
+    ``latest`` names, or the newest intact one before it where its files
+    are damaged (``checkpoint_files.choose``)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    if not os.path.exists(os.path.join(path, ".metadata")):
-        found = latest(path)
+    if os.path.exists(os.path.join(path, ".metadata")):  # this checkpoint, and no other
+        wrong = files.damage(path)
+        if wrong:
+            raise CheckpointError(wrong)
+    else:
+        found = files.choose(path)
         if found is None:
             raise CheckpointError(f"{path}: no checkpoint there (no .metadata, no latest)")
-        path = found
+        path = found.path
     reader = dcp.FileSystemReader(path)
     have = reader.read_metadata().state_dict_metadata
-    rank, d = _rank(), trainer.grid.dp_rank
+    rank, d = files.rank(), trainer.grid.dp_rank
     if "meta" not in have:
         raise CheckpointError(f"{path} is not a clawcomm training checkpoint (no meta entry)")
     head = {"meta": None}
     own = f"trainer/rank{rank}"
     if own in have:
         head[own] = None
-    with single_process():
+    with files.single_process():
         dcp.load(head, storage_reader=dcp.FileSystemReader(path), no_dist=not dist.is_initialized())
     meta = pickle.loads(head["meta"])
     _check(meta, trainer, path)
@@ -470,7 +335,7 @@ def load(trainer, path: str) -> int:
     rng_key = f"rng/rank{rank}"
     if same_layout and rng_key in have:
         request[rng_key] = None
-    with single_process():
+    with files.single_process():
         dcp.load(request, storage_reader=reader, no_dist=not dist.is_initialized())
 
     optim: dict = {}
@@ -496,5 +361,5 @@ def load(trainer, path: str) -> int:
     if rng_key in request:
         rng.restore(request[rng_key])
     trainer.step_index = int(meta["step"])
-    _barrier()
+    files.barrier()
     return trainer.step_index

@@ -64,14 +64,16 @@ class Events:
             os.fsync(f.fileno())
 
 
-def train_rank(cfg: TrainConfig, announce: bool = True) -> list[dict]:
+def train_rank(cfg: TrainConfig, announce: bool = True, launched: bool = False) -> list[dict]:
     """Runs the training on this rank (the process group is up); returns
-    the metrics of every step (rank 0's carry the bubble prediction)."""
+    the metrics of every step (rank 0's carry the bubble prediction).
+    ``launched``: below ``clawcomm train``'s launcher, which says the
+    signals (its ranks hear a Ctrl-C as its SIGTERM)."""
     import signal
 
     import torch.distributed as dist
 
-    from clawcomm.train import checkpoint, models
+    from clawcomm.train import checkpoint_files, models
     from clawcomm.train.trainer import Trainer
 
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -85,7 +87,8 @@ def train_rank(cfg: TrainConfig, announce: bool = True) -> list[dict]:
         print(trainer.describe(), flush=True)
     start = 0
     if cfg.resume and cfg.checkpoint_dir:
-        if checkpoint.latest(cfg.checkpoint_dir) is None:
+        found = checkpoint_files.choose(cfg.checkpoint_dir)  # (resume.plan said which)
+        if found is None:
             if rank == 0 and announce:  # right for a first attempt, but said
                 print(
                     f"clawcomm train: --resume: no checkpoint in {cfg.checkpoint_dir} yet; "
@@ -94,7 +97,7 @@ def train_rank(cfg: TrainConfig, announce: bool = True) -> list[dict]:
                 )
         else:
             t0 = time.perf_counter()
-            start = trainer.load_checkpoint(cfg.checkpoint_dir)
+            start = trainer.load_checkpoint(found.path)
             events.log("resumed", step=start, load_s=time.perf_counter() - t0)
             if rank == 0 and announce:
                 print(
@@ -117,7 +120,7 @@ def train_rank(cfg: TrainConfig, announce: bool = True) -> list[dict]:
 
     def durable(path: str, seconds: float) -> None:
         if announce:
-            size = checkpoint.size_bytes(path) / 1e6
+            size = checkpoint_files.size_bytes(path) / 1e6
             say(f"clawcomm train: checkpoint {path} durable ({size:.1f} MB, {seconds:.2f} s)")
 
     def on_signal(signum: int) -> None:
@@ -126,13 +129,8 @@ def train_rank(cfg: TrainConfig, announce: bool = True) -> list[dict]:
         # collective and hears of the death itself: the events then say it
         # was ended.
         events.log("terminated", signal=stop.name(signum))
-        if rank == 0 and announce:
-            say(
-                f"clawcomm train: {stop.name(signum)}: every rank finishes step "
-                f"{trainer.step_index + 1}, "
-                + ("saves, " if cfg.checkpoint_dir else "")
-                + "and stops (a second signal stops at once)"
-            )
+        if rank == 0 and announce and not launched:
+            say(stop.request_line(signum, cfg.checkpoint_dir))
 
     trainer.on_durable = durable if rank == 0 else None
     trainer.stop = stop.StopRequest(on_signal).install()
@@ -167,13 +165,39 @@ def _held_out(cfg: TrainConfig, trainer, ds) -> list | None:
     from clawcomm.train import tokens
 
     val = tokens.TokenFile(cfg.data_val, cfg.seq_len, cfg.data_dtype)
-    if val.vocab > ds.vocab:
-        raise ValueError(
-            f"data_val {cfg.data_val} holds ids up to {val.vocab - 1}, past the vocabulary of "
-            f"{cfg.data} ({ds.vocab}): tokenise both with one tokeniser"
-        )
+    _check_val(ds, val)
     rows, need = trainer.data_rows()
     return tokens.held_out(val, cfg.effective_batch, cfg.seed, rows, need, cfg.eval_batches)
+
+
+def _check_val(ds, val) -> None:
+    if val.vocab > ds.vocab:
+        raise ValueError(
+            f"--data-val {val.path} holds ids up to {val.vocab - 1}, past the vocabulary of "
+            f"--data {ds.path} ({ds.vocab}): tokenise both with one tokeniser"
+        )
+
+
+def read_corpus(cfg: TrainConfig) -> list[str]:
+    """The corpus read as the ranks (and the planner) will read it, before
+    they start: what they could not train on is refused in one line naming
+    the file. Returns the lines that say what each token file was read as."""
+    from clawcomm.train import data, tokens
+
+    cfg.check_files()
+    if cfg.model != "gpt":
+        return []
+    if cfg.text:
+        data.CharText.check(data.read_text(cfg.text), cfg.seq_len, cfg.text)
+    if not cfg.data:
+        return []
+    ds = tokens.TokenFile(cfg.data, cfg.seq_len, cfg.data_dtype)
+    lines = [f"clawcomm train: --data {ds.describe()}"]
+    if cfg.data_val:
+        val = tokens.TokenFile(cfg.data_val, cfg.seq_len, cfg.data_dtype)
+        _check_val(ds, val)
+        lines.append(f"clawcomm train: --data-val {val.describe()}")
+    return lines
 
 
 def _batches(cfg: TrainConfig, trainer, ds, start: int):
@@ -201,29 +225,31 @@ def say(line: str) -> None:
 
 
 def saved_line(m: dict, asynchronous: bool) -> str:
-    from clawcomm.train import checkpoint
+    from clawcomm.train import checkpoint_files
 
     if asynchronous:
         return (
             f"clawcomm train: checkpoint of step {m['step']}: state copied in "
             f"{m['checkpoint_ms']:.0f} ms; {m['checkpoint']} is written meanwhile"
         )
-    size = checkpoint.size_bytes(m["checkpoint"]) / 1e6
+    size = checkpoint_files.size_bytes(m["checkpoint"]) / 1e6
     return (
         f"clawcomm train: checkpoint of step {m['step']} saved in {m['checkpoint']} "
         f"({size:.1f} MB, {m['checkpoint_ms']:.0f} ms)"
     )
 
 
-def stopped_line(metrics: list[dict], signum: int = 0) -> str:
+def stopped_line(metrics: list[dict], signum: int = 0, resume: bool = False) -> str:
     """The run's last line when a signal stopped it, or ''. ``signum``: the
-    signal the launcher took (its ranks heard it as SIGTERM)."""
+    signal the launcher took (its ranks heard it as SIGTERM); ``resume``:
+    whether the command has --resume already."""
     if not metrics or not metrics[-1].get("stopped_by"):
         return ""
     m = metrics[-1]
     signum = signum or m["stopped_by"]
+    again = "run the same command" if resume else "add --resume to the same command"
     where = (
-        f"; checkpoint {m['checkpoint']}: add --resume to the same command to go on"
+        f"; checkpoint {m['checkpoint']}: {again} to go on"
         if "checkpoint" in m
         else "; nothing saved (no --checkpoint-dir)"
     )
@@ -232,7 +258,7 @@ def stopped_line(metrics: list[dict], signum: int = 0) -> str:
 
 def _spawned(rank, world, cfg):
     stop.ignore_sigint()  # the launcher passes a Ctrl-C on as one SIGTERM
-    return train_rank(cfg)
+    return train_rank(cfg, launched=True)
 
 
 def summary(metrics: list[dict], cfg: TrainConfig) -> str:
@@ -243,12 +269,19 @@ def summary(metrics: list[dict], cfg: TrainConfig) -> str:
     tail = metrics[len(metrics) // 2 :] or metrics  # steady state: the second half
     numbers = [k for k, v in tail[-1].items() if isinstance(v, int | float)]
     med = {k: statistics.median(m[k] for m in tail if k in m) for k in numbers}
+    first, last = metrics[0], metrics[-1]
+    if first["step"] == 1:
+        span = f"after {len(metrics)} steps (first {first['loss']:.4f})"
+    else:  # a resumed run: its steps are not the run's
+        span = (
+            f"at step {last['step']}, after {len(metrics)} steps resumed from step "
+            f"{first['step'] - 1} ({first['loss']:.4f} at step {first['step']})"
+        )
     lines = [
         f"{len(metrics)} steps; the wait model's layers only wait (it has no loss)"
         if cfg.model == "wait"
-        else f"final loss {metrics[-1]['loss']:.4f} after {len(metrics)} steps "
-        f"(first {metrics[0]['loss']:.4f})"
-        + (f", held-out loss {metrics[-1]['val_loss']:.4f}" if "val_loss" in metrics[-1] else ""),
+        else f"final loss {last['loss']:.4f} {span}"
+        + (f", held-out loss {last['val_loss']:.4f}" if "val_loss" in last else ""),
         f"median of the second half: step {med['step_ms']:.1f} ms, "
         f"{med['samples_per_s']:.1f} samples/s"
         + (f", {med['tokens_per_s']:.0f} tokens/s" if "tokens_per_s" in med else "")
@@ -292,6 +325,7 @@ def run(args: argparse.Namespace) -> int:
     rank0 = int(os.environ.get("RANK", "0")) == 0
     try:  # (a CheckpointError and an outputs.OutputError are ValueErrors too)
         check_settings()  # every CLAWCOMM_* setting, once, before any rank starts (or a plan)
+        read = read_corpus(cfg)  # (the planner reads it too)
         if cfg.layout == "auto":
             if torchrun:  # each rank would profile, and might choose, on its own
                 raise ValueError(
@@ -309,8 +343,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"clawcomm train: error: {str(e).removeprefix('clawcomm: ')}", file=sys.stderr)
         return 2
-    if changed and rank0:
-        print(changed, flush=True)
+    for line in [*read, changed] if rank0 else ():
+        if line:
+            print(line, flush=True)
     if torchrun:
         import torch.distributed as dist
 
@@ -333,7 +368,7 @@ def run(args: argparse.Namespace) -> int:
 
     if cfg.checkpoint_dir:
         import torch.distributed.checkpoint  # noqa: F401
-    with stop.Launcher() as launcher:
+    with stop.Launcher(cfg.checkpoint_dir) as launcher:
         try:
             results = run_ranks(
                 _spawned, world, cfg, backend=args.backend, timeout=24 * 3600, pg_timeout=300,
@@ -344,7 +379,9 @@ def run(args: argparse.Namespace) -> int:
                 print(f"clawcomm train: stopped at once by a second {stop.name(launcher.signum)}",
                       file=sys.stderr)  # fmt: skip
                 return stop.exit_status(launcher.signum)
-            print(failure.summary(e.errors, e.pids, cfg.checkpoint_dir), file=sys.stderr)
+            print(
+                failure.summary(e.errors, e.pids, cfg.checkpoint_dir, cfg.resume), file=sys.stderr
+            )
             return 1
     _finish(results[0], cfg, launcher.signum)
     return _status(results[0], launcher.signum)
@@ -356,7 +393,7 @@ def _finish(metrics: list[dict], cfg: TrainConfig, signum: int = 0) -> None:
     launcher took, which its ranks heard as SIGTERM."""
     print(summary(metrics, cfg))
     _say_written(cfg)
-    line = stopped_line(metrics, signum)
+    line = stopped_line(metrics, signum, cfg.resume)
     if line:
         print(line, flush=True)
 

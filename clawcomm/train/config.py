@@ -72,7 +72,12 @@ class TrainConfig:
         "each replica reading its own samples",
     )
     data_val: str = _opt("", "gpt: a held-out token file, for the validation loss")
-    data_dtype: str = _opt("uint16", "token files' ids without a meta.json", ("uint16", "uint32"))
+    data_dtype: str = _opt(
+        "auto",
+        "token files' ids: auto (meta.json's dtype, else uint16); one that contradicts a "
+        "meta.json is refused",
+        ("auto", "uint16", "uint32"),
+    )
     prefetch: int = _opt(2, "batches prepared ahead on a background thread (0: none)")
     eval_every: int = _opt(0, "held-out loss (--data-val) every N steps (0: after the last only)")
     eval_batches: int = _opt(4, "held-out batches (of the global batch) per evaluation")
@@ -274,8 +279,9 @@ class TrainConfig:
             )
         if self.keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
-        if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
-            raise ValueError("checkpoint_every and resume need checkpoint_dir")
+        for name, needs in (("checkpoint_every", "where to save"), ("resume", "what to load")):
+            if getattr(self, name) and not self.checkpoint_dir:
+                raise ValueError(f"--{name.replace('_', '-')} needs --checkpoint-dir ({needs})")
         for name in (
             "warmup_steps",
             "base_batch",
@@ -321,7 +327,7 @@ class TrainConfig:
         check_schedule_args(self.schedule, self.pp, self.microbatches, self.virtual_stages)
         if self.model == "wait":
             self.wait_times()
-        self._check_data()
+        self.check_files()
         from clawcomm.train import device
 
         device.check(self.device)
@@ -330,7 +336,9 @@ class TrainConfig:
 
             get_compressor(self.compression)
 
-    def _check_data(self) -> None:
+    def check_files(self) -> None:
+        """The corpus files named exist and suit the model (what they hold is
+        ``clawcomm.train.cli.read_corpus``'s to check)."""
         import os
 
         if self.model == "gpt" and self.text and not os.path.isfile(self.text):

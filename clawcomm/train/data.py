@@ -2,7 +2,8 @@
 
 - Text: a character-level corpus. By default the Python documentation that
   ships with every CPython (``pydoc_data.topics``, about 460 KB of English
-  prose and code); ``--text FILE`` trains on any UTF-8 file instead.
+  prose and code); ``--text FILE`` trains on any UTF-8 file instead
+  (``read_text``: a file that is not UTF-8 is refused, naming the byte).
 - Digits: scikit-learn's bundled 8x8 digits (1797 images, 10 classes).
 - Waiting: a small random tensor per sample (the waiting model ignores it).
 - Token files (``--data``): ``tokens.py``.
@@ -25,9 +26,8 @@ class CharText:
     """Characters of ``text`` as token ids; a sample is ``block`` tokens and
     the same shifted by one."""
 
-    def __init__(self, text: str, block: int, split: float = 0.9):
-        if len(text) < 2 * (block + 1):
-            raise ValueError(f"text of {len(text)} characters is too short for blocks of {block}")
+    def __init__(self, text: str, block: int, split: float = 0.9, source: str = "the text"):
+        self.check(text, block, source)
         self.chars = sorted(set(text))
         self.vocab = len(self.chars)
         self.block = block
@@ -35,6 +35,16 @@ class CharText:
         ids = torch.tensor([table[c] for c in text], dtype=torch.int64)
         cut = int(split * len(ids))
         self.train, self.val = ids[:cut], ids[cut:]
+
+    @staticmethod
+    def check(text: str, block: int, source: str) -> None:
+        """Refuses a text too short for a sample in each part, naming ``source``."""
+        need = 2 * (block + 1)
+        if len(text) < need:
+            raise ValueError(
+                f"{source}: {len(text)} characters, too few for samples of {block} + 1 (at "
+                f"least {need}: one to train on, one held out; --seq-len {block})"
+            )
 
     def __len__(self) -> int:
         return len(self.train) - self.block - 1
@@ -47,6 +57,21 @@ class CharText:
 
     def decode(self, ids) -> str:
         return "".join(self.chars[int(i)] for i in ids)
+
+
+def read_text(path: str) -> str:
+    """The UTF-8 text in file ``path``; a ValueError naming the file where
+    it is not text."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); a "
+            "binary file?"
+        ) from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot be read ({e.strerror})") from None
 
 
 def default_text() -> str:

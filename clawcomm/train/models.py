@@ -208,8 +208,8 @@ def build(cfg):
         model = gpt(ds.vocab, cfg.dim, cfg.layers, cfg.heads, cfg.seq_len)
         loss, tokens_per_sample = gpt_loss, cfg.seq_len
     elif cfg.model == "gpt":
-        text = data.default_text() if not cfg.text else open(cfg.text, encoding="utf-8").read()
-        ds = data.CharText(text, cfg.seq_len)
+        text = data.read_text(cfg.text) if cfg.text else data.default_text()
+        ds = data.CharText(text, cfg.seq_len, source=cfg.text or "the Python docs")
         model = gpt(ds.vocab, cfg.dim, cfg.layers, cfg.heads, cfg.seq_len)
         loss, tokens_per_sample = gpt_loss, cfg.seq_len
     elif cfg.model == "mlp":

@@ -22,13 +22,37 @@ class BatchChangeError(ValueError):
 
 
 def plan(cfg: TrainConfig) -> tuple[TrainConfig, str]:
-    """``keep_batch`` for ``cfg``'s latest checkpoint, when it resumes from one."""
-    from clawcomm.train import checkpoint
+    """``keep_batch`` for the checkpoint ``cfg`` resumes from, if any, and
+    the lines to say: which one, where a newer one's files are damaged
+    (``checkpoint_files.choose``), and a change of layout. Raises
+    CheckpointError in one line where no checkpoint there is intact."""
+    from clawcomm.train import checkpoint_files
 
-    found = checkpoint.latest(cfg.checkpoint_dir) if cfg.resume and cfg.checkpoint_dir else None
+    if not (cfg.resume and cfg.checkpoint_dir):
+        return cfg, ""
+    try:
+        found = checkpoint_files.choose(cfg.checkpoint_dir)
+    except checkpoint_files.CheckpointError as e:
+        raise checkpoint_files.CheckpointError(
+            f"--resume: {e}; without --resume the run starts from step 0 (its saves replace them)"
+        ) from None
     if found is None:
         return cfg, ""
-    return keep_batch(cfg, read_meta(found), found)
+    try:
+        meta = read_meta(found.path)
+    except Exception as e:  # garbled bytes inside a file of the right size
+        raise checkpoint_files.CheckpointError(
+            f"--resume: {found.path}: its record (the meta item) cannot be read "
+            f"({type(e).__name__}: {str(e)[:80]})"
+        ) from None
+    cfg, line = keep_batch(cfg, meta, found.path)
+    if found.passed_over:
+        fell_back = (
+            f"clawcomm train: --resume: {'; '.join(found.passed_over)}; going on from "
+            f"{found.path}, the newest intact checkpoint"
+        )
+        line = f"{fell_back}\n{line}" if line else fell_back
+    return cfg, line
 
 
 def read_meta(path: str) -> dict:
@@ -36,7 +60,7 @@ def read_meta(path: str) -> dict:
     this rank alone (no collective)."""
     import torch.distributed.checkpoint as dcp
 
-    from clawcomm.train.checkpoint import single_process
+    from clawcomm.train.checkpoint_files import single_process
 
     head = {"meta": None}
     with single_process():

@@ -30,6 +30,21 @@ def name(signum: int) -> str:
     return signal.Signals(signum).name
 
 
+def request_line(signum: int, checkpoint_dir: str) -> str:
+    """What a stop request says when it is taken: what was asked, not what
+    will be done (a rank can still fail before its save; the run's last
+    line says what was)."""
+    save = (
+        f" and save it in {checkpoint_dir}"
+        if checkpoint_dir
+        else "; nothing is saved (no --checkpoint-dir)"
+    )
+    return (
+        f"clawcomm train: {name(signum)}: asking every rank to stop after the step it is "
+        f"in{save} (a second signal stops them at once)"
+    )
+
+
 def exit_status(signum: int) -> int:
     """The shell's convention for a process a signal ended: 128 + its number."""
     return 128 + signum
@@ -70,11 +85,14 @@ class StopRequest:
 class Launcher:
     """``clawcomm train --nproc``'s side: while its ranks run, the first
     SIGTERM or SIGINT is passed on to every rank as one SIGTERM, a second
-    one kills them. ``signum`` is the first signal's number (0: none)."""
+    one kills them. ``signum`` is the first signal's number (0: none). It
+    says the signal the user sent; its ranks, which hear SIGTERM, say
+    nothing of it."""
 
-    def __init__(self):
+    def __init__(self, checkpoint_dir: str = ""):
         self.signum = 0
         self.killed = False
+        self.checkpoint_dir = checkpoint_dir
         self._old: dict[int, object] = {}
 
     def __enter__(self) -> Launcher:
@@ -92,12 +110,7 @@ class Launcher:
             print(f"clawcomm train: a second {name(signum)}: ranks killed", file=sys.stderr)
             return
         self.signum = signum
-        print(
-            f"clawcomm train: {name(signum)}: every rank finishes its step, saves and stops "
-            "(a second signal stops them at once)",
-            file=sys.stderr,
-            flush=True,
-        )
+        print(request_line(signum, self.checkpoint_dir), file=sys.stderr, flush=True)
         for p in children:
             os.kill(p.pid, signal.SIGTERM)
 
