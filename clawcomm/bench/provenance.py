@@ -2,7 +2,7 @@
 JSON the benchmarks write carries (``report.write_json`` adds it), so a
 figure can be traced to a date, a commit and a machine::
 
-    {"date": "2026-11-28T03:12:09Z", "commit": "3518913...", "tree": "5d0c...",
+    {"date": "2026-12-07T03:12:09Z", "commit": "3518913...", "tree": "5d0c...",
      "gpu": "NVIDIA H100 80GB HBM3, 580.82.07, 81559 MiB", "host": "vm",
      "cpu": "Intel(R) Xeon(R) Processor", "cores": 16, "load": [0.5, 0.3, 0.2]}
 
