@@ -21,7 +21,6 @@ scales), decode-add 8 + bits/8 + 4/block.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
@@ -213,17 +212,12 @@ def main() -> int:
     ratio = topk["torch.topk(|x|) (reference)"] / topk[f"topk_feedback sampled k={args.k:g}"]
     print(f"# sampled top-k is {ratio:.1f}x faster than torch.topk")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "gpu": torch.cuda.get_device_name(),
-                    "n": n,
-                    "copy_GBps": copy_gbps,
-                    "rows": results,
-                },
-                f,
-                indent=1,
-            )
+        from clawcomm.bench.report import write_json  # with its provenance
+
+        write_json(
+            args.json,
+            {"gpu": torch.cuda.get_device_name(), "n": n, "copy_GBps": copy_gbps, "rows": results},
+        )
     return 0
 
 

@@ -18,13 +18,13 @@ rank the same script runs unchanged, rank r on cuda:r):
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
+from clawcomm.bench.report import write_json
 from clawcomm.launch import run_ranks
 
 SIZES = [8, 4096, 65536, 262144, 1 << 20, 8 << 20]
@@ -136,8 +136,7 @@ def main() -> None:
     for name, (count, us) in out["cpu_ops_256k"].items():
         print(f"  {name[:34]:<34} {count:>5.1f} {us:>8.2f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"nproc": args.nproc, **out}, f, indent=1)
+        write_json(args.json, {"nproc": args.nproc, **out})  # with its provenance
 
 
 if __name__ == "__main__":

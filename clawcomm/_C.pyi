@@ -390,6 +390,10 @@ class Engine:
         """
         The last operations of this communicator, oldest first, as JSON (the flight recorder; CLAWCOMM_RECORDER_ENTRIES sizes it).
         """
+    def memory_stats(self) -> dict:
+        """
+        Memory this communicator holds outside torch's allocators: device_ipc_bytes, the device memory of its CUDA IPC buffers on this rank (each device's, from its first call through CUDA IPC; CLAWCOMM_CUDA_IPC_BYTES, CLAWCOMM_CUDA_GRAPH_BYTES and CLAWCOMM_CUDA_P2P_BYTES size them).
+        """
     def recv(
         self,
         buf: typing_extensions.Buffer,
@@ -471,6 +475,18 @@ class HostGraph:
     """
     def replay(self) -> None: ...
 
+class HostWork:
+    """
+    A collective HostDeviceComm issued with async_op set, as torch's Work.
+    """
+    def wait(self, timeout: typing.SupportsFloat | typing.SupportsIndex | None = None) -> str:
+        """
+        Waits (at most `timeout` seconds) and returns the route it took; TimeoutError if it is still running then.
+        """
+    def is_completed(self) -> bool: ...
+    @property
+    def route(self) -> str: ...
+
 class HostReceive:
     """
     A receive HostDeviceComm.irecv() posted.
@@ -482,7 +498,7 @@ class HostReceive:
 
 class HostDeviceComm:
     """
-    The device collectives of an Engine over the host runtime: the CUDA IPC path's setup, routing, kernels' protocol, abort and failure reports, run on the CPU. `device` is the device index this rank claims; `fault` ('none', 'alloc', 'open', 'probe') fails this rank's IPC setup on purpose. Each call returns the route it took ('ipc' or 'staged').
+    The device collectives of an Engine over the host runtime: the CUDA IPC path's setup, routing, kernels' protocol, abort and failure reports, run on the CPU. `device` is the device index this rank claims; `fault` ('none', 'alloc', 'open', 'probe') fails this rank's IPC setup on purpose. Each call returns the route it took ('ipc' or 'staged'); with async_op=True (on the communicator's stream) or False (on the caller's, not waited for) a collective returns a HostWork instead, as torch's adapter issues them.
     """
     def __init__(
         self,
@@ -499,24 +515,35 @@ class HostDeviceComm:
         input: typing_extensions.Buffer,
         output: typing_extensions.Buffer,
         dtype: typing.Any = None,
-    ) -> str: ...
+        async_op: bool | None = None,
+    ) -> str | HostWork: ...
     def all_reduce(
-        self, buf: typing_extensions.Buffer, op: str = "sum", dtype: typing.Any = None
-    ) -> str: ...
+        self,
+        buf: typing_extensions.Buffer,
+        op: str = "sum",
+        dtype: typing.Any = None,
+        async_op: bool | None = None,
+    ) -> str | HostWork: ...
     def all_to_all(
         self,
         input: typing_extensions.Buffer,
         output: typing_extensions.Buffer,
         dtype: typing.Any = None,
-    ) -> str: ...
+        async_op: bool | None = None,
+    ) -> str | HostWork: ...
     def begin_capture(self) -> None: ...
     def broadcast(
         self,
         buf: typing_extensions.Buffer,
         root: typing.SupportsInt | typing.SupportsIndex = 0,
         dtype: typing.Any = None,
-    ) -> str: ...
+        async_op: bool | None = None,
+    ) -> str | HostWork: ...
     def close(self) -> None: ...
+    def hold(self, stream: str, ms: typing.SupportsInt | typing.SupportsIndex) -> None:
+        """
+        For `ms` milliseconds, calls on `stream` ('comm', or 'caller': the current one) queue instead of running, as on a busy GPU; then they run.
+        """
     def end_capture(self) -> HostGraph: ...
     def irecv(
         self,
@@ -534,7 +561,8 @@ class HostDeviceComm:
         output: typing_extensions.Buffer,
         op: str = "sum",
         dtype: typing.Any = None,
-    ) -> str: ...
+        async_op: bool | None = None,
+    ) -> str | HostWork: ...
     def recv(
         self,
         buf: typing_extensions.Buffer,
@@ -554,12 +582,24 @@ class HostDeviceComm:
         dtype: typing.Any = None,
     ) -> str: ...
     @property
+    def device_bytes(self) -> int:
+        """
+        The bytes of this rank's IPC buffer (0 before setup, or staged).
+        """
+    @property
     def devices(self) -> list[int]:
         """
         Each rank's device index, as the IPC setup exchanged them.
         """
     @property
     def status(self) -> str: ...
+    @property
+    def stream(self) -> int:
+        """
+        The caller's current stream: 0 (the null stream: calls run at once, the default) or a host stream 1 to 4.
+        """
+    @stream.setter
+    def stream(self, arg1: typing.SupportsInt | typing.SupportsIndex) -> None: ...
 
 def _all_reduce_cost(
     algo: str,

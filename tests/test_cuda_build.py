@@ -1,7 +1,9 @@
 """A compile-only check of the CUDA code, so it can never rot on machines
 without a GPU: every ``csrc/cuda/*.cu`` through nvcc with the flags setup.py
-uses (csrc/cuda/nvcc_flags.txt), and every ``csrc/cuda/*.cc`` through the
-host compiler against the CUDA headers. Skips where nvcc is missing.
+uses (csrc/cuda/nvcc_flags.txt), and every ``csrc/cuda/*.cc`` and the CUDA
+kernels' bindings (``csrc/python/cuda_bindings.cc``, compiled to nothing in a
+build without CUDA) through the host compiler against the CUDA headers. Skips
+where nvcc is missing.
 
 The default suite compiles to PTX for compute_90 (nvcc's front end and
 device code generation: every C++ and CUDA error and warning), which takes
@@ -74,13 +76,18 @@ def test_cu_file_compiles_for_compute90(name, nvcc_runs):
     assert "warning" not in err.lower(), err[-4000:]
 
 
-@pytest.mark.parametrize("name", _files(".cc"))
+HOST_FILES = [os.path.join("csrc", "cuda", f) for f in _files(".cc")] + [
+    os.path.join("csrc", "python", "cuda_bindings.cc")
+]
+
+
+@pytest.mark.parametrize("name", HOST_FILES)
 def test_cuda_host_file_compiles(name):
     import pybind11
 
     cxx = shutil.which("c++") or shutil.which("g++")
     cmd = [cxx, "-fsyntax-only", "-std=c++17", "-Wall", "-DCLAWCOMM_WITH_CUDA=1"]
     cmd += ["-I", os.path.join(ROOT, "csrc"), "-I", _cuda_include(), "-I", pybind11.get_include()]
-    cmd += ["-I", sysconfig.get_paths()["include"], os.path.join(CUDA, name)]
+    cmd += ["-I", sysconfig.get_paths()["include"], os.path.join(ROOT, name)]
     out = subprocess.run(cmd, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-4000:]

@@ -451,7 +451,7 @@ def _train_on(rank, n, cfg):
     from clawcomm.train.cli import train_rank
 
     metrics = train_rank(cfg, announce=False)
-    return [m["loss"] for m in metrics], [m.get("max_gpu_mem_mb") for m in metrics]
+    return [m["loss"] for m in metrics], [m.get("max_gpu_mem_mb") for m in metrics], metrics[-1]
 
 
 TRAIN = dict(model="gpt", dim=32, heads=2, layers=2, seq_len=16, lr=3e-3, lr_decay="none",
@@ -469,6 +469,9 @@ TRAIN = dict(model="gpt", dim=32, heads=2, layers=2, seq_len=16, lr=3e-3, lr_dec
         (dict(dp=1, pp=2, schedule="1f1b"), {"CLAWCOMM_CUDA_P2P_BYTES": "0"}),
         (dict(dp=2, pp=2, schedule="1f1b", zero=1), {}),
         (dict(dp=2, pp=2, schedule="gpipe", zero=2, accumulation=2), {}),
+        (dict(dp=2, pp=1, zero=3), {}),
+        # async parameter gathers and a compressed reducer's sync calls on one group
+        (dict(dp=2, pp=1, zero=3, compression="fp16", overlap=False), {}),
     ],
 )
 def test_the_trainer_on_cuda_follows_the_cpu_run(layout, env):
@@ -482,6 +485,8 @@ def test_the_trainer_on_cuda_follows_the_cpu_run(layout, env):
         _train_on, world, TrainConfig(**TRAIN, **layout, device="cuda"), env=env, timeout=300
     )
     want = cpu[0][0]
-    for losses, peaks in gpu:
+    for losses, peaks, last in gpu:
         assert losses == pytest.approx(want, rel=1e-3), (losses, want)
         assert all(p is not None and p > 0 for p in peaks), peaks
+        # the CUDA IPC buffers count in max_memory_mb (none when staged)
+        assert (last["comm_device_bytes"] > 0) == (env.get("CLAWCOMM_CUDA_IPC") != "0"), last

@@ -34,6 +34,32 @@ def test_a_completed_future_means_a_completed_work():
         assert seen == [True] * 20, seen
 
 
+def _wait_inside_then(rank, ws):
+    seen = []
+    for _ in range(20):
+        t = torch.ones(1000)
+        work = dist.all_reduce(t, async_op=True)
+        # On the progress thread, inside the op's own completion: the Work is
+        # done there, so waiting for it returns at once.
+        fut = work.get_future().then(
+            lambda f, w=work: seen.append((w.wait(), w.is_completed(), w.exception() is None))
+        )
+        fut.wait()
+        work.wait()
+        seen.append(t[0].item())
+    return seen
+
+
+def test_a_future_callback_may_wait_for_its_own_work():
+    """The engine marks an operation done before its completion callback
+    runs (comm/request.h), so a then-callback of its future that waits for
+    the Work returns (it used to wait for the callback it ran in: a hang on
+    the progress thread, CLAWCOMM_INLINE_BYTES=0)."""
+    results = run_ranks(_wait_inside_then, 2, env={"CLAWCOMM_INLINE_BYTES": "0"}, timeout=60)
+    for seen in results:
+        assert seen == [(True, True, True), 2.0] * 20, seen
+
+
 def _coalesced_wait(rank, ws):
     bufs = [torch.empty(4) for _ in range(3)]
     if rank == 1:  # one send every 0.7 s: each receive alone waits less than 1 s

@@ -110,8 +110,12 @@ def _cells(r, full: bool) -> str:
 
 
 def write_json(path: str, payload: dict) -> None:
+    """``payload`` as JSON, with its ``provenance`` (date, commit, machine:
+    clawcomm/bench/provenance.py) unless it carries one."""
+    from clawcomm.bench.provenance import provenance
+
     with open(path, "w") as f:
-        json.dump(payload, f, indent=1)
+        json.dump({"provenance": provenance(), **payload}, f, indent=1)
 
 
 def plot(path: str, records, memcpy_gbps: float | None, title: str) -> None:

@@ -146,8 +146,9 @@ class TrainConfig:
     )
     max_memory_mb: float = _opt(
         0.0,
-        "stop every rank when one holds more tensor MB than this (parameters, gradients and "
-        "optimizer state, each at its peak in the step; 0: no limit)",
+        "stop every rank when one holds more MB than this in parameters, gradients and "
+        "optimizer state, each at its peak in the step, and on a GPU its communicators' CUDA "
+        "IPC buffers (0: no limit)",
     )
     # checkpoints
     checkpoint_dir: str = _opt(

@@ -61,6 +61,9 @@ class RankSample:
     optim_bytes: float = 0.0
     param_peak_bytes: float = 0.0
     grad_peak_bytes: float = 0.0
+    # Device memory its communicators hold outside torch's allocator: the
+    # CUDA IPC buffers of each group's (comm_device_bytes); 0 on the CPU.
+    comm_bytes: float = 0.0
     stop: float = 0.0  # the signal that asked this rank to stop (clawcomm.train.stop), or 0
     energy_j: float = -1.0  # joules its meter counted over the step (energy.py), -1: none
     cpu_s: float = 0.0  # CPU-seconds its process used over the step (every thread)
@@ -89,20 +92,29 @@ def gather(sample: RankSample) -> list[RankSample]:
 
 def check_memory(rows: list[RankSample], limit_mb: float, step: int) -> None:
     """``max_memory_mb``: every rank raises the same error when a rank's
-    tensors, each kind at its peak in the step, exceed ``limit_mb`` (the
-    optimizer's state counts from the step after its first, which makes
-    it)."""
-    held = [r.param_peak_bytes + r.grad_peak_bytes + r.optim_bytes for r in rows]
+    tensors, each kind at its peak in the step, and its communicators'
+    device buffers exceed ``limit_mb`` (the optimizer's state counts from
+    the step after its first, which makes it)."""
+    held = [r.param_peak_bytes + r.grad_peak_bytes + r.optim_bytes + r.comm_bytes for r in rows]
     worst = max(range(len(rows)), key=held.__getitem__)
     if limit_mb > 0 and held[worst] > limit_mb * 1e6:
         r = rows[worst]
+        comm = f", CUDA IPC buffers {r.comm_bytes / 1e6:.2f} MB" if r.comm_bytes else ""
         raise MemoryError(
             f"clawcomm.train: stopped at step {step}: rank {worst} held {held[worst] / 1e6:.2f} MB "
-            f"of tensors (parameters {r.param_peak_bytes / 1e6:.2f}, gradients "
+            f"(parameters {r.param_peak_bytes / 1e6:.2f}, gradients "
             f"{r.grad_peak_bytes / 1e6:.2f}, optimizer state {r.optim_bytes / 1e6:.2f} MB at "
-            f"their peaks), over max_memory_mb {limit_mb:g}: shard them (--zero 1, 2 or 3, "
+            f"their peaks{comm}), over max_memory_mb {limit_mb:g}: shard them (--zero 1, 2 or 3, "
             "--reshard-after-forward) or add ranks"
         )
+
+
+def comm_device_bytes(engines) -> int:
+    """The device memory ``engines`` (each group's CUDA communicator) hold
+    outside torch's allocator: their CUDA IPC buffers, as each engine's
+    ``memory_stats()`` counts them (sized by CLAWCOMM_CUDA_IPC_BYTES,
+    CLAWCOMM_CUDA_GRAPH_BYTES and CLAWCOMM_CUDA_P2P_BYTES; docs/gpu.md)."""
+    return sum(e.memory_stats()["device_ipc_bytes"] for e in engines)
 
 
 def held_bytes(params, reducer, optimizer, shards=None, units=None) -> dict:
@@ -194,6 +206,7 @@ def summarise(rows: list[RankSample], cfg, grid, plan, p2p_latency: float, cuda:
         "optim_bytes": int(max(r.optim_bytes for r in rows)),
         "param_peak_bytes": int(max(r.param_peak_bytes for r in rows)),
         "grad_peak_bytes": int(max(r.grad_peak_bytes for r in rows)),
+        "comm_device_bytes": int(max(r.comm_bytes for r in rows)),
     }
     metrics["cpu_s"] = sum(r.cpu_s for r in rows)
     metered = [r.energy_j for r in rows if r.energy_j >= 0]
@@ -242,23 +255,24 @@ class Traffic:
 
     def __init__(self, pp_group, dp_group, other_groups=(), second_dp=None):
         self._groups = (pp_group, dp_group, second_dp, tuple(other_groups))
-        self._engines = None  # found on first use (after every group exists)
+        self._engines: dict = {}  # per device, found on first use (after every group exists)
 
-    def engines(self) -> tuple[list, dict]:
-        """(every group's engine, {"pp"/"dp"/"dp 2": engine}); empty
+    def engines(self, device: str = "cpu") -> tuple[list, dict]:
+        """(every group's engine, {"pp"/"dp"/"dp 2": engine}) for
+        ``device``'s tensors ("cuda" has communicators of its own); empty
         off clawcomm."""
         if not dist.is_initialized() or dist.get_backend() != "clawcomm":
             return [], {}
-        if self._engines is None:
+        if device not in self._engines:
             import clawcomm
 
             pp, dp, params, others = self._groups
             groups = (None, pp, dp, params, *others)
-            engines = {id(g): clawcomm.engine_of(g) for g in groups}
+            engines = {id(g): clawcomm.engine_of(g, device) for g in groups}
             labelled = (("pp", pp), ("dp", dp), ("dp 2", params))
             named = {k: engines[id(g)] for k, g in labelled if g is not None}
-            self._engines = (list(engines.values()), named)
-        return self._engines
+            self._engines[device] = (list(engines.values()), named)
+        return self._engines[device]
 
     def sent(self) -> list[float]:
         """[every group, pp, dp, and dp's by DP_KINDS] bytes sent so far,

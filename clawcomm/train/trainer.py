@@ -69,6 +69,7 @@ from clawcomm.train.metrics import (
     RankSample,
     Traffic,
     check_memory,
+    comm_device_bytes,
     gather,
     held_bytes,
     measure_p2p_latency,
@@ -303,6 +304,7 @@ class Trainer:
             **Traffic.fields(sent),
             busy=totals.busy, span=span, recv_wait=totals.recv_wait, dp_wait=dp_wait,
             host=totals.host / max(1, totals.computes), gpu_mb=peak_mb(self.device),
+            comm_bytes=self._comm_device_bytes(),
             costs=totals.mean_costs(sorted(self.local)),
             **held_bytes(self.params, self.reducer, self.optimizer, self.shards, self.units),
             stop=self.stop.signum if self.stop is not None else 0, energy_j=self.energy.lap(),
@@ -410,6 +412,13 @@ class Trainer:
         from contextlib import nullcontext
 
         return self.units.whole() if self.units is not None else nullcontext(False)
+
+    def _comm_device_bytes(self) -> float:
+        """The device memory this rank's groups' CUDA communicators hold
+        outside torch's allocator (their CUDA IPC buffers); 0 on the CPU."""
+        if self.device.type != "cuda":
+            return 0.0
+        return float(comm_device_bytes(self.traffic.engines("cuda")[0]))
 
     def _owned_sumsq(self) -> float:
         """Squared norm of this rank's gradients; a tied parameter counts on

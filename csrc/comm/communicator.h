@@ -199,6 +199,12 @@ class Communicator {
   // or aborted, InvalidArgument if it is shutting down.
   uint64_t beginExternal(OpSignature& sig, uint64_t bytes, int peer = -1);
   void endExternal(uint64_t record, bool ok);
+  // Device memory those operations hold for this group on this rank (the
+  // CUDA IPC buffer each device's DeviceComm allocates; the host runtime's
+  // shared memory in the CPU tests): added at setup, taken off when freed.
+  // Any thread.
+  void addDeviceBytes(int64_t delta) { deviceBytes_.fetch_add(delta, std::memory_order_relaxed); }
+  int64_t deviceBytes() const { return deviceBytes_.load(std::memory_order_relaxed); }
   // Why this communicator can run no more operations (abort(), or its first
   // failure), or "" while it can; failed() is the quick check.
   std::string failure();
@@ -334,8 +340,9 @@ class Communicator {
   std::string abortReason_;
   std::string failure_;              // guarded by mutex_: abortReason_ or the first failure
   std::atomic<bool> failed_{false};  // !failure_.empty()
-  uint64_t setups_ = 0;              // guarded by mutex_: setupNamespace() calls so far
-  uint64_t splits_ = 0;              // guarded by mutex_: split() calls so far
+  std::atomic<int64_t> deviceBytes_{0};
+  uint64_t setups_ = 0;  // guarded by mutex_: setupNamespace() calls so far
+  uint64_t splits_ = 0;  // guarded by mutex_: split() calls so far
 
   std::mutex listenersMutex_;  // held while listeners run
   std::map<int, std::function<void(const std::string&)>> listeners_;

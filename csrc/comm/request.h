@@ -7,20 +7,33 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <thread>
 
 namespace clawcomm {
 
+// Completion happens in three steps (complete()):
+//   1. the operation is marked done, with its error;
+//   2. the callback runs (on the thread that completes it);
+//   3. waiters on other threads wake.
+// The callback sees its operation done: isCompleted() and exception() say
+// so, and waitFor() returns at once on that thread (the torch adapter's
+// callback completes a future whose then-callbacks may wait for the op:
+// they used to wait for themselves, for ever). Other threads see the op
+// done only after step 3, because the callback writes the op's results
+// into the caller's buffers (the adapter's copy back of a staged or
+// non-contiguous tensor): a thread that wakes or polls must find them
+// there, and find an error the callback raised.
 class Request {
  public:
-  // Runs on the progress thread when the operation ends, before waiters wake:
-  // with nullptr on success, or the error.
+  // Runs when the operation ends, with nullptr on success or the error; an
+  // exception it throws becomes the operation's error (when it had none).
   using Callback = std::function<void(std::exception_ptr)>;
 
   explicit Request(Callback callback) : callback_(std::move(callback)) {}
 
   bool isCompleted() const {
     std::lock_guard<std::mutex> lock(mutex_);
-    return done_;
+    return doneHere();
   }
 
   // Waits until the operation ends; false if `timeout` passed first.
@@ -28,10 +41,10 @@ class Request {
   bool waitFor(std::chrono::milliseconds timeout) const {
     std::unique_lock<std::mutex> lock(mutex_);
     if (timeout.count() < 0) {
-      cv_.wait(lock, [&] { return done_; });
+      cv_.wait(lock, [&] { return doneHere(); });
       return true;
     }
-    return cv_.wait_for(lock, timeout, [&] { return done_; });
+    return cv_.wait_for(lock, timeout, [&] { return doneHere(); });
   }
 
   // Waits for ever, then throws the operation's error, if any.
@@ -51,29 +64,40 @@ class Request {
     return source_;
   }
 
-  // Called once, by the engine.
+  // Called once, by the engine (see the class comment).
   void complete(std::exception_ptr error, int source = -1) {
-    if (callback_) {
-      try {
-        callback_(error);
-      } catch (...) {
-        if (!error) error = std::current_exception();
-      }
-    }
     {
       std::lock_guard<std::mutex> lock(mutex_);
       done_ = true;
       error_ = error;
       source_ = source;
+      completer_ = std::this_thread::get_id();
+    }
+    if (callback_) {
+      try {
+        callback_(error);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (!error_) error_ = std::current_exception();
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      settled_ = true;
     }
     cv_.notify_all();
   }
 
  private:
+  // Under mutex_: done for the calling thread.
+  bool doneHere() const { return settled_ || (done_ && completer_ == std::this_thread::get_id()); }
+
   Callback callback_;
   mutable std::mutex mutex_;
   mutable std::condition_variable cv_;
-  bool done_ = false;
+  bool done_ = false;     // step 1
+  bool settled_ = false;  // step 3
+  std::thread::id completer_;
   std::exception_ptr error_;
   int source_ = -1;
 };

@@ -14,6 +14,10 @@ IpcKernel kernelOf(Algorithm a) {
   return a == Algorithm::kIpcOneShot ? IpcKernel::kOneShot : IpcKernel::kTwoShot;
 }
 
+bool pointToPoint(OpType t) {
+  return t == OpType::kSend || t == OpType::kRecv;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------
@@ -48,6 +52,8 @@ DeviceComm::~DeviceComm() {
     reap(/*wait=*/true);
   } catch (...) {  // a destructor reports nothing; the calls' Works report their errors
   }
+  // (A captured graph may keep the buffer a while longer: IpcMapping.)
+  comm_->addDeviceBytes(-deviceBytes_);
 }
 
 bool DeviceComm::ipc(OpType op, size_t bytesPerRank, const Streams& s) {
@@ -84,6 +90,10 @@ bool DeviceComm::ipc(OpType op, size_t bytesPerRank, const Streams& s) {
       group_ = group;
       why_ = why.empty() ? "" : why + "; CUDA tensors are staged through host memory";
       abortNow = aborted_;
+      if (why.empty()) {
+        deviceBytes_ = int64_t(group->mapping()->bufferBytes());
+        comm_->addDeviceBytes(deviceBytes_);
+      }
     }
     if (abortNow && group) group->abort();
   }
@@ -142,9 +152,9 @@ void DeviceComm::checkHealthy(OpType op) {
   CLAWCOMM_CHECK(group && group->usable(), opPrefix(op), "called without an IPC group");
   const IpcStatus status = group->status();
   if (status.state != kIpcOk) {
-    const std::string why = describe(status, comm_->rank());
-    comm_->abort(why);  // every rank learns; our listener stops our blocks
-    throw PeerError(opPrefix(op) + why);
+    comm_->abort(
+        describe(status, comm_->rank()));  // every rank learns; our listener stops our blocks
+    std::rethrow_exception(failureOf(op, status, comm_->rank()));
   }
 }
 
@@ -182,17 +192,25 @@ TicketPtr DeviceComm::issue(OpSignature sig, uint64_t bytes, uint64_t sent, uint
                             Streams s, Run run, int peer) {
   checkHealthy(sig.type);
   const bool captured = s.captured;
+  // The eager collectives share this rank's epoch counters and IPC areas,
+  // whichever stream each runs on (a synchronous call on its caller's, an
+  // asynchronous one on the communicator's): each waits for the one before.
+  const bool ordered = !captured && !pointToPoint(sig.type);
+  std::shared_ptr<DeviceFlight> before;
   // Querying an event is not allowed while a stream captures (torch's
   // default capture mode invalidates the graph): reap on eager calls only.
   if (!captured) {
     std::lock_guard<std::mutex> lock(recvs_->mutex);
     reap(/*wait=*/false);
+    if (ordered) before = lastCollective_;
   }
+  const uint64_t record = comm_->beginExternal(sig, bytes, peer);  // numbers sig
   const IpcGroup::Launch how{captured ? s.caller : s.run, captured ? kIpcGraph : kIpcEager,
-                             uint64_t(comm_->timeout().count()) * 1000000};
-  const uint64_t record = comm_->beginExternal(sig, bytes, peer);
+                             uint64_t(comm_->timeout().count()) * 1000000,
+                             pointToPoint(sig.type) ? IpcCall{} : callOf(sig)};
   try {
     if (s.run != s.caller) runtime_->streamWaitStream(s.run, s.caller);
+    if (before && before->stream != s.run) runtime_->streamWait(s.run, before->event);
     run(how);
     if (s.then) s.then();
   } catch (...) {
@@ -213,6 +231,7 @@ TicketPtr DeviceComm::issue(OpSignature sig, uint64_t bytes, uint64_t sent, uint
   {
     std::lock_guard<std::mutex> lock(recvs_->mutex);
     inFlight_.push_back(flight);
+    if (ordered) lastCollective_ = flight;
   }
   return std::make_shared<DeviceTicket>(runtime_, mapping, flight, sig.type, comm_);
 }

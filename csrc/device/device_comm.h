@@ -24,6 +24,7 @@
 // every rank issues the same calls in the same order).
 #pragma once
 
+#include <chrono>
 #include <deque>
 #include <exception>
 #include <functional>
@@ -64,6 +65,8 @@ class DeviceTicket {
   void waitOn(Stream s);
   // The host waits for it.
   void waitHost();
+  // The host waits for it, at most `timeout`: whether it is done.
+  bool waitHostFor(std::chrono::milliseconds timeout);
   // Once a launch of the group gave up (this call's or another's): that
   // report as an error naming this call's op, and the communicator aborted,
   // so every rank learns. Else null.
@@ -97,6 +100,9 @@ class DeviceComm {
   // Where a call waits and where it runs: `run` (the communicator's stream
   // for this device, the same one on every call) waits for `caller` first;
   // or `run` is `caller` itself (a synchronous call), which needs no wait.
+  // Either way an eager collective also waits for the previous one when
+  // that ran on another stream (one stream wait on its event): they share
+  // the epoch counters and the IPC areas.
   // While `caller` is being captured into a CUDA graph (`captured`:
   // runtime().capturing(caller)) the call runs on `caller`, on the graph's
   // own flags and areas. `then`, if set, is enqueued on the stream the call ran on after
@@ -158,6 +164,13 @@ class DeviceComm {
   // Each rank's device index as the IPC group's setup exchanged it (empty
   // before setup).
   std::vector<int> devices() const;
+  // The bytes of device memory this rank's IPC buffer takes (0 before setup
+  // or when calls are staged); also counted in the communicator's
+  // deviceBytes().
+  int64_t deviceBytes() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return deviceBytes_;
+  }
   DeviceRuntime& runtime() { return *runtime_; }
 
  private:
@@ -183,12 +196,16 @@ class DeviceComm {
   mutable std::mutex mutex_;         // guards group_, aborted_, why_ (abort comes from any thread)
   std::shared_ptr<IpcGroup> group_;  // null until the first call that could use IPC
   bool aborted_ = false;
-  std::string why_;  // why calls are staged, when they are
+  std::string why_;          // why calls are staged, when they are
+  int64_t deviceBytes_ = 0;  // this rank's IPC buffer, counted in comm_->deviceBytes()
   static constexpr size_t kReapEvery = 8;
   // Receives placed and not launched yet; its lock also guards inFlight_
   // (a receive may be launched from whichever thread waits for it).
   std::shared_ptr<RecvQueue> recvs_;
   std::deque<std::shared_ptr<DeviceFlight>> inFlight_;
+  // The last eager collective: the next one, on whatever stream, waits for
+  // it (they share the epoch counters and the IPC areas).
+  std::shared_ptr<DeviceFlight> lastCollective_;
 };
 
 }  // namespace device

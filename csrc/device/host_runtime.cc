@@ -84,6 +84,16 @@ std::string errnoText() {
   return std::strerror(errno);
 }
 
+// An event: done once `stream` has finished its first `at` steps.
+struct HostEvent {
+  Stream stream;
+  uint64_t at;
+};
+
+const HostEvent& eventOf(DeviceRuntime::Event e) {
+  return *static_cast<const HostEvent*>(e);
+}
+
 }  // namespace
 
 HostFault hostFaultNamed(const std::string& name) {
@@ -102,6 +112,7 @@ void HostGraph::replay() {
 HostRuntime::HostRuntime(int device, HostFault fault) : device_(device), fault_(fault) {}
 
 HostRuntime::~HostRuntime() {
+  for (auto& t : holders_) t.join();  // holds end, and what they held runs
   for (auto& [p, s] : segments_) {
     ::munmap(p, s.bytes);
     if (s.owner && !s.unlinked) ::shm_unlink(s.name.c_str());
@@ -215,7 +226,125 @@ void HostRuntime::run(Stream s, std::function<void()> step) {
       return;
     }
   }
-  step();
+  if (!s) {
+    step();
+    return;
+  }
+  std::unique_lock<std::mutex> lock(streamMutex_);
+  HostStream& st = streams_[s];
+  ++st.issued;
+  st.queue.push_back({std::move(step)});
+  drain(lock);  // runs it now, unless something is queued before it
+}
+
+bool HostRuntime::finishedLocked(Stream s, uint64_t upTo) {
+  if (!s) return true;
+  auto it = streams_.find(s);
+  return it == streams_.end() || it->second.finished >= upTo;
+}
+
+void HostRuntime::drain(std::unique_lock<std::mutex>& lock) {
+  // std::map keeps its nodes where they are while other threads add
+  // streams, so `st` stays valid across the unlocked calls.
+  for (bool progressed = true; progressed;) {
+    progressed = false;
+    for (auto& [stream, st] : streams_) {
+      while (!st.running && st.holds == 0 && !st.queue.empty()) {
+        Step& head = st.queue.front();
+        if (!head.call) {
+          if (!finishedLocked(head.waitFor, head.upTo)) break;
+          st.queue.pop_front();
+          ++st.finished;
+          progressed = true;
+          continue;
+        }
+        std::function<void()> call = std::move(head.call);
+        st.queue.pop_front();
+        st.running = true;
+        lock.unlock();
+        std::exception_ptr failed;
+        try {
+          call();
+        } catch (...) {
+          failed = std::current_exception();
+        }
+        lock.lock();
+        st.running = false;
+        ++st.finished;
+        progressed = true;
+        streamsChanged_.notify_all();
+        if (failed) std::rethrow_exception(failed);
+      }
+    }
+  }
+  streamsChanged_.notify_all();
+}
+
+void HostRuntime::streamWaitStream(Stream waiter, Stream producer) {
+  if (!producer || waiter == producer) return;
+  Event e = record(producer);
+  streamWait(waiter, e);
+  release(e);
+}
+
+DeviceRuntime::Event HostRuntime::record(Stream s) {
+  std::lock_guard<std::mutex> lock(streamMutex_);
+  return new HostEvent{s, s ? streams_[s].issued : 0};
+}
+
+bool HostRuntime::done(Event e) {
+  refuseWhileCapturing("an event query");
+  std::lock_guard<std::mutex> lock(streamMutex_);
+  return finishedLocked(eventOf(e).stream, eventOf(e).at);
+}
+
+void HostRuntime::streamWait(Stream s, Event e) {
+  const HostEvent& ev = eventOf(e);
+  if (!s) {  // the null stream runs at once: the host waits
+    waitHost(e);
+    return;
+  }
+  std::unique_lock<std::mutex> lock(streamMutex_);
+  if (s == ev.stream || finishedLocked(ev.stream, ev.at)) return;
+  HostStream& st = streams_[s];
+  ++st.issued;
+  st.queue.push_back({nullptr, ev.stream, ev.at});
+}
+
+void HostRuntime::waitHost(Event e) {
+  refuseWhileCapturing("an event wait");
+  const HostEvent& ev = eventOf(e);
+  std::unique_lock<std::mutex> lock(streamMutex_);
+  streamsChanged_.wait(lock, [&] { return finishedLocked(ev.stream, ev.at); });
+}
+
+void HostRuntime::release(Event e) noexcept {
+  delete static_cast<HostEvent*>(e);
+}
+
+void HostRuntime::synchronize() {
+  std::unique_lock<std::mutex> lock(streamMutex_);
+  streamsChanged_.wait(lock, [&] {
+    for (const auto& [stream, st] : streams_) {
+      if (st.running || !st.queue.empty()) return false;
+    }
+    return true;
+  });
+}
+
+void HostRuntime::hold(Stream s, int forMs) {
+  CLAWCOMM_ARG_CHECK(s != nullptr, "clawcomm: the null stream runs at once and cannot be held");
+  std::lock_guard<std::mutex> lock(streamMutex_);
+  ++streams_[s].holds;
+  holders_.emplace_back([this, s, forMs] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(forMs));
+    std::unique_lock<std::mutex> held(streamMutex_);
+    --streams_[s].holds;
+    try {
+      drain(held);
+    } catch (...) {  // a launch that fails here reports through its group's status
+    }
+  });
 }
 
 void HostRuntime::copy(void* dst, const void* src, size_t bytes, Stream s) {

@@ -2,21 +2,32 @@
 // device collectives' host logic and their kernels' protocol run on the CPU:
 //   - "device memory" shared between ranks is a POSIX shared-memory segment
 //     (its handle is its name; unlinked once every peer has opened it);
-//   - a stream runs each call at once on the calling thread, except while a
-//     graph is being captured on it: then calls are recorded into the graph
-//     (with their arguments frozen, as CUDA graphs freeze kernel parameters)
-//     and run by HostGraph::replay();
+//   - a stream runs each call at once on the calling thread, while nothing
+//     is queued on it. Calls queue instead (in order, and the host goes on,
+//     as with a GPU) behind a wait for an event not done yet
+//     (streamWait), and while the stream is held (hold(): a test makes a
+//     stream slow, as a busy GPU's would be); whoever completes what they
+//     wait for (another stream's call, the end of the hold) runs them. So
+//     two streams are ordered only by the waits the code above makes, as on
+//     a GPU, and a test can show a missing one. While a graph is being
+//     captured on a stream, calls are recorded into the graph (with their
+//     arguments frozen, as CUDA graphs freeze kernel parameters) and run by
+//     HostGraph::replay();
 //   - a launch runs the algorithm body of device/ipc_algorithms.h with one
 //     host thread per block (at most kHostMaxBlocks), over the same flags.
 // Faults can be injected at setup (HostFault) to test what the CUDA path
 // does when allocation, IPC or the probe fail on one rank.
 #pragma once
 
+#include <chrono>
+#include <condition_variable>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "device/runtime.h"
@@ -73,20 +84,22 @@ class HostRuntime final : public DeviceRuntime {
   void launch(const IpcLaunch& launch, Stream s) override;
   void divide(DataType type, void* buf, size_t count, double divisor, Stream s) override;
 
-  // Host streams run in call order on the caller's thread: every event is
-  // complete when recorded.
-  void streamWaitStream(Stream, Stream) override {}
-  Event record(Stream) override { return this; }
-  // As under CUDA's global capture mode (torch's default), querying or
-  // waiting for an event while any stream captures is an error.
-  bool done(Event) override {
-    refuseWhileCapturing("an event query");
-    return true;
-  }
-  void streamWait(Stream, Event) override {}
-  void waitHost(Event) override { refuseWhileCapturing("an event wait"); }
-  void release(Event) noexcept override {}
-  void synchronize() override {}
+  // Each stream's calls run in order; an event is done once its stream has
+  // run every call issued on it before the event was recorded. As under
+  // CUDA's global capture mode (torch's default), querying or waiting for
+  // an event while any stream captures is an error.
+  void streamWaitStream(Stream waiter, Stream producer) override;
+  Event record(Stream s) override;
+  bool done(Event e) override;
+  void streamWait(Stream s, Event e) override;
+  void waitHost(Event e) override;
+  void release(Event e) noexcept override;
+  void synchronize() override;
+
+  // For `forMs` milliseconds calls on `s` (not null) queue instead of
+  // running; then a thread of the runtime runs them, and whatever waited
+  // for them.
+  void hold(Stream s, int forMs);
 
   bool capturing(Stream s) override;
   void keepWithGraph(Stream s, std::shared_ptr<void> keep) override;
@@ -102,7 +115,26 @@ class HostRuntime final : public DeviceRuntime {
     bool owner;     // allocated here (else opened)
     bool unlinked;  // its name is gone
   };
+  // A stream's queue, in order: calls, and waits (no call: until stream
+  // `waitFor` has finished `upTo` steps).
+  struct Step {
+    std::function<void()> call;
+    Stream waitFor = nullptr;
+    uint64_t upTo = 0;
+  };
+  struct HostStream {
+    std::deque<Step> queue;
+    uint64_t issued = 0;    // steps ever issued on it, queued or run
+    uint64_t finished = 0;  // of those, steps run (in order)
+    bool running = false;   // a thread is running one of its steps
+    int holds = 0;          // hold() calls not over yet
+  };
   void run(Stream s, std::function<void()> step);
+  // Under streamMutex_: whether stream `s` has finished `upTo` steps.
+  bool finishedLocked(Stream s, uint64_t upTo);
+  // Runs every step that can run now, on any stream, on this thread
+  // (releases `lock` while a call runs).
+  void drain(std::unique_lock<std::mutex>& lock);
 
   int device_;
   HostFault fault_;
@@ -111,6 +143,11 @@ class HostRuntime final : public DeviceRuntime {
   void refuseWhileCapturing(const char* what);
 
   std::map<Stream, std::shared_ptr<HostGraph>> graphs_;  // being captured; guarded by mutex_
+
+  std::mutex streamMutex_;  // guards streams_; streamsChanged_ wakes host waits
+  std::condition_variable streamsChanged_;
+  std::map<Stream, HostStream> streams_;  // null (run at once) is never here
+  std::vector<std::thread> holders_;      // hold()'s timers, joined at destruction
 };
 
 }  // namespace device

@@ -112,7 +112,7 @@ CLAWCOMM_DEVICE void oneShot(const X& x, const IpcLaunch& L) {
   size_t lo, hi;
   split(L.packs, size_t(L.blocks), size_t(x.block()), lo, hi);
   if (L.in) copyPacks(x, L.in, packsAt(P.input[P.rank]), lo, hi, false);
-  if (!barrier(x, P, kIpcStart, epoch)) return;
+  if (!barrier(x, P, kIpcStart, epoch, &L.call)) return;
   reducePacks<E, Op>(x, P, P.input, 0, lo, hi, L.out ? L.out : packsAt(P.result[P.rank]), nullptr);
   barrier(x, P, kIpcEnd, epoch);
 }
@@ -136,7 +136,7 @@ CLAWCOMM_DEVICE void twoShot(const X& x, const IpcLaunch& L) {
       copyPacks(x, L.in, myIn, lo, hi, false);
     }
   }
-  if (!barrier(x, P, kIpcStart, epoch)) return;
+  if (!barrier(x, P, kIpcStart, epoch, &L.call)) return;
   slicePart(L.packs, P.size, P.rank, x.block(), L.blocks, lo, hi);
   reducePacks<E, Op>(x, P, P.input, 0, lo, hi, myResult, L.out);
   if (!barrier(x, P, kIpcMiddle, epoch)) return;
@@ -169,7 +169,7 @@ CLAWCOMM_DEVICE void reduceScatter(const X& x, const IpcLaunch& L) {
   size_t lo, hi;
   split(L.packs, size_t(L.blocks), size_t(x.block()), lo, hi);
   if (L.in) copyPiecesIn(x, P, L.in, L.packs, lo, hi);
-  if (!barrier(x, P, kIpcStart, epoch)) return;
+  if (!barrier(x, P, kIpcStart, epoch, &L.call)) return;
   Pack* dst = L.out ? L.out : packsAt(P.result[P.rank]);
   reducePacks<E, Op>(x, P, P.input, size_t(P.rank) * L.packs, lo, hi, dst, nullptr);
   barrier(x, P, kIpcEnd, epoch);
@@ -184,7 +184,7 @@ CLAWCOMM_DEVICE void allGather(const X& x, const IpcLaunch& L) {
   size_t lo, hi;
   split(L.packs, size_t(L.blocks), size_t(x.block()), lo, hi);
   if (L.in) copyPacks(x, L.in, packsAt(P.input[P.rank]), lo, hi, false);
-  if (!barrier(x, P, kIpcStart, epoch)) return;
+  if (!barrier(x, P, kIpcStart, epoch, &L.call)) return;
   Pack* dst = L.out ? L.out : packsAt(P.result[P.rank]);
   for (int q = 0; q < P.size; ++q) {
     copyPacks(x, packsAt(P.input[q]), dst + size_t(q) * L.packs, lo, hi, q != P.rank);
@@ -200,7 +200,7 @@ CLAWCOMM_DEVICE void broadcast(const X& x, const IpcLaunch& L) {
   size_t lo, hi;
   split(L.packs, size_t(L.blocks), size_t(x.block()), lo, hi);
   if (P.rank == L.root && L.in) copyPacks(x, L.in, packsAt(P.input[L.root]), lo, hi, false);
-  if (!barrier(x, P, kIpcStart, epoch)) return;
+  if (!barrier(x, P, kIpcStart, epoch, &L.call)) return;
   if (P.rank != L.root) {
     Pack* dst = L.out ? L.out : packsAt(P.result[P.rank]);
     copyPacks(x, packsAt(P.input[L.root]), dst, lo, hi, true);
@@ -216,7 +216,7 @@ CLAWCOMM_DEVICE void allToAll(const X& x, const IpcLaunch& L) {
   size_t lo, hi;
   split(L.packs, size_t(L.blocks), size_t(x.block()), lo, hi);
   if (L.in) copyPiecesIn(x, P, L.in, L.packs, lo, hi);
-  if (!barrier(x, P, kIpcStart, epoch)) return;
+  if (!barrier(x, P, kIpcStart, epoch, &L.call)) return;
   Pack* dst = L.out ? L.out : packsAt(P.result[P.rank]);
   for (int p = 0; p < P.size; ++p) {
     copyPacks(x, packsAt(P.input[p]) + size_t(P.rank) * L.packs, dst + size_t(p) * L.packs, lo, hi,

@@ -225,6 +225,8 @@ IpcStatus IpcGroup::status() const {
     s.waitedNs = live->waitedNs;
     s.expected = live->expected;
     s.found = live->found;
+    s.ours = live->ours;
+    s.theirs = live->theirs;
   }
   return s;
 }
@@ -241,6 +243,7 @@ IpcLaunch IpcGroup::launchOf(IpcKernel kernel, const void* in, void* out, size_t
   L.kernel = kernel;
   L.peers = peers(how);
   L.peers.timeoutNs = how.timeoutNs;
+  L.call = how.call;
   L.in = direct ? static_cast<const Pack*>(in) : nullptr;
   L.out = direct ? static_cast<Pack*>(out) : nullptr;
   L.packs = packs;

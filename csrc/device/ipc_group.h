@@ -100,6 +100,7 @@ class IpcGroup {
     Stream stream;
     int channel;  // IpcChannel
     uint64_t timeoutNs;
+    IpcCall call;  // what every rank compares at the start barrier (collectives)
   };
   void allReduce(const void* in, void* out, size_t count, DataType type, ReduceOp op,
                  IpcKernel algo, const Launch& how);

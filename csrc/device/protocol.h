@@ -23,6 +23,13 @@
 //   on. Eager launches and graph-captured ones use separate counters and
 //   slots (channels), so a graph replayed on one stream never shares a slot
 //   with an eager call on another.
+//   The start barrier also carries the call: each block stores its call's
+//   IpcCall (op, element type, reduce op, root, count, sequence number, as
+//   the CPU path's frames carry its OpSignature) into every peer's
+//   call[block][me] before its epoch, and after the wait compares every
+//   peer's with its own: two ranks that called different collectives (of
+//   the same size, which would otherwise pair up silently) give up on both
+//   sides with kIpcCallMismatch before any byte moves between them.
 // Point-to-point (sends and receives between two ranks, in the order each
 // pair issues them). Rank s keeps a ring for each peer d in its buffer; its
 // k-th message to d goes at an offset both ranks compute alike on the host
@@ -67,10 +74,11 @@ enum IpcChannel { kIpcEager = 0, kIpcGraph = 1, kIpcChannels = 2 };
 // Why a launch gave up (IpcStatus::state).
 enum IpcFailure : uint32_t {
   kIpcOk = 0,
-  kIpcTimedOut = 1,    // the peer never came
-  kIpcAborted = 2,     // this rank's host called abort()
-  kIpcPeerFailed = 3,  // the peer (or another block of this rank) gave up first
-  kIpcMismatch = 4,    // a receive met a message of another tag or size
+  kIpcTimedOut = 1,      // the peer never came
+  kIpcAborted = 2,       // this rank's host called abort()
+  kIpcPeerFailed = 3,    // the peer (or another block of this rank) gave up first
+  kIpcMismatch = 4,      // a receive met a message of another tag or size
+  kIpcCallMismatch = 5,  // a peer's collective is not this rank's (see IpcCall)
 };
 
 // The waits of point-to-point calls, as a status's phase names them (after
@@ -82,11 +90,21 @@ struct alignas(16) Pack {
   uint32_t w[4];
 };
 
+// What every rank must agree on for one collective launch (built from the
+// call's OpSignature by device/device_comm.cc): the element count (low,
+// high word), the communicator's sequence number (low 32 bits), the root
+// (-1: none), then OpType | DataType << 8 | ReduceOp << 16 | Algorithm << 24.
+// Zero words: not checked (the probe, point-to-point).
+struct IpcCall {
+  uint32_t w[6];
+};
+
 // The head of every rank's buffer.
 struct IpcSignals {
   struct Channel {
     uint32_t counter[kIpcMaxBlocks];                         // each block's epoch
     uint32_t slot[kIpcPhases][kIpcMaxBlocks][kIpcMaxRanks];  // written by rank [from]
+    IpcCall call[kIpcMaxBlocks][kIpcMaxRanks];               // written by rank [from]
   } channel[kIpcChannels];
   uint32_t hello;                 // set at setup; the probe's loads read it
   uint32_t probe[kIpcMaxRanks];   // the probe's mailbox: rank p stores into probe[p]
@@ -116,6 +134,8 @@ struct IpcStatus {
   uint64_t waitedNs;
   IpcMessageHeader expected;  // kIpcMismatch: what the receive expected,
   IpcMessageHeader found;     // and the header it found
+  IpcCall ours;               // kIpcCallMismatch: this rank's call,
+  IpcCall theirs;             // and rank waitedFor's
 };
 
 // Every rank's buffer as this rank maps it, and the launch's settings.
@@ -170,6 +190,7 @@ struct IpcLaunch {
   int root = 0;
   int blocks = 1;
   IpcP2p p2p{};
+  IpcCall call{};  // collectives: compared with every peer's at the start barrier
 };
 
 CLAWCOMM_HD uint32_t probeValue(int from, int to) {
@@ -203,7 +224,8 @@ template <class X>
 CLAWCOMM_DEVICE void giveUp(const X& x, const IpcPeers& P, uint32_t why, int peer, int phase,
                             uint32_t epoch, uint64_t waited,
                             const IpcMessageHeader* expected = nullptr,
-                            const IpcMessageHeader* found = nullptr) {
+                            const IpcMessageHeader* found = nullptr, const IpcCall* ours = nullptr,
+                            const IpcCall* theirs = nullptr) {
   X::storeRelease(&P.signals[P.rank]->failed, 1);
   if (X::claim(&P.signals[P.rank]->failClaim)) {
     P.status->block = x.block();
@@ -214,6 +236,8 @@ CLAWCOMM_DEVICE void giveUp(const X& x, const IpcPeers& P, uint32_t why, int pee
     P.status->waitedNs = waited;
     if (expected) P.status->expected = *expected;
     if (found) P.status->found = *found;
+    if (ours) P.status->ours = *ours;
+    if (theirs) P.status->theirs = *theirs;
     X::fenceSystem();
     P.status->state = why;
     X::fenceSystem();
@@ -260,18 +284,38 @@ CLAWCOMM_DEVICE uint32_t waitAtLeast(const X& x, const IpcPeers& P, const uint32
   return kIpcOk;
 }
 
-// See the header. Returns false when this block gave up (the kernel returns).
+// See the header. `call` (the start barrier of a collective): published to
+// every peer with the epoch and compared with theirs. Returns false when
+// this block gave up (the kernel returns).
 template <class X>
-CLAWCOMM_DEVICE bool barrier(const X& x, const IpcPeers& P, int phase, uint32_t epoch) {
+CLAWCOMM_DEVICE bool barrier(const X& x, const IpcPeers& P, int phase, uint32_t epoch,
+                             const IpcCall* call = nullptr) {
+  constexpr int kWords = int(sizeof(IpcCall) / sizeof(uint32_t));
   x.sync();
   const int b = x.block();
   for (int p = x.thread(); p < P.size; p += x.threads()) {
+    if (call) {
+      uint32_t* theirs = P.signals[p]->channel[P.channel].call[b][P.rank].w;
+      for (int i = 0; i < kWords; ++i) X::storeRelease(theirs + i, call->w[i]);
+    }
     X::fenceSystem();
     X::storeRelease(&P.signals[p]->channel[P.channel].slot[phase][b][P.rank], epoch);
   }
   for (int p = x.thread(); p < P.size; p += x.threads()) {
     const uint32_t* heard = &P.signals[P.rank]->channel[P.channel].slot[phase][b][p];
     if (waitAtLeast(x, P, heard, epoch, p, phase) != kIpcOk) {
+      x.shared()[1] = 1;
+      break;
+    }
+    if (!call || p == P.rank) continue;
+    IpcCall theirs;
+    bool same = true;
+    for (int i = 0; i < kWords; ++i) {
+      theirs.w[i] = X::loadAcquire(P.signals[P.rank]->channel[P.channel].call[b][p].w + i);
+      same = same && theirs.w[i] == call->w[i];
+    }
+    if (!same) {
+      giveUp(x, P, kIpcCallMismatch, p, phase, epoch, 0, nullptr, nullptr, call, &theirs);
       x.shared()[1] = 1;
       break;
     }

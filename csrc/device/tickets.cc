@@ -1,5 +1,9 @@
 #include "device/tickets.h"
 
+#include <algorithm>
+#include <thread>
+
+#include "common/clock.h"
 #include "common/errors.h"
 #include "device/device_comm.h"
 
@@ -21,9 +25,46 @@ const char* phaseName(int phase) {
 
 }  // namespace
 
+IpcCall callOf(const OpSignature& sig) {
+  IpcCall c{};
+  c.w[0] = uint32_t(sig.count);
+  c.w[1] = uint32_t(sig.count >> 32);
+  c.w[2] = uint32_t(sig.seq);
+  c.w[3] = uint32_t(sig.root);
+  c.w[4] = uint32_t(sig.type) | uint32_t(sig.dtype) << 8 | uint32_t(sig.redop) << 16 |
+           uint32_t(sig.algo) << 24;
+  return c;
+}
+
+OpSignature signatureOf(const IpcCall& c) {
+  OpSignature sig;
+  sig.count = uint64_t(c.w[0]) | uint64_t(c.w[1]) << 32;
+  sig.seq = c.w[2];
+  sig.root = int32_t(c.w[3]);
+  sig.type = OpType(c.w[4] & 0xff);
+  sig.dtype = DataType((c.w[4] >> 8) & 0xff);
+  sig.redop = ReduceOp((c.w[4] >> 16) & 0xff);
+  sig.algo = Algorithm(c.w[4] >> 24);
+  return sig;
+}
+
+std::exception_ptr failureOf(OpType op, const IpcStatus& s, int rank) {
+  const std::string text = opPrefix(op) + describe(s, rank);
+  if (s.state == kIpcMismatch || s.state == kIpcCallMismatch) {
+    return std::make_exception_ptr(MismatchError(text));
+  }
+  return std::make_exception_ptr(PeerError(text));
+}
+
 // "rank 0's CUDA IPC kernel gave up after 5000 ms waiting for rank 1 (block 3,
 // phase start, epoch 12, eager launch): ..."
 std::string describe(const IpcStatus& s, int rank) {
+  if (s.state == kIpcCallMismatch) {
+    // As the CPU path words it (messenger.cc): "rank 1 called X, rank 0 called Y".
+    return CLAWCOMM_CONCAT("rank ", s.waitedFor, " called ", signatureOf(s.theirs).describe(),
+                           ", rank ", rank, " called ", signatureOf(s.ours).describe(),
+                           " (through CUDA IPC: the ranks' kernels compared their calls)");
+  }
   if (s.state == kIpcMismatch) {
     return CLAWCOMM_CONCAT(
         "rank ", rank, "'s CUDA IPC receive of message ", s.epoch, " from rank ", s.waitedFor,
@@ -113,6 +154,21 @@ void DeviceTicket::waitHost() {
   f->end();
 }
 
+bool DeviceTicket::waitHostFor(std::chrono::milliseconds timeout) {
+  DeviceFlight* f = flight();
+  if (!f) return true;
+  // Polls the event (the runtime's host wait has no timeout): at first
+  // often, as a short call ends in microseconds, then every millisecond.
+  const Clock::time_point deadline = Clock::now() + timeout;
+  std::chrono::microseconds nap(10);
+  while (!f->done()) {
+    if (Clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(nap);
+    nap = std::min(nap * 2, std::chrono::microseconds(1000));
+  }
+  return true;
+}
+
 std::exception_ptr DeviceTicket::error() const {
   if (pending_) {
     std::string notRun;
@@ -127,9 +183,9 @@ std::exception_ptr DeviceTicket::error() const {
   const IpcStatus* live = mapping_->status();
   if (live->state == kIpcOk) return nullptr;
   __atomic_thread_fence(__ATOMIC_ACQUIRE);
-  const std::string why = describe(*live, mapping_->peers[kIpcEager].rank);
-  if (auto comm = comm_.lock()) comm->abort(why);  // so that every rank learns
-  return std::make_exception_ptr(PeerError(opPrefix(type_) + why));
+  const int rank = mapping_->peers[kIpcEager].rank;
+  if (auto comm = comm_.lock()) comm->abort(describe(*live, rank));  // so that every rank learns
+  return failureOf(type_, *live, rank);
 }
 
 }  // namespace device

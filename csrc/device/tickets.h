@@ -22,6 +22,15 @@ namespace device {
 
 // A launch's report as an error's text, from rank `rank`'s view.
 std::string describe(const IpcStatus& s, int rank);
+// The report as the error `op` raises (its text prefixed with the op's):
+// MismatchError where the ranks disagreed (a call, a message's tag or
+// size), as on the CPU path; else PeerError.
+std::exception_ptr failureOf(OpType op, const IpcStatus& s, int rank);
+
+// A collective's signature as its kernels compare it (device/protocol.h),
+// and back, to name both sides in an error.
+IpcCall callOf(const OpSignature& sig);
+OpSignature signatureOf(const IpcCall& call);
 
 // A launched call's completion: its pooled event and its flight record,
 // ended by whoever sees the event done first.

@@ -8,6 +8,7 @@
 
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -61,6 +62,54 @@ class HostReceive {
   std::string route_;
 };
 
+// A call issued with async_op set (HostDeviceComm's collectives): waited
+// for by wait(), as torch's Work is. Keeps the caller's buffers until then.
+class HostWork {
+ public:
+  ~HostWork() {
+    // Dropped unwaited: its launches may still read the buffers it holds.
+    py::gil_scoped_release release;
+    try {
+      if (ticket_) ticket_->waitHost();
+      if (request_) request_->waitFor(std::chrono::milliseconds(-1));
+    } catch (...) {  // a destructor reports nothing
+    }
+  }
+
+  // Waits (at most `timeout` seconds, if given) and returns the route the
+  // call took; raises its error, or TimeoutError as the torch adapter's
+  // Work::wait words it.
+  std::string wait(std::optional<double> timeout) {
+    py::gil_scoped_release release;
+    const auto limit = std::chrono::milliseconds(timeout ? int64_t(*timeout * 1000) : -1);
+    bool done;
+    if (ticket_) {
+      ticket_->start();
+      done = timeout ? ticket_->waitHostFor(limit) : (ticket_->waitHost(), true);
+      if (auto e = ticket_->error()) std::rethrow_exception(e);
+    } else {
+      done = request_->waitFor(limit);
+      if (done) {
+        if (auto e = request_->exception()) std::rethrow_exception(e);
+      }
+    }
+    if (!done) {
+      throw TimeoutError(CLAWCOMM_CONCAT("clawcomm: Work::wait timed out after ", limit.count(),
+                                         " ms; the operation is still running"));
+    }
+    return route_;
+  }
+  bool isCompleted() {
+    py::gil_scoped_release release;
+    return ticket_ ? ticket_->done() : request_->isCompleted();
+  }
+
+  std::string route_;
+  device::TicketPtr ticket_;
+  RequestPtr request_;
+  std::vector<py::object> keep_;
+};
+
 class HostDeviceComm {
  public:
   HostDeviceComm(std::shared_ptr<Communicator> comm, int device, const std::string& fault)
@@ -83,23 +132,25 @@ class HostDeviceComm {
     return live().allReduceAlgorithm(bytes) == Algorithm::kIpcOneShot ? "one-shot" : "two-shot";
   }
 
-  std::string allReduce(const py::buffer& b, const std::string& opName, const py::object& dtype) {
+  py::object allReduce(const py::buffer& b, const std::string& opName, const py::object& dtype,
+                       std::optional<bool> async) {
     Buffer buf = takeBuffer("all_reduce", "buf", b, true, dtype);
     const ReduceOp op = parseReduceOp("all_reduce", opName);
-    return call(
-        OpType::kAllReduce, buf.count * elementSize(buf.dtype),
+    return collective(
+        async, {b}, OpType::kAllReduce, buf.count * elementSize(buf.dtype),
         [&](DeviceComm::Streams s) {
           return live().allReduce(buf.data, buf.count, buf.dtype, op, s);
         },
         [&] { return comm_->allReduce(buf.data, buf.count, buf.dtype, op); });
   }
-  std::string allGather(const py::buffer& i, const py::buffer& o, const py::object& dtype) {
+  py::object allGather(const py::buffer& i, const py::buffer& o, const py::object& dtype,
+                       std::optional<bool> async) {
     Buffer in = takeBuffer("all_gather", "input", i, false, dtype);
     Buffer out = takeBuffer("all_gather", "output", o, true, dtype);
     checkSameType("all_gather", in, out);
     checkCount("all_gather", out.count, in.count * size_t(comm_->size()));
-    return call(
-        OpType::kAllGather, in.count * elementSize(in.dtype),
+    return collective(
+        async, {i, o}, OpType::kAllGather, in.count * elementSize(in.dtype),
         [&](DeviceComm::Streams s) {
           return live().allGather(in.data, out.data, in.count, in.dtype, s);
         },
@@ -108,15 +159,15 @@ class HostDeviceComm {
                                   std::vector<size_t>(size_t(comm_->size()), in.count), in.dtype);
         });
   }
-  std::string reduceScatter(const py::buffer& i, const py::buffer& o, const std::string& opName,
-                            const py::object& dtype) {
+  py::object reduceScatter(const py::buffer& i, const py::buffer& o, const std::string& opName,
+                           const py::object& dtype, std::optional<bool> async) {
     Buffer in = takeBuffer("reduce_scatter", "input", i, false, dtype);
     Buffer out = takeBuffer("reduce_scatter", "output", o, true, dtype);
     checkSameType("reduce_scatter", in, out);
     checkCount("reduce_scatter", in.count, out.count * size_t(comm_->size()));
     const ReduceOp op = parseReduceOp("reduce_scatter", opName);
-    return call(
-        OpType::kReduceScatter, out.count * elementSize(out.dtype),
+    return collective(
+        async, {i, o}, OpType::kReduceScatter, out.count * elementSize(out.dtype),
         [&](DeviceComm::Streams s) {
           return live().reduceScatter(in.data, out.data, out.count, out.dtype, op, s);
         },
@@ -126,16 +177,18 @@ class HostDeviceComm {
                                       out.dtype, op);
         });
   }
-  std::string broadcast(const py::buffer& b, int root, const py::object& dtype) {
+  py::object broadcast(const py::buffer& b, int root, const py::object& dtype,
+                       std::optional<bool> async) {
     Buffer buf = takeBuffer("broadcast", "buf", b, true, dtype);
-    return call(
-        OpType::kBroadcast, buf.count * elementSize(buf.dtype),
+    return collective(
+        async, {b}, OpType::kBroadcast, buf.count * elementSize(buf.dtype),
         [&](DeviceComm::Streams s) {
           return live().broadcast(buf.data, buf.count, buf.dtype, root, s);
         },
         [&] { return comm_->broadcast(buf.data, buf.count, buf.dtype, root); });
   }
-  std::string allToAll(const py::buffer& i, const py::buffer& o, const py::object& dtype) {
+  py::object allToAll(const py::buffer& i, const py::buffer& o, const py::object& dtype,
+                      std::optional<bool> async) {
     Buffer in = takeBuffer("all_to_all", "input", i, false, dtype);
     Buffer out = takeBuffer("all_to_all", "output", o, true, dtype);
     checkSameType("all_to_all", in, out);
@@ -144,8 +197,8 @@ class HostDeviceComm {
     CLAWCOMM_ARG_CHECK(in.count % n == 0, "clawcomm::all_to_all: ", in.count,
                        " elements do not split evenly among ", n, " ranks");
     const size_t per = in.count / n;
-    return call(
-        OpType::kAllToAll, per * elementSize(in.dtype),
+    return collective(
+        async, {i, o}, OpType::kAllToAll, per * elementSize(in.dtype),
         [&](DeviceComm::Streams s) { return live().allToAll(in.data, out.data, per, in.dtype, s); },
         [&] {
           const std::vector<size_t> counts(n, per);
@@ -223,10 +276,20 @@ class HostDeviceComm {
     return *dev_;
   }
   device::Stream captureStream() { return this; }
-  // Eager calls run at once on the null stream; captured ones are recorded.
-  DeviceComm::Streams streams() {
-    const device::Stream s = capturing_ ? captureStream() : nullptr;
-    return {s, s, capturing_};
+  // The host runtime's streams: the communicator's, and the caller's 1 to 4
+  // (0, the default, is the null stream, which runs every call at once).
+  device::Stream commStream() { return &streamIds_[0]; }
+  device::Stream streamNamed(const std::string& name) {
+    if (name == "comm") return commStream();
+    CLAWCOMM_ARG_CHECK(name == "caller" && caller_ != nullptr, "clawcomm: stream '", name,
+                       "' is not 'comm', nor 'caller' with a caller's stream other than 0");
+    return caller_;
+  }
+  // Captured calls are recorded. Eager ones run on the caller's stream, or
+  // (`async`) on the communicator's after the caller's.
+  DeviceComm::Streams streams(bool async = false) {
+    if (capturing_) return {captureStream(), captureStream(), true};
+    return {caller_, async ? commStream() : caller_, false};
   }
 
   static OpType opNamed(const std::string& name) {
@@ -242,6 +305,35 @@ class HostDeviceComm {
   static void checkCount(const char* op, size_t got, size_t want) {
     CLAWCOMM_ARG_CHECK(got == want, "clawcomm::", op, ": ", got, " elements where ", want,
                        " were expected");
+  }
+
+  // With `async` unset, call(); else issues the call as the torch adapter
+  // does, on the caller's stream (false: its wait() then orders nothing
+  // more on the host runtime) or on the communicator's (true), and returns
+  // a HostWork holding `keep` (the caller's buffers) until it is waited for.
+  template <typename Ipc, typename Staged>
+  py::object collective(std::optional<bool> async, std::vector<py::object> keep, OpType type,
+                        size_t bytesPerRank, Ipc ipc, Staged staged) {
+    if (!async) return py::cast(call(type, bytesPerRank, ipc, staged));
+    device::TicketPtr ticket;
+    RequestPtr request;
+    {
+      py::gil_scoped_release release;
+      const DeviceComm::Streams s = streams(*async);
+      if (live().ipc(type, bytesPerRank, s)) {
+        ticket = ipc(s);
+      } else {
+        CLAWCOMM_ARG_CHECK(!capturing_, "clawcomm::", opTypeName(type),
+                           ": a staged call cannot be captured into a graph");
+        request = staged();
+      }
+    }
+    auto work = std::make_unique<HostWork>();
+    work->route_ = ticket ? "ipc" : "staged";
+    work->ticket_ = std::move(ticket);
+    work->request_ = std::move(request);
+    work->keep_ = std::move(keep);
+    return py::cast(std::move(work));
   }
 
   // Runs the call through IPC or the engine, without the GIL; returns the
@@ -274,6 +366,17 @@ class HostDeviceComm {
   std::shared_ptr<HostRuntime> runtime_;
   std::unique_ptr<DeviceComm> dev_;
   bool capturing_ = false;
+  char streamIds_[5] = {};  // their addresses name the host runtime's streams
+  device::Stream caller_ = nullptr;
+
+ public:
+  void setStream(int id) {
+    CLAWCOMM_ARG_CHECK(id >= 0 && id <= 4, "clawcomm: caller's stream ", id, " is not 0 to 4");
+    caller_ = id == 0 ? nullptr : &streamIds_[id];
+  }
+  int stream() const { return caller_ ? int(static_cast<const char*>(caller_) - streamIds_) : 0; }
+  void hold(const std::string& which, int ms) { runtime_->hold(streamNamed(which), ms); }
+  int64_t deviceBytes() { return live().deviceBytes(); }
 };
 
 }  // namespace
@@ -282,6 +385,13 @@ void bindDevice(py::module_& m) {
   py::class_<device::HostGraph, std::shared_ptr<device::HostGraph>>(
       m, "HostGraph", "Calls captured by HostDeviceComm.begin_capture(), replayed in order.")
       .def("replay", &device::HostGraph::replay, py::call_guard<py::gil_scoped_release>());
+  py::class_<HostWork>(m, "HostWork",
+                       "A collective HostDeviceComm issued with async_op set, as torch's Work.")
+      .def("wait", &HostWork::wait, py::arg("timeout") = py::none(),
+           "Waits (at most `timeout` seconds) and returns the route it took; TimeoutError "
+           "if it is still running then.")
+      .def("is_completed", &HostWork::isCompleted)
+      .def_property_readonly("route", [](const HostWork& w) { return w.route_; });
   py::class_<HostReceive>(m, "HostReceive", "A receive HostDeviceComm.irecv() posted.")
       .def("wait", &HostReceive::wait,
            "Waits for the message and copies it into the buffer; returns the route it took.");
@@ -290,22 +400,24 @@ void bindDevice(py::module_& m) {
       "The device collectives of an Engine over the host runtime: the CUDA IPC path's setup, "
       "routing, kernels' protocol, abort and failure reports, run on the CPU. `device` is the "
       "device index this rank claims; `fault` ('none', 'alloc', 'open', 'probe') fails this "
-      "rank's IPC setup on purpose. Each call returns the route it took ('ipc' or 'staged').")
+      "rank's IPC setup on purpose. Each call returns the route it took ('ipc' or 'staged'); "
+      "with async_op=True (on the communicator's stream) or False (on the caller's, not waited "
+      "for) a collective returns a HostWork instead, as torch's adapter issues them.")
       .def(py::init<std::shared_ptr<Communicator>, int, const std::string&>(), py::arg("engine"),
            py::arg("device") = 0, py::arg("fault") = "none")
       .def("route", &HostDeviceComm::route, py::arg("op"), py::arg("nbytes"),
            py::call_guard<py::gil_scoped_release>(),
            "'one-shot', 'two-shot', 'ipc' or 'staged' for `op` moving `nbytes` per rank.")
       .def("all_reduce", &HostDeviceComm::allReduce, py::arg("buf"), py::arg("op") = "sum",
-           py::arg("dtype") = py::none())
+           py::arg("dtype") = py::none(), py::arg("async_op") = py::none())
       .def("all_gather", &HostDeviceComm::allGather, py::arg("input"), py::arg("output"),
-           py::arg("dtype") = py::none())
+           py::arg("dtype") = py::none(), py::arg("async_op") = py::none())
       .def("reduce_scatter", &HostDeviceComm::reduceScatter, py::arg("input"), py::arg("output"),
-           py::arg("op") = "sum", py::arg("dtype") = py::none())
+           py::arg("op") = "sum", py::arg("dtype") = py::none(), py::arg("async_op") = py::none())
       .def("broadcast", &HostDeviceComm::broadcast, py::arg("buf"), py::arg("root") = 0,
-           py::arg("dtype") = py::none())
+           py::arg("dtype") = py::none(), py::arg("async_op") = py::none())
       .def("all_to_all", &HostDeviceComm::allToAll, py::arg("input"), py::arg("output"),
-           py::arg("dtype") = py::none())
+           py::arg("dtype") = py::none(), py::arg("async_op") = py::none())
       .def("send", &HostDeviceComm::send, py::arg("buf"), py::arg("peer"), py::arg("tag") = 0,
            py::arg("dtype") = py::none())
       .def("recv", &HostDeviceComm::recv, py::arg("buf"), py::arg("peer"), py::arg("tag") = 0,
@@ -313,6 +425,14 @@ void bindDevice(py::module_& m) {
       .def("irecv", &HostDeviceComm::irecv, py::arg("buf"), py::arg("peer"), py::arg("tag") = 0,
            py::arg("dtype") = py::none(),
            "Posts a receive and returns at once: a HostReceive whose wait() delivers it.")
+      .def_property("stream", &HostDeviceComm::stream, &HostDeviceComm::setStream,
+                    "The caller's current stream: 0 (the null stream: calls run at once, "
+                    "the default) or a host stream 1 to 4.")
+      .def("hold", &HostDeviceComm::hold, py::arg("stream"), py::arg("ms"),
+           "For `ms` milliseconds, calls on `stream` ('comm', or 'caller': the current one) "
+           "queue instead of running, as on a busy GPU; then they run.")
+      .def_property_readonly("device_bytes", &HostDeviceComm::deviceBytes,
+                             "The bytes of this rank's IPC buffer (0 before setup, or staged).")
       .def_property_readonly("status", &HostDeviceComm::status)
       .def_property_readonly("devices", &HostDeviceComm::devices,
                              "Each rank's device index, as the IPC setup exchanged them.")

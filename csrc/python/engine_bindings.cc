@@ -303,6 +303,17 @@ void bindEngine(py::module_& m) {
           "receiver read straight from the sender's memory (CLAWCOMM_SINGLE_COPY); busy_us: "
           "microseconds the collectives of that kind ran, start to end.")
       .def(
+          "memory_stats",
+          [](const Communicator& c) {
+            py::dict out;
+            out["device_ipc_bytes"] = c.deviceBytes();
+            return out;
+          },
+          "Memory this communicator holds outside torch's allocators: device_ipc_bytes, the "
+          "device memory of its CUDA IPC buffers on this rank (each device's, from its first "
+          "call through CUDA IPC; CLAWCOMM_CUDA_IPC_BYTES, CLAWCOMM_CUDA_GRAPH_BYTES and "
+          "CLAWCOMM_CUDA_P2P_BYTES size them).")
+      .def(
           "all_reduce",
           [](Communicator& c, py::buffer buf, Op op, py::object dtype) {
             Buffer b = takeBuffer("all_reduce", "buffer", buf, true, dtype);

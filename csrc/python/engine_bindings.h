@@ -18,7 +18,7 @@ namespace clawcomm {
 void bindEngine(pybind11::module_& m);
 // The `compress` submodule (python/compress_bindings.cc).
 void bindCompress(pybind11::module_& m);
-// The `cuda` submodule (cuda/python_bindings.cc; CUDA builds only).
+// The `cuda` submodule (python/cuda_bindings.cc; CUDA builds only).
 void bindCuda(pybind11::module_& m);
 // `HostDeviceComm` and `HostGraph` (python/device_bindings.cc).
 void bindDevice(pybind11::module_& m);

@@ -18,8 +18,9 @@
 //      waits for its message never holds up a send, nor a message from
 //      another rank.
 //   3. Work::wait() makes the caller's current stream wait (the host does
-//      not; nothing to do when the call ran on that stream); synchronize()
-//      makes the host wait. Both, and isSuccess() and
+//      not; nothing to do when the call ran on that stream), and with a
+//      timeout the host too, at most that long; synchronize() makes the
+//      host wait. Both, and isSuccess() and
 //      exception(), report a launch that gave up (a timeout, an abort) as
 //      an error, and abort the communicator so every rank learns.
 #pragma once
@@ -43,13 +44,19 @@ namespace adapter {
 
 class DeviceWork : public c10d::Work {
  public:
-  DeviceWork(int rank, OpType type, TensorList outputs, device::TicketPtr ticket,
-             c10::Device device, c10::Stream ranOn)
-      : Work(rank, type),
-        outputs_(std::move(outputs)),
-        ticket_(std::move(ticket)),
-        device_(device),
-        ranOn_(ranOn) {}
+  // Made before its launch, so that torch.profiler's span for the op
+  // ("clawcomm:allreduce", as the CPU path's ClawcommWork opens it) covers
+  // it; attach() hands it the launch's ticket.
+  DeviceWork(int rank, OpType type, TensorList outputs, c10::Device device, c10::Stream ranOn)
+      : DeviceWork(rank, type, std::move(outputs), device, ranOn, at::hasCallbacks()) {}
+
+  // The launch was issued: the span ends here, as ProcessGroupNCCL's does
+  // (its future completes once the kernels are queued); the GPU's time is
+  // the kernels' own in the trace.
+  void attach(device::TicketPtr ticket) {
+    ticket_ = std::move(ticket);
+    if (recordFunctionEndCallback_) std::exchange(recordFunctionEndCallback_, nullptr)();
+  }
 
   bool isCompleted() override { return ticket_->done(); }
   bool isSuccess() const override { return !ticket_->error(); }
@@ -59,8 +66,14 @@ class DeviceWork : public c10d::Work {
     ticket_->waitHost();
     throwIfFailed();
   }
-  bool wait(std::chrono::milliseconds) override {
+  // Makes the caller's current stream wait (the host does not). With a
+  // timeout, the host also waits, at most that long, as the CPU path's
+  // Work and ProcessGroupNCCL's do, and an op still running then is an
+  // error.
+  bool wait(std::chrono::milliseconds timeout) override {
     ticket_->start();  // a receive through the rings launches when it is needed
+    throwIfFailed();
+    if (timeout != kNoTimeout && !ticket_->waitHostFor(timeout)) throwWaitTimedOut(timeout);
     throwIfFailed();
     c10::impl::VirtualGuardImpl impl(device_.type());
     const c10::Stream current = impl.getStream(device_);
@@ -87,6 +100,14 @@ class DeviceWork : public c10d::Work {
   void throwIfFailed() const {
     if (auto e = ticket_->error()) rethrowForTorch(e);
   }
+
+  DeviceWork(int rank, OpType type, TensorList outputs, c10::Device device, c10::Stream ranOn,
+             bool profiled)
+      : Work(rank, type, profiled ? profilingTitle(type) : nullptr,
+             profiled ? std::optional<TensorList>(outputs) : std::nullopt),
+        outputs_(std::move(outputs)),
+        device_(device),
+        ranOn_(ranOn) {}
 
   TensorList outputs_;
   device::TicketPtr ticket_;
@@ -288,8 +309,8 @@ class DevicePath {
     const c10::Device device = outputs[0].device();
     const c10::impl::VirtualGuardImpl impl(device.type());
     const c10::Stream caller = r.caller;
-    device::TicketPtr ticket;
     const c10::Stream ranOn = r.ranOn;
+    auto work = c10::make_intrusive<DeviceWork>(rank_, type, outputs, device, ranOn);
     try {
       if (after) {
         // By value: a receive runs it when it is launched, after this returns.
@@ -299,7 +320,7 @@ class DevicePath {
           after();
         };
       }
-      ticket = run(r.streams);
+      work->attach(run(r.streams));
       if (ranOn != caller) {
         // Once per storage: an in-place call touches its tensor twice.
         std::vector<const void*> seen;
@@ -315,7 +336,7 @@ class DevicePath {
     } catch (...) {
       rethrowForTorch(std::current_exception());
     }
-    return c10::make_intrusive<DeviceWork>(rank_, type, outputs, ticket, device, ranOn);
+    return work;
   }
 
   std::shared_ptr<Communicator> comm_;

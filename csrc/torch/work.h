@@ -146,6 +146,14 @@ inline const char* profilingTitle(OpType type) {
   }
 }
 
+// Work::wait(timeout) on an op still running when `timeout` passed (every
+// Work of the adapter says it so).
+[[noreturn]] inline void throwWaitTimedOut(std::chrono::milliseconds timeout) {
+  C10_THROW_ERROR(DistBackendError,
+                  c10::str("clawcomm: Work::wait timed out after ", timeout.count(),
+                           " ms; the operation is still running"));
+}
+
 class ClawcommWork : public c10d::Work {
  public:
   // With torch.profiler on, c10d's Work opens a span titled
@@ -162,9 +170,10 @@ class ClawcommWork : public c10d::Work {
 
   void attach(RequestPtr request) { request_ = std::move(request); }
 
-  // The future completes inside the engine's completion callback, a moment
-  // before the request is marked done: a completed future is a completed
-  // Work (its callbacks may ask).
+  // The future completes inside the engine's completion callback, where the
+  // request is already done (comm/request.h: its callbacks may ask, and
+  // wait); other threads see the request done a moment after the future:
+  // a completed future is a completed Work.
   bool isCompleted() override {
     return request_->isCompleted() || completion_->future->completed();
   }
@@ -181,11 +190,7 @@ class ClawcommWork : public c10d::Work {
   bool wait(std::chrono::milliseconds timeout) override {
     const bool done =
         request_->waitFor(timeout == kNoTimeout ? std::chrono::milliseconds(-1) : timeout);
-    if (!done) {
-      C10_THROW_ERROR(DistBackendError,
-                      c10::str("clawcomm: Work::wait timed out after ", timeout.count(),
-                               " ms; the operation is still running"));
-    }
+    if (!done) throwWaitTimedOut(timeout);
     if (auto e = request_->exception()) rethrowForTorch(e);
     // CUDA: the caller's current stream waits for the copies back to the
     // device (an event on the communicator's stream); the host does not.

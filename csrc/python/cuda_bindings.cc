@@ -3,6 +3,14 @@
 // integers (torch: tensor.data_ptr(), torch.cuda.current_stream().cuda_stream;
 // cupy: array.data.ptr, cupy.cuda.get_current_stream().ptr). Calls are
 // asynchronous on the stream and release the GIL.
+//
+// With the other bindings here, not in csrc/cuda/ (which holds CUDA code
+// only); setup.py compiles every csrc/python/ file, so a build without CUDA
+// compiles this one to nothing (the guard below), and module.cc calls
+// bindCuda only where it exists. tests/test_cuda_build.py compiles it with
+// CLAWCOMM_WITH_CUDA=1 against the CUDA headers.
+#if defined(CLAWCOMM_WITH_CUDA)
+
 #include <pybind11/pybind11.h>
 
 #include <string>
@@ -171,3 +179,5 @@ void bindCuda(py::module_& m) {
 }
 
 }  // namespace clawcomm
+
+#endif  // CLAWCOMM_WITH_CUDA
