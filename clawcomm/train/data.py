@@ -115,6 +115,29 @@ class Noise:
         return torch.ones(len(index), self.width), torch.zeros(len(index), dtype=torch.int64)
 
 
+def replica_rows(cfg, dp_rank: int) -> slice:
+    """Replica ``dp_rank``'s rows of each effective batch."""
+    per = cfg.effective_batch // cfg.dp
+    return slice(dp_rank * per, (dp_rank + 1) * per)
+
+
+def rounds(cfg, dp_rank: int, x, y, whole: bool, inputs: bool, targets: bool, device):
+    """(accumulation round, its micro-batches' inputs or None, targets or
+    None) of replica ``dp_rank``'s slice of a batch (``whole``: ``x`` and
+    ``y`` are the effective batch; else the replica's slice), on ``device``:
+    the cut every layout makes, replica, then round, then micro-batch."""
+    per_replica = cfg.effective_batch // cfg.dp
+    lo = dp_rank * per_replica if whole else 0
+
+    def cut(t, a: int):
+        rows = slice(lo + a * per_replica // cfg.accumulation,
+                     lo + (a + 1) * per_replica // cfg.accumulation)  # fmt: skip
+        return list(t[rows].to(device, non_blocking=True).chunk(cfg.microbatches))
+
+    for a in range(cfg.accumulation):
+        yield a, cut(x, a) if inputs else None, cut(y, a) if targets else None
+
+
 def step_indices(n: int, batch: int, seed: int, step: int) -> torch.Tensor:
     """The ``batch`` sample indices of ``step``, drawn uniformly from
     [0, n) with a generator seeded from seed and step: the one draw every

@@ -60,6 +60,7 @@ from clawcomm.pipeline.validate import validate
 from clawcomm.pipeline.weight_grad import split_linear_backward
 from clawcomm.train import trace
 from clawcomm.train.config import TrainConfig
+from clawcomm.train.data import replica_rows, rounds
 from clawcomm.train.device import for_rank as device_for_rank
 from clawcomm.train.device import keep_heap, peak_mb, reset_peak
 from clawcomm.train.energy import StepEnergy
@@ -331,28 +332,14 @@ class Trainer:
     def data_rows(self) -> tuple[slice, bool]:
         """This replica's rows of each effective batch, and whether this rank
         reads them (its stages take the inputs or the targets)."""
-        per = self.cfg.effective_batch // self.cfg.dp
-        lo = self.grid.dp_rank * per
-        return slice(lo, lo + per), bool({0, self.cfg.num_stages - 1} & set(self.local))
+        reads = bool({0, self.cfg.num_stages - 1} & set(self.local))
+        return replica_rows(self.cfg, self.grid.dp_rank), reads
 
     def rounds(self, x, y, whole: bool):
-        """(accumulation round, its micro-batches' inputs or None, targets or
-        None) of this replica's slice of a batch (``whole``: of the
-        effective batch; else ``x`` and ``y`` are the slice), on the device."""
-        cfg = self.cfg
-        per_replica = cfg.effective_batch // cfg.dp
-        lo = self.grid.dp_rank * per_replica if whole else 0
-        has_first, has_last = 0 in self.local, cfg.num_stages - 1 in self.local
-
-        def cut(t, a: int):
-            rows = slice(
-                lo + a * per_replica // cfg.accumulation,
-                lo + (a + 1) * per_replica // cfg.accumulation,
-            )
-            return list(t[rows].to(self.device, non_blocking=True).chunk(cfg.microbatches))
-
-        for a in range(cfg.accumulation):
-            yield a, cut(x, a) if has_first else None, cut(y, a) if has_last else None
+        """``data.rounds`` for this rank: its replica's slice, with the
+        inputs where it holds the first stage and the targets where the last."""
+        first, last = 0 in self.local, self.cfg.num_stages - 1 in self.local
+        return rounds(self.cfg, self.grid.dp_rank, x, y, whole, first, last, self.device)
 
     def _run_pipeline(self, x, y, loss_scale: float, whole: bool) -> tuple[PipelineTotals, list]:
         """The replica's slice through the schedule, once per accumulation
