@@ -152,7 +152,8 @@ class build_ext(Base):
     kind of build (setuptools gives an editable install a fresh temporary
     folder each time), and ninja decides what to recompile: a second
     ``pip install -e .``, or a wheel built after it, compiles only what
-    changed. ``force``: the extension is always handed to ninja and linked
+    changed (a build for another environment, whose include paths differ,
+    compiles everything again). ``force``: the extension is always handed to ninja and linked
     again, since setuptools' own check looks at the .cc files' dates alone,
     not the headers', and would keep a stale module.
 
