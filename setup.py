@@ -24,6 +24,8 @@ import glob
 import os
 import shutil
 import subprocess
+import sys
+import sysconfig
 
 from setuptools import Extension, setup
 
@@ -144,7 +146,32 @@ if Base is None:
 
 
 class build_ext(Base):
-    """Gives ``_C`` a soname and links ``_C_torch`` against it."""
+    """Gives ``_C`` a soname and links ``_C_torch`` against it.
+
+    Objects are kept in one folder, build/temp.PLATFORM-PYTHON/, for every
+    kind of build (setuptools gives an editable install a fresh temporary
+    folder each time), and ninja decides what to recompile: a second
+    ``pip install -e .``, or a wheel built after it, compiles only what
+    changed (a build for another environment, whose include paths differ,
+    compiles everything again). ``force``: the extension is always handed to ninja and linked
+    again, since setuptools' own check looks at the .cc files' dates alone,
+    not the headers', and would keep a stale module.
+
+    A wheel or a plain ``pip install .`` links its modules without debug
+    information (Python's CFLAGS compile with -g: 67 MB of modules, against
+    3.5 MB stripped); an editable or in-place build keeps it for gdb, as does
+    ``build_ext --debug``.
+    """
+
+    def finalize_options(self):
+        chosen_temp = self.build_temp  # --build-temp given on the command line
+        super().finalize_options()
+        if chosen_temp is None:
+            tag = f"{sysconfig.get_platform()}-{sys.implementation.cache_tag}"
+            self.build_temp = os.path.join(HERE, "build", f"temp.{tag}")
+        self.force = True
+        # Read here: run() clears inplace while it builds.
+        self.strip_debug = not (self.inplace or self.debug)
 
     def build_extension(self, ext):
         if ext.name == "clawcomm._C":
@@ -152,6 +179,8 @@ class build_ext(Base):
             ext.extra_link_args = [f"-Wl,-soname,{soname}"]
         elif ext.name == "clawcomm._C_torch":
             ext.extra_link_args = [self.get_ext_fullpath("clawcomm._C"), "-Wl,-rpath,$ORIGIN"]
+        if self.strip_debug:
+            ext.extra_link_args.append("-Wl,--strip-debug")
         super().build_extension(ext)
         if ext.name == "clawcomm._C":
             check_libstdcxx_is_shared(self.get_ext_fullpath(ext.name))
