@@ -10,7 +10,7 @@ Each run is ``clawcomm train --chakra DIR`` under torchrun on two network
 namespaces (clawcomm.launch.netns) whose links are limited to --rate; its
 last step becomes a Chakra trace (one file per rank), which
 ``clawcomm simulate --chakra DIR`` replays with the cost model calibrated
-on the same links (--model; bench/model_validation.py made the default one
+on the same links (--cost-model; bench/model_validation.py made the default one
 at 1 Gbit/s). The replay is compared with the step the trace recorded and
 with the run's median step (second half), then projected with every
 data-parallel group over 64 and 512 hosts (weak scaling: the work per rank
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--rate", default="1gbit", help="each host's link, tc syntax")
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--model", default="bench/results/model_validation/model.json")
+    p.add_argument("--cost-model", default="bench/results/model_validation/model.json")
     p.add_argument("--keep", metavar="DIR", help="copy each run's trace to DIR/<run>/")
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args(argv)
@@ -58,12 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         print(f"chakra_validation: {why}", file=sys.stderr)
         return 2
-    model = CostModel.load(args.model)
+    model = CostModel.load(args.cost_model)
     work = tempfile.mkdtemp(prefix="clawcomm-chakra-")
     atexit.register(shutil.rmtree, work, True)  # (--keep copies what is worth keeping)
     rows = []
     print(f"# dp 2 x pp 2 (1f1b), 2 hosts x 2 ranks, links {args.rate}, {args.steps} steps; "
-          f"model {args.model}")  # fmt: skip
+          f"cost model {args.cost_model}")  # fmt: skip
     head = f"# {'run':<10}{'measured':>10}{'median':>9}{'replayed':>10}{'error':>8}"
     print(head + "".join(f"{f'{h} hosts':>11}" for h in PROJECT) + "   (step, ms)")
     with Cluster(2, rate=args.rate) as cluster:

@@ -1,10 +1,10 @@
 """``clawcomm simulate``: what clawcomm's collectives would take on a cluster
 you do not have, from a model file (``clawcomm bench --calibrate``).
 
-    clawcomm simulate --model model.json --hosts 128 --ranks-per-host 8 --size 1G
+    clawcomm simulate --cost-model model.json --hosts 128 --ranks-per-host 8 --size 1G
     clawcomm simulate --hosts 2 --ranks-per-host 4 --size 64M --check    # + the event simulator
     clawcomm simulate --hosts 64 --ranks-per-host 8 --params 1.3G --compression fp16 --overlap 0.5
-    clawcomm simulate --chakra DIR --model model.json [--project-hosts 64,512]
+    clawcomm simulate --chakra DIR --cost-model model.json [--project-hosts 64,512]
 
 Prints the nccl-tests table it predicts (time, algbw, busbw; for the
 all-reduce every algorithm and the one ``CLAWCOMM_ALGO=auto`` picks), the
@@ -36,7 +36,9 @@ COLLECTIVES = list(ALGORITHMS)
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", metavar="FILE", help="a model file (default: the engine's defaults)")
+    p.add_argument("--cost-model", metavar="FILE",
+                   help="a calibrated cost model (clawcomm bench --calibrate; default: the "
+                        "engine's)")  # fmt: skip
     p.add_argument("--hosts", type=int, default=2)
     p.add_argument("--ranks-per-host", type=int, default=8)
     p.add_argument("--size", type=parse_size, default=1 << 30, help="largest size (1G)")
@@ -210,7 +212,7 @@ def run_chakra(args, model: CostModel) -> int:
     nodes = sum(map(len, trace.ranks.values()))
     print(
         f"# clawcomm simulate --chakra {args.chakra}: {len(trace.ranks)} ranks ({where}), "
-        f"{nodes} nodes, model {args.model or 'default'}"
+        f"{nodes} nodes, cost model {args.cost_model or 'default'}"
     )
     print(chakra_replay.report(results[0]))
     for h in projections:
@@ -237,7 +239,7 @@ def run_chakra(args, model: CostModel) -> int:
 
 def run(args) -> int:
     try:
-        model = CostModel.load(args.model) if args.model else CostModel()
+        model = CostModel.load(args.cost_model) if args.cost_model else CostModel()
         outputs.check("--json", args.json)
         outputs.check("--plot", args.plot)
     except (OSError, ValueError) as e:  # (an outputs.OutputError too)
@@ -268,9 +270,9 @@ def run(args) -> int:
     except (OSError, ValueError) as e:
         print(f"clawcomm simulate: error: {e}", file=sys.stderr)
         return 2
-    source = args.model or "the engine's default model"
+    source = args.cost_model or "the engine's default"
     print(f"# clawcomm simulate: {args.hosts} hosts x {args.ranks_per_host} ranks = "
-          f"{topology.size} ranks, model {source}")  # fmt: skip
+          f"{topology.size} ranks, cost model {source}")  # fmt: skip
     print(f"# links: shm {1 / model.shm_beta / 1e9:.2f} GB/s + {model.shm_alpha * 1e6:.1f} us, "
           f"network {1 / model.net_beta / 1e9:.3f} GB/s + {model.net_alpha * 1e6:.1f} us, "
           f"reduction {1 / model.gamma / 1e9:.2f} GB/s")  # fmt: skip
