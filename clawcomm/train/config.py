@@ -131,9 +131,10 @@ class TrainConfig:
         None,
         "zero 3: free each layer's gathered parameters after every forward and regather them "
         "for its backward (less memory, more all-gathers); --no-reshard-after-forward keeps them "
-        "across the round's micro-batches. Default: on at pp 1, so that --zero 3 always holds "
-        "less than --zero 0 (as FSDP2 does), off at pp > 1, where every micro-batch of a round "
-        "uses every layer and regathering would multiply the all-gathers (as torchtitan does)",
+        "across the round's micro-batches. Default: on at pp 1, so that --zero 3 holds less "
+        "than --zero 0 (its shard and about two layers, as FSDP2 does), off at pp > 1, where "
+        "every micro-batch of a round uses every layer and regathering would multiply the "
+        "all-gathers (as torchtitan does)",
         kind=bool,
         default_text="auto",
     )
