@@ -19,7 +19,14 @@ class GradBucket:
     ``flat`` shaped like the parameter.
     """
 
-    def __init__(self, index: int, params: list[int], tensors: list[torch.Tensor], shards: int = 0):
+    def __init__(
+        self,
+        index: int,
+        params: list[int],
+        tensors: list[torch.Tensor],
+        shards: int = 0,
+        allocate: bool = True,
+    ):
         self.index = index
         self.params = params
         dtype, device = tensors[0].dtype, tensors[0].device
@@ -40,17 +47,36 @@ class GradBucket:
             self.offsets.append(offset)
             offset += t.numel()
         self.flat: torch.Tensor | None = None
-        self.views: list[torch.Tensor | None] = []
-        self.allocate()
+        self.views: list[torch.Tensor | None] = [None] * len(params)
+        if allocate:  # (else made when needed: ZeRO-2 and 3)
+            self.allocate()
         self.pending = len(params)  # gradients not yet ready this step
 
     def allocate(self) -> None:
         """A zeroed flat buffer and the views over it."""
-        self.flat = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
+        self.flat = self.zeros()
         self.views = [
             self.flat[o : o + shape.numel()].view(shape)
             for o, shape in zip(self.offsets, self.shapes, strict=True)
         ]
+
+    def part(self) -> torch.Tensor:
+        """This rank's part of a sharded bucket's gradient (``shard_grad``),
+        made (zeroed) if it is not yet."""
+        if self.shard_grad is None:
+            self.shard_grad = torch.zeros(self.shard, dtype=self.dtype, device=self.device)
+        return self.shard_grad
+
+    def free_part(self) -> None:
+        """Lets go of the part's storage (a bucket layout replaced: the old
+        shards hold the part as their ``.grad`` until they are laid out anew)."""
+        if self.shard_grad is not None:
+            free_storage(self.shard_grad)
+
+    def zeros(self) -> torch.Tensor:
+        """A zeroed tensor laid out as ``flat`` (an error-feedback residual,
+        for one), whether or not the bucket holds its buffer now."""
+        return torch.zeros(self.padded, dtype=self.dtype, device=self.device)
 
     def release(self) -> None:
         """Lets go of the flat buffer (ZeRO-2, between steps)."""
@@ -217,8 +243,9 @@ class BucketBuffers:
         self._peak = max(self._peak, self.grad_bytes())
 
     def _collect(self, b: GradBucket) -> None:
-        """ZeRO-3: bucket ``b``'s full buffer, made from its parameters'
-        gradients (autograd's own tensors until its launch), which go."""
+        """ZeRO-2 and 3: bucket ``b``'s full buffer, made from its
+        parameters' gradients (autograd's own tensors, or views of a buffer
+        of the old bucket layout, until its launch), which go."""
         b.allocate()
         for i, view in zip(b.params, b.views, strict=True):
             g = self.params[i].grad
@@ -259,3 +286,20 @@ class BucketBuffers:
 def _adoptable(g: torch.Tensor, p: torch.Tensor) -> bool:
     """Whether gradient ``g`` can serve as its bucket's buffer as it is."""
     return g.is_contiguous() and g.dtype == p.dtype and g.device == p.device and g.shape == p.shape
+
+
+def holds_storage(t: torch.Tensor) -> bool:
+    """Whether a buffer holds storage (ZeRO-3 frees its parameters' between uses)."""
+    return t.untyped_storage().nbytes() > 0
+
+
+def free_storage(t: torch.Tensor) -> None:
+    """Lets go of a tensor's storage, keeping the tensor (and the views of
+    it, such as parameters) to be given storage again (``restore_storage``)."""
+    t.untyped_storage().resize_(0)
+
+
+def restore_storage(t: torch.Tensor) -> None:
+    """Gives a freed tensor its storage back (uninitialised)."""
+    if not holds_storage(t):
+        t.untyped_storage().resize_(t.numel() * t.element_size())

@@ -24,7 +24,11 @@ padded to a multiple of the group's size, and once the order is learned
 each bucket is reduce-scattered (AVG) into ``bucket.shard_grad``, this
 rank's part: ``clawcomm.parallel.zero.ZeroShards`` steps the optimizer on
 those parts and all-gathers the parameters. The first step, which learns
-the order, all-reduces and keeps each rank's part of the result.
+the order, launches nothing before ``finish``: there it learns first and
+then reduce-scatters over the bucket layout it learned, as later steps do
+(at ZeRO-2 and 3 one bucket at a time, each full buffer and part made as
+it launches, from the gradients as they are: the whole gradient is held
+once, as at ZeRO-0).
 ``zero=2`` (ZeRO-2; and 3, whose parameters ``clawcomm.parallel.zero3``
 handles) keeps gradients as those parts only, but while a
 pipeline round's backward runs: the full buffers come at its first backward
@@ -150,13 +154,18 @@ class GradReducer(BucketBuffers):
             order, self.params, self.cap_bytes, self.first_cap_bytes, kind=self._kind
         )
         n = self.world_size
-        self.buckets = [
-            GradBucket(b, idx, [self.params[i] for i in idx], n if self.sharded(idx[0]) else 0)
-            for b, idx in enumerate(groups)
-        ]
+        # ZeRO-2 and 3, once learned: a sharded bucket's full buffer is made
+        # when it is needed (ZeRO-2: the round's first backward action;
+        # ZeRO-3: its launch), from the gradients as they are then.
+        later = self.learned and self.zero >= 2
+        self.buckets = []
+        for b, idx in enumerate(groups):
+            sharded, tensors = self.sharded(idx[0]), [self.params[i] for i in idx]
+            bucket = GradBucket(b, idx, tensors, n if sharded else 0, not (later and sharded))
+            self.buckets.append(bucket)
         for bucket in self.buckets:
-            if bucket.shards:
-                bucket.shard_grad = bucket.flat.new_zeros(bucket.shard)
+            if bucket.shards and not later:  # (else made as it launches: see finish)
+                bucket.part()
             # What lies in each bucket, for compressors that work per matrix (PowerSGD).
             self.compression_state.shapes[bucket.index] = list(bucket.shapes)
         self.buckets_version += 1
@@ -180,16 +189,19 @@ class GradReducer(BucketBuffers):
         for i, p in enumerate(self.params):
             old_bucket, s = old_slot[i]
             bucket, t = self.slot[i]
-            if old_bucket.views[s] is not None:  # not released (ZeRO-2)
-                bucket.views[t].copy_(old_bucket.views[s])
-            if p.grad is not None:
-                p.grad = bucket.views[t]
+            if bucket.flat is not None:  # (else made from p.grad when needed: ZeRO-2, 3)
+                if old_bucket.views[s] is not None:  # not released (ZeRO-2)
+                    bucket.views[t].copy_(old_bucket.views[s])
+                if p.grad is not None:
+                    p.grad = bucket.views[t]
             for kind, buffers in kinds.items():
                 was = old[kind].get(old_bucket.index)
                 if was is not None:
                     if bucket.index not in buffers:
-                        buffers[bucket.index] = torch.zeros_like(bucket.flat)
+                        buffers[bucket.index] = bucket.zeros()
                     bucket.segment(buffers[bucket.index], t).copy_(old_bucket.segment(was, s))
+        for bucket in {id(b): b for b, _ in old_slot.values()}.values():
+            bucket.free_part()
         self.reset()
 
     # ---- one step -------------------------------------------------------------
@@ -205,7 +217,7 @@ class GradReducer(BucketBuffers):
         """Parameter i's gradient got ``count`` of its expected final marks."""
         bucket, _ = self.slot[i]
         bucket.pending -= count
-        if self.overlap:
+        if self.overlap and (self.learned or not self.zero):  # (a sharded first step: finish)
             self._launch_in_order()
 
     def set_overlap(self, on: bool) -> None:
@@ -340,16 +352,26 @@ class GradReducer(BucketBuffers):
         """Ends the step: launches what is left, waits for every bucket, and
         after the first step learns. Returns the seconds it waited."""
         t0 = time.perf_counter()
+        if self.zero and not self.learned:
+            # A sharded first step launched nothing (``ready``): learn first,
+            # so that it reduce-scatters over the bucket layout it learned,
+            # as later steps do. At ZeRO-2 and 3 each bucket's full buffer
+            # and part are made as it launches, from the gradients as they
+            # are, and the buffer goes before the next is made: the whole
+            # gradient is held once, and no more.
+            self.learn()
+            while self.zero >= 2 and self._next_launch < len(self.buckets):
+                bucket = self.buckets[self._next_launch]
+                self._next_launch += 1
+                self._launch(bucket)
+                self.wait()
+                if bucket.shards:
+                    bucket.release()
         self.launch_all()
         self.wait()
         waited = time.perf_counter() - t0
         if not self.learned:
             self.learn()  # from this step's marks, before end_step clears them
-            if self.zero:  # this step all-reduced: each rank keeps its shard
-                k = dist.get_rank(self.group)
-                for b in self.buckets:
-                    if b.shards:
-                        b.shard_grad.copy_(b.flat[k * b.shard : (k + 1) * b.shard])
         self.peak_grad_bytes = max(self._peak, self.grad_bytes())
         self._peak, self._in_flight = 0, []
         if self.zero >= 2:
@@ -393,6 +415,9 @@ class GradReducer(BucketBuffers):
             self.learned = True
             self.overlap = self._overlap_after
             self.rebuild(state["order"])
+            for b in self.buckets:  # (the shards take them as their gradients)
+                if b.shards:
+                    b.part()
         self.compression_state.step = int(state["compression_step"])
         self.compression_state.calls = dict(state["calls"])
         device = self.buckets[0].device if self.buckets else "cpu"
@@ -419,13 +444,13 @@ class GradReducer(BucketBuffers):
 
     def _launch(self, bucket: GradBucket) -> None:
         sharded = bucket.shards and self.learned
-        lazy = sharded and self.zero == 3  # the buffer made now, and let go once launched
-        if lazy and bucket.flat is None:
+        lazy = sharded and self.zero == 3  # the buffer let go once launched
+        if bucket.shards and bucket.flat is None:  # made now (ZeRO-2, 3)
             self._collect(bucket)
         flat = bucket.flat
         into = None
         if sharded:  # into the part, or (a later round) added into it after
-            out = bucket.shard_grad
+            out = bucket.part()
             if not self._fresh_shards:
                 if bucket.scratch is None:
                     bucket.scratch = torch.empty_like(bucket.shard_grad)

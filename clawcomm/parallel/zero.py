@@ -26,6 +26,11 @@ How it works:
 - ``all_gather`` gathers each bucket's slices back into its buffer, which
   updates every parameter (the padding stays zero: zero gradient, zero
   weight).
+- At ZeRO-3 (``frees``) a buffer holds storage only while its layer is
+  gathered (``clawcomm.parallel.zero3``). ``build`` then takes each shard
+  from the parameters directly, and when the reducer lays its buckets out
+  anew (the first step's learned order), from the old shards, gathering
+  one old bucket at a time: no step holds the whole model.
 - The optimizer must be elementwise (SGD, Adam, AdamW: a state tensor per
   element, updated from that element alone): one that looks across a
   tensor (LAMB's trust ratio, Adafactor's factored moments) would see a
@@ -51,6 +56,7 @@ from torch import nn
 
 from clawcomm._torch_names import all_gather_single
 from clawcomm.compression.quantized import dequantize, quantize
+from clawcomm.parallel.buckets import free_storage, restore_storage
 from clawcomm.parallel.reducer import GradReducer
 
 MASTER = "zero_master"  # optimizer-state key of the float32 weights (param_compression)
@@ -82,19 +88,21 @@ class ZeroShards:
     """The parameter side of the reducer's sharded buckets (see the module
     docstring)."""
 
-    def __init__(
-        self, reducer: GradReducer, param_compression: str = "none", separate: bool = False
-    ):
+    def __init__(self, reducer: GradReducer, param_compression: str = "none"):
         if param_compression not in ("none", "int8", *_WIRES):
             raise ValueError(
                 f"ZeroShards: param_compression must be none, fp16, bf16 or int8, not "
                 f"{param_compression!r}"
             )
         self.codec = None if param_compression == "none" else param_compression
+        # ZeRO-3: a bucket's flat parameters hold storage only while gathered
+        # (clawcomm.parallel.zero3 gathers and frees them by layer).
+        self.frees = reducer.zero == 3
         # Each shard in storage of its own, not a view of its bucket's flat
         # parameters (ZeRO-3 frees those between uses; compressed gathers
         # keep float32 masters apart from the decoded weights).
-        self.separate = separate or self.codec is not None
+        self.separate = self.frees or self.codec is not None
+        self.peak_bytes = 0  # the most parameter bytes held since reset_peak
         self._encoded: dict[int, list[torch.Tensor]] = {}  # bucket -> this step's wire parts
         self.reducer = reducer
         self.group = reducer.group
@@ -102,20 +110,28 @@ class ZeroShards:
         self.k = dist.get_rank(reducer.group)
         self.entries: list[tuple] = []  # (bucket, flat parameters, shard)
         self.replicated: list[torch.Tensor] = []
-        self._version = -1
+        self._version = -1  # the reducer's bucket layout the shards were built over
+        self.builds = 0  # how many times they were (each build makes new buffers)
         self._loaded: dict | None = None
 
     def ready(self, optimizer, make_optimizer):
         """The optimizer to step: ``optimizer`` while the bucket layout holds, else
         ``make_optimizer`` over freshly laid-out shards, with the state
-        carried over (or the state ``load`` was given) and the same LRs."""
+        carried over (or the state ``load`` was given) and the same LRs.
+        At ZeRO-3 a new bucket layout (the first step's learned order) is
+        built from the old one's shards (``build(from_shards=True)``)."""
         if not self.stale():
             return optimizer
+        old = self.entries
+        moved = self.frees and self._loaded is None and bool(old)
         state = self._loaded
-        if state is None and self.entries:
-            state = self.full_state(optimizer)
+        if state is None and old:
+            # (Whole, if there is any: a new bucket layout comes in the first
+            # step, before the optimizer's first. Moved shards carry their
+            # float32 masters themselves.)
+            state = self.full_state(optimizer, masters=not moved)
         lrs = [g["lr"] for g in optimizer.param_groups]
-        optimizer = make_optimizer(self.build())
+        optimizer = make_optimizer(self.build(from_shards=moved))
         for g, lr in zip(optimizer.param_groups, lrs, strict=False):
             g["lr"] = lr
         if state:
@@ -141,29 +157,89 @@ class ZeroShards:
         was none yet)."""
         return self._version != self.reducer.buckets_version
 
-    def build(self) -> list[torch.Tensor]:
+    def build(self, from_shards: bool = False) -> list[torch.Tensor]:
         """Lays the parameters out over the reducer's buckets and returns
         what the optimizer steps: this rank's shards, then the replicated
-        parameters."""
+        parameters. Bucket by bucket, each parameter read as it is (at
+        construction; after a load, which wrote it whole) or, with
+        ``from_shards``, from the old bucket layout's shards, each old
+        bucket gathered (float32, exactly) when a new one first needs it.
+        At ZeRO-3 (``frees``) a new bucket's buffer is never filled (its
+        shard takes its part of each parameter), and each old bucket is
+        freed, with its shard, once every parameter has left it: as the
+        reducer's buckets never span two layers, at most one layer's old
+        buffers are whole at once beside the shards, never the model."""
         r = self.reducer
-        self.entries = []
+        old, self.entries = self.entries, []
+        source: dict[int, tuple] = {}  # parameter -> its old entry
+        left: dict[int, int] = {}  # old bucket -> its parameters not laid out anew yet
+        gathered: set[int] = set()
+        for entry in old:
+            left[entry[0].index] = len(entry[0].params)
+            for i in entry[0].params:
+                source[id(r.params[i])] = entry
         for bucket in r.buckets:
             if not bucket.shards:
                 continue
-            flat = torch.zeros(bucket.padded, dtype=bucket.dtype, device=bucket.device)
-            for i, offset in zip(bucket.params, bucket.offsets, strict=True):
-                p = r.params[i]
-                view = flat[offset : offset + p.numel()].view_as(p)
-                view.copy_(p.detach())
-                p.data = view
-            lo = self.k * bucket.shard
-            own = flat[lo : lo + bucket.shard]
-            shard = nn.Parameter(own.detach().clone() if self.separate else own)
+            froms: dict[int, tuple] = {}  # old bucket -> its entry, for this bucket's parameters
+            for i in bucket.params:
+                entry = source.get(id(r.params[i]))
+                if entry is not None:
+                    froms.setdefault(entry[0].index, entry)
+                    left[entry[0].index] -= 1
+            for b, entry in froms.items():
+                if from_shards and b not in gathered:
+                    gathered.add(b)
+                    self._gather_exact(entry)
+            flat, shard = self._lay_out(bucket)
             shard.grad = bucket.shard_grad
             self.entries.append((bucket, flat, shard))
+            self.note_peak(self._bytes(old))
+            for b, entry in froms.items():
+                if self.frees and left[b] == 0:  # every parameter left it
+                    free_storage(entry[1])
+                    if from_shards:
+                        free_storage(entry[2])
+                        entry[2].grad = None
+        self._encoded = {}  # (by bucket index: the old bucket layout's)
         self.replicated = [p for i, p in enumerate(r.params) if not r.sharded(i)]
         self._version = r.buckets_version
+        self.builds += 1
         return self.tensors()
+
+    def _lay_out(self, bucket) -> tuple[torch.Tensor, nn.Parameter]:
+        """One bucket's flat parameters, with its parameters made views of
+        it, and this rank's shard, from the parameters' values now. At
+        ZeRO-3 the buffer's storage goes as soon as the views exist: the
+        shard takes its part of each parameter directly."""
+        params = [self.reducer.params[i] for i in bucket.params]
+        lo, hi = self.k * bucket.shard, (self.k + 1) * bucket.shard
+        make = torch.empty if self.frees else torch.zeros
+        flat = make(bucket.padded, dtype=bucket.dtype, device=bucket.device)
+        offsets = bucket.offsets
+        views = [flat[o : o + p.numel()].view_as(p) for p, o in zip(params, offsets, strict=True)]
+        if not self.frees:
+            for p, view in zip(params, views, strict=True):
+                view.copy_(p.detach())
+                p.data = view
+            own = flat[lo:hi]
+            return flat, nn.Parameter(own.detach().clone() if self.separate else own)
+        free_storage(flat)
+        own = torch.zeros(bucket.shard, dtype=bucket.dtype, device=bucket.device)
+        for p, o, view in zip(params, offsets, views, strict=True):
+            a, b = max(lo, o), min(hi, o + p.numel())
+            if a < b:
+                own[a - lo : b - lo] = p.detach().reshape(-1)[a - o : b - o]
+            p.data = view
+        return flat, nn.Parameter(own)
+
+    def _gather_exact(self, entry) -> None:
+        """One old bucket's float32 shards, uncompressed, into its flat
+        parameters (``build(from_shards=True)``: the masters move as they
+        are, whatever the gathers send)."""
+        bucket, flat, shard = entry
+        restore_storage(flat)
+        all_gather_single(flat, shard.detach(), self.group)
 
     def tensors(self) -> list[torch.Tensor]:
         """What the optimizer steps (``build``'s list)."""
@@ -212,10 +288,22 @@ class ZeroShards:
         """The bytes of parameters this rank holds now: the flat buffers
         (ZeRO-3: those gathered), the shards kept apart and the replicated
         parameters."""
-        held = sum(flat.untyped_storage().nbytes() for _, flat, _ in self.entries)
+        replicated = sum(p.numel() * p.element_size() for p in self.replicated)
+        return self._bytes(self.entries) + replicated
+
+    def _bytes(self, entries) -> int:
+        held = sum(flat.untyped_storage().nbytes() for _, flat, _ in entries)
         if self.separate:
-            held += sum(s.numel() * s.element_size() for _, _, s in self.entries)
-        return held + sum(p.numel() * p.element_size() for p in self.replicated)
+            held += sum(s.untyped_storage().nbytes() for _, _, s in entries)
+        return held
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.param_bytes()
+
+    def note_peak(self, besides: int = 0) -> None:
+        """Notes what is held now (and ``besides``: an old bucket layout's
+        buffers not freed yet) for ``peak_bytes``."""
+        self.peak_bytes = max(self.peak_bytes, self.param_bytes() + besides)
 
     def _encode(self, master: torch.Tensor) -> list[torch.Tensor]:
         if self.codec in _WIRES:
@@ -245,14 +333,15 @@ class ZeroShards:
                 total += p.grad.double().square().sum().cpu()
         return float(total)
 
-    def full_state(self, optimizer) -> dict:
+    def full_state(self, optimizer, masters: bool = True) -> dict:
         """{parameter: {key: whole state tensor}} for every parameter of the
-        reducer (collective over the group: every rank calls it)."""
+        reducer (collective over the group: every rank calls it); with
+        ``param_compression`` and ``masters``, the float32 weights too."""
         out: dict = {p: dict(optimizer.state.get(p, {})) for p in self.replicated}
         r = self.reducer
         for bucket, _, shard in self.entries:
             state = dict(optimizer.state.get(shard, {}))
-            if self.codec:
+            if self.codec and masters:
                 state[MASTER] = shard.detach()
             for key in sorted(state):
                 v = state[key]

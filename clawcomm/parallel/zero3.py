@@ -2,7 +2,8 @@
 stage 3: parameters / dp as well as gradients and optimizer state); and, at
 stages 1 and 2, the next forward waiting only for the buckets it needs.
 
-    units = ParamUnits(shards, stages, last_backward, group=params_dp_group)
+    units = ParamUnits(shards, stages, last_backward, group=params_dp_group,
+                       reshard_after_forward=True)
     executor.run(..., tracker=Trackers(reducer, units))   # gathers and frees by action
     ... optimizer.step(); units.updated()                # shards stepped: all freed
 
@@ -20,27 +21,30 @@ How it works:
   stage prefetched, asynchronously), and, if it was freed meanwhile, when
   the gradient of its output arrives in backward (a hook on the output;
   the unit before it prefetched).
-- When it is freed is the action list's to say. By default a unit stays
-  gathered from its first use in an accumulation round to the end of its
-  stage's last backward action in that round (under pipelining every
-  micro-batch uses every layer, and regathering for each would multiply
-  the all-gathers by the micro-batches; torchtitan keeps them too).
-  ``reshard_after_forward`` frees a unit after each forward and, in
+- When it is freed is the action list's to say. ``reshard_after_forward``
+  (the trainer's default at pp 1) frees a unit after each forward and, in
   backward, once backward has reached the unit before it (whose input
-  gradient needs every node through this unit), as FSDP does.
+  gradient needs every node through this unit), as FSDP does: the shards
+  and about two layers are held. Without it a unit stays gathered from its
+  first use in an accumulation round to the end of its stage's last
+  backward action in that round (under pipelining every micro-batch uses
+  every layer, and regathering for each would multiply the all-gathers by
+  the micro-batches; torchtitan keeps them too).
 - The gathers run on the reducer's group, from the thread that runs the
   schedule (autograd's hooks included), so every rank issues them and the
   reductions in one order; where the reducer issues collectives from a
   thread of its own (compressed, overlapped), on a group of their own
   (``group``: the same ranks), so that the two never interleave.
-- The parameters are sharded from the start (``Trainer`` builds the
-  shards at once, over the reducer's first bucket layout). When the
-  bucket layout changes (the first step's learned order, or a load) the
-  parameters are gathered whole, stay so, and the hooks do nothing, until
-  the new bucket layout is built (and the first step, which learns, holds the whole gradient).
+- The parameters are sharded from the start: ``Trainer`` builds the shards
+  at once, over the reducer's first bucket layout, and the first step
+  gathers and frees by unit as every step does. When the first step's
+  learned order changes the bucket layout, the shards are laid out anew from
+  the old ones a bucket at a time (``ZeroShards.build``): a layer's old
+  buffers are gathered, never the model. A load writes whole parameters
+  (``unshard``) and the shards are laid out from them at once.
 - The gradients: each bucket's full buffer is made as it launches, from
   autograd's gradients, and let go once reduce-scattered (the reducer).
-- At stages 1 and 2 (``frees=False``) the parameters stay whole: after the
+- At stages 1 and 2 (``shards.frees`` False) the parameters stay whole: after the
   optimizer's step every bucket's gather starts at once, in forward order,
   and each layer's forward pre-hook waits for its own buckets only.
 """
@@ -52,6 +56,7 @@ import contextlib
 import torch
 from torch import nn
 
+from clawcomm.parallel.buckets import free_storage, holds_storage, restore_storage
 from clawcomm.parallel.zero import ZeroShards
 
 
@@ -95,28 +100,26 @@ class ParamUnits:
         last_backward: dict,
         group=None,
         reshard_after_forward: bool = False,
-        frees: bool = True,
     ):
         self.shards = shards
         self.group = group
         self.reshard = reshard_after_forward
         # False at stages 1 and 2: the parameters stay whole, and the units
         # only say what the next forward must wait for after a step.
-        self.frees = frees
+        self.frees = shards.frees
         self._stale: set[int] = set()  # buckets whose buffer holds old values
         self.last_backward = set(last_backward.values())
         self.units = unit_modules(stages)
         self._params = [[id(p) for p in ps] for ps in unit_params(stages)]
         self._entries: list[list] = [[] for _ in self.units]  # unit -> its buckets' entries
         self._pending: dict[int, object] = {}  # bucket index -> gather to complete
-        self._version = -1
-        self.peak_bytes = 0  # the most parameter bytes held since reset_peak
+        self._built = -1  # the shards' build the units map
         self._hooks = []
         for u, (_, mod) in enumerate(self.units):
             self._hooks.append(
                 mod.register_forward_pre_hook(lambda m, a, u=u: self._before_forward(u))
             )
-            if frees:
+            if self.frees:
                 self._hooks.append(
                     mod.register_forward_hook(lambda m, a, out, u=u: self._after_forward(u, out))
                 )
@@ -127,7 +130,7 @@ class ParamUnits:
         """Whether parameters are sharded now (the bucket layout is built)."""
         if self.shards.stale() or not self.shards.entries:
             return False
-        if self._version != self.shards._version:
+        if self._built != self.shards.builds:
             self._map()
         return True
 
@@ -147,7 +150,7 @@ class ParamUnits:
                     seen.add(entry[0].index)
                     self._entries[u].append(entry)
         self._pending, self._stale = {}, set()
-        self._version = self.shards._version
+        self._built = self.shards.builds
 
     # ---- gather and free ----------------------------------------------------------
 
@@ -157,10 +160,10 @@ class ParamUnits:
             return
         for entry in self._entries[u]:
             bucket, flat, _ = entry
-            if bucket.index in self._pending or (_held(flat) and bucket.index not in self._stale):
+            fresh = holds_storage(flat) and bucket.index not in self._stale
+            if bucket.index in self._pending or fresh:
                 continue
-            if not _held(flat):
-                flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+            restore_storage(flat)
             self._stale.discard(bucket.index)
             self._pending[bucket.index] = self.shards.gather(entry, self.group)
         self._track()
@@ -180,7 +183,7 @@ class ParamUnits:
             finish = self._pending.pop(bucket.index, None)
             if finish is not None:
                 finish()  # a gather in flight writes into the storage: let it land
-            flat.untyped_storage().resize_(0)
+            free_storage(flat)
 
     def free_stage(self, stage: int) -> None:
         for u, (s, _) in enumerate(self.units):
@@ -207,9 +210,24 @@ class ParamUnits:
             self.prefetch(u)
 
     def settle(self) -> None:
-        """Every parameter whole, now: gathers in flight landed, freed units
-        gathered (and left so: before a load writes the parameters, which
-        makes the bucket layout stale, so they stay whole until it is rebuilt)."""
+        """The gathers in flight landed. At stages 1 and 2 that makes every
+        parameter whole; stage 3 leaves the units it freed as they are."""
+        if self.active():
+            if self.frees:
+                self.land()
+            else:
+                self._use_all()
+
+    def land(self) -> None:
+        """Every gather in flight landed (before the shards are laid out
+        anew, which frees the buffers they write into)."""
+        pending, self._pending = self._pending, {}
+        for finish in pending.values():
+            finish()
+
+    def unshard(self) -> None:
+        """Every parameter whole, and left so (a load writes them; the
+        shards laid out from them afterwards free them again)."""
         if self.active():
             self._use_all()
 
@@ -226,22 +244,12 @@ class ParamUnits:
         finally:
             self.free_all()
 
-    def unshard_stale(self) -> None:
-        """Before a new bucket layout is built from the parameters (the reducer
-        learned another order, or a load): the old bucket layout's units whole, as
-        the parameters are views of its buffers."""
-        if self.shards.stale() and self._version >= 0:
-            self._use_all()
-
     def _use_all(self) -> None:
         for u in range(len(self.units)):
             self.use(u)
 
-    def reset_peak(self) -> None:
-        self.peak_bytes = self.shards.param_bytes()
-
     def _track(self) -> None:
-        self.peak_bytes = max(self.peak_bytes, self.shards.param_bytes())
+        self.shards.note_peak()
 
     # ---- hooks and actions --------------------------------------------------------
 
@@ -293,10 +301,6 @@ class ParamUnits:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-
-
-def _held(flat: torch.Tensor) -> bool:
-    return flat.untyped_storage().nbytes() > 0
 
 
 class Trackers:

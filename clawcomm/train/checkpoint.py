@@ -304,7 +304,7 @@ def load(trainer, path: str) -> int:
 
     request: dict = {}
     if trainer.units is not None:  # ZeRO-3: the load writes whole parameters
-        trainer.units.settle()
+        trainer.units.unshard()
     for name, _, p in _local(trainer):
         request[f"model/{_scope(trainer)}{name}"] = p.detach()
     optim_keys = {}
@@ -352,12 +352,11 @@ def load(trainer, path: str) -> int:
         trainer.outer.load_small_state(state["outer"])
     if r is not None and r.compressor is not None:
         for (kind, name), keys in residual_keys.items():
-            bucket, slot = r.slot[_index_of(trainer, name)]
-            cs = r.compression_state
-            res = (cs.residual if kind == "residual" else cs.momentum)(bucket.index, bucket.flat)
-            bucket.segment(res, slot).copy_(
-                torch.stack([request[k] for k in keys]).mean(0).reshape(-1)
-            )
+            (bucket, slot), cs = r.slot[_index_of(trainer, name)], r.compression_state
+            res = (cs.residual if kind == "residual" else cs.momentum)(bucket.index, bucket.zeros())
+            saved = torch.stack([request[k] for k in keys]).mean(0)
+            bucket.segment(res, slot).copy_(saved.flatten())
+    trainer.lay_out_shards()  # (ZeRO-3: sharded again before the next step, a layer at a time)
     if rng_key in request:
         rng.restore(request[rng_key])
     trainer.step_index = int(meta["step"])

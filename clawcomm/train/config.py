@@ -129,14 +129,19 @@ class TrainConfig:
         "ZeRO stage: 0 (every dp replica holds all the optimizer state), 1 (each holds "
         "1/dp of it: gradients reduce-scattered, parameters all-gathered), 2 (gradients "
         "too are kept as 1/dp between steps) or 3 (parameters too: each layer is gathered "
-        "when the schedule first needs it and freed after its stage's last backward)",
+        "when the schedule needs it and freed again, see --reshard-after-forward)",
         (0, 1, 2, 3),
     )
-    reshard_after_forward: bool = _opt(
-        False,
+    reshard_after_forward: bool | None = _opt(
+        None,
         "zero 3: free each layer's gathered parameters after every forward and regather them "
-        "for its backward (less memory, more all-gathers; the default keeps them across the "
-        "round's micro-batches, as torchtitan does under pipelining)",
+        "for its backward (less memory, more all-gathers); --no-reshard-after-forward keeps them "
+        "across the round's micro-batches. Default: on at pp 1, so that --zero 3 holds less "
+        "than --zero 0 (its shard and about two layers, as FSDP2 does), off at pp > 1, where "
+        "every micro-batch of a round uses every layer and regathering would multiply the "
+        "all-gathers (as torchtitan does)",
+        kind=bool,
+        default_text="auto",
     )
     param_compression: str = _opt(
         "none",
@@ -185,6 +190,14 @@ class TrainConfig:
     def round_batch(self) -> int:
         """Samples in one schedule run, all replicas: a global batch is a whole number of them."""
         return self.micro_batch_size * self.microbatches * self.dp
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        """``reshard_after_forward`` as set, or by default: at ZeRO-3 with
+        pp 1 (the rule lives here alone)."""
+        if self.reshard_after_forward is not None:
+            return self.reshard_after_forward
+        return self.zero == 3 and self.pp == 1
 
     @property
     def num_stages(self) -> int:
@@ -356,6 +369,12 @@ class TrainConfig:
             raise ValueError("data_val is the held-out part of --data: give data too")
 
 
+def _kind(f) -> type:
+    """A field's type: its default's, or (a default of None, resolved by a
+    property) the one it names."""
+    return f.metadata.get("kind") or type(f.default)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """One flag per field; defaults are None so that a --config file's
     values survive unless a flag is given."""
@@ -363,8 +382,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         names = [flag] + ([f.metadata["flag"]] if f.metadata.get("flag") else [])
         # argparse %-formats help strings: a literal % must be doubled.
-        help_text = f"{f.metadata['help']} ({f.default!r})".replace("%", "%%")
-        if isinstance(f.default, bool):
+        default = f.metadata.get("default_text", repr(f.default))
+        help_text = f"{f.metadata['help']} ({default})".replace("%", "%%")
+        if _kind(f) is bool:
             p.add_argument(
                 *names, action=argparse.BooleanOptionalAction, default=None, help=help_text
             )
@@ -415,7 +435,7 @@ def load_toml(path: str) -> dict:
             raise ValueError(
                 f"{path}: unknown setting {key!r}; settings are {', '.join(sorted(known))}"
             )
-        want = type(known[name].default)
+        want = _kind(known[name])
         if want is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if not isinstance(value, want) or (want is int and isinstance(value, bool)):

@@ -117,10 +117,10 @@ def comm_device_bytes(engines) -> int:
     return sum(e.memory_stats()["device_ipc_bytes"] for e in engines)
 
 
-def held_bytes(params, reducer, optimizer, shards=None, units=None) -> dict:
+def held_bytes(params, reducer, optimizer, shards=None) -> dict:
     """The bytes of the tensors a rank holds for training: its parameters
-    (under ZeRO, ``shards``' flat buffers and shards; ZeRO-3's ``units`` say
-    the most held during the step), its gradient buffers (the reducer's
+    (under ZeRO, ``shards``' flat buffers and shards, and the most they
+    held during the step), its gradient buffers (the reducer's
     buckets and, under ZeRO, their shards; else the parameters' gradients)
     and its optimizer's state."""
 
@@ -135,7 +135,7 @@ def held_bytes(params, reducer, optimizer, shards=None, units=None) -> dict:
         "param_bytes": held,
         "grad_bytes": grads,
         "optim_bytes": nbytes(state),
-        "param_peak_bytes": max(held, units.peak_bytes) if units is not None else held,
+        "param_peak_bytes": max(held, shards.peak_bytes) if shards is not None else held,
         "grad_peak_bytes": reducer.peak_grad_bytes if reducer is not None else grads,
     }
 

@@ -194,7 +194,7 @@ class Trainer:
         # reducer's layout is learned (the first step), or after a load.
         self.shards = self.units = params_group = None
         if self.reducer is not None and self.reducer.zero:
-            self.shards = ZeroShards(self.reducer, cfg.param_compression, separate=cfg.zero == 3)
+            self.shards = ZeroShards(self.reducer, cfg.param_compression)
         if self.shards is not None:  # parameters gathered as the actions need them
             # ZeRO-3 gathers during the step: on a group of their own where a
             # reduction thread issues collectives too (compressed, overlapped).
@@ -203,10 +203,10 @@ class Trainer:
             last = {a.stage: a for a in self.schedule[me] if a.kind in (B, I, W)}
             self.units = ParamUnits(
                 self.shards, self.local, last, params_group or self.dp_group,
-                cfg.reshard_after_forward, frees=cfg.zero == 3,
+                cfg.reshards_after_forward,
             )  # fmt: skip
-            if cfg.zero == 3:  # sharded from the start
-                self.optimizer = self.shards.ready(self.optimizer, optimizer)
+            if self.shards.frees:  # sharded from the start, a bucket at a time
+                self.lay_out_shards()
         self.tracker = Trackers(self.reducer, self.units) if self.units else self.reducer
         self.step_index = 0
         self.traffic = Traffic(
@@ -277,8 +277,8 @@ class Trainer:
             g["lr"] = self._peak_lr[i] * self.cfg.lr_factor(self.step_index)
         bytes_before = self._mark if self._mark is not None else self.traffic.sent()
         reset_peak(self.device)
-        if self.units is not None:
-            self.units.reset_peak()
+        if self.shards is not None:
+            self.shards.reset_peak()
         if self.pp_group is not None:
             dist.barrier(group=self.pp_group)
         return bytes_before
@@ -290,11 +290,17 @@ class Trainer:
         dp_wait = self.reducer.finish() if self.reducer is not None else 0.0
         for p, group, _ in self._ties:
             dist.all_reduce(p.grad, group=group)
+        self.lay_out_shards()
+        return dp_wait
+
+    def lay_out_shards(self) -> None:
+        """ZeRO: the optimizer over shards laid out on the reducer's bucket
+        layout, where it changed (the first step's learned order, a load;
+        ZeRO-3 builds them from the old shards a layer at a time)."""
         if self.shards is not None:
             if self.units is not None:
-                self.units.unshard_stale()
+                self.units.land()
             self.optimizer = self.shards.ready(self.optimizer, self._make_optimizer)
-        return dp_wait
 
     def _sample(self, totals, bytes_before, span: float, dp_wait: float) -> RankSample:
         """This rank's figures of the step, which every rank gathers."""
@@ -307,7 +313,7 @@ class Trainer:
             host=totals.host / max(1, totals.computes), gpu_mb=peak_mb(self.device),
             comm_bytes=self._comm_device_bytes(),
             costs=totals.mean_costs(sorted(self.local)),
-            **held_bytes(self.params, self.reducer, self.optimizer, self.shards, self.units),
+            **held_bytes(self.params, self.reducer, self.optimizer, self.shards),
             stop=self.stop.signum if self.stop is not None else 0, energy_j=self.energy.lap(),
             cpu_s=self.energy.cpu_lap(),
         )  # fmt: skip
