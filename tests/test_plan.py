@@ -51,11 +51,12 @@ def test_predictions_follow_the_layouts(gpt_plan):
             assert p.bubble_ms == pytest.approx(0, abs=1e-6)
         if c.dp == 1:
             assert p.comm_ms == 0
-        if c.zero:  # ZeRO divides what a rank holds, and costs gathers (two at stage 3)
+        if c.zero:  # ZeRO divides what a rank holds, and costs gathers
             plain = by[dataclasses.replace(c, zero=0)]
             assert p.memory_mb < plain.memory_mb and p.comm_ms > 0
-            if c.zero == 3:
-                assert p.comm_ms > by[dataclasses.replace(c, zero=1)].comm_ms
+            if c.zero == 3:  # resharding after forward gathers more than keeping the layers
+                again, kept = (plan.predict(c, prof, 4, reshard=r).comm_ms for r in (True, False))
+                assert again >= kept > 0
     # gpipe holds every micro-batch's activations, 1f1b at most pp of them
     gpipe = next(c for c in by if c.schedule == "gpipe" and c.microbatches == 4 * c.pp)
     one_f = dataclasses.replace(gpipe, schedule="1f1b")
@@ -180,6 +181,21 @@ def test_the_reduction_and_zeros_gathers_hide_where_the_trainers_buckets_let_the
     zero2 = plan.predict(plan.Candidate(4, 1, "1f1b", 1, 1, 4, 2), prof, 4, slow, hosts=2)
     assert zero2.comm_ms == pytest.approx(1e3 * (rs + gathers))
     assert gathers < first + last  # the second bucket's gather hid behind the forward
+
+
+def test_zero3s_gathers_are_as_many_as_zero3_says_each_behind_the_layer_before():
+    from clawcomm.parallel.zero3 import gathers_per_round
+    from clawcomm.plan.dp_timeline import exposed_unit_gathers
+
+    assert gathers_per_round(4, True) == (4, 4) and gathers_per_round(4, False) == (1, 0)
+    # a stage of 3 layers, 1 s a pass each but the last forward (0.5 s); its
+    # layers' gathers 0.3, 1.5 and 0.2 s: a pass waits for its first layer's
+    # gather and what each later one takes beyond the layer before it
+    passes = [([(0, 1.0), (1, 1.0), (2, 0.5)], [(2, 1.0), (1, 1.0), (0, 1.0)])]
+    gather = {0: 0.3, 1: 1.5, 2: 0.2}.get
+    forward, backward = 0.3 + 0.5 + 0.0, 0.2 + 0.5 + 0.0
+    assert exposed_unit_gathers(passes, gather, (1, 0)) == pytest.approx(forward)
+    assert exposed_unit_gathers(passes, gather, (4, 4)) == pytest.approx(4 * (forward + backward))
 
 
 def test_hosts_put_the_links_where_the_ranks_are(gpt_plan):

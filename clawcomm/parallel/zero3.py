@@ -60,6 +60,15 @@ from clawcomm.parallel.buckets import free_storage, holds_storage, restore_stora
 from clawcomm.parallel.zero import ZeroShards
 
 
+def gathers_per_round(microbatches: int, reshard_after_forward: bool) -> tuple[int, int]:
+    """How many times an accumulation round all-gathers each unit: (before
+    forwards, in backward). Resharding after forward, before every
+    micro-batch's forward and again in its backward; else once, at its
+    first use, and kept until the stage's last backward (the module
+    docstring). The next unit is prefetched while one computes."""
+    return (microbatches, microbatches) if reshard_after_forward else (1, 0)
+
+
 def unit_modules(stages: dict[int, nn.Module]) -> list[tuple[int, nn.Module]]:
     """(stage, module) of every unit, in forward order: each child of a
     stage that has parameters, then the stage itself if it has some of

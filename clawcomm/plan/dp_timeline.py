@@ -14,8 +14,13 @@ plan hides what the trainer hides and no more:
 - **ZeRO-1 and 2's gathers** of the updated shards start after the
   optimizer, every bucket in forward order, one after another, and the
   next step's forward waits, layer by layer, only for its own bucket: what
-  the first forward waits is exposed. ZeRO-3 gathers again in backward
-  (``parallel.zero3``); it is priced as two whole gathers, not overlapped.
+  the first forward waits is exposed.
+- **ZeRO-3's gathers** (``parallel.zero3``): as many a round as
+  ``zero3.gathers_per_round`` says (resharding after forward, before every
+  micro-batch's forward and again in its backward; else once), each
+  layer's gather prefetched while the layer before it computes, so a pass
+  waits for the first layer's gather and for what each later one takes
+  beyond its predecessor's compute.
 """
 
 from __future__ import annotations
@@ -129,3 +134,22 @@ def exposed_gathers(rank: Rank, bs: list, gather) -> float:
             planned += dt
         delay = max(delay, t - planned)
     return delay
+
+
+def exposed_unit_gathers(passes: list[tuple[list[tuple[int, float]], list[tuple[int, float]]]],
+                         gather, per_round: tuple[int, int]) -> float:  # fmt: skip
+    """What ZeRO-3's gathers add to a rank's round: ``passes`` per stage
+    (its layers' forward as [(layer, s)] in order, their backward the same
+    in backward order); ``gather(layer)``: that layer's all-gather;
+    ``per_round``: (forward, backward) gathers of each layer a round."""
+
+    def waited(seq: list[tuple[int, float]]) -> float:
+        if not seq:
+            return 0.0
+        wait = gather(seq[0][0])
+        for (_, before), (layer, _) in zip(seq, seq[1:], strict=False):
+            wait += max(0.0, gather(layer) - before)  # prefetched while the one before computes
+        return wait
+
+    forwards, backwards = per_round
+    return sum(forwards * waited(f) + backwards * waited(b) for f, b in passes)

@@ -166,7 +166,8 @@ def plan(cfg, world: int, memory_mb: float = 0.0, cores: int | None = None, cost
 
     def predict_all() -> list[Prediction]:
         return [predict(c, prof, cores, cost, gpu, hosts, cap, codec, sync, cfg.sync_delay,
-                        cfg.compression) for c in cands]  # fmt: skip
+                        cfg.compression, apply(cfg, c).reshards_after_forward)
+                for c in cands]  # fmt: skip
 
     tried = shared_cores.settle(cfg, cands, prof, world, hosts, cores, gpu, trial_steps,
                               predict_all, trial_on_hosts, link)  # fmt: skip

@@ -14,7 +14,9 @@ rank, from the profile and the answers of the rooms that own each rule.
   on the hosts the dp group spans, plus its codec's passes, in the
   trainer's buckets on the rank's timeline (``dp_timeline``: what runs past
   the pipeline's end, and what the next forward waits for ZeRO's gathers,
-  is exposed); local SGD and DiLoCo meet once every H steps instead.
+  is exposed; ZeRO-3's gathers as many as ``parallel.zero3`` says, each
+  behind the layer before it); local SGD and DiLoCo meet once every H
+  steps instead.
 - **Optimizer**: the profiled step on the stage's (shard of its) parameters.
 - **Memory**: the model state ZeRO leaves a rank (``parallel.zero``), what
   the compressor keeps between steps (``Compressor.state_bytes``), and the
@@ -29,12 +31,20 @@ from clawcomm.compression import get_compressor
 from clawcomm.cost_model import CostModel, Topology, predict_sequence
 from clawcomm.cost_model import predict as comm_time
 from clawcomm.parallel.zero import model_state_bytes
+from clawcomm.parallel.zero3 import gathers_per_round
 from clawcomm.pipeline.clock import ScheduleClock
 from clawcomm.pipeline.schedules import build as build_schedule
 from clawcomm.pipeline.schedules import held_for_backward
 from clawcomm.plan import pass_order, shared_cores
-from clawcomm.plan.dp_timeline import buckets, exposed_gathers, exposed_reduction, rank_timeline
+from clawcomm.plan.dp_timeline import (
+    buckets,
+    exposed_gathers,
+    exposed_reduction,
+    exposed_unit_gathers,
+    rank_timeline,
+)
 from clawcomm.plan.profile import Profile
+from clawcomm.train.config import TrainConfig
 
 
 @dataclass
@@ -85,13 +95,16 @@ def placement(c, hosts: int):
 
 def predict(c, prof: Profile, cores: int, cost=None, gpu: bool = False, hosts: int = 1,
             cap_bytes: float = 25 * 2**20, codec=None, sync=("every-step", 1),
-            sync_delay: int = 0, compression: str = "") -> Prediction:  # fmt: skip
+            sync_delay: int = 0, compression: str = "",
+            reshard: bool | None = None) -> Prediction:  # fmt: skip
     """The candidate's step time and memory (the module docstring) on
     ``hosts`` hosts of ``cores`` cores each. ``codec``: seconds of one codec
     pass of each searched compression over the whole model's gradient;
     ``sync``: ``outer.parse_sync`` of the command's --sync, unless the
     candidate carries a searched one; ``compression``: the command's own
-    wire, for the memory it keeps (its time is costed only where searched)."""
+    wire, for the memory it keeps (its time is costed only where searched);
+    ``reshard``: ZeRO-3 resharding after forward (None: the trainer's
+    default for the candidate, ``TrainConfig.reshards_after_forward``)."""
     cost, codec = cost or CostModel(), codec or {}
     if c.sync is not None:  # searched
         from clawcomm.train.outer import parse_sync
@@ -175,8 +188,21 @@ def predict(c, prof: Profile, cores: int, cost=None, gpu: bool = False, hosts: i
             comm = max(comm, exposed_reduction(bs, sim.makespan, reduce))
             if c.zero in (1, 2):  # the updated shards gathered behind the next forward
                 gathers = max(gathers, exposed_gathers(rank, bs, gather))
-        if c.zero == 3:  # gathered before forward and again before backward
-            gathers = 2 * crowded * comm_time("all_gather", "auto", grad_bytes, dp_topology, cost)
+        if c.zero == 3:  # each layer gathered as zero3 says, behind the layer before it
+            if reshard is None:
+                reshard = TrainConfig(dp=c.dp, pp=c.pp, zero=c.zero).reshards_after_forward
+            per_round = gathers_per_round(c.microbatches, reshard)
+            layer_gather = lambda i: crowded * comm_time(  # noqa: E731
+                "all_gather", "auto", 4 * prof.params[i], dp_topology, cost
+            )
+            gathers = max(
+                exposed_unit_gathers(
+                    [([(i, scale[i] * passes["F"][i]) for i in span[s]],
+                      [(i, scale[i] * passes["B"][i]) for i in reversed(span[s])])
+                     for s in range(stages) if s % c.pp == r],
+                    layer_gather, per_round)
+                for r in range(c.pp)
+            )  # fmt: skip
         comm += gathers
     opt = slow * prof.opt_s_per_param * p_max / (c.dp if c.zero >= 1 else 1)
     memory = _memory(c, prof, sim.schedule, span, rank_params, compression, sync)
