@@ -211,3 +211,20 @@ def test_clawcomm_algo_names_an_algorithm_per_op():
 def test_a_bad_clawcomm_algo_names_the_choices(value, message):
     with pytest.raises(ValueError, match=message):
         _pick("broadcast", 8, [0, 0], value)
+
+
+def test_simulates_training_step_prices_what_the_compressor_sends():
+    # the simulator keeps no table of its own: a compressor says its wire
+    from clawcomm.compression import get_compressor
+    from clawcomm.cost_model import predict_sequence
+    from clawcomm.simulate.cli import training_step
+
+    model, topo, n = CostModel(), Topology(2, 4), 10**6
+    _, dense = training_step(n, "none", 0.0, topo, model)
+    assert dense == pytest.approx(predict("all_reduce", "auto", 4 * n, topo, model))
+    what, topk = training_step(n, "topk:0.01", 0.0, topo, model)
+    wire = get_compressor("topk:0.01").wire(n, 8)
+    assert topk == pytest.approx(predict_sequence(wire.collectives, topo, model)) and topk < dense
+    assert what.startswith("topk:0.01: all-to-all of ")  # 8 ranks: the reduce-scatter form
+    with pytest.raises(ValueError, match="depends on the gradient's values"):
+        training_step(n, "dgc:0.01", 0.0, topo, model)

@@ -51,9 +51,12 @@ def test_predictions_follow_the_layouts(gpt_plan):
             assert p.bubble_ms == pytest.approx(0, abs=1e-6)
         if c.dp == 1:
             assert p.comm_ms == 0
-        if c.zero:  # ZeRO divides what a rank holds, and costs gathers
+        if c.zero:  # ZeRO divides what a rank holds at its peak (never more), and costs gathers
             plain = by[dataclasses.replace(c, zero=0)]
-            assert p.memory_mb < plain.memory_mb and p.comm_ms > 0
+            assert p.memory_mb <= plain.memory_mb and p.comm_ms > 0
+            # stage 3 keeping its layers gathered (pp > 1) holds the model's
+            # bytes at its peak, as stage 0 does at dp 2; every other stage less
+            assert p.memory_mb < plain.memory_mb or (c.zero == 3 and c.pp > 1 and c.dp == 2)
             if c.zero == 3:  # resharding after forward gathers more than keeping the layers
                 again, kept = (plan.predict(c, prof, 4, reshard=r).comm_ms for r in (True, False))
                 assert again >= kept > 0
@@ -255,15 +258,15 @@ def test_searched_compression_is_costed_on_the_wire(gpt_plan):
     cfg, _, _, prof = gpt_plan
     wires = plan.check_wires(["none", "bf16", "int8"])
     assert wires == ["", "bf16", "int8"]
-    with pytest.raises(ValueError, match="follow from the gradient's size"):
+    with pytest.raises(ValueError, match="cannot price from the gradient's size"):
         plan.check_wires(["dgc:0.01"])
     cands = list(plan.candidates(4, 4, 16, wires))
     assert {c.compression for c in cands if c.dp > 1} == set(wires)
     assert {c.compression for c in cands if c.dp == 1} == {""}
     slow = plan.cost_model(None, "100mbit")
     params = int(sum(prof.params))
-    codec = plan.codec_seconds([w for w in wires if w], params, 4)
-    assert codec["bf16"] == 0 and codec["int8"] > 0
+    codec = plan.codec_seconds([w for w in wires if w], params, [4])
+    assert codec["bf16", 4] == 0 and codec["int8", 4] > 0
     comm = {}
     for w in wires:
         c = plan.Candidate(4, 1, "1f1b", 1, 1, 4, 0, w)
@@ -330,8 +333,8 @@ def test_searched_top_k_and_random_k_are_costed_by_their_bytes(gpt_plan):
     with pytest.raises(ValueError, match="topk"):
         plan.check_wires(["topk:2.0"])
     params = int(sum(prof.params))
-    codec = plan.codec_seconds([w for w in wires if w], params, 4)
-    assert codec["topk:0.01"] > 0 and codec["randomk:0.01"] > 0
+    codec = plan.codec_seconds([w for w in wires if w], params, [4])
+    assert codec["topk:0.01", 4] > 0 and codec["randomk:0.01", 4] > 0
     slow = plan.cost_model(None, "100mbit")
     comm, memory = {}, {}
     for w in wires:
@@ -369,8 +372,8 @@ def test_searched_powersgd_is_costed_by_its_factors(gpt_plan):
     assert [sum(math.prod(s) for s in layer) + 1 for layer in prof.tensors] == prof.params
     assert plan.check_wires(["none", "powersgd:4"]) == ["", "powersgd:4"]
     params = int(sum(prof.params))
-    codec = plan.codec_seconds(["powersgd:4"], params, 4, shapes)
-    assert codec["powersgd:4"] > 0
+    codec = plan.codec_seconds(["powersgd:4"], params, [4], shapes)
+    assert codec["powersgd:4", 4] > 0
     slow, lay = plan.cost_model(None, "100mbit"), Topology(2, 2)
 
     def ar(nbytes):

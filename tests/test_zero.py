@@ -349,3 +349,19 @@ def test_the_model_state_a_zero_stage_leaves_a_rank():
     assert model_state_bytes(100, 4, 3) == {"param_bytes": 100, "grad_bytes": 100,
                                             "optim_bytes": 200}  # fmt: skip
     assert model_state_bytes(100, 1, 3)["param_bytes"] == 400  # one replica shards nothing
+
+
+def test_a_steps_peak_as_the_trainers_memory_limit_counts_it():
+    # the gradients' full buffers beside the parts while a round's backward
+    # runs, and at stage 3 the units held whole beside the shards: about two
+    # resharding after forward, every one keeping them (docs/zero.md's figures)
+    from clawcomm.parallel.zero import step_peak_bytes
+    from clawcomm.parallel.zero3 import gathered_bytes
+
+    assert step_peak_bytes(100, 4, 0) == {"param_bytes": 400, "grad_bytes": 400,
+                                          "optim_bytes": 800}  # fmt: skip
+    assert step_peak_bytes(100, 4, 2)["grad_bytes"] == 500
+    units = [40.0, 160.0, 120.0, 80.0]
+    assert gathered_bytes(units, True) == 280 and gathered_bytes(units, False) == 400
+    peak = step_peak_bytes(100, 2, 3, gathered_bytes(units, False))
+    assert sum(peak.values()) == sum(step_peak_bytes(100, 2, 0).values())  # 1.5x, 1.5x, 0.5x

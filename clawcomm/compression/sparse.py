@@ -107,9 +107,10 @@ def wire(k: int, numel: int, n: int, values: str = "fp32", form: str = "auto",
          sharded: bool = False) -> tuple[tuple[str, float], ...]:  # fmt: skip
     """What ``sparse_all_reduce`` (``sharded``: ``sparse_reduce_scatter``)
     of ``k`` pairs a rank over ``n`` ranks sends, as (collective, bytes per
-    rank) pairs: the counts, then the pairs. Beyond the gather form, the
-    slices' non-zeros are counted at their bound (no two ranks' pairs
-    alike, each slice holding at most its ``numel / n`` entries)."""
+    rank) pairs: the counts, then the pairs. Beyond the gather form, each
+    summed slice's non-zeros are counted as if no two ranks' pairs were
+    alike and they fell evenly over the slices: k a slice (at most its
+    ``numel / n`` entries), all-gathered padded to the largest count."""
     value = VALUE_DTYPES[values].itemsize
     counts = 8.0 * n  # one int64 a rank
     scatter = (("all_to_all", counts), ("all_to_all", 4.0 * k), ("all_to_all", float(k * value)))
@@ -124,7 +125,7 @@ def wire(k: int, numel: int, n: int, values: str = "fp32", form: str = "auto",
 
     if form == "gather":
         return gathered(k)
-    return scatter + gathered(min(n * k, -(-numel // n)))
+    return scatter + gathered(min(k, -(-numel // n)))
 
 
 def _all_counts(count: int, group, n: int) -> list[int]:

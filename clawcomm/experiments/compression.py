@@ -312,7 +312,8 @@ def run(args) -> int:
     try:
         if links:
             for link in links:
-                groups[link] = lab.run_on_link(runs, cfg, link, 3600, progress)
+                groups[link] = []  # filled run by run: an interrupt counts what finished
+                lab.run_on_link(runs, cfg, link, 3600, progress, groups[link])
         else:
             groups["one host"] = []
             for spec in runs:

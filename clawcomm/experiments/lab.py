@@ -39,14 +39,6 @@ HOSTS = (8, 64, 512)
 GATHERED = ("topk", "dgc", "threshold")  # their pairs are all-gathered
 
 
-def rate_bytes_per_s(link: str | None) -> float | None:
-    if not link:
-        return None
-    from clawcomm.cost_model import link_bits_per_s
-
-    return link_bits_per_s(link) / 8
-
-
 def reached(curve, target: float):
     """The first curve point (step, loss, bytes, seconds) at or below
     ``target``, or None."""
@@ -61,23 +53,18 @@ def _comm_s(spec: str, nbytes: float, hosts: int, model) -> float:
 
     if nbytes <= 0:
         return 0.0
-    layout = Topology(hosts, 1)
+    hosts_topology = Topology(hosts, 1)
     if spec.split(":")[0] in GATHERED:
-        return predict("all_gather", "auto", nbytes * hosts, layout, model)
-    return predict("all_reduce", "auto", nbytes, layout, model)
+        return predict("all_gather", "auto", nbytes * hosts, hosts_topology, model)
+    return predict("all_reduce", "auto", nbytes, hosts_topology, model)
 
 
 def analyse(results: list[dict], target: float | None, link: str | None, model=None) -> dict:
     """Adds each result's time to target, gap closed and projections;
     returns the target used. Default target: 1.05 x dense's final loss."""
-    from dataclasses import replace
-
     from clawcomm.cost_model import CostModel
 
-    model = model or CostModel()
-    rate = rate_bytes_per_s(link)
-    if rate:
-        model = replace(model, net_beta=1.0 / rate)
+    model = (model or CostModel()).with_link(link)
     dense = next((r for r in results if r["compressor"] == "none"), None)
     compute = next((r for r in results if r["compressor"] == "compute"), None)
     if target is None and dense is not None:
@@ -193,7 +180,8 @@ def plot(groups: dict[str, list[dict]], path: str, title: str, ylabel: str) -> N
     plt.close(fig)
 
 
-def run_on_link(specs: list[str], cfg: dict, link: str, timeout: float, progress) -> list[dict]:
+def run_on_link(specs: list[str], cfg: dict, link: str, timeout: float, progress,
+                results: list | None = None) -> list[dict]:  # fmt: skip
     """Every method on namespace hosts (dp x pp of them, 2 by default; one
     rank each) whose links run at ``link``; raises RuntimeError with the
     hosts' output if a run fails."""
@@ -201,7 +189,7 @@ def run_on_link(specs: list[str], cfg: dict, link: str, timeout: float, progress
     from clawcomm.cost_model import CostModel
     from clawcomm.launch.netns import Cluster
 
-    results = []
+    results = [] if results is None else results  # (the caller's, to count what finished)
     hosts = cfg.get("dp", 2) * cfg.get("pp", 1)
     with Cluster(hosts, rate=link) as cluster, tempfile.TemporaryDirectory() as tmp:
         # The ranks' cost model knows the link they run on, as a calibrated

@@ -1,4 +1,4 @@
-"""Test hosts on one machine: network namespaces joined by a bridge, each
+"""Hosts on one machine: network namespaces joined by a bridge, each
 host's link shaped with ``tc``.
 
     from clawcomm.launch.netns import Cluster
@@ -6,7 +6,7 @@ host's link shaped with ``tc``.
     with Cluster(hosts=2, rate="1gbit") as cluster:
         runs = cluster.torchrun(["job.py", "--size", "64M"], nproc_per_node=2)
 
-Layout. A switch namespace holds a bridge. Host ``i`` is a namespace with one
+How they are wired. A switch namespace holds a bridge. Host ``i`` is a namespace with one
 interface, ``eth0``, at ``10.99.0.<i+1>/24``, wired by a veth pair to port
 ``p<i>`` of the bridge. A shaped link gets a token bucket (``tc tbf``) on
 both ends of its pair, so the host's upload and its download are each
@@ -142,7 +142,7 @@ class Cluster:
     def __enter__(self) -> Cluster:
         why = unavailable()
         if why:
-            raise RuntimeError(f"clawcomm.launch.netns: cannot make test hosts: {why}")
+            raise RuntimeError(f"clawcomm.launch.netns: cannot make namespace hosts: {why}")
         _remove_stale()
         try:
             self._create()
@@ -179,7 +179,7 @@ class Cluster:
             # host name resolves to this host's own address.
             os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
             with open(f"/etc/netns/{ns}/resolv.conf", "w") as f:
-                f.write("# no name server inside a test host\n")
+                f.write("# no name server inside a namespace host\n")
             with open(f"/etc/netns/{ns}/hosts", "w") as f:
                 f.write(f"127.0.0.1 localhost\n{self.addr(i)} {socket.gethostname()}\n")
             _ip("-n", self.switch, "link", "set", f"p{i}", "master", "br0")

@@ -1,7 +1,7 @@
 """ZeRO-1: each data-parallel rank keeps the optimizer state of its shard of
 the parameters only (Rajbhandari et al., stage 1: optimizer state / dp).
 
-    reducer = GradReducer(params, dp_group, zero=True, replicated=tied)
+    reducer = GradReducer(params, dp_group, zero=1, replicated=tied)
     shards = ZeroShards(reducer)
     ... backward; reducer.finish() ...
     optimizer = shards.ready(optimizer, make_optimizer)   # new shards after a new bucket layout
@@ -37,7 +37,7 @@ How it works:
   slice of a flat buffer instead of a parameter.
 - ``full_state``/``load_full_state``: the optimizer state by original
   parameter, whole (gathered over the group; for checkpoints, which keep
-  whole-model names whatever the stage).
+  whole-model names whatever the ZeRO stage).
 - ``param_compression`` (ZeRO++'s qwZ): the all-gather sends each shard in
   fp16, bf16 or int8 (blocks of 256 values with a float32 scale, rounded to
   nearest), and every rank, this one included, computes with the decoded
@@ -69,13 +69,26 @@ def model_state_bytes(params: float, dp: int, zero: int,
     """What a rank holds between steps of ``params`` float32 parameters over
     ``dp`` replicas at ZeRO stage ``zero``, as the trainer holds it (an
     optimizer of ``optimizer_bytes`` a parameter: AdamW's two moments, 8):
-    optimizer state 1/dp from stage 1; gradients 1/dp from stage 2 (stage 1
-    keeps the full buffers beside its shards); parameters 1/dp at stage 3
+    optimizer state 1/dp from ZeRO-1; gradients 1/dp from ZeRO-2 (ZeRO-1
+    keeps the full buffers beside its shards); parameters 1/dp at ZeRO-3
     between uses (the layers gathered while they compute come on top)."""
     shard = lambda stage: dp if zero >= stage else 1  # noqa: E731
     grads = 4.0 * params * (1 + 1 / dp if zero == 1 and dp > 1 else 1 / shard(2))
     return {"param_bytes": 4.0 * params / shard(3), "grad_bytes": grads,
             "optim_bytes": optimizer_bytes * params / shard(1)}  # fmt: skip
+
+
+def step_peak_bytes(params: float, dp: int, zero: int, gathered: float = 0.0,
+                    optimizer_bytes: float = 8.0) -> dict[str, float]:  # fmt: skip
+    """The most a rank holds during a step, as the trainer's
+    ``--max-memory-mb`` counts it: ``model_state_bytes`` with the gradients
+    at their peak (from ZeRO-1 on the full buffers beside the parts while a
+    round's backward runs) and, at ZeRO-3, the ``gathered`` bytes of the
+    layers held whole beside the shards (``zero3.gathered_bytes``)."""
+    held = model_state_bytes(params, dp, zero, optimizer_bytes)
+    held["grad_bytes"] = 4.0 * params * (1 + 1 / dp if zero >= 1 and dp > 1 else 1)
+    held["param_bytes"] += gathered if zero == 3 else 0.0
+    return held
 
 
 def drop_masters(state: dict) -> dict:
@@ -167,8 +180,9 @@ class ZeroShards:
         At ZeRO-3 (``frees``) a new bucket's buffer is never filled (its
         shard takes its part of each parameter), and each old bucket is
         freed, with its shard, once every parameter has left it: as the
-        reducer's buckets never span two layers, at most one layer's old
-        buffers are whole at once beside the shards, never the model."""
+        reducer's buckets never span two layers, about one layer's old
+        buffers are whole at once beside the shards (more where the learned
+        order comes back to a layer it has left), never the model."""
         r = self.reducer
         old, self.entries = self.entries, []
         source: dict[int, tuple] = {}  # parameter -> its old entry

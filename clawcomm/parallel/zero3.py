@@ -1,6 +1,6 @@
 """ZeRO-3: parameters held as shards between uses (Rajbhandari et al.,
 stage 3: parameters / dp as well as gradients and optimizer state); and, at
-stages 1 and 2, the next forward waiting only for the buckets it needs.
+ZeRO-1 and 2, the next forward waiting only for the buckets it needs.
 
     units = ParamUnits(shards, stages, last_backward, group=params_dp_group,
                        reshard_after_forward=True)
@@ -44,7 +44,7 @@ How it works:
   (``unshard``) and the shards are laid out from them at once.
 - The gradients: each bucket's full buffer is made as it launches, from
   autograd's gradients, and let go once reduce-scattered (the reducer).
-- At stages 1 and 2 (``shards.frees`` False) the parameters stay whole: after the
+- At ZeRO-1 and 2 (``shards.frees`` False) the parameters stay whole: after the
   optimizer's step every bucket's gather starts at once, in forward order,
   and each layer's forward pre-hook waits for its own buckets only.
 """
@@ -67,6 +67,14 @@ def gathers_per_round(microbatches: int, reshard_after_forward: bool) -> tuple[i
     first use, and kept until the stage's last backward (the module
     docstring). The next unit is prefetched while one computes."""
     return (microbatches, microbatches) if reshard_after_forward else (1, 0)
+
+
+def gathered_bytes(unit_bytes: list[float], reshard_after_forward: bool) -> float:
+    """The bytes of whole units a rank holds beside its shards at a step's
+    peak, for units of ``unit_bytes`` each: resharding after forward, about
+    two (the one computing and the next, prefetched: the two largest
+    counted); else every unit of its stages, kept across the round."""
+    return sum(sorted(unit_bytes)[-2:]) if reshard_after_forward else sum(unit_bytes)
 
 
 def unit_modules(stages: dict[int, nn.Module]) -> list[tuple[int, nn.Module]]:
@@ -113,7 +121,7 @@ class ParamUnits:
         self.shards = shards
         self.group = group
         self.reshard = reshard_after_forward
-        # False at stages 1 and 2: the parameters stay whole, and the units
+        # False at ZeRO-1 and 2: the parameters stay whole, and the units
         # only say what the next forward must wait for after a step.
         self.frees = shards.frees
         self._stale: set[int] = set()  # buckets whose buffer holds old values
@@ -205,7 +213,7 @@ class ParamUnits:
 
     def updated(self) -> None:
         """The optimizer stepped the shards: every gathered copy is stale.
-        Stage 3 frees them all; stages 1 and 2 start gathering every bucket,
+        ZeRO-3 frees them all; ZeRO-1 and 2 start gathering every bucket,
         in the order the next forward needs them, and that forward waits
         for each unit's buckets only (``settle`` waits for all)."""
         self.shards.updated()
@@ -219,7 +227,7 @@ class ParamUnits:
             self.prefetch(u)
 
     def settle(self) -> None:
-        """The gathers in flight landed. At stages 1 and 2 that makes every
+        """The gathers in flight landed. At ZeRO-1 and 2 that makes every
         parameter whole; stage 3 leaves the units it freed as they are."""
         if self.active():
             if self.frees:

@@ -15,8 +15,9 @@ step, with the reasons, and a check of the prediction on this machine.
 2. **Search** (:mod:`~clawcomm.plan.search`): every layout the trainer can
    run the global batch with, named by ``TrainConfig``'s own fields: dp x
    pp (dp * pp = the world, pp at most the layers) x schedule (gpipe, 1f1b,
-   zb1, interleaved with v = 2) x micro-batches (those the replica's batch
-   divides, from pp to 4 pp) x ZeRO stage (0-3 where dp > 1); the
+   zb1, interleaved with v = 2) x micro-batches (pp, 2 pp and 4 pp where
+   the replica's batch divides; where none does, the others from pp to 4
+   pp, then the smallest above) x ZeRO stage (0-3 where dp > 1); the
    compression is the command's unless ``--search-compression`` names
    wires to choose among, the sync method unless ``--search-sync`` names
    methods (every-step, local-sgd:H, diloco:H).

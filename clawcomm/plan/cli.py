@@ -9,7 +9,7 @@ import sys
 from clawcomm.plan import shared_cores
 from clawcomm.plan.check import check, model_flags, namespace_cores, shapes
 from clawcomm.plan.report import report
-from clawcomm.plan.search import cost_model, plan
+from clawcomm.plan.search import PRICED_WIRES, cost_model, plan
 
 
 def add_arguments(p) -> None:
@@ -44,9 +44,9 @@ def add_arguments(p) -> None:
         help="a calibrated cost model (clawcomm bench --calibrate)",
     )
     p.add_argument("--search-compression", metavar="LIST", default="",
-                   help="also choose the gradients' wire among these: none, fp16, bf16, int8, "
-                        "int4, topk:R, randomk:R, powersgd:R (comma-separated; default: "
-                        "keep --compression)")  # fmt: skip
+                   help="also choose the gradients' wire among these specs (comma-separated, "
+                        f"none for dense; {PRICED_WIRES}; default: keep "
+                        "--compression)")  # fmt: skip
     p.add_argument("--search-sync", metavar="LIST", default="",
                    help="also choose the sync method among these: every-step, local-sgd:H, "
                         "diloco:H (comma-separated; default: keep --sync)")  # fmt: skip

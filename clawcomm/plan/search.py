@@ -10,7 +10,6 @@ one ``dataclasses.replace``.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import time
 from dataclasses import dataclass
@@ -20,9 +19,13 @@ from clawcomm.plan import pass_order, shared_cores
 from clawcomm.plan.check import model_flags
 from clawcomm.plan.profile import profile, rank_threads
 from clawcomm.plan.report import report
-from clawcomm.plan.step import Prediction, predict
+from clawcomm.plan.step import Prediction, compressor, predict
 
 SCHEDULE_CHOICES = (("gpipe", 1), ("1f1b", 1), ("zb1", 1), ("interleaved", 2))
+# What --search-compression can price: a compressor whose Compressor.wire is
+# known from the gradient's size (check_wires asks it).
+PRICED_WIRES = ("every compressor spec but those whose bytes the values decide (threshold, dgc, "
+                "a coded +ec wire)")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -160,8 +163,8 @@ def plan(cfg, world: int, memory_mb: float = 0.0, cores: int | None = None, cost
     cores = cores or os.cpu_count() or 1
     cap = cfg.bucket_cap_mb * 2**20
     shapes = [shape for layer in prof.tensors for shape in layer]
-    widest = max(c.dp for c in cands)  # the most ranks' pairs a decode adds
-    codec = codec_seconds([w for w in wires if w], int(sum(prof.params)), widest, shapes, gpu)
+    replicas = sorted({c.dp for c in cands if c.dp > 1})  # a decode adds each replica's pairs
+    codec = codec_seconds([w for w in wires if w], int(sum(prof.params)), replicas, shapes, gpu)
     sync = parse_sync(cfg.sync)
 
     def predict_all() -> list[Prediction]:
@@ -191,23 +194,15 @@ def on_gpu(cfg) -> bool:
     return device.check(cfg.device) == "cuda"
 
 
-@functools.lru_cache(maxsize=64)
-def compressor(spec: str):
-    """The compressor of ``spec`` ('' dense), cached: the plan asks for
-    every bucket of every candidate, and only reads it."""
-    from clawcomm.plan.step import compressor as build
-
-    return build(spec)
-
-
-def codec_seconds(wires: list[str], params: int, world: int, shapes=None,
-                  gpu: bool = False) -> dict[str, float]:  # fmt: skip
-    """Each wire's codec pass over ``params`` gradients of ``shapes`` with
-    ``world`` ranks' messages to decode, timed as a rank runs it (one
-    intra-op thread on the CPU: with the machine's two, a loaded machine
-    timed PowerSGD's small products 80x slower)."""
+def codec_seconds(wires: list[str], params: int, replicas: list[int], shapes=None,
+                  gpu: bool = False) -> dict[tuple[str, int], float]:  # fmt: skip
+    """(wire, dp) -> one codec pass over ``params`` gradients of ``shapes``
+    with dp replicas' messages to decode, for each of ``replicas``, timed as
+    a rank runs it (one intra-op thread on the CPU: with the machine's two,
+    a loaded machine timed PowerSGD's small products 80x slower)."""
     with rank_threads(gpu):
-        return {w: compressor(w).codec_seconds(params, world, shapes) for w in wires}
+        return {(w, dp): compressor(w).codec_seconds(params, dp, shapes)
+                for w in wires for dp in replicas}  # fmt: skip
 
 
 def check_wires(specs: list[str]) -> list[str]:
@@ -225,10 +220,9 @@ def check_wires(specs: list[str]) -> list[str]:
                              "decide; the plan costs it uncoded (drop +ec)")  # fmt: skip
         if comp.wire(1 << 20, 2) is None:
             raise ValueError(
-                f"--search-compression {s!r}: what it sends depends on the gradient's values; "
-                "the plan costs the wires whose bytes follow from the gradient's size (none, "
-                "fp16, bf16, int8, int4, qsgd, terngrad, sign, topk, randomk, powersgd): "
-                "compare others with clawcomm experiment compression"
+                f"--search-compression {s!r}: what it sends depends on the gradient's values, "
+                f"which the plan cannot price from the gradient's size (it prices "
+                f"{PRICED_WIRES}): compare it with clawcomm experiment compression"
             )
         if s not in out:
             out.append(s)

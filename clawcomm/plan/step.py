@@ -25,13 +25,14 @@ rank, from the profile and the answers of the rooms that own each rule.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from clawcomm.compression import get_compressor
 from clawcomm.cost_model import CostModel, Topology, predict_sequence
 from clawcomm.cost_model import predict as comm_time
-from clawcomm.parallel.zero import model_state_bytes
-from clawcomm.parallel.zero3 import gathers_per_round
+from clawcomm.parallel.zero import step_peak_bytes
+from clawcomm.parallel.zero3 import gathered_bytes, gathers_per_round
 from clawcomm.pipeline.clock import ScheduleClock
 from clawcomm.pipeline.schedules import build as build_schedule
 from clawcomm.pipeline.schedules import held_for_backward
@@ -61,8 +62,11 @@ class Prediction:
         return self.compute_ms + self.bubble_ms + self.comm_ms + self.opt_ms
 
 
+@functools.lru_cache(maxsize=64)
 def compressor(spec: str | None):
-    """The compressor of a ``--compression`` spec ('' or None: dense)."""
+    """The compressor of a ``--compression`` spec ('' or None: dense),
+    cached: the plan asks for every bucket of every candidate, and only
+    reads it."""
     return get_compressor(spec or "none")
 
 
@@ -98,14 +102,17 @@ def predict(c, prof: Profile, cores: int, cost=None, gpu: bool = False, hosts: i
             sync_delay: int = 0, compression: str = "",
             reshard: bool | None = None) -> Prediction:  # fmt: skip
     """The candidate's step time and memory (the module docstring) on
-    ``hosts`` hosts of ``cores`` cores each. ``codec``: seconds of one codec
-    pass of each searched compression over the whole model's gradient;
+    ``hosts`` hosts of ``cores`` cores each. ``codec``: (wire, dp) -> seconds
+    of one codec pass of a searched compression over the whole model's
+    gradient (``search.codec_seconds``);
     ``sync``: ``outer.parse_sync`` of the command's --sync, unless the
     candidate carries a searched one; ``compression``: the command's own
     wire, for the memory it keeps (its time is costed only where searched);
     ``reshard``: ZeRO-3 resharding after forward (None: the trainer's
     default for the candidate, ``TrainConfig.reshards_after_forward``)."""
     cost, codec = cost or CostModel(), codec or {}
+    if reshard is None:
+        reshard = TrainConfig(dp=c.dp, pp=c.pp, zero=c.zero).reshards_after_forward
     if c.sync is not None:  # searched
         from clawcomm.train.outer import parse_sync
 
@@ -181,7 +188,8 @@ def predict(c, prof: Profile, cores: int, cost=None, gpu: bool = False, hosts: i
         for r in range(c.pp):
             rank = rank_timeline(sim, r, span, lambda k, i: scale[i] * passes[k][i], tensors)
             bs = buckets(rank, cap_bytes)
-            codec_s = slow * codec.get(wire, 0.0) * rank_params[r] / max(1.0, sum(prof.params))
+            pass_s = codec.get((wire, c.dp), 0.0)  # over the whole model's gradient
+            codec_s = slow * pass_s * rank_params[r] / max(1.0, sum(prof.params))
             reduce = lambda b, share, shapes, cs=codec_s: reduction_seconds(  # noqa: E731
                 comp, c.zero, b, dp_topology, cost, share * cs, crowded, shapes
             )
@@ -189,8 +197,6 @@ def predict(c, prof: Profile, cores: int, cost=None, gpu: bool = False, hosts: i
             if c.zero in (1, 2):  # the updated shards gathered behind the next forward
                 gathers = max(gathers, exposed_gathers(rank, bs, gather))
         if c.zero == 3:  # each layer gathered as zero3 says, behind the layer before it
-            if reshard is None:
-                reshard = TrainConfig(dp=c.dp, pp=c.pp, zero=c.zero).reshards_after_forward
             per_round = gathers_per_round(c.microbatches, reshard)
             layer_gather = lambda i: crowded * comm_time(  # noqa: E731
                 "all_gather", "auto", 4 * prof.params[i], dp_topology, cost
@@ -205,7 +211,7 @@ def predict(c, prof: Profile, cores: int, cost=None, gpu: bool = False, hosts: i
             )  # fmt: skip
         comm += gathers
     opt = slow * prof.opt_s_per_param * p_max / (c.dp if c.zero >= 1 else 1)
-    memory = _memory(c, prof, sim.schedule, span, rank_params, compression, sync)
+    memory = _memory(c, prof, sim.schedule, span, compression, sync, reshard)
     busy += slow * prof.host_s  # the trainer's own time, on the busiest rank
     makespan = sim.makespan + slow * prof.host_s
     if shared_cores.crowded(c.dp * c.pp, hosts, cores, gpu):
@@ -224,16 +230,22 @@ def predict(c, prof: Profile, cores: int, cost=None, gpu: bool = False, hosts: i
     return Prediction(c, 1e3 * busy, 1e3 * (makespan - busy), 1e3 * comm, 1e3 * opt, memory)
 
 
-def _memory(c, prof: Profile, schedule, span, rank_params, compression: str, sync) -> float:
-    """The fullest rank's MB: the model state ZeRO leaves it, what the wire
-    keeps between steps (error feedback, momentum; replicas that meet every
-    step only), and the activations its schedule holds for backward."""
+def _memory(c, prof: Profile, schedule, span, compression: str, sync, reshard: bool) -> float:
+    """The fullest rank's MB at its step's peak, as the trainer's
+    ``--max-memory-mb`` counts it (``parallel.zero.step_peak_bytes``; at
+    ZeRO-3 the layers held whole beside the shards, ``zero3.gathered_bytes``),
+    plus what the wire keeps between steps (error feedback, momentum;
+    replicas that meet every step only) and the activations the rank's
+    schedule holds for backward, which the trainer's limit does not count."""
     wire = c.compression if c.compression is not None else compression
     keeps = c.dp > 1 and sync[0] == "every-step"
     saved = prof.saved[c.micro_batch_size]
     most = 0.0
-    for r, params in enumerate(rank_params):
-        held = sum(model_state_bytes(params, c.dp, c.zero).values())
+    for r in range(c.pp):
+        layers = [i for s in range(len(span)) if s % c.pp == r for i in span[s]]
+        params = sum(prof.params[i] for i in layers)
+        whole = gathered_bytes([4.0 * prof.params[i] for i in layers], reshard)
+        held = sum(step_peak_bytes(params, c.dp, c.zero, whole).values())
         held += compressor(wire).state_bytes(params) if keeps else 0.0
         acts = held_for_backward(schedule[r], lambda s: sum(saved[i] for i in span[s]))
         most = max(most, held + acts)

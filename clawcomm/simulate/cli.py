@@ -58,7 +58,8 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--compression",
         default="none",
-        help="the step's gradients: none (fp32), fp16, bf16, or topk:RATIO (pairs all-gathered)",
+        help="the step's gradients: a compressor spec whose bytes follow from the gradient's "
+        "size (none: fp32; fp16, int8, topk:RATIO, powersgd:R...), as it sends them",
     )
     p.add_argument(
         "--overlap",
@@ -141,27 +142,24 @@ def table(
 
 def training_step(params: int, compression: str, overlap: float, topology: Topology,
                   model: CostModel) -> tuple[str, float]:  # fmt: skip
-    """The gradient exchange of one data-parallel step, and what is left
-    exposed after `overlap` of it hides behind backward."""
-    n = topology.size
-    if compression == "none":
-        what, t = (
-            "all-reduce of fp32 gradients",
-            predict("all_reduce", "auto", 4 * params, topology, model),
-        )
-    elif compression in ("fp16", "bf16"):
-        what = f"all-reduce with a 16-bit wire ({compression})"
-        t = predict("all_reduce", "auto", 2 * params, topology, model)
-    elif compression.startswith("topk:"):
-        ratio = float(compression.split(":", 1)[1])
-        if not 0 < ratio <= 1:
-            raise ValueError(f"--compression {compression}: the ratio must be in (0, 1]")
-        pairs = 8 * ratio * params  # int32 index + float32 value per kept element
-        what = f"all-gather of top-k pairs (ratio {ratio:g})"
-        t = predict("all_gather", "ring", pairs * n, topology, model)
-    else:
-        raise ValueError(f"--compression {compression!r}: none, fp16, bf16 or topk:RATIO")
-    return what, t
+    """The gradient exchange of one data-parallel step, as the compressor
+    says it goes on the wire (``Compressor.wire``), priced by the cost
+    model; the caller leaves ``overlap`` of it hidden behind backward."""
+    from clawcomm.compression import get_compressor
+    from clawcomm.cost_model import predict_sequence
+
+    try:
+        comp = get_compressor(compression)
+    except ValueError as e:
+        raise ValueError(f"--compression: {e}") from None
+    wire = comp.wire(params, topology.size)
+    if wire is None:
+        raise ValueError(f"--compression {compression!r}: what it sends depends on the "
+                         "gradient's values; simulate prices the wires whose bytes follow from "
+                         "its size (not threshold, dgc or +ec)")  # fmt: skip
+    what = " then ".join(f"{name.replace('_', '-')} of {nbytes / 2**20:.1f} MiB"
+                         for name, nbytes in wire.collectives)  # fmt: skip
+    return f"{comp.spec}: {what}", predict_sequence(wire.collectives, topology, model)
 
 
 def plot(path: str, model: CostModel, ranks_per_host: int, max_size: int) -> None:

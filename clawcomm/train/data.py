@@ -126,8 +126,9 @@ def rounds(cfg, dp_rank: int, x, y, whole: bool, inputs: bool, targets: bool, de
     None) of replica ``dp_rank``'s slice of a batch (``whole``: ``x`` and
     ``y`` are the effective batch; else the replica's slice), on ``device``:
     the cut every layout makes, replica, then round, then micro-batch."""
-    per_replica = cfg.effective_batch // cfg.dp
-    lo = dp_rank * per_replica if whole else 0
+    mine = replica_rows(cfg, dp_rank)
+    per_replica = mine.stop - mine.start
+    lo = mine.start if whole else 0
 
     def cut(t, a: int):
         rows = slice(lo + a * per_replica // cfg.accumulation,

@@ -125,7 +125,7 @@ def sync_initial_weights(local: dict, dp_group, ties) -> None:
             dist.broadcast(p, dist.get_global_rank(group, 0), group=group)
 
 
-def describe(cfg, cuts: list[int], peak_lr: float, zero: bool) -> str:
+def describe(cfg, cuts: list[int], peak_lr: float, sharded: bool) -> str:
     """What rank 0 prints at start: the effective batch, the scaled LR, the
     layout, how replicas synchronise, and the stages."""
     base = cfg.base_batch or cfg.effective_batch
@@ -160,7 +160,7 @@ def describe(cfg, cuts: list[int], peak_lr: float, zero: bool) -> str:
         f"batch {base}, {cfg.lr_scaling} scaling; {cfg.warmup_steps} warm-up steps, "
         f"{cfg.lr_decay} decay\n"
         f"layout dp {cfg.dp} x pp {cfg.pp}"
-        + (f" (ZeRO-{cfg.zero})" if zero else "")
+        + (f" (ZeRO-{cfg.zero})" if sharded else "")
         + sync
         + f", schedule {cfg.schedule}"
         + (f" (v={cfg.virtual_stages})" if cfg.virtual_stages > 1 else "")

@@ -93,11 +93,11 @@ def fit(
     if trainer.units is not None:
         trainer.units.settle()
     trainer.wait_checkpoint()
-    write_recorded(trainer)
+    _write_outputs(trainer)
     return out
 
 
-def write_recorded(trainer) -> None:
+def _write_outputs(trainer) -> None:
     """Gathers every rank's recorded steps on rank 0 and writes the trace,
     the timeline and the Chakra files the config asks for (collective); a
     failed write is one line."""

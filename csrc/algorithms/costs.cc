@@ -1,6 +1,6 @@
 // Every collective algorithm's cost, by the alpha-beta-gamma model with two
 // kinds of link that CLAWCOMM_ALGO=auto chooses by (selection.cc;
-// docs/algorithms.md derives it; clawcomm/model.py holds the same formulas
+// docs/algorithms.md derives it; clawcomm/cost_model/formulas.py holds the same formulas
 // for `clawcomm simulate`). A message between ranks of one host costs
 // shm_alpha + bytes * shm_beta; one between hosts costs
 // net_alpha + bytes * net_beta * (streams through the busiest host link in
@@ -181,7 +181,7 @@ double binomialReduceCost(double N, const Topology& t, const CostModel& m) {
 // copies them), the cross-host ones queued on its link in that order. Each
 // child acknowledges with an empty message; done when the last
 // acknowledgement lands. On one host: ceil(log2 n) copies of N and one
-// acknowledgement. (clawcomm.simulator runs the same message by message.)
+// acknowledgement. (clawcomm.simulate.messages runs the same message by message.)
 double binomialBroadcastCost(double N, const Topology& t, const CostModel& m) {
   const int n = t.size();
   if (n <= 1) return 0;

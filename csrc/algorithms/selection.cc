@@ -1,7 +1,7 @@
 // Every collective's algorithms, as one table, and CLAWCOMM_ALGO's choice
 // between them: the one it names, else the cheapest by the cost model
-// (costs.cc; docs/algorithms.md derives it, clawcomm/model.py holds the same
-// formulas for `clawcomm simulate`).
+// (costs.cc; docs/algorithms.md derives it, clawcomm/cost_model/formulas.py
+// holds the same formulas for `clawcomm simulate`).
 #include <algorithm>
 #include <cmath>
 #include <limits>

@@ -36,10 +36,10 @@ std::set<Communicator*>& registry() {
 // How many communicators are alive: asked by every collective, so not the
 // registry's lock (Settings::inlineMaxBytes says why it matters).
 std::atomic<int> liveCommunicators{0};
-// The job's flight-record folder: the token of the first communicator that
-// is alive in this process (torch's default group, made before any other),
-// so that every group of a job writes under one folder. Under registryMutex.
-const Communicator* jobOwner = nullptr;
+// The job's flight-record folder: the token of the first communicator made
+// while none was alive in this process (torch's default group, made before
+// any other), kept while any lives, so that every group of a job writes
+// under one folder. Under registryMutex.
 std::string jobFolder;
 }  // namespace
 
@@ -92,10 +92,7 @@ Communicator::Communicator(std::shared_ptr<Store> store, int rank, int size,
   liveCommunicators.fetch_add(1);
   std::lock_guard<std::mutex> lock(registryMutex);
   registry().insert(this);
-  if (jobOwner == nullptr) {
-    jobOwner = this;
-    jobFolder = jobToken_;
-  }
+  if (jobFolder.empty()) jobFolder = jobToken_;
 }
 
 std::shared_ptr<Communicator> Communicator::create(std::shared_ptr<Store> store, int rank, int size,
@@ -129,10 +126,7 @@ Communicator::~Communicator() {
   liveCommunicators.fetch_sub(1);
   std::lock_guard<std::mutex> lock(registryMutex);
   registry().erase(this);
-  if (jobOwner == this) {  // the next group made starts the next job's folder
-    jobOwner = nullptr;
-    jobFolder.clear();
-  }
+  if (registry().empty()) jobFolder.clear();  // the next group made starts a new job's folder
 }
 
 void Communicator::shutdown() {

@@ -175,8 +175,8 @@ class Communicator {
   // first, with their state. Any thread; fields may be mid-update.
   std::string flightRecord(const std::string& why = "requested") const;
   // Where this communicator writes it if it fails: under its job's folder
-  // (flightJobFolder: the first live group's token in this process), in a
-  // folder of its own unless it is that group.
+  // (flightJobFolder: the token of the first group made while none was
+  // alive in this process), in a folder of its own unless it is that group.
   std::string flightRecordPath() const;
   std::string flightJobFolder() const;
 

@@ -1,5 +1,5 @@
 // What moving and reducing bytes costs, for CLAWCOMM_ALGO=auto and
-// `clawcomm simulate` (clawcomm/model.py holds the same formulas).
+// `clawcomm simulate` (clawcomm/cost_model/formulas.py holds the same formulas).
 #pragma once
 
 #include <string>

@@ -118,7 +118,7 @@ void bindKernels(py::module_& m) {
       "ring's last reduce-scatter step.");
 }
 
-// The engine's cost model, for clawcomm.model's tests: the closed forms in
+// The engine's cost model, for clawcomm.cost_model's tests: the closed forms in
 // Python must agree with the ones auto chooses by.
 CostModel costModelOf(const py::dict& d) {
   CostModel m;
