@@ -30,7 +30,31 @@ class TrainConfig:
         ("", "auto"),
     )
     dp: int = _opt(1, "data-parallel replicas")
-    pp: int = _opt(1, "pipeline stages' ranks (dp * pp = world size)")
+    pp: int = _opt(1, "pipeline stages' ranks (dp * tp * pp = world size)")
+    tp: int = _opt(
+        1,
+        "tensor-parallel ranks: each layer split over tp neighbouring ranks (Megatron-style: "
+        "attention by heads, the MLP by columns then rows, embedding and output by vocabulary)",
+    )
+    sequence_parallel: bool | None = _opt(
+        None,
+        "tp > 1: the residual stream, LayerNorms and dropout-free parts hold 1/tp of the tokens; "
+        "an all-gather before each column-parallel layer and a reduce-scatter after each "
+        "row-parallel one replace the all-reduces (gpt and wait; the mlp has no tokens). "
+        "Default: on where the model has tokens",
+        kind=bool,
+        default_text="auto",
+    )
+    tp_overlap: bool | None = _opt(
+        None,
+        "tp > 1 with sequence parallelism: cut each all-gather and reduce-scatter into one "
+        "block per rank, passed around the TP ring while the layer computes on the blocks "
+        "already here (async TP). Default: on for the wait model, off for models that compute "
+        "on the CPU, whose cores the transfers would take from the computation "
+        "(docs/tensor_parallel.md has the figures)",
+        kind=bool,
+        default_text="auto",
+    )
     schedule: str = _opt("1f1b", "pipeline schedule", SCHEDULES)
     microbatches: int = _opt(4, "micro-batches per schedule run")
     virtual_stages: int = _opt(1, "stages per rank (interleaved schedule: v)", flag="-v")
@@ -200,6 +224,28 @@ class TrainConfig:
         return self.zero == 3 and self.pp == 1
 
     @property
+    def sequence_parallel_on(self) -> bool:
+        """``sequence_parallel`` as set, or by default: at tp > 1 on a model with tokens."""
+        if self.tp == 1:
+            return False
+        if self.sequence_parallel is not None:
+            return self.sequence_parallel
+        return self.model in ("gpt", "wait")
+
+    @property
+    def tp_overlap_on(self) -> bool:
+        """``tp_overlap`` as set, or by default: on for the wait model."""
+        if not self.sequence_parallel_on:
+            return False
+        if self.tp_overlap is not None:
+            return self.tp_overlap
+        return self.model == "wait"
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
     def num_stages(self) -> int:
         return self.pp * self.virtual_stages
 
@@ -267,6 +313,7 @@ class TrainConfig:
                     raise ValueError(f"{f.name} must be an integer, got {value!r}")
         positive = (
             "dp",
+            "tp",
             "pp",
             "microbatches",
             "virtual_stages",
@@ -333,11 +380,12 @@ class TrainConfig:
             raise ValueError(f"clip must be >= 0, got {self.clip}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if world_size is not None and self.dp * self.pp != world_size:
+        if world_size is not None and self.world != world_size:
             raise ValueError(
-                f"dp * pp = {self.dp} * {self.pp} = {self.dp * self.pp} ranks, but the world has "
-                f"{world_size}; choose dp and pp with dp * pp == {world_size}"
+                f"dp * tp * pp = {self.dp} * {self.tp} * {self.pp} = {self.world} ranks, but the "
+                f"world has {world_size}; choose dp, tp and pp with dp * tp * pp == {world_size}"
             )
+        self.check_tp()
         check_schedule_args(self.schedule, self.pp, self.microbatches, self.virtual_stages)
         if self.model == "wait":
             self.wait_times()
@@ -349,6 +397,27 @@ class TrainConfig:
             from clawcomm.compression import get_compressor
 
             get_compressor(self.compression)
+
+    def check_tp(self) -> None:
+        """The tensor-parallel settings suit the model and the other flags."""
+        from clawcomm.parallel import tensor
+
+        if self.sequence_parallel and self.tp > 1 and self.model == "mlp":
+            raise ValueError(
+                "sequence_parallel splits tokens, and the mlp has none: give "
+                "--no-sequence-parallel or leave it unset"
+            )
+        if self.tp_overlap and self.tp > 1 and not self.sequence_parallel_on:
+            raise ValueError(
+                "tp_overlap overlaps the sequence-parallel all-gathers and reduce-scatters: it "
+                "needs sequence_parallel"
+            )
+        if self.tp > 1 and self.layout == "auto":
+            raise ValueError(
+                f"layout auto does not search tp yet: give dp, tp and pp (tp {self.tp}), or "
+                "leave tp 1 for the planner"
+            )
+        tensor.check(self.model, self.tp, self.heads, self.seq_len, self.sequence_parallel_on)
 
     def check_files(self) -> None:
         """The corpus files named exist and suit the model (what they hold is

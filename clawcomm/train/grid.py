@@ -1,11 +1,12 @@
-"""Where each rank sits in the dp x pp grid of a run's layout, its process
-groups, the parameters tied across stages, and the line that describes the
-layout at start.
+"""Where each rank sits in the dp x tp x pp grid of a run's layout, its
+process groups, the parameters tied across stages, and the line that
+describes the layout at start.
 
-Ranks are numbered pipeline-stage-major: ``rank = pp_rank * dp + dp_rank``,
-so the ranks that average the same stage's gradients (a data-parallel group,
-the heavier traffic) are neighbours, as torchtitan and Megatron place them
-(neighbours share a host first). Every rank creates every group, in the same
+Ranks are numbered pipeline-stage-major, tensor-parallel innermost:
+``rank = (pp_rank * dp + dp_rank) * tp + tp_rank``, so a tensor-parallel
+group (the traffic of every layer) is made of neighbours, which share a host
+first, then the ranks that average the same stage's gradients, as Megatron
+and torchtitan place them. Every rank creates every group, in the same
 order, as torch.distributed requires.
 """
 
@@ -24,49 +25,71 @@ class Grid:
     dp: int
     pp: int
     rank: int
+    tp: int = 1
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
 
     @property
     def dp_rank(self) -> int:
-        return self.rank % self.dp
+        return self.rank // self.tp % self.dp
 
     @property
     def pp_rank(self) -> int:
-        return self.rank // self.dp
+        return self.rank // (self.tp * self.dp)
 
-    def rank_of(self, dp_rank: int, pp_rank: int) -> int:
-        return pp_rank * self.dp + dp_rank
+    def rank_of(self, dp_rank: int, pp_rank: int, tp_rank: int | None = None) -> int:
+        """The rank at (dp_rank, pp_rank) and ``tp_rank`` (default: this rank's)."""
+        t = self.tp_rank if tp_rank is None else tp_rank
+        return (pp_rank * self.dp + dp_rank) * self.tp + t
 
-    def pipeline_ranks(self, dp_rank: int) -> list[int]:
-        return [self.rank_of(dp_rank, p) for p in range(self.pp)]
+    def pipeline_ranks(self, dp_rank: int, tp_rank: int | None = None) -> list[int]:
+        return [self.rank_of(dp_rank, p, tp_rank) for p in range(self.pp)]
 
-    def replica_ranks(self, pp_rank: int) -> list[int]:
-        return [self.rank_of(d, pp_rank) for d in range(self.dp)]
+    def replica_ranks(self, pp_rank: int, tp_rank: int | None = None) -> list[int]:
+        return [self.rank_of(d, pp_rank, tp_rank) for d in range(self.dp)]
+
+    def tensor_ranks(self) -> list[int]:
+        return [self.rank_of(self.dp_rank, self.pp_rank, t) for t in range(self.tp)]
 
     def make_groups(self, backend: str | None = None):
-        """(pp group, dp group) of this rank; every rank creates all of them.
-        A group of one rank is None (nothing to talk to). On clawcomm the
-        pipeline's progress threads are not niced: a stage posts its send
-        and goes on computing, and the next stage waits for those bytes
-        (``clawcomm.group_options``)."""
+        """(pp group, dp group, tp group) of this rank; every rank creates all
+        of them. A group of one rank is None (nothing to talk to). On
+        clawcomm the pipeline's progress threads are not niced: a stage posts
+        its send and goes on computing, and the next stage waits for those
+        bytes (``clawcomm.group_options``)."""
         pp_group = None
-        for d in range(self.dp):
-            ranks = self.pipeline_ranks(d)
-            g = None
-            if self.pp > 1:
-                g = dist.new_group(ranks, backend=backend, pg_options=_pipeline_options(backend))
-            if d == self.dp_rank:
-                pp_group = g
-        return pp_group, self.make_dp_group(backend)
+        for t in range(self.tp):
+            for d in range(self.dp):
+                ranks = self.pipeline_ranks(d, t)
+                g = None
+                if self.pp > 1:
+                    g = dist.new_group(
+                        ranks, backend=backend, pg_options=_pipeline_options(backend)
+                    )
+                if self.rank in ranks:
+                    pp_group = g
+        dp_group = self.make_dp_group(backend)
+        tp_group = None
+        for p in range(self.pp):
+            for d in range(self.dp):
+                ranks = [self.rank_of(d, p, t) for t in range(self.tp)]
+                g = dist.new_group(ranks, backend=backend) if self.tp > 1 else None
+                if self.rank in ranks:
+                    tp_group = g
+        return pp_group, dp_group, tp_group
 
     def make_dp_group(self, backend: str | None = None):
         """This rank's data-parallel group (a new one at each call; every
         rank creates all of them). None where dp == 1."""
         dp_group = None
-        for p in range(self.pp):
-            ranks = self.replica_ranks(p)
-            g = dist.new_group(ranks, backend=backend) if self.dp > 1 else None
-            if p == self.pp_rank:
-                dp_group = g
+        for t in range(self.tp):
+            for p in range(self.pp):
+                ranks = self.replica_ranks(p, t)
+                g = dist.new_group(ranks, backend=backend) if self.dp > 1 else None
+                if self.rank in ranks:
+                    dp_group = g
         return dp_group
 
 
@@ -99,12 +122,13 @@ def tied_parameters(stages: list[nn.Module], cfg, grid: Grid) -> list[tuple]:
         if len(ranks_pp) < 2:
             continue
         mine = None
-        for d in range(cfg.dp):
-            ranks = [grid.rank_of(d, r) for r in ranks_pp]
-            if tuple(ranks) not in groups:
-                groups[tuple(ranks)] = dist.new_group(ranks)
-            if grid.rank in ranks:
-                mine = groups[tuple(ranks)]
+        for t in range(grid.tp):
+            for d in range(cfg.dp):
+                ranks = [grid.rank_of(d, r, t) for r in ranks_pp]
+                if tuple(ranks) not in groups:
+                    groups[tuple(ranks)] = dist.new_group(ranks)
+                if grid.rank in ranks:
+                    mine = groups[tuple(ranks)]
         if mine is not None:
             owner = stage_to_rank(ss[0], cfg.pp) == grid.pp_rank
             ties.append((objects[pid], mine, owner))
@@ -159,7 +183,9 @@ def describe(cfg, cuts: list[int], peak_lr: float, sharded: bool) -> str:
         f"lr {peak_lr * cfg.batch_scale():.4g} = {peak_lr:.4g} at base "
         f"batch {base}, {cfg.lr_scaling} scaling; {cfg.warmup_steps} warm-up steps, "
         f"{cfg.lr_decay} decay\n"
-        f"layout dp {cfg.dp} x pp {cfg.pp}"
+        f"layout dp {cfg.dp} x "
+        + (f"tp {cfg.tp} ({tp_text(cfg)}) x " if cfg.tp > 1 else "")
+        + f"pp {cfg.pp}"
         + (f" (ZeRO-{cfg.zero})" if sharded else "")
         + sync
         + f", schedule {cfg.schedule}"
@@ -167,3 +193,9 @@ def describe(cfg, cuts: list[int], peak_lr: float, sharded: bool) -> str:
         + f", {stages}"
         + compression
     )
+
+
+def tp_text(cfg) -> str:
+    """How the tensor-parallel layers talk, in words."""
+    sp = "sequence parallel" if cfg.sequence_parallel_on else "no sequence parallelism"
+    return sp + (", overlapped" if cfg.tp_overlap_on else "")

@@ -39,6 +39,8 @@ class RankSample:
     host: float = 0.0  # host time per compute action
     bytes_pp: float = 0.0
     bytes_dp: float = 0.0
+    bytes_tp: float = 0.0  # its tensor-parallel group's (activations and their gradients)
+    tp_wait: float = 0.0  # blocked on tensor-parallel communication (the exposed part)
     # bytes_dp by kind: reduce-scatter, all-gather, all-reduce, all-to-all
     # (int8/int4 compression reduce-scatters through one)
     bytes_rs: float = 0.0
@@ -188,9 +190,12 @@ def summarise(rows: list[RankSample], cfg, grid, plan, p2p_latency: float, cuda:
         # the busiest rank's compute, and the longest exposed communication
         # (waits for tensors + the reduction's tail)
         "compute_ms": max(r.busy for r in rows) * 1e3,
-        "exposed_comm_ms": max(r.recv_wait + r.dp_wait for r in rows) * 1e3,
+        "exposed_comm_ms": max(r.recv_wait + r.dp_wait + r.tp_wait for r in rows) * 1e3,
         "bytes_sent_pp": int(sum(r.bytes_pp for r in rows)),
         "bytes_sent_dp": int(sum(r.bytes_dp for r in rows)),
+        "bytes_sent_tp": int(sum(r.bytes_tp for r in rows)),
+        # the rank that waited longest for its tensor-parallel collectives
+        "tp_ms": max(r.tp_wait for r in rows) * 1e3,
         "bytes_sent_dp_reduce_scatter": int(sum(r.bytes_rs for r in rows)),
         "bytes_sent_dp_all_gather": int(sum(r.bytes_ag for r in rows)),
         "bytes_sent_dp_all_reduce": int(sum(r.bytes_ar for r in rows)),
@@ -245,16 +250,17 @@ def _predicted_bubble(rows, cfg, grid, plan, p2p_latency: float) -> dict:
 
 class Traffic:
     """Bytes this rank sent through its groups' engines: every group, the
-    pipeline group and the data-parallel group, and the last by kind of
-    collective (clawcomm groups only). ``second_dp``: a second group of the
-    data-parallel ranks (ZeRO-3's parameter gathers, the delayed exchanges of
-    --sync-delay), counted as data-parallel."""
+    pipeline group and the data-parallel group, the last by kind of
+    collective, and the tensor-parallel group (clawcomm groups only).
+    ``second_dp``: a second group of the data-parallel ranks (ZeRO-3's
+    parameter gathers, the delayed exchanges of --sync-delay), counted as
+    data-parallel."""
 
     DP_KINDS = ("reduce_scatter", "all_gather", "all_reduce", "all_to_all")
-    WIDTH = 3 + 2 * len(DP_KINDS)  # len(sent())
+    WIDTH = 4 + 2 * len(DP_KINDS)  # len(sent())
 
-    def __init__(self, pp_group, dp_group, other_groups=(), second_dp=None):
-        self._groups = (pp_group, dp_group, second_dp, tuple(other_groups))
+    def __init__(self, pp_group, dp_group, other_groups=(), second_dp=None, tp_group=None):
+        self._groups = (pp_group, dp_group, second_dp, tp_group, tuple(other_groups))
         self._engines: dict = {}  # per device, found on first use (after every group exists)
 
     def engines(self, device: str = "cpu") -> tuple[list, dict]:
@@ -266,10 +272,10 @@ class Traffic:
         if device not in self._engines:
             import clawcomm
 
-            pp, dp, params, others = self._groups
-            groups = (None, pp, dp, params, *others)
+            pp, dp, params, tp, others = self._groups
+            groups = (None, pp, dp, params, tp, *others)
             engines = {id(g): clawcomm.engine_of(g, device) for g in groups}
-            labelled = (("pp", pp), ("dp", dp), ("dp 2", params))
+            labelled = (("pp", pp), ("dp", dp), ("dp 2", params), ("tp", tp))
             named = {k: engines[id(g)] for k, g in labelled if g is not None}
             self._engines[device] = (list(engines.values()), named)
         return self._engines[device]
@@ -289,11 +295,13 @@ class Traffic:
             return [sum(stats[id(e)].get(k, {}).get(field, 0) for e in dps) for k in self.DP_KINDS]
 
         pp = total(named["pp"]) if "pp" in named else 0
+        tp = total(named["tp"]) if "tp" in named else 0
         busy = [us / 1e6 for us in by_kind("busy_us")]
         return (
             [sum(total(e) for e in every), pp, sum(total(e) for e in dps)]
             + by_kind("bytes_sent")
             + busy
+            + [tp]
         )
 
     @staticmethod
@@ -311,6 +319,7 @@ class Traffic:
             "time_ag",
             "time_ar",
             "time_a2a",
+            "bytes_tp",
         )
         return dict(zip(names, sent, strict=True))
 

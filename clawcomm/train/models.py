@@ -62,11 +62,17 @@ class Block(nn.Module):
         self.out = nn.Linear(4 * dim, dim)
 
     def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        # Widths come from the layers' outputs, so the block also runs split
+        # over a tensor-parallel group (clawcomm.parallel.tensor): its own
+        # heads, and with sequence parallelism x holds a slice of the tokens.
+        qkv = self.qkv(self.norm1(x))
+        b, t, width = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
+        q, k, v = (
+            z.view(b, t, self.heads, width // self.heads).transpose(1, 2)
+            for z in qkv.split(width, dim=2)
+        )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, width))
         return x + self.out(F.gelu(self.fc(self.norm2(x))))
 
 
@@ -273,12 +279,15 @@ def cut_into_stages(
 
 
 def parameter_shapes(model, stages) -> dict[str, list[int]]:
-    """Every parameter's shape, by its name in the whole model."""
+    """Every parameter's shape in the whole model (a tensor-parallel slice's
+    whole tensor's), by its name."""
+    from clawcomm.parallel.tensor import whole_shape
+
     params = {id(p): p for p in (model.parameters() if isinstance(model, nn.Sequential) else ())}
     for s in stages:
         params.update({id(p): p for p in s.parameters()})
     names = parameter_names(model, stages)
-    return {names[i]: list(p.shape) for i, p in params.items()}
+    return {names[i]: whole_shape(p) for i, p in params.items()}
 
 
 def parameter_names(model, stages) -> dict[int, str]:

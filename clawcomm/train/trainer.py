@@ -50,6 +50,7 @@ from torch import nn
 from clawcomm.compression import get_compressor
 from clawcomm.parallel.buckets import FIRST_BUCKET_MB
 from clawcomm.parallel.reducer import GradReducer
+from clawcomm.parallel.tensor import comm as tensor_comm
 from clawcomm.parallel.zero import ZeroShards, drop_masters
 from clawcomm.parallel.zero3 import ParamUnits, Trackers, unit_of_params
 from clawcomm.pipeline.actions import B, I, W
@@ -105,7 +106,7 @@ class Trainer:
         self.cfg = cfg
         world = dist.get_world_size() if dist.is_initialized() else 1
         cfg.check(world)
-        self.grid = Grid(cfg.dp, cfg.pp, dist.get_rank() if dist.is_initialized() else 0)
+        self.grid = Grid(cfg.dp, cfg.pp, dist.get_rank() if dist.is_initialized() else 0, cfg.tp)
         self.count_fn = count_fn or (lambda t: t.numel())
         self.tokens_per_sample = tokens_per_sample
         if getattr(loss_fn, "reduction", "sum") == "mean":
@@ -113,9 +114,17 @@ class Trainer:
                 "Trainer: loss_fn must sum over the micro-batch (reduction='sum'); the trainer "
                 "divides by the number of items in the effective batch"
             )
-        self.loss_fn = loss_fn
         S = cfg.num_stages
+        self.pp_group, self.dp_group, self.tp_group = (
+            self.grid.make_groups() if dist.is_initialized() else (None, None, None)
+        )
         stages, self.cuts = cut_into_stages(model, S, cfg.balance, sample)
+        self.tensor = None  # the tensor-parallel plan (clawcomm.parallel.tensor), tp > 1
+        if cfg.tp > 1:  # cut whole (every TP rank the same), then split each layer
+            self.tensor = self._split_layers(model, loss_fn, sample)
+            loss_fn = self.tensor.loss_fn
+            stages = [nn.Sequential(*model[self.cuts[s] : self.cuts[s + 1]]) for s in range(S)]
+        self.loss_fn = loss_fn
         self.names = parameter_names(model, stages)
         self.shapes = parameter_shapes(model, stages)
         self.schedule = build(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages)
@@ -133,9 +142,6 @@ class Trainer:
         if cfg.schedule == "zb1":
             for mod in self.local.values():
                 split_linear_backward(mod)
-        self.pp_group, self.dp_group = (
-            self.grid.make_groups() if dist.is_initialized() else (None, None)
-        )
         self._ties = tied_parameters(stages, cfg, self.grid)
         self.params = unique_params(
             p
@@ -157,6 +163,7 @@ class Trainer:
         )
         self.reducer = self.outer = None
         tied = {id(p) for p, _, _ in self._ties}
+        whole = self.tensor.replicated_ids() if self.tensor is not None else set()
         exchange_group = None
         if cfg.dp > 1 and cfg.sync != "every-step":  # replicas meet every H steps
             # Delayed meetings exchange on a thread, over a group of their own.
@@ -175,9 +182,11 @@ class Trainer:
                 names=[self.names.get(id(p), str(i)) for i, p in enumerate(self.params)],
                 # ZeRO shards all but the parameters tied across pipeline
                 # ranks, whose gradients are summed over them after the
-                # reduction (see clawcomm.parallel.zero).
+                # reduction (see clawcomm.parallel.zero), and at tp > 1 those
+                # that tensor parallelism leaves whole, synchronised over
+                # the TP group after it.
                 zero=cfg.zero,
-                replicated={i for i, p in enumerate(self.params) if id(p) in tied},
+                replicated={i for i, p in enumerate(self.params) if id(p) in tied | whole},
                 units=unit_of_params(self.params, self.local) if cfg.zero == 3 else None,
             )
             # A gradient is final after the last backward actions of its
@@ -210,7 +219,11 @@ class Trainer:
         self.tracker = Trackers(self.reducer, self.units) if self.units else self.reducer
         self.step_index = 0
         self.traffic = Traffic(
-            self.pp_group, self.dp_group, (t[1] for t in self._ties), params_group or exchange_group
+            self.pp_group,
+            self.dp_group,
+            (t[1] for t in self._ties),
+            params_group or exchange_group,
+            self.tp_group,
         )
         self._mark = None  # traffic where the next step's figures start (ZeRO: its gathers)
         self._pending_save = None
@@ -225,6 +238,25 @@ class Trainer:
         self.energy = StepEnergy(self.device, local)  # this rank's joules per step, if metered
         if cfg.trace or cfg.timeline or cfg.chakra:
             self.recorder = trace.StepRecorder()
+
+    def _split_layers(self, model, loss_fn, sample):
+        """Applies the tensor-parallel plan to the whole model (every rank
+        built it from one seed, so each keeps its slices of the same
+        weights); returns the plan."""
+        from clawcomm.parallel import tensor
+
+        cfg = self.cfg
+        if not isinstance(model, nn.Sequential):
+            raise ValueError(
+                f"Trainer: tp {cfg.tp} splits the layers of an nn.Sequential model; got a list "
+                "of stage modules"
+            )
+        tokens = cfg.seq_len if cfg.model == "wait" else 0
+        tp = tensor.TensorParallel(
+            self.tp_group, self.grid.tp_rank, cfg.tp, cfg.sequence_parallel_on,
+            cfg.tp_overlap_on, tokens,
+        )  # fmt: skip
+        return tensor.parallelize(model, loss_fn, tp)
 
     # ---- the step ---------------------------------------------------------------------
 
@@ -266,7 +298,7 @@ class Trainer:
         out = step_metrics(self.step_index, loss, lr, grad_norm, step_s, cfg.effective_batch)
         if self.tokens_per_sample:
             out["tokens_per_s"] = cfg.effective_batch * self.tokens_per_sample / step_s
-        out["device_s"] = step_s * cfg.dp * cfg.pp
+        out["device_s"] = step_s * cfg.world
         cuda = self.device.type == "cuda"
         return out | summarise(rows, cfg, self.grid, self._plan, self.p2p_latency, cuda)
 
@@ -277,6 +309,7 @@ class Trainer:
             g["lr"] = self._peak_lr[i] * self.cfg.lr_factor(self.step_index)
         bytes_before = self._mark if self._mark is not None else self.traffic.sent()
         reset_peak(self.device)
+        tensor_comm.EXPOSED.lap()  # (what an evaluation waited is not the step's)
         if self.shards is not None:
             self.shards.reset_peak()
         if self.pp_group is not None:
@@ -290,6 +323,8 @@ class Trainer:
         dp_wait = self.reducer.finish() if self.reducer is not None else 0.0
         for p, group, _ in self._ties:
             dist.all_reduce(p.grad, group=group)
+        if self.tensor is not None:
+            self.tensor.sync_replicated_grads()
         self.lay_out_shards()
         return dp_wait
 
@@ -306,10 +341,12 @@ class Trainer:
         """This rank's figures of the step, which every rank gathers."""
         sent = [a - b for a, b in zip(self.traffic.sent(), bytes_before, strict=True)]
         return RankSample(
-            loss=float(sum(float(v) for v in totals.losses)),
+            # (every TP rank of the last stage has the loss: rank 0 of them counts it)
+            loss=float(sum(float(v) for v in totals.losses)) if self.grid.tp_rank == 0 else 0.0,
             sumsq=self._owned_sumsq(),
             **Traffic.fields(sent),
             busy=totals.busy, span=span, recv_wait=totals.recv_wait, dp_wait=dp_wait,
+            tp_wait=tensor_comm.EXPOSED.lap(),
             host=totals.host / max(1, totals.computes), gpu_mb=peak_mb(self.device),
             comm_bytes=self._comm_device_bytes(),
             costs=totals.mean_costs(sorted(self.local)),
@@ -417,6 +454,8 @@ class Trainer:
         """Squared norm of this rank's gradients; a tied parameter counts on
         its first stage's rank only."""
         shared_elsewhere = {id(p) for p, _, owner in self._ties if not owner}
+        if self.tensor is not None and self.grid.tp_rank != 0:  # counted on TP rank 0
+            shared_elsewhere |= self.tensor.replicated_ids()
         if self.shards is not None:
             return self.shards.sumsq(shared_elsewhere)
         grads = [

@@ -1,0 +1,288 @@
+"""How the trainer's models split over a tensor-parallel group: one plan
+applied to the whole model, built whole on every rank from one seed, so
+each rank keeps its slices of the very weights a single process would
+train.
+
+- gpt (Megatron-LM's split): attention's Q, K and V column-parallel with
+  whole heads per rank, its output projection row-parallel; the MLP's up
+  projection column-parallel, its down projection row-parallel; the token
+  embedding and the tied output layer split by vocabulary, with the
+  vocabulary-parallel cross-entropy as the loss. With sequence parallelism
+  the residual stream, the LayerNorms and the position embedding hold
+  ``seq_len / tp`` tokens; their parameters' gradients are partial and are
+  summed over the group after the step's backward (``sum_partial_grads``).
+- mlp: its linear layers alternate column- and row-parallel (an odd last
+  one stays whole), so the activations between a pair are split and the
+  logits whole.
+- wait: each waiting layer holds 1/tp of its weight and waits 1/tp of the
+  time, and exchanges what a sequence-parallel layer pair does: an
+  all-gather of ``[micro-batch, seq_len, width]`` before, a reduce-scatter
+  after, in forward and in the input-gradient pass.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from clawcomm.parallel.tensor import comm
+from clawcomm.parallel.tensor.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    Split,
+    VocabParallelEmbedding,
+    block_of,
+    split_parameter,
+    vocab_parallel_cross_entropy,
+)
+
+
+@dataclass
+class TensorParallel:
+    """This rank's place in its TP group, and how the layers talk."""
+
+    group: object
+    rank: int
+    size: int
+    sequence_parallel: bool
+    overlap: bool
+    tokens: int = 0  # wait: tokens per sample that a layer's exchange carries
+
+
+def check(model_name: str, tp: int, heads: int, seq_len: int, sequence_parallel: bool) -> None:
+    """Raises ValueError for a split the plan cannot make (before any rank starts)."""
+    if tp == 1:
+        return
+    if model_name == "gpt" and heads % tp:
+        raise ValueError(
+            f"tp {tp} splits attention by whole heads: heads {heads} is not a multiple of tp {tp}"
+        )
+    if sequence_parallel and model_name in ("gpt", "wait") and seq_len % tp:
+        raise ValueError(
+            f"sequence parallelism splits the tokens: seq_len {seq_len} is not a multiple of "
+            f"tp {tp} (or --no-sequence-parallel)"
+        )
+
+
+class ParallelEmbedding(nn.Module):
+    """The GPT's embedding: tokens split by vocabulary; positions whole,
+    added to this rank's tokens."""
+
+    def __init__(self, emb, tp: TensorParallel):
+        super().__init__()
+        self.tp = tp
+        self.tokens = VocabParallelEmbedding(emb.tokens, tp)
+        self.positions = emb.positions
+
+    def forward(self, idx):
+        t = idx.shape[1]
+        x = self.tokens(idx)
+        if self.tp.sequence_parallel:
+            per = t // self.tp.size
+            pos = torch.arange(self.tp.rank * per, (self.tp.rank + 1) * per, device=idx.device)
+        else:
+            pos = torch.arange(t, device=idx.device)
+        return x + self.positions(pos)
+
+
+def _split_block(block, tp: TensorParallel) -> None:
+    """A GPT block in place: its forward reads widths from its layers, so it
+    runs split with ``heads / tp`` heads."""
+    d = block.qkv.in_features
+    start, width = block_of(d, tp.size, tp.rank)
+    qkv_rows = tuple((j * d + start, width) for j in range(3))  # this rank's heads of Q, K, V
+    block.qkv = ColumnParallelLinear(block.qkv, tp, qkv_rows)
+    block.proj = RowParallelLinear(block.proj, tp)
+    block.fc = ColumnParallelLinear(block.fc, tp)
+    block.out = RowParallelLinear(block.out, tp)
+    block.heads //= tp.size
+
+
+class _Head(nn.Module):
+    def __init__(self, head, weight: nn.Parameter, tp: TensorParallel):
+        super().__init__()
+        self.norm = head.norm
+        linear = nn.Linear(head.proj.in_features, head.proj.out_features, bias=False)
+        self.proj = ColumnParallelLinear(linear, tp, weight.tp_split.pieces)
+        self.proj.weight = weight  # tied to the embedding's block of the vocabulary
+
+    def forward(self, x):
+        return self.proj(self.norm(x))
+
+
+class _WaitingExchange(torch.autograd.Function):
+    """A waiting layer split over the group: 1/tp of each wait, and the
+    bytes of a sequence-parallel layer pair around it."""
+
+    @staticmethod
+    def forward(ctx, x, weight, layer):
+        ctx.layer = layer
+        layer.exchange(layer.forward_s)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        from clawcomm.pipeline.weight_grad import defer_weight_grad, notify_grad
+
+        layer = ctx.layer
+        layer.exchange(layer.input_s)
+
+        def weight_pass():
+            time.sleep(layer.weight_s)
+            notify_grad(layer.weight)
+
+        defer_weight_grad(weight_pass)
+        return grad.contiguous(), None, None
+
+
+class ParallelWaitingLayer(nn.Module):
+    def __init__(self, layer, tp: TensorParallel):
+        super().__init__()
+        self.tp = tp
+        w = layer.weight.shape[0]
+        rows = (block_of(w, tp.size, tp.rank),)
+        self.weight = split_parameter(layer.weight, Split((w, w), 0, rows))
+        self.forward_s, self.input_s, self.weight_s = (
+            layer.forward_s / tp.size,
+            layer.input_s / tp.size,
+            layer.weight_s / tp.size,
+        )
+        self.width = w
+
+    def exchange(self, seconds: float) -> None:
+        """Gather the layer's input tokens, wait ``seconds`` (half before the
+        row-parallel half), reduce-scatter its output; overlapped: each half
+        of the wait cut into one block per rank, around the ring."""
+        tp = self.tp
+        rows = max(1, self._rows)
+        x = torch.zeros(rows, tp.tokens // tp.size, self.width)
+        per_block = seconds / 2 / tp.size
+        if tp.overlap:
+            comm.ring_gather_apply(x, lambda blk: time.sleep(per_block) or blk, tp.group)
+            comm.ring_apply_scatter(lambda d: time.sleep(per_block) or x, tp.group)
+        else:
+            comm.all_gather_tokens(x, tp.group)
+            time.sleep(seconds)
+            comm.reduce_scatter_tokens(torch.zeros(rows, tp.tokens, self.width), tp.group)
+
+    def forward(self, x):
+        self._rows = x.shape[0]
+        return _WaitingExchange.apply(x, self.weight, self)
+
+
+@dataclass
+class Plan:
+    """What applying the plan made: the loss to use, and the parameters it
+    left whole (LayerNorms, row-parallel biases, positions, an odd last
+    linear layer), whose copies on the TP ranks the trainer keeps equal."""
+
+    tp: TensorParallel
+    loss_fn: object
+    replicated: list[nn.Parameter]
+
+    def replicated_ids(self) -> set[int]:
+        return {id(p) for p in self.replicated}
+
+    def sync_replicated_grads(self) -> None:
+        """The whole parameters' gradients made one over the group (one
+        all-reduce): with sequence parallelism each rank's is partial (its
+        tokens only) and they are summed; without, they are equal and
+        averaged, so that no rounding lets the copies drift apart."""
+        grads = [p.grad for p in self.replicated if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        comm.all_reduce(flat, self.tp.group)
+        if not self.tp.sequence_parallel:
+            flat /= self.tp.size
+        at = 0
+        for g in grads:
+            g.copy_(flat[at : at + g.numel()].view_as(g))
+            at += g.numel()
+
+
+def _replicated(model: nn.Module) -> list[nn.Parameter]:
+    out, seen = [], set()
+    for p in model.parameters():
+        if not hasattr(p, "tp_split") and id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def whole_shape(p: torch.Tensor) -> list[int]:
+    split = getattr(p, "tp_split", None)
+    return list(split.whole if split is not None else p.shape)
+
+
+def parallelize(model: nn.Sequential, loss_fn, tp: TensorParallel) -> Plan:
+    """Splits ``model`` (one of the trainer's: gpt, mlp, wait) in place over
+    ``tp``'s group; returns the plan's loss and partial gradients."""
+    from clawcomm.train import models
+
+    layers = list(model)
+    kinds = {type(m) for m in layers}
+    if models.Block in kinds or models.Embedding in kinds:
+        return _gpt(model, loss_fn, tp)
+    if kinds == {models.WaitingLayer}:
+        for i, m in enumerate(layers):
+            model[i] = ParallelWaitingLayer(m, tp)
+        return Plan(tp, loss_fn, _replicated(model))
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    others = [
+        m
+        for m in model.modules()
+        if not isinstance(m, nn.Linear | nn.Sequential | nn.ReLU | nn.GELU | nn.Tanh)
+    ]
+    if not linears or others:
+        what = type(others[0]).__name__ if others else "no linear layer"
+        raise ValueError(
+            f"tp {tp.size}: clawcomm splits the gpt, mlp and wait models (or an nn.Sequential of "
+            f"Linear layers and activations); this model has {what}"
+        )
+    pairs = len(linears) // 2 * 2  # an odd last layer stays whole
+    replace = {}
+    for i, lin in enumerate(linears[:pairs]):
+        cls = ColumnParallelLinear if i % 2 == 0 else RowParallelLinear
+        replace[id(lin)] = cls(lin, tp)
+    _replace(model, replace)
+    return Plan(tp, loss_fn, _replicated(model))
+
+
+def _replace(module: nn.Module, new: dict) -> None:
+    for name, child in module.named_children():
+        if id(child) in new:
+            setattr(module, name, new[id(child)])
+        else:
+            _replace(child, new)
+
+
+def _gpt(model: nn.Sequential, loss_fn, tp: TensorParallel) -> Plan:
+    from clawcomm.train import models
+
+    if loss_fn is not models.gpt_loss:
+        raise ValueError(
+            "tp: the gpt's logits are split by vocabulary, so its loss is the vocabulary-parallel "
+            "cross-entropy; the trainer replaces models.gpt_loss with it, and cannot replace "
+            f"{getattr(loss_fn, '__name__', loss_fn)!r}"
+        )
+    emb = model[0]
+    tied = emb.tokens.weight
+    model[0] = ParallelEmbedding(emb, tp)
+    weight = model[0].tokens.weight
+    for m in list(model)[1:-1]:
+        _split_block(m, tp)
+    head = model[-1]
+    if head.proj.weight is not tied:
+        raise ValueError("tp: the gpt's output layer must be tied to its token embedding")
+    model[len(model) - 1] = _Head(head, weight, tp)
+    start = model[0].tokens.start
+    group = tp.group
+
+    def loss(logits, targets):
+        return vocab_parallel_cross_entropy(logits, targets, start, group)
+
+    return Plan(tp, loss, _replicated(model))
