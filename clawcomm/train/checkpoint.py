@@ -22,9 +22,11 @@ layout can find its part:
                                batch a resume keeps (clawcomm.train.resume)
 
 Parameters and optimizer state are replicated over data-parallel ranks and
-split over pipeline stages; DCP writes each key once. Loading asks each rank
-for the keys of the parameters it holds now, so a checkpoint taken at dp2 x
-pp2 loads at dp1 x pp4 (with the same global batch: ``--resume`` derives
+split over pipeline stages and tensor-parallel ranks; DCP writes each key
+once, whole (a tensor-parallel rank writes its pieces of it:
+``checkpoint_pieces``). Loading asks each rank for the keys, or the pieces,
+of the parameters it holds now, so a checkpoint taken at dp2 x pp2 loads at
+dp1 x pp4, and one taken at tp 2 at tp 1 or 4 (with the same global batch: ``--resume`` derives
 the accumulation from it). What only makes sense at the same layout (RNG
 streams, the reducer's bucket order) is restored only there; residuals of a
 different data-parallel width are averaged, which keeps the mean update
@@ -45,6 +47,7 @@ import torch.distributed as dist
 
 from clawcomm.train import checkpoint_files as files
 from clawcomm.train import rng
+from clawcomm.train.checkpoint_pieces import LoadPlanner, Pieces, SavePlanner, wrap
 
 FORMAT = 1
 
@@ -68,6 +71,7 @@ def _layout(trainer) -> dict:
     return {
         "dp": cfg.dp,
         "pp": cfg.pp,
+        "tp": cfg.tp,
         "virtual_stages": cfg.virtual_stages,
         "cuts": list(trainer.cuts),
         "schedule": cfg.schedule,
@@ -93,6 +97,26 @@ def _scope(trainer) -> str:
     """Where replicas' parameters and optimizer states differ between
     meetings (--sync local-sgd/diloco), each replica's are kept apart."""
     return f"dp{trainer.grid.dp_rank}/" if trainer.outer is not None else ""
+
+
+def _split(p):
+    """How tensor parallelism split ``p`` (None: whole)."""
+    return getattr(p, "tp_split", None)
+
+
+def _like(p, v):
+    """``v`` (a tensor of ``p``'s state) as the checkpoint keys it: pieces
+    of the whole where it is shaped as ``p``'s slice."""
+    return wrap(v, _split(p)) if v.shape == p.shape else v
+
+
+def _outer_tensors(trainer, d: int) -> dict:
+    """The outer sync's tensors by key; at tp > 1 each TP rank's apart
+    (they load at the same tp only: see _check)."""
+    out = trainer.outer.tensors(_names(trainer), d)
+    if trainer.cfg.tp == 1:
+        return out
+    return {f"{k}@tp{trainer.grid.tp_rank}": t for k, t in out.items()}
 
 
 def _names(trainer) -> list[str]:
@@ -126,18 +150,21 @@ def state_dict(trainer) -> dict:
     optim = trainer.optimizer_state()  # whole per parameter, whatever the ZeRO stage
     with trainer.whole_params() as gathered:  # ZeRO-3: copies, the gathered ones freed after
         for name, _, p in _local(trainer):
-            sd[f"model/{_scope(trainer)}{name}"] = p.detach().clone() if gathered else p.detach()
+            t = p.detach().clone() if gathered else p.detach()
+            sd[f"model/{_scope(trainer)}{name}"] = wrap(t, _split(p))
     for name, _, p in _local(trainer):
         for k, v in optim.get(p, {}).items():
             if isinstance(v, torch.Tensor):
-                sd[f"optim/{_scope(trainer)}{name}/{k}"] = v
+                sd[f"optim/{_scope(trainer)}{name}/{k}"] = _like(p, v)
+    params = {n: p for n, _, p in _local(trainer)}
     for kind_name, seg in _residual_segments(trainer).items():
         kind, name = kind_name.split("/", 1)
-        sd[f"{kind}/dp{d}/{name}"] = seg
+        p = params[name]
+        sd[f"{kind}/dp{d}/{name}"] = wrap(seg.view(p.shape), _split(p))
     sd[f"rng/rank{rank}"] = rng.state()
     r, outer = trainer.reducer, trainer.outer
     if outer is not None:
-        sd.update(outer.tensors(_names(trainer), d))
+        sd.update(_outer_tensors(trainer, d))
     # Dicts travel pickled: DCP would flatten them into one key per field.
     sd[f"trainer/rank{rank}"] = pickle.dumps(
         {
@@ -197,13 +224,17 @@ def save(trainer, root: str, keep: int = 2, asynchronous: bool = False, group=No
 
     if asynchronous:
         with files.single_process():
-            future = dcp.async_save(sd, storage_writer=writer, process_group=group)
+            future = dcp.async_save(
+                sd, storage_writer=writer, process_group=group, planner=SavePlanner()
+            )
         return files.PendingSave(future, commit, final)
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         with files.single_process():
-            dcp.save(sd, storage_writer=writer, no_dist=not dist.is_initialized())
+            dcp.save(
+                sd, storage_writer=writer, planner=SavePlanner(), no_dist=not dist.is_initialized()
+            )
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         # The disk filled up meanwhile (another writer), or the write failed
         # otherwise: say where and how much room is left, in place of torch's
@@ -251,6 +282,12 @@ def _check(meta: dict, trainer, path: str) -> None:
             f"{path} was made with sync {meta.get('sync', 'every-step')!r}, this run uses "
             f"{trainer.cfg.sync!r}"
         )
+    if trainer.cfg.sync != "every-step" and meta["layout"].get("tp", 1) != trainer.cfg.tp:
+        raise CheckpointError(
+            f"{path} holds replicas that meet every few steps at tp "
+            f"{meta['layout'].get('tp', 1)}; their outer state is kept per tensor-parallel rank, "
+            f"and this run has tp {trainer.cfg.tp} (load it at tp {meta['layout'].get('tp', 1)})"
+        )
     if trainer.cfg.sync != "every-step" and meta["layout"]["dp"] != trainer.cfg.dp:
         raise CheckpointError(
             f"{path} holds {meta['layout']['dp']} replicas that meet every few steps, each with "
@@ -268,6 +305,12 @@ def _check(meta: dict, trainer, path: str) -> None:
             f"{path} was made with optimizer {meta['optimizer']}, this run uses "
             f"{_optimizer_name(trainer)}"
         )
+
+
+def _whole_shape(p) -> list[int]:
+    from clawcomm.parallel.tensor import whole_shape
+
+    return whole_shape(p)
 
 
 def load(trainer, path: str) -> int:
@@ -306,7 +349,7 @@ def load(trainer, path: str) -> int:
     if trainer.units is not None:  # ZeRO-3: the load writes whole parameters
         trainer.units.unshard()
     for name, _, p in _local(trainer):
-        request[f"model/{_scope(trainer)}{name}"] = p.detach()
+        request[f"model/{_scope(trainer)}{name}"] = wrap(p.detach(), _split(p))
     optim_keys = {}
     for name, _, p in _local(trainer):
         prefix = f"optim/{_scope(trainer)}{name}/"
@@ -315,7 +358,10 @@ def load(trainer, path: str) -> int:
                 # Moments live with their parameter (a GPU, maybe); torch's
                 # optimizers keep the step count on the CPU.
                 where = "cpu" if key.endswith("/step") else p.device
-                request[key] = torch.empty(md.size, dtype=md.properties.dtype, device=where)
+                whole = list(md.size) == _whole_shape(p)
+                shape = p.shape if whole else md.size
+                t = torch.empty(shape, dtype=md.properties.dtype, device=where)
+                request[key] = _like(p, t) if whole else t
                 optim_keys[key] = (p, key[len(prefix) :])
     residual_keys: dict[str, list[str]] = {}
     r = trainer.reducer
@@ -323,20 +369,25 @@ def load(trainer, path: str) -> int:
         old_dp = meta["layout"]["dp"]
         ranks = [d] if old_dp == trainer.cfg.dp else list(range(old_dp))
         for kind in r.compression_state.per_element():
-            for name, _, _p in _local(trainer):
+            for name, _, p in _local(trainer):
                 for k in (f"{kind}/dp{j}/{name}" for j in ranks):
                     if k in have:
-                        request[k] = torch.empty(have[k].size, dtype=have[k].properties.dtype)
+                        t = torch.empty(p.shape, dtype=have[k].properties.dtype)
+                        request[k] = wrap(t, _split(p))
                         residual_keys.setdefault((kind, name), []).append(k)
     if trainer.outer is not None:  # loaded in place
-        request.update(
-            {k: t for k, t in trainer.outer.tensors(_names(trainer), d).items() if k in have}
-        )
+        request.update({k: t for k, t in _outer_tensors(trainer, d).items() if k in have})
     rng_key = f"rng/rank{rank}"
     if same_layout and rng_key in have:
         request[rng_key] = None
     with files.single_process():
-        dcp.load(request, storage_reader=reader, no_dist=not dist.is_initialized())
+        dcp.load(
+            request,
+            storage_reader=reader,
+            planner=LoadPlanner(),
+            no_dist=not dist.is_initialized(),
+        )
+    request = {k: v.local if isinstance(v, Pieces) else v for k, v in request.items()}
 
     optim: dict = {}
     for key, (p, k) in optim_keys.items():

@@ -5,7 +5,7 @@
     clawcomm train --config run.toml --compression topk:0.01
     torchrun --nproc-per-node 4 -m clawcomm.train --dp 2 --pp 2      # one host or many
 
-It spawns ``--nproc`` local ranks (default dp * pp), or, under torchrun,
+It spawns ``--nproc`` local ranks (default dp * tp * pp), or, under torchrun,
 uses the ranks torchrun started. Models: ``gpt`` (character-level, on the
 Python documentation bundled with CPython or ``--text FILE``), ``mlp`` (on
 scikit-learn's digits) and ``wait`` (layers that sleep as on an
@@ -31,7 +31,7 @@ from clawcomm.train.config import TrainConfig
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE.toml", help="settings (flags given here win)")
-    p.add_argument("--nproc", type=int, default=None, help="local ranks to spawn (dp * pp)")
+    p.add_argument("--nproc", type=int, default=None, help="local ranks to spawn (dp * tp * pp)")
     p.add_argument(
         "--transport", choices=("auto", "shm", "tcp"), default="auto", help="clawcomm transport"
     )
@@ -321,11 +321,12 @@ def run(args: argparse.Namespace) -> int:
     from clawcomm.launch import check_settings, under_torchrun
 
     torchrun = under_torchrun()
-    world = int(os.environ["WORLD_SIZE"]) if torchrun else (args.nproc or cfg.dp * cfg.pp)
+    world = int(os.environ["WORLD_SIZE"]) if torchrun else (args.nproc or cfg.world)
     rank0 = int(os.environ.get("RANK", "0")) == 0
     try:  # (a CheckpointError and an outputs.OutputError are ValueErrors too)
         check_settings()  # every CLAWCOMM_* setting, once, before any rank starts (or a plan)
         read = read_corpus(cfg)  # (the planner reads it too)
+        cfg.check_tp()  # (before a plan: the planner does not search tp)
         if cfg.layout == "auto":
             if torchrun:  # each rank would profile, and might choose, on its own
                 raise ValueError(

@@ -108,7 +108,7 @@ def keep_batch(cfg: TrainConfig, meta: dict, path: str) -> tuple[TrainConfig, st
                 f"so that it does{fix}"
             )
         cfg = dataclasses.replace(cfg, global_batch=saved)
-    elif (was.get("dp"), was.get("pp")) == (cfg.dp, cfg.pp) and meta.get(
+    elif (was.get("dp"), was.get("pp"), was.get("tp", 1)) == (cfg.dp, cfg.pp, cfg.tp) and meta.get(
         "accumulation"
     ) == cfg.accumulation:
         return cfg, ""
