@@ -18,12 +18,17 @@ per accumulation round), with times from the recorded step (trace.py):
   (its flight record: kind and bytes, as they went on the wire: compressed
   reductions count their compressed bytes), after the compute that was
   running when it started; the process group is ``dp<pp rank>`` (the
-  second data-parallel communicator's ``dp<pp rank>.2``);
+  second data-parallel communicator's ``dp<pp rank>.2``; at tp > 1
+  ``dp<pp rank>t<tp rank>``);
 * a prologue (the step's start to the rank's first action: slicing the
   batch) and the optimizer (from the last data-parallel wait to the step's
   end: clipping, the update, zeroing), after every collective that began
   before it; collectives that begin after it (ZeRO's parameter gathers)
   come after it, and it is shortened by the time they took.
+
+Not yet in the trace: tensor parallelism's collectives, which run inside
+the compute nodes (their time is in those nodes; the Chrome trace shows
+them on a track of their own).
 
 Every rank's file says its host (``host`` in the global metadata, torchrun's
 ``GROUP_RANK``), so a replay knows which messages cross a link.
@@ -171,7 +176,7 @@ def _collective(add, name: str, args: dict, grid, deps: list[int]) -> chakra.Nod
     op, seq = args["op"], args.get("seq")
     if op not in chakra.COLLECTIVES:
         raise ValueError(f"chakra: the data-parallel op {name!r} is not a collective")
-    pg = f"dp{grid.pp_rank}" + (".2" if args["group"] == "dp 2" else "")
+    pg = _dp_name(grid, grid.pp_rank, grid.tp_rank) + (".2" if args["group"] == "dp 2" else "")
     return add(
         name,
         chakra.COMM_COLL_NODE,
@@ -183,6 +188,10 @@ def _collective(add, name: str, args: dict, grid, deps: list[int]) -> chakra.Nod
             "clawcomm_seq": -1 if seq is None else int(seq),
         },
     )
+
+
+def _dp_name(grid, pp_rank: int, tp_rank: int) -> str:
+    return f"dp{pp_rank}" + (f"t{tp_rank}" if grid.tp > 1 else "")
 
 
 def write(trainer, directory: str, step: int = -1) -> None:
@@ -200,17 +209,15 @@ def write(trainer, directory: str, step: int = -1) -> None:
     if g.rank != 0:
         return
     groups = {}
-    for p in range(cfg.pp):
-        members = g.replica_ranks(p)
-        groups[f"dp{p}"] = groups[f"dp{p}.2"] = members
-    for d in range(cfg.dp):
-        groups[f"pp{d}"] = g.pipeline_ranks(d)
+    for t in range(cfg.tp):
+        for p in range(cfg.pp):
+            members = g.replica_ranks(p, t)
+            groups[_dp_name(g, p, t)] = groups[_dp_name(g, p, t) + ".2"] = members
+        for d in range(cfg.dp):
+            groups[f"pp{d}" + (f"t{t}" if cfg.tp > 1 else "")] = g.pipeline_ranks(d, t)
     ranks = {r: nodes for r, _h, nodes in gathered}
     _keep_common_collectives(ranks, groups)
-    meta = {
-        r: {"host": h, "clawcomm_label": f"dp {r % cfg.dp}, pp {r // cfg.dp}"}
-        for r, h, _ in gathered
-    }
+    meta = {r: {"host": h, "clawcomm_label": _label(cfg, r)} for r, h, _ in gathered}
     chakra.write(directory, chakra.Trace(ranks=ranks, groups=groups, metadata=meta))
 
 
@@ -239,3 +246,11 @@ def _keep_common_collectives(ranks: dict, groups: dict) -> None:
                 n.data_deps = [d for d in n.data_deps if d not in gone]
                 n.ctrl_deps = [d for d in n.ctrl_deps if d not in gone]
             ranks[r] = [n for n in nodes if n.id not in gone]
+
+
+def _label(cfg, rank: int) -> str:
+    from clawcomm.train.grid import Grid
+
+    g = Grid(cfg.dp, cfg.pp, rank, cfg.tp)
+    tp = f", tp {g.tp_rank}" if cfg.tp > 1 else ""
+    return f"dp {g.dp_rank}{tp}, pp {g.pp_rank}"

@@ -14,7 +14,9 @@ process of a host):
 * the step itself, and the wait for its batch before it (a "data" track);
 * engine ops: the data-parallel group's collectives (the bucket reductions,
   which overlap compute) and the pipeline group's sends and receives, from
-  the engine's flight recorder, whose clock (steady_clock) is the same.
+  the engine's flight recorder, whose clock (steady_clock) is the same;
+* tensor parallel: the TP group's collectives and ring sends, which run
+  inside the compute actions (their own track).
 
 ``write_chrome_trace`` merges every rank's events into one JSON file that
 chrome://tracing and ui.perfetto.dev open: a process per rank, a track for
@@ -30,13 +32,14 @@ import torch.distributed as dist
 
 # (track, name, start s, end s, args)
 Event = tuple[int, str, float, float, dict]
-COMPUTE, COMM, STEP, ENGINE, DATA = 0, 1, 2, 3, 4
+COMPUTE, COMM, STEP, ENGINE, DATA, TP = 0, 1, 2, 3, 4, 5
 TRACKS = {
     COMPUTE: "compute",
     COMM: "communication",
     STEP: "steps",
     ENGINE: "engine ops",
     DATA: "data",  # the wait for the step's batch, before the step
+    TP: "tensor parallel",
 }
 COLORS = {"F": "#4C72B0", "B": "#DD8452", "I": "#C44E52", "W": "#55A868", "opt": "#8172B3"}
 
@@ -81,18 +84,21 @@ def run_events(stats, accumulation_round: int | None = None) -> list[Event]:
 
 
 def engine_events(named_engines: dict, t0: float, t1: float) -> list[Event]:
-    """The dp group's collectives and the pp group's sends and receives
-    that ran in [t0, t1], from the engines' flight records."""
+    """The dp group's collectives, the pp group's sends and receives and
+    every op of the tp group that ran in [t0, t1], from the engines'
+    flight records."""
     out = []
     for label, eng in named_engines.items():
         for op in json.loads(eng.flight_record())["ops"]:
             s0, s1 = op["start_us"] / 1e6, op["end_us"] / 1e6
             p2p = op["op"] in ("send", "recv")
-            if op["state"] != "done" or s1 < t0 or s0 > t1 or label.startswith("dp") == p2p:
+            if op["state"] != "done" or s1 < t0 or s0 > t1:
+                continue
+            if label != "tp" and label.startswith("dp") == p2p:
                 continue
             name = f"{label} {op['op']}" + (f" #{op['seq']}" if "seq" in op else "")
             args = {"group": label, "op": op["op"], "seq": op.get("seq"), "bytes": op["bytes"]}
-            out.append((ENGINE, name, s0, s1, args))
+            out.append((TP if label == "tp" else ENGINE, name, s0, s1, args))
     return out
 
 
@@ -155,6 +161,8 @@ def draw_timeline(path: str, ranks: list, step: int = -1, title: str = "") -> No
                 ax.broken_barh([(x, w)], (y - 0.35, 0.18), color="#333333")
             elif track == ENGINE and args.get("group") == "dp":
                 ax.broken_barh([(x, w)], (y + 0.22, 0.13), color="#937860")
+            elif track == TP:
+                ax.broken_barh([(x, w)], (y + 0.22, 0.13), color="#DA8BC3")
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([label for _, label, _ in rows])
     ax.invert_yaxis()
@@ -163,6 +171,8 @@ def draw_timeline(path: str, ranks: list, step: int = -1, title: str = "") -> No
     handles = [Patch(color=c, label=k if k != "opt" else "optimizer") for k, c in COLORS.items()]
     handles.append(Patch(color="#333333", label="waiting on communication"))
     handles.append(Patch(color="#937860", label="dp reduction in flight"))
+    if any(e[0] == TP for s in chosen for e in s):
+        handles.append(Patch(color="#DA8BC3", label="tp collective"))
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=6, fontsize=8)
     ax.set_title(title)
     fig.tight_layout()
@@ -186,14 +196,17 @@ def write_recorded(trainer, trace_path: str | None, timeline_path: str | None) -
     """Gathers every rank's recorded steps (``trainer.recorder``) on rank 0
     and writes the Chrome trace and/or the timeline picture (collective)."""
     g, cfg = trainer.grid, trainer.cfg
-    ranks = trainer.recorder.gather(g.rank, f"rank {g.rank} (dp {g.dp_rank}, pp {g.pp_rank})")
+    tp = f", tp {g.tp_rank}" if cfg.tp > 1 else ""
+    ranks = trainer.recorder.gather(g.rank, f"rank {g.rank} (dp {g.dp_rank}{tp}, pp {g.pp_rank})")
     if g.rank != 0:
         return
     if trace_path:
         write_chrome_trace(trace_path, ranks)
     if timeline_path:
         title = (
-            f"step {trainer.step_index}: dp {cfg.dp} x pp {cfg.pp}, {cfg.schedule}, "
+            f"step {trainer.step_index}: dp {cfg.dp} x "
+            + (f"tp {cfg.tp} x " if cfg.tp > 1 else "")
+            + f"pp {cfg.pp}, {cfg.schedule}, "
             f"{cfg.microbatches} micro-batches"
         )
         draw_timeline(timeline_path, ranks, -1, title)
