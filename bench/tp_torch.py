@@ -2,7 +2,14 @@
 on a 1-D ``init_device_mesh("cpu", (tp,))``, over the clawcomm backend and
 over gloo, in one run.
 
-    python3 bench/tp_torch.py --tp 2 --backend clawcomm,gloo --steps 20 --json runs/tp_torch.json
+    python3 bench/tp_torch.py --tp 2 4 --backend clawcomm,gloo --steps 20 --json runs/tp_torch.json
+
+Beside each of torch's rows, the same GPT, batches and settings through
+``clawcomm train``'s own tensor parallelism (``Trainer`` with ``tp``, one
+micro-batch per step, no clipping, a constant learning rate): the rows named
+``train/<backend>`` (``--no-trainer`` leaves them out). Their step time is
+the trainer's ``step_ms`` (its whole step: the metrics' all-gather too), and
+their bytes the TP group's per rank (``bytes_sent_tp / tp``).
 
 Every rank builds the same GPT (``clawcomm.train.models.gpt``) from one seed,
 on the character vocabulary of the trainer's default corpus; rank 0 computes
@@ -270,6 +277,49 @@ def run_rank(rank: int, world: int, cfg: TpConfig) -> dict:
     return dict(reference=reference, losses=losses, times=times, sent=sent, clawcomm=bool(engines))
 
 
+def _trainer_config(cfg: TpConfig):
+    from clawcomm.train import TrainConfig
+
+    return TrainConfig(model="gpt", dim=cfg.dim, layers=cfg.layers, heads=cfg.heads,
+                       seq_len=cfg.seq_len, tp=cfg.tp, sequence_parallel=cfg.sequence_parallel,
+                       microbatches=1, micro_batch_size=cfg.micro_batch, steps=cfg.steps,
+                       lr=cfg.lr, lr_decay="none", warmup_steps=0, clip=0.0, seed=cfg.seed,
+                       quiet=True)  # fmt: skip
+
+
+def run_trainer_rank(rank: int, world: int, cfg: TpConfig) -> dict:
+    """One rank of ``clawcomm train``'s own TP on the same model and batches."""
+    from clawcomm.train import Trainer
+
+    tcfg = _trainer_config(cfg)
+    model, loss_fn, make_opt, ds, tokens, sample = models.build(tcfg)
+    trainer = Trainer(model, loss_fn, make_opt, tcfg, tokens_per_sample=tokens, sample=sample)
+    metrics = trainer.fit(data.global_batches(ds, cfg.micro_batch, cfg.seed), progress=False)
+    trainer.close()
+    return dict(
+        losses=[m["loss"] for m in metrics],
+        times=[m["step_ms"] / 1e3 for m in metrics],
+        sent=[m["bytes_sent_tp"] / cfg.tp for m in metrics],
+    )
+
+
+def measure_trainer(backend: str, cfg: TpConfig, reference: float, timeout: float = 1800):
+    """``clawcomm train --tp`` at ``cfg``: a row of the table."""
+    ranks = run_ranks(run_trainer_rank, cfg.tp, cfg, backend=backend, timeout=timeout)
+    losses = ranks[0]["losses"]
+    times = [t * 1e3 for t in ranks[0]["times"]]  # (every rank's step ends together)
+    timed = times[WARM:] or times
+    rel = abs(losses[0] - reference) / abs(reference)
+    return dict(
+        backend=f"train/{backend}", tp=cfg.tp, sequence_parallel=cfg.sequence_parallel,
+        loss_parallel=True, step_ms_median=statistics.median(timed), step_ms_min=min(timed),
+        bytes_per_step=statistics.median(ranks[0]["sent"][WARM:] or ranks[0]["sent"])
+        if backend == "clawcomm" else None,
+        loss_step1=losses[0], loss_reference=reference, loss_step1_rel_diff=rel,
+        loss_step1_ok=rel <= TOLERANCE, loss_last=losses[-1], losses=losses, step_ms=times,
+    )  # fmt: skip
+
+
 def measure(backend: str, cfg: TpConfig, timeout: float = 1800) -> dict:
     """One backend at ``cfg.tp`` ranks: a row of the table."""
     ranks = run_ranks(run_rank, cfg.tp, cfg, backend=backend, timeout=timeout)
@@ -292,7 +342,7 @@ def measure(backend: str, cfg: TpConfig, timeout: float = 1800) -> dict:
 # ---- the table --------------------------------------------------------------------
 
 HEADER = (
-    f"{'backend':<9}{'tp':>3}{'seq-par':>8}{'step ms med':>12}{'min':>8}{'bytes/step':>12}"
+    f"{'backend':<15}{'tp':>3}{'seq-par':>8}{'step ms med':>12}{'min':>8}{'bytes/step':>12}"
     f"{'loss step 1':>12}{'1 process':>11}{'rel diff':>10}{'loss last':>10}"
 )
 
@@ -301,7 +351,7 @@ def row_text(r: dict) -> str:
     sent = "n/a" if r["bytes_per_step"] is None else f"{r['bytes_per_step']:.0f}"
     mark = "" if r["loss_step1_ok"] else "  MISMATCH"
     return (
-        f"{r['backend']:<9}{r['tp']:>3}{'on' if r['sequence_parallel'] else 'off':>8}"
+        f"{r['backend']:<15}{r['tp']:>3}{'on' if r['sequence_parallel'] else 'off':>8}"
         f"{r['step_ms_median']:>12.2f}{r['step_ms_min']:>8.2f}{sent:>12}"
         f"{r['loss_step1']:>12.6f}{r['loss_reference']:>11.6f}{r['loss_step1_rel_diff']:>10.1e}"
         f"{r['loss_last']:>10.4f}{mark}"
@@ -322,6 +372,8 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trainer", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run clawcomm train's own TP on each backend")  # fmt: skip
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args(argv)
     if args.steps < 1:
@@ -346,6 +398,10 @@ def main(argv=None) -> int:
             r = measure(backend, dataclasses.replace(base, tp=tp))
             rows.append(r)
             print(f"  {row_text(r)}", flush=True)
+            if args.trainer:
+                t = measure_trainer(backend, dataclasses.replace(base, tp=tp), r["loss_reference"])
+                rows.append(t)
+                print(f"  {row_text(t)}", flush=True)
     bad = [r for r in rows if not r["loss_step1_ok"]]
     print(f"# step 1's loss equals the single-process loss within {TOLERANCE:g} relative: "
           f"{'yes' if not bad else f'NO ({len(bad)} runs)'}")  # fmt: skip

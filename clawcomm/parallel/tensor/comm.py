@@ -73,6 +73,19 @@ def all_gather_tokens(x: torch.Tensor, group) -> torch.Tensor:
     return out.movedim(0, 1).reshape(x.shape[0], n * x.shape[1], *x.shape[2:])
 
 
+def start_all_gather_tokens(x: torch.Tensor, group) -> Callable[[], torch.Tensor]:
+    """``all_gather_tokens`` started now; the returned call waits for it."""
+    n = _size(group)
+    out = torch.empty((n, *x.shape), dtype=x.dtype, device=x.device)
+    work = all_gather_single(out, x.contiguous(), group=group, async_op=True)
+
+    def finish() -> torch.Tensor:
+        _timed(work.wait)
+        return out.movedim(0, 1).reshape(x.shape[0], n * x.shape[1], *x.shape[2:])
+
+    return finish
+
+
 def reduce_scatter_tokens(x: torch.Tensor, group) -> torch.Tensor:
     """[b, t, ...] partial sums on each rank -> rank r's block of the sum."""
     n = _size(group)

@@ -98,33 +98,40 @@ def _block(t: torch.Tensor, d: int, n: int) -> torch.Tensor:
 
 
 class _ColumnLinear(torch.autograd.Function):
-    """y = x W^T: x whole (SP: gathered first), y this rank's columns."""
+    """y = x W^T: x whole (SP: gathered first), y this rank's columns. With
+    sequence parallelism only this rank's slice of x is kept for backward,
+    which gathers it again (as Megatron-LM does): activations stay at 1/tp,
+    for one more all-gather, issued before the input gradient's product and
+    reduce-scatter so that it runs behind them."""
 
     @staticmethod
     def forward(ctx, x, weight, tp):
         ctx.tp, ctx.weight = tp, weight
         if not tp.sequence_parallel:
-            x_all, y = x, x.matmul(weight.t())
+            y = x.matmul(weight.t())
         elif tp.overlap:
-            x_all, y = comm.ring_gather_apply(x, lambda blk: blk.matmul(weight.t()), tp.group)
+            _, y = comm.ring_gather_apply(x, lambda blk: blk.matmul(weight.t()), tp.group)
         else:
-            x_all = comm.all_gather_tokens(x, tp.group)
-            y = x_all.matmul(weight.t())
-        ctx.save_for_backward(x_all)
+            y = comm.all_gather_tokens(x, tp.group).matmul(weight.t())
+        ctx.save_for_backward(x)
         return y
 
     @staticmethod
     def backward(ctx, g):
-        (x_all,) = ctx.saved_tensors
+        (x,) = ctx.saved_tensors
         tp, w = ctx.tp, ctx.weight
+        need_w = ctx.needs_input_grad[1]
         if not tp.sequence_parallel:
-            gx = comm.all_reduce(g.matmul(w), tp.group)
-        elif tp.overlap:
-            n = tp.size
-            gx = comm.ring_apply_scatter(lambda d: _block(g, d, n).matmul(w), tp.group)
+            x_all, gx = x, comm.all_reduce(g.matmul(w), tp.group)
         else:
-            gx = comm.reduce_scatter_tokens(g.matmul(w), tp.group)
-        gw = _weight_grad(w, g, x_all) if ctx.needs_input_grad[1] else None
+            gathering = comm.start_all_gather_tokens(x, tp.group) if need_w else None
+            if tp.overlap:
+                n = tp.size
+                gx = comm.ring_apply_scatter(lambda d: _block(g, d, n).matmul(w), tp.group)
+            else:
+                gx = comm.reduce_scatter_tokens(g.matmul(w), tp.group)
+            x_all = gathering() if need_w else None
+        gw = _weight_grad(w, g, x_all) if need_w else None
         return gx, gw, None
 
 

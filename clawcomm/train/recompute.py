@@ -1,0 +1,67 @@
+"""Activation checkpointing (``--activation-checkpoint``): layers that keep
+less of their forward for backward and compute it again there.
+
+- ``full``: each layer of the model (each GPT block; each layer of the mlp
+  and the waiting model) keeps only its input; backward runs its forward
+  again first (torch.utils.checkpoint, non-reentrant). About one more
+  forward of the whole model per step.
+- ``selective`` (gpt): each block recomputes only the parts whose saved
+  tensors are large and cheap to make again, as Megatron's selective
+  recomputation does: attention's core (the scaled dot product and its
+  softmax statistics) and the MLP's up-projection with its activation
+  (whose 4 x width output the activation would otherwise keep). The
+  projections that carry most of the FLOPs are not recomputed.
+
+Both run inside the executor's I pass under zero-bubble schedules: the
+recomputed forward runs once, in the I pass, and the W pass's jobs keep
+the tensors they need (no second recomputation). Under ZeRO-3 a layer's
+parameters are gathered for its backward action, which the recomputation
+runs in. Under tensor parallelism the recomputed forward makes its
+collectives again (every TP rank recomputes the same layers in the same
+order).
+
+    apply(model, "full")   # in place; parameter names are unchanged
+"""
+
+from __future__ import annotations
+
+import types
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+MODES = ("none", "selective", "full")
+
+
+def check(mode: str, model_name: str) -> None:
+    if mode == "selective" and model_name != "gpt":
+        raise ValueError(
+            f"activation_checkpoint selective recomputes attention and the MLP's activation of "
+            f"the gpt's blocks; the {model_name} model has neither (use full or none)"
+        )
+
+
+def _recomputed(self, *args):
+    return checkpoint(self._forward_kept, *args, use_reentrant=False)
+
+
+def apply(model: nn.Sequential, mode: str) -> int:
+    """Makes ``model``'s layers recompute as ``mode`` says; returns how many."""
+    from clawcomm.train.models import Block
+
+    if mode == "none":
+        return 0
+    n = 0
+    for layer in model:
+        if mode == "selective":
+            if isinstance(layer, Block):
+                layer.recompute = True
+                n += 1
+            continue
+        gpt_edge = not isinstance(layer, Block) and any(isinstance(m, Block) for m in model)
+        if gpt_edge:  # the GPT's embedding and head: as Megatron, only the blocks
+            continue
+        layer._forward_kept = layer.forward
+        layer.forward = types.MethodType(_recomputed, layer)
+        n += 1
+    return n
