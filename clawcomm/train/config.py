@@ -82,6 +82,13 @@ class TrainConfig:
         "CPU ranks keep the memory a step frees for the next step's activations instead of "
         "handing it back to the OS and faulting it in again (glibc's malloc thresholds)",
     )
+    activation_checkpoint: str = _opt(
+        "none",
+        "keep less of the forward for backward and compute it again there: selective (gpt: "
+        "the LayerNorms' outputs, attention's core and the MLP's activation; no projection is "
+        "recomputed) or full (each layer keeps only its input and runs its forward again)",
+        ("none", "selective", "full"),
+    )
     # model and data
     model: str = _opt("gpt", "model", MODELS)
     layers: int = _opt(0, "layers (0: the model's default: gpt 4 blocks, mlp 4, wait 8)")
@@ -418,6 +425,9 @@ class TrainConfig:
                 "leave tp 1 for the planner"
             )
         tensor.check(self.model, self.tp, self.heads, self.seq_len, self.sequence_parallel_on)
+        from clawcomm.train import recompute
+
+        recompute.check(self.activation_checkpoint, self.model)
 
     def check_files(self) -> None:
         """The corpus files named exist and suit the model (what they hold is

@@ -22,6 +22,7 @@ model does (what checkpoints key on).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Iterable
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from clawcomm.pipeline.weight_grad import defer_weight_grad, notify_grad
 from clawcomm.train.stage_cuts import balanced_cuts, measured_costs, parameter_costs
@@ -49,7 +51,14 @@ class Embedding(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm: x + attention(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm: x + attention(norm(x)), then x + mlp(norm(x)).
+
+    ``recompute`` (selective activation checkpointing, train/recompute.py):
+    the LayerNorms' outputs, attention's core and the MLP's activation are
+    not kept for backward but computed again there from what is kept anyway;
+    the projections are not recomputed."""
+
+    recompute = False
 
     def __init__(self, dim: int, heads: int):
         super().__init__()
@@ -65,15 +74,71 @@ class Block(nn.Module):
         # Widths come from the layers' outputs, so the block also runs split
         # over a tensor-parallel group (clawcomm.parallel.tensor): its own
         # heads, and with sequence parallelism x holds a slice of the tokens.
-        qkv = self.qkv(self.norm1(x))
+        again = recomputed_when_saved if self.recompute else _kept
+        n1 = self.norm1(x)
+        with again(n1, lambda x=x: self.norm1(x)):
+            qkv = self.qkv(n1)
         b, t, width = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
         q, k, v = (
             z.view(b, t, self.heads, width // self.heads).transpose(1, 2)
             for z in qkv.split(width, dim=2)
         )
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, width))
-        return x + self.out(F.gelu(self.fc(self.norm2(x))))
+        if self.recompute:
+            y = checkpoint(_attend, q, k, v, use_reentrant=False)
+        else:
+            y = _attend(q, k, v)
+        x = x + self.proj(y)
+        n2 = self.norm2(x)
+        with again(n2, lambda x=x: self.norm2(x)):
+            h = self.fc(n2)
+        a = F.gelu(h)
+        with again(a, lambda h=h: F.gelu(h)):
+            return x + self.out(a)
+
+
+def _attend(q, k, v):
+    """Causal attention's core: [b, heads, t, d] each -> [b, t, heads * d]."""
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    b, _, t, _ = y.shape
+    return y.transpose(1, 2).reshape(b, t, -1)
+
+
+@contextlib.contextmanager
+def _kept(_tensor, _make):
+    yield
+
+
+@contextlib.contextmanager
+def recomputed_when_saved(tensor: torch.Tensor, make):
+    """Inside, a layer that saves ``tensor`` for backward keeps instead a
+    note to compute it again with ``make()`` when backward needs it (once:
+    a zero-bubble W pass keeps what the I pass unpacked). As Megatron's
+    CheckpointWithoutOutput, for outputs that are cheap to make again from
+    tensors that are kept anyway."""
+
+    def pack(t):
+        same = (
+            t.data_ptr() == tensor.data_ptr()
+            and t.shape == tensor.shape
+            and t.stride() == tensor.stride()
+        )
+        return _Again(make) if same else t
+
+    def unpack(obj):
+        if isinstance(obj, _Again):
+            with torch.no_grad():
+                return obj.make()
+        return obj
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
+
+
+class _Again:
+    __slots__ = ("make",)
+
+    def __init__(self, make):
+        self.make = make
 
 
 class Head(nn.Module):

@@ -59,7 +59,7 @@ from clawcomm.pipeline.executor import PipelineExecutor
 from clawcomm.pipeline.schedules import build, stage_to_rank
 from clawcomm.pipeline.validate import validate
 from clawcomm.pipeline.weight_grad import split_linear_backward
-from clawcomm.train import trace
+from clawcomm.train import recompute, trace
 from clawcomm.train.config import TrainConfig
 from clawcomm.train.data import replica_rows, rounds
 from clawcomm.train.device import for_rank as device_for_rank
@@ -125,6 +125,8 @@ class Trainer:
             loss_fn = self.tensor.loss_fn
             stages = [nn.Sequential(*model[self.cuts[s] : self.cuts[s + 1]]) for s in range(S)]
         self.loss_fn = loss_fn
+        for mod in [model] if isinstance(model, nn.Sequential) else stages:
+            recompute.apply(mod, cfg.activation_checkpoint)
         self.names = parameter_names(model, stages)
         self.shapes = parameter_shapes(model, stages)
         self.schedule = build(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages)
