@@ -116,18 +116,20 @@ def recomputed_when_saved(tensor: torch.Tensor, make):
     CheckpointWithoutOutput, for outputs that are cheap to make again from
     tensors that are kept anyway."""
 
+    # Only its address and size: autograd keeps the pack hook as long as
+    # what it packed, so the hook must not hold the tensor itself.
+    ptr, numel = (tensor.data_ptr(), tensor.numel()) if tensor.is_contiguous() else (0, -1)
+    del tensor
+
     def pack(t):
-        same = (
-            t.data_ptr() == tensor.data_ptr()
-            and t.shape == tensor.shape
-            and t.stride() == tensor.stride()
-        )
-        return _Again(make) if same else t
+        # The layer may save a view of it (a linear layer flattens the tokens).
+        same = t.data_ptr() == ptr and t.numel() == numel and t.is_contiguous()
+        return _Again(make, t.shape) if same else t
 
     def unpack(obj):
         if isinstance(obj, _Again):
             with torch.no_grad():
-                return obj.make()
+                return obj.make().view(obj.shape)
         return obj
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
@@ -135,10 +137,10 @@ def recomputed_when_saved(tensor: torch.Tensor, make):
 
 
 class _Again:
-    __slots__ = ("make",)
+    __slots__ = ("make", "shape")
 
-    def __init__(self, make):
-        self.make = make
+    def __init__(self, make, shape):
+        self.make, self.shape = make, shape
 
 
 class Head(nn.Module):
