@@ -444,11 +444,13 @@ def test_train_with_layout_auto(capsys):
 
 
 def test_layout_auto_refuses_what_it_cannot_plan(capsys):
-    # one sample cannot be split over 2 replicas or 2 micro-batches; a memory
-    # limit nothing fits is refused in one line, before any rank starts
+    # one sample cannot be split over 2 replicas or 2 micro-batches, nor 3
+    # heads over 2 tensor-parallel ranks; a memory limit nothing fits is
+    # refused in one line, before any rank starts
     from clawcomm.train import cli
 
-    assert cli.main(["--nproc", "2", "--layout", "auto", "--model", "mlp",
+    assert cli.main(["--nproc", "2", "--layout", "auto", "--model", "gpt", "--heads", "3",
+                     "--dim", "48", "--layers", "2", "--seq-len", "16",
                      "--global-batch", "1", "--steps", "1", "--quiet"]) == 2  # fmt: skip
     err = capsys.readouterr().err
     assert "no layout runs a global batch of 1 on 2 ranks" in err and "Traceback" not in err

@@ -154,7 +154,6 @@ def test_parameters_and_optimizer_state_are_one_tp_th_but_the_replicated_ones():
         (dict(tp=2, seq_len=15), "seq_len 15 is not a multiple of tp 2"),
         (dict(tp=2, model="mlp", sequence_parallel=True), "the mlp has none"),
         (dict(tp=2, sequence_parallel=False, tp_overlap=True), "needs sequence_parallel"),
-        (dict(tp=2, layout="auto"), "layout auto does not search tp"),
     ],
 )
 def test_a_split_the_plan_cannot_make_is_refused_naming_the_flag(kw, words):

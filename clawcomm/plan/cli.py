@@ -85,7 +85,7 @@ def run(args) -> int:
         preds, over, prof = plan(cfg, args.nproc, cfg.max_memory_mb, cores,
                                  cost_model(args.cost_model, args.link), args.hosts,
                                  searched or None, syncs or None, args.trial_steps, on_hosts,
-                                 args.link)  # fmt: skip
+                                 args.link, None if args.tp is None else [cfg.tp])  # fmt: skip
     except (ValueError, OSError) as e:
         print(f"clawcomm plan: error: {e}", file=sys.stderr)
         return 2

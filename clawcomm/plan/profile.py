@@ -69,6 +69,9 @@ class Profile:
     order: dict[tuple[str, int, int], dict[str, float]] = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
     threads: int = 0  # intra-op threads the layers were timed with
+    # per micro-batch size, per layer: what its tensor-parallel form sends
+    # by pass (clawcomm.parallel.tensor.plan.traffic); empty if no tp searched
+    tp_traffic: dict[int, list[dict]] = dataclasses.field(default_factory=dict)
 
 
 def profile(cfg, sizes: list[int], repeats: int = 7, built=None, gpu: bool = False,

@@ -1,7 +1,7 @@
 """The plan's search (step 2 of ``clawcomm.plan``): the candidate layouts,
 each predicted (``step``), ranked within the memory limit.
 
-A candidate is named by ``TrainConfig``'s own fields (``dp``, ``pp``,
+A candidate is named by ``TrainConfig``'s own fields (``dp``, ``tp``, ``pp``,
 ``schedule``, ``virtual_stages``, ``microbatches``, ``micro_batch_size``,
 ``zero``, ``compression``, ``sync``), so that applying it to a config is
 one ``dataclasses.replace``.
@@ -14,6 +14,7 @@ import os
 import time
 from dataclasses import dataclass
 
+from clawcomm.parallel.tensor.plan import traffic as tensor_traffic
 from clawcomm.pipeline.schedules import check_schedule_args
 from clawcomm.plan import pass_order, shared_cores
 from clawcomm.plan.check import model_flags
@@ -39,9 +40,11 @@ class Candidate:
     zero: int
     compression: str | None = None  # searched ('' none); None: the command's own
     sync: str | None = None  # searched; None: the command's own
+    tp: int = 1
 
     def flags(self) -> list[str]:
-        out = ["--dp", str(self.dp), "--pp", str(self.pp)]
+        out = ["--dp", str(self.dp)] + (["--tp", str(self.tp)] if self.tp > 1 else [])
+        out += ["--pp", str(self.pp)]
         if self.pp > 1:
             out += ["--schedule", self.schedule, "-v", str(self.virtual_stages)]
         out += ["--microbatches", str(self.microbatches)]
@@ -55,12 +58,13 @@ class Candidate:
         zero = f" ZeRO-{self.zero}" if self.zero else ""
         wire = f" {self.compression}" if self.compression else ""
         sync = f" {self.sync}" if self.sync else ""
-        return (f"dp {self.dp} x pp {self.pp}{pipe}, {self.microbatches} x "
+        tp = f"tp {self.tp} x " if self.tp > 1 else ""
+        return (f"dp {self.dp} x {tp}pp {self.pp}{pipe}, {self.microbatches} x "
                 f"{self.micro_batch_size}{zero}{wire}{sync}")  # fmt: skip
 
     def shape(self) -> tuple:
-        """The pipeline's shape: (dp, pp, schedule, virtual_stages)."""
-        return self.dp, self.pp, self.schedule, self.virtual_stages
+        """The layout's shape: (dp, pp, schedule, virtual_stages, tp)."""
+        return self.dp, self.pp, self.schedule, self.virtual_stages, self.tp
 
 
 def apply(cfg, c: Candidate):
@@ -102,13 +106,15 @@ def microbatch_counts(schedule: str, pp: int, v: int, per_replica: int) -> list[
     return [beyond] if beyond else []
 
 
-def candidates(world: int, layers: int, global_batch: int, compressions=(None,), syncs=(None,)):
+def candidates(world: int, layers: int, global_batch: int, compressions=(None,), syncs=(None,),
+               tps=(1,)):  # fmt: skip
     """Every layout the trainer can run ``global_batch`` samples a step with
-    (with each of ``compressions`` and ``syncs`` where dp > 1)."""
-    for pp in range(1, min(world, layers) + 1):
-        if world % pp:
+    (with each of ``compressions`` and ``syncs`` where dp > 1), at each
+    tensor-parallel width of ``tps`` that divides the world."""
+    for tp, pp in ((t, p) for t in tps for p in range(1, min(world, layers) + 1)):
+        if world % (tp * pp):
             continue
-        dp = world // pp
+        dp = world // (tp * pp)
         if global_batch % dp:
             continue
         per_replica = global_batch // dp
@@ -121,20 +127,23 @@ def candidates(world: int, layers: int, global_batch: int, compressions=(None,),
                     for wire in compressions if dp > 1 else compressions[:1]:
                         for sync in syncs if dp > 1 else (None,):
                             yield Candidate(dp, pp, schedule, v, m, per_replica // m, zero, wire,
-                                            sync)  # fmt: skip
+                                            sync, tp)  # fmt: skip
 
 
 def plan(cfg, world: int, memory_mb: float = 0.0, cores: int | None = None, cost=None,
          hosts: int = 1, compressions: list[str] | None = None,
          syncs: list[str] | None = None, trial_steps: int = shared_cores.TRIAL_STEPS,
-         trial_on_hosts: bool = False, link: str | None = None):  # fmt: skip
+         trial_on_hosts: bool = False, link: str | None = None,
+         tps: list[int] | None = None):  # fmt: skip
     """(predictions best first, those over the memory limit, the profile).
     ``cores``: what the ranks of one host share (this machine's by default);
     ``compressions``: the wires to search (``check_wires``; '' is none);
     ``syncs``: the sync methods to search (``outer.parse_sync``'s);
     ``trial_steps``: where ranks outnumber cores, the steps of the trial
     that measures a compute action's cost there (``shared_cores``; 0: none),
-    on ``hosts`` namespace hosts with links at ``link`` if ``trial_on_hosts``."""
+    on ``hosts`` namespace hosts with links at ``link`` if ``trial_on_hosts``;
+    ``tps``: the tensor-parallel widths to search (None: every divisor of
+    the world that the model splits by)."""
     from clawcomm.train import models
     from clawcomm.train.outer import parse_sync
 
@@ -149,7 +158,8 @@ def plan(cfg, world: int, memory_mb: float = 0.0, cores: int | None = None, cost
     if compressions:
         cfg = dataclasses.replace(cfg, compression="")  # the search decides it
     methods = check_syncs(syncs) if syncs else [None]
-    cands = [c for c in candidates(world, layers, batch, wires, methods)
+    tps = tps or [t for t in range(1, world + 1) if world % t == 0]
+    cands = [c for c in candidates(world, layers, batch, wires, methods, tps)
              if _runs(apply(cfg, c), world)]  # fmt: skip
     if not cands:
         raise ValueError(
@@ -160,6 +170,10 @@ def plan(cfg, world: int, memory_mb: float = 0.0, cores: int | None = None, cost
     split = any(c.schedule == "zb1" for c in cands)
     t0 = time.perf_counter()
     prof = profile(cfg, [c.micro_batch_size for c in cands], built=built, gpu=gpu, split=split)
+    if any(c.tp > 1 for c in cands):  # what each layer sends split (the TP room says)
+        sp = dataclasses.replace(cfg, tp=2).sequence_parallel_on
+        prof.tp_traffic = {mbs: tensor_traffic(built[0], mbs, cfg.seq_len, sp)
+                           for mbs in {c.micro_batch_size for c in cands}}  # fmt: skip
     cores = cores or os.cpu_count() or 1
     cap = cfg.bucket_cap_mb * 2**20
     shapes = [shape for layer in prof.tensors for shape in layer]
@@ -169,7 +183,8 @@ def plan(cfg, world: int, memory_mb: float = 0.0, cores: int | None = None, cost
 
     def predict_all() -> list[Prediction]:
         return [predict(c, prof, cores, cost, gpu, hosts, cap, codec, sync, cfg.sync_delay,
-                        cfg.compression, apply(cfg, c).reshards_after_forward)
+                        cfg.compression, apply(cfg, c).reshards_after_forward,
+                        apply(cfg, c).tp_overlap_on)
                 for c in cands]  # fmt: skip
 
     tried = shared_cores.settle(cfg, cands, prof, world, hosts, cores, gpu, trial_steps,
@@ -259,8 +274,10 @@ def cost_model(path: str | None = None, link: str | None = None):
 
 
 def choose(cfg, world: int, say=print):
-    """``cfg`` with the plan's first layout (``clawcomm train --layout auto``)."""
-    preds, over, prof = plan(cfg, world, cfg.max_memory_mb)
+    """``cfg`` with the plan's first layout (``clawcomm train --layout auto``;
+    a --tp above 1 is kept, else tp is searched too)."""
+    preds, over, prof = plan(cfg, world, cfg.max_memory_mb,
+                             tps=[cfg.tp] if cfg.tp > 1 else None)  # fmt: skip
     if not preds:
         raise ValueError(f"--layout auto: every layout needs more than --max-memory-mb "
                          f"{cfg.max_memory_mb:g}")  # fmt: skip

@@ -55,6 +55,19 @@ def stages(c, prof) -> tuple[list[range], list[float]]:
     return span, prof.cpu_share.get(c.micro_batch_size) or [1.0] * len(prof.params)
 
 
+def copies(c) -> int:
+    """Ranks that run each pipeline rank's actions: its data-parallel
+    replicas, each split over tp ranks (``rank_seconds`` gives each 1/tp of
+    the layers' time)."""
+    return c.dp * c.tp
+
+
+def host_of(c, p: int, k: int, per_host: int) -> int:
+    """The host of copy ``k`` (``k = d * tp + t``) of pipeline rank ``p``:
+    the trainer numbers ranks ``(p * dp + d) * tp + t``, host by host."""
+    return (p * copies(c) + k) // per_host
+
+
 def crowded(world: int, hosts: int, cores: int, gpu: bool) -> bool:
     """Whether a host's CPU ranks outnumber its cores."""
     return not gpu and world // hosts > cores
@@ -67,14 +80,15 @@ def compute_actions(schedule) -> dict[int, list]:
 
 def rank_seconds(c, prof, span, share, tau: float, schedule) -> dict[int, float]:
     """Each pipeline rank's CPU-seconds a step, unshared: its compute
-    actions as profiled (the share of each layer's time on a core), tau a
-    compute action, and the trainer's own time; each pass as its
-    schedule's order makes it (``pass_order``)."""
+    actions as profiled (the share of each layer's time on a core; 1/tp of
+    it split over tp ranks), tau a compute action, and the trainer's own
+    time; each pass as its schedule's order makes it (``pass_order``)."""
     mbs = c.micro_batch_size
     order = pass_order.of(c, prof)
+    tp = c.tp
 
     def cpu(times: list[float]) -> list[float]:
-        return [sum(share[i] * times[i] for i in r) for r in span]
+        return [sum(share[i] * times[i] for i in r) / tp for r in span]
 
     back = cpu(prof.backward[mbs])
     table = {"F": cpu(prof.forward[mbs]), "B": back}
@@ -94,11 +108,11 @@ def floor(c, per_rank: dict[int, float], hosts: int, cores: int) -> float:
     """The step's pipeline phase can take no less than its busiest host's
     CPU-seconds over its cores (``per_rank``: ``rank_seconds``; every replica
     of pipeline rank p spends what p does; ranks numbered host by host)."""
-    per_host = c.dp * c.pp // hosts
+    per_host = copies(c) * c.pp // hosts
     load: dict[int, float] = {}
     for p in range(c.pp):
-        for d in range(c.dp):
-            h = (p * c.dp + d) // per_host
+        for k in range(copies(c)):
+            h = host_of(c, p, k, per_host)
             load[h] = load.get(h, 0.0) + per_rank[p]
     return max(load.values()) / cores
 
@@ -142,9 +156,10 @@ def measured_tau(cpu_s: float, c, prof) -> float:
     per_rank = rank_seconds(c, prof, span, share, 0.0, schedule)
     params = [sum(prof.params[i] for s, r in enumerate(span) if s % c.pp == p for i in r)
               for p in range(c.pp)]  # fmt: skip
-    opt = [prof.opt_s_per_param * n / (c.dp if c.zero >= 1 else 1) for n in params]
-    accounted = c.dp * sum(per_rank[p] + opt[p] for p in range(c.pp))
-    actions = c.dp * sum(len(a) for a in compute_actions(schedule).values())
+    opt = [prof.opt_s_per_param * n / (copies(c) if c.zero >= 1 else c.tp)
+           for n in params]  # fmt: skip
+    accounted = copies(c) * sum(per_rank[p] + opt[p] for p in range(c.pp))
+    actions = copies(c) * sum(len(a) for a in compute_actions(schedule).values())
     return max(0.0, (cpu_s - accounted) / max(1, actions))
 
 
@@ -253,8 +268,8 @@ def shared_makespan(plan, c, alone, on_core, latency, hosts: int, cores: int) ->
     from collections import Counter
 
     sched, ranks = plan.schedule, plan.ranks
-    per_host = c.dp * c.pp // hosts
-    where = {p: Counter((p * c.dp + d) // per_host for d in range(c.dp)) for p in ranks}
+    per_host = copies(c) * c.pp // hosts
+    where = {p: Counter(host_of(c, p, k, per_host) for k in range(copies(c))) for p in ranks}
     done: dict = {}
     pos = dict.fromkeys(ranks, 0)
     left: dict[int, float] = {}  # computing: seconds alone left of its action

@@ -17,6 +17,13 @@ rank, from the profile and the answers of the rooms that own each rule.
   is exposed; ZeRO-3's gathers as many as ``parallel.zero3`` says, each
   behind the layer before it); local SGD and DiLoCo meet once every H
   steps instead.
+- **Tensor parallelism** (tp > 1): each layer's passes take 1/tp of their
+  profiled time, plus the collectives its split form makes over the TP
+  group (what ``parallel.tensor`` says each layer sends) priced by the cost
+  model on one host; overlapped (``--tp-overlap``), only what the pass's
+  computation does not cover. Parameters, gradients, optimizer state and
+  activations per rank are 1/tp of the layer's (the replicated LayerNorms
+  and biases are not counted apart).
 - **Optimizer**: the profiled step on the stage's (shard of its) parameters.
 - **Memory**: the model state ZeRO leaves a rank (``parallel.zero``), what
   the compressor keeps between steps (``Compressor.state_bytes``), and the
@@ -84,11 +91,12 @@ def reduction_seconds(comp, zero: int, nbytes: float, topology: Topology, cost: 
 
 def placement(c, hosts: int):
     """Where the candidate's ranks sit on ``hosts`` hosts (numbered host by
-    host, as torchrun numbers them; the trainer's rank is pp_rank * dp +
-    dp_rank): (how many replicas' pipeline ranks p and q are on different
-    hosts, the cost model's topology of the widest dp group)."""
-    per_host = c.dp * c.pp // hosts
-    host = lambda d, p: (p * c.dp + d) // per_host  # noqa: E731
+    host, as torchrun numbers them; the trainer's rank is (pp_rank * dp +
+    dp_rank) * tp + tp_rank): (how many replicas' pipeline ranks p and q are
+    on different hosts, the cost model's topology of the widest dp group;
+    both for TP rank 0)."""
+    per_host = c.dp * c.tp * c.pp // hosts
+    host = lambda d, p: (p * c.dp + d) * c.tp // per_host  # noqa: E731
 
     def crossing(p: int, q: int) -> int:
         return sum(host(d, p) != host(d, q) for d in range(c.dp))
@@ -100,7 +108,7 @@ def placement(c, hosts: int):
 def predict(c, prof: Profile, cores: int, cost=None, gpu: bool = False, hosts: int = 1,
             cap_bytes: float = 25 * 2**20, codec=None, sync=("every-step", 1),
             sync_delay: int = 0, compression: str = "",
-            reshard: bool | None = None) -> Prediction:  # fmt: skip
+            reshard: bool | None = None, tp_overlap: bool = False) -> Prediction:  # fmt: skip
     """The candidate's step time and memory (the module docstring) on
     ``hosts`` hosts of ``cores`` cores each. ``codec``: (wire, dp) -> seconds
     of one codec pass of a searched compression over the whole model's
@@ -109,7 +117,9 @@ def predict(c, prof: Profile, cores: int, cost=None, gpu: bool = False, hosts: i
     candidate carries a searched one; ``compression``: the command's own
     wire, for the memory it keeps (its time is costed only where searched);
     ``reshard``: ZeRO-3 resharding after forward (None: the trainer's
-    default for the candidate, ``TrainConfig.reshards_after_forward``)."""
+    default for the candidate, ``TrainConfig.reshards_after_forward``);
+    ``tp_overlap``: the candidate's TP collectives overlapped with the
+    layers' computation (``TrainConfig.tp_overlap_on``)."""
     cost, codec = cost or CostModel(), codec or {}
     if reshard is None:
         reshard = TrainConfig(dp=c.dp, pp=c.pp, zero=c.zero).reshards_after_forward
@@ -120,18 +130,36 @@ def predict(c, prof: Profile, cores: int, cost=None, gpu: bool = False, hosts: i
     stages = c.pp * c.virtual_stages
     span, share = shared_cores.stages(c, prof)
     crossing, dp_topology = placement(c, hosts)
-    slow = 1.0 if gpu else max(1.0, c.dp * c.pp / hosts / cores)  # ranks sharing cores
+    world = c.dp * c.tp * c.pp
+    slow = 1.0 if gpu else max(1.0, world / hosts / cores)  # ranks sharing cores
     mbs = c.micro_batch_size
     # Only the share of a layer's time spent on a core slows down (waiting layers do not).
     scale = [1.0 + (slow - 1.0) * sh for sh in share]
 
-    def per_stage(times: list[float], scale: list[float]) -> list[float]:
-        return [sum(scale[i] * times[i] for i in r) for r in span]
+    def per_stage(times: list[float], scale: list[float], tp_pass: str = "") -> list[float]:
+        split = [scale[i] * times[i] / c.tp for i in range(len(times))]
+        if tp_pass:  # what the split layers' collectives add to the pass
+            split = [t + tp_seconds(i, tp_pass, t) for i, t in enumerate(split)]
+        return [sum(split[i] for i in r) for r in span]
+
+    def tp_seconds(i: int, kind: str, compute: float) -> float:
+        if c.tp == 1:
+            return 0.0
+        group = Topology(1, c.tp)
+        sent = prof.tp_traffic[mbs][i][kind]
+        ring = sum(comm_time(op, "auto", b, group, cost) for op, b in sent if op != "all_reduce")
+        blocking = sum(
+            comm_time(op, "auto", b, group, cost) for op, b in sent if op == "all_reduce"
+        )
+        if tp_overlap:  # around the ring, behind the blocks computed meanwhile
+            ring = max(0.0, ring - compute)
+        return ring + blocking
 
     def pass_costs(scale: list[float]) -> dict[str, list[float]]:  # each pass kind's, a stage
-        out = {"F": per_stage(prof.forward[mbs], scale), "B": per_stage(prof.backward[mbs], scale)}
+        out = {"F": per_stage(prof.forward[mbs], scale, "F"),
+               "B": per_stage(prof.backward[mbs], scale, "B")}  # fmt: skip
         if mbs in prof.input_grad:  # zero-bubble's split backward, as profiled
-            out["I"] = per_stage(prof.input_grad[mbs], scale)
+            out["I"] = per_stage(prof.input_grad[mbs], scale, "B")
             out["W"] = per_stage(prof.weight_grad[mbs], scale)
         else:
             out["I"] = out["W"] = [b / 2 for b in out["B"]]
@@ -161,7 +189,7 @@ def predict(c, prof: Profile, cores: int, cost=None, gpu: bool = False, hosts: i
     busy = max(sim.busy.values())
     # Per rank: its stages' parameters (the fullest rank decides).
     rank_params = [
-        sum(prof.params[i] for s in range(stages) if s % c.pp == r for i in span[s])
+        sum(prof.params[i] for s in range(stages) if s % c.pp == r for i in span[s]) / c.tp
         for r in range(c.pp)
     ]
     p_max = max(rank_params)
@@ -184,14 +212,14 @@ def predict(c, prof: Profile, cores: int, cost=None, gpu: bool = False, hosts: i
         w_layers = prof.weight_grad.get(mbs) or [b / 2 for b in prof.backward[mbs]]
         passes = {"F": prof.forward[mbs], "B": prof.backward[mbs], "W": w_layers}
         gathers = 0.0
-        gather = lambda b: crowded * comm_time("all_gather", "auto", b, dp_topology, cost)  # noqa: E731
+        gather = lambda b: crowded * comm_time("all_gather", "auto", b / c.tp, dp_topology, cost)  # noqa: E731
         for r in range(c.pp):
-            rank = rank_timeline(sim, r, span, lambda k, i: scale[i] * passes[k][i], tensors)
+            rank = rank_timeline(sim, r, span, lambda k, i: scale[i] * passes[k][i] / c.tp, tensors)
             bs = buckets(rank, cap_bytes)
             pass_s = codec.get((wire, c.dp), 0.0)  # over the whole model's gradient
             codec_s = slow * pass_s * rank_params[r] / max(1.0, sum(prof.params))
             reduce = lambda b, share, shapes, cs=codec_s: reduction_seconds(  # noqa: E731
-                comp, c.zero, b, dp_topology, cost, share * cs, crowded, shapes
+                comp, c.zero, b / c.tp, dp_topology, cost, share * cs, crowded, shapes
             )
             comm = max(comm, exposed_reduction(bs, sim.makespan, reduce))
             if c.zero in (1, 2):  # the updated shards gathered behind the next forward
@@ -199,12 +227,12 @@ def predict(c, prof: Profile, cores: int, cost=None, gpu: bool = False, hosts: i
         if c.zero == 3:  # each layer gathered as zero3 says, behind the layer before it
             per_round = gathers_per_round(c.microbatches, reshard)
             layer_gather = lambda i: crowded * comm_time(  # noqa: E731
-                "all_gather", "auto", 4 * prof.params[i], dp_topology, cost
+                "all_gather", "auto", 4 * prof.params[i] / c.tp, dp_topology, cost
             )
             gathers = max(
                 exposed_unit_gathers(
-                    [([(i, scale[i] * passes["F"][i]) for i in span[s]],
-                      [(i, scale[i] * passes["B"][i]) for i in reversed(span[s])])
+                    [([(i, scale[i] * passes["F"][i] / c.tp) for i in span[s]],
+                      [(i, scale[i] * passes["B"][i] / c.tp) for i in reversed(span[s])])
                      for s in range(stages) if s % c.pp == r],
                     layer_gather, per_round)
                 for r in range(c.pp)
@@ -214,7 +242,7 @@ def predict(c, prof: Profile, cores: int, cost=None, gpu: bool = False, hosts: i
     memory = _memory(c, prof, sim.schedule, span, compression, sync, reshard)
     busy += slow * prof.host_s  # the trainer's own time, on the busiest rank
     makespan = sim.makespan + slow * prof.host_s
-    if shared_cores.crowded(c.dp * c.pp, hosts, cores, gpu):
+    if shared_cores.crowded(world, hosts, cores, gpu):
         # the ranks take turns on the cores (shared_cores): a rank alone in a bubble
         # runs at a core's speed; and no less than the host's CPU over its cores,
         # tau a compute action included
@@ -243,10 +271,10 @@ def _memory(c, prof: Profile, schedule, span, compression: str, sync, reshard: b
     most = 0.0
     for r in range(c.pp):
         layers = [i for s in range(len(span)) if s % c.pp == r for i in span[s]]
-        params = sum(prof.params[i] for i in layers)
-        whole = gathered_bytes([4.0 * prof.params[i] for i in layers], reshard)
+        params = sum(prof.params[i] for i in layers) / c.tp
+        whole = gathered_bytes([4.0 * prof.params[i] / c.tp for i in layers], reshard)
         held = sum(step_peak_bytes(params, c.dp, c.zero, whole).values())
         held += compressor(wire).state_bytes(params) if keeps else 0.0
-        acts = held_for_backward(schedule[r], lambda s: sum(saved[i] for i in span[s]))
+        acts = held_for_backward(schedule[r], lambda s: sum(saved[i] for i in span[s]) / c.tp)
         most = max(most, held + acts)
     return most / 2**20

@@ -25,8 +25,8 @@ class TrainConfig:
     # layout and schedule
     layout: str = _opt(
         "",
-        "auto: dp, pp, schedule, micro-batches and ZeRO chosen by `clawcomm plan` for the world "
-        "and --global-batch (overrides those flags)",
+        "auto: dp, tp, pp, schedule, micro-batches and ZeRO chosen by `clawcomm plan` for the "
+        "world and --global-batch (overrides those flags; a --tp above 1 is kept)",
         ("", "auto"),
     )
     dp: int = _opt(1, "data-parallel replicas")
@@ -418,11 +418,6 @@ class TrainConfig:
             raise ValueError(
                 "tp_overlap overlaps the sequence-parallel all-gathers and reduce-scatters: it "
                 "needs sequence_parallel"
-            )
-        if self.tp > 1 and self.layout == "auto":
-            raise ValueError(
-                f"layout auto does not search tp yet: give dp, tp and pp (tp {self.tp}), or "
-                "leave tp 1 for the planner"
             )
         tensor.check(self.model, self.tp, self.heads, self.seq_len, self.sequence_parallel_on)
         from clawcomm.train import recompute

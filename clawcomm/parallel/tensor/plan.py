@@ -286,3 +286,72 @@ def _gpt(model: nn.Sequential, loss_fn, tp: TensorParallel) -> Plan:
         return vocab_parallel_cross_entropy(logits, targets, start, group)
 
     return Plan(tp, loss, _replicated(model))
+
+
+# ---- what a split layer sends (the planner prices it) ----------------------------------
+
+AG, RS, AR = "all_gather", "reduce_scatter", "all_reduce"
+
+
+def traffic(
+    model: nn.Sequential, micro_batch_size: int, seq_len: int, sequence_parallel: bool
+) -> list[dict[str, list[tuple[str, float]]]]:
+    """Per layer of the whole (unsplit) model, the collectives its split form
+    makes over the TP group for one micro-batch, by pass: "F" (forward) and
+    "B" (backward; the input-gradient pass where it is split), each as
+    (collective, bytes of the whole tensor: an all-gather's output, a
+    reduce-scatter's input, an all-reduce's buffer, as the cost model takes
+    them). The layers as ``parallelize`` splits them:
+
+    - a gpt block, sequence parallel: forward gathers before its two
+      column-parallel layers and reduce-scatters after its two row-parallel
+      ones; backward gathers each column layer's input again and the row
+      layers' gradients (4 all-gathers) and reduce-scatters the column
+      layers' input gradients (2). Without: an all-reduce after each row
+      layer forward, and after each column layer's input gradient;
+    - the embedding: its lookup summed (reduce-scattered); the head: its
+      input gathered, the loss's max and sums all-reduced (one float and
+      two per token);
+    - the mlp: an all-reduce after each row-parallel layer forward, and of
+      each column-parallel layer's input gradient;
+    - a waiting layer: an all-gather and a reduce-scatter of
+      ``[micro-batch, seq_len, width]`` in forward and in backward."""
+    from clawcomm.train import models
+
+    layers = list(model)
+    tokens = micro_batch_size * seq_len
+    sp = sequence_parallel
+    out: list[dict[str, list[tuple[str, float]]]] = []
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    role = {
+        id(m): ("col" if i % 2 == 0 else "row")
+        for i, m in enumerate(linears[: len(linears) // 2 * 2])
+    }
+    for layer in layers:
+        f: list[tuple[str, float]] = []
+        b: list[tuple[str, float]] = []
+        if isinstance(layer, models.Block):
+            act = 4.0 * tokens * layer.qkv.in_features
+            if sp:
+                f, b = [(AG, act), (RS, act)] * 2, [(AG, act)] * 4 + [(RS, act)] * 2
+            else:
+                f, b = [(AR, act)] * 2, [(AR, act)] * 2
+        elif isinstance(layer, models.Embedding):
+            act = 4.0 * tokens * layer.tokens.embedding_dim
+            f, b = ([(RS, act)], [(AG, act)]) if sp else ([(AR, act)], [])
+        elif isinstance(layer, models.Head):
+            act = 4.0 * tokens * layer.proj.in_features
+            loss = [(AR, 4.0 * tokens), (AR, 8.0 * tokens)]
+            f, b = ([(AG, act)] + loss, [(AG, act), (RS, act)]) if sp else (loss, [(AR, act)])
+        elif isinstance(layer, models.WaitingLayer):
+            act = 4.0 * tokens * layer.weight.shape[0]
+            f = b = [(AG, act), (RS, act)]
+        else:
+            for m in layer.modules() if isinstance(layer, nn.Module) else ():
+                r = role.get(id(m))
+                if r == "row":
+                    f.append((AR, 4.0 * micro_batch_size * m.out_features))
+                elif r == "col":
+                    b.append((AR, 4.0 * micro_batch_size * m.in_features))
+        out.append({"F": f, "B": b})
+    return out
