@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--tp", type=int, nargs="+", default=[2, 4])
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--wait-ms", default="4,4,4", help="forward, input-gradient, weight ms/layer")
+    p.add_argument("--wait-ms", default="16,16,16", help="forward, input-gradient, weight ms/layer")
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--microbatches", type=int, default=4)

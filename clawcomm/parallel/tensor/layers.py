@@ -110,7 +110,7 @@ class _ColumnLinear(torch.autograd.Function):
         if not tp.sequence_parallel:
             y = x.matmul(weight.t())
         elif tp.overlap:
-            _, y = comm.ring_gather_apply(x, lambda blk: blk.matmul(weight.t()), tp.group)
+            _, y = comm.gather_apply(x, lambda blk: blk.matmul(weight.t()), tp.group, keep=False)
         else:
             y = comm.all_gather_tokens(x, tp.group).matmul(weight.t())
         ctx.save_for_backward(x)
@@ -127,7 +127,7 @@ class _ColumnLinear(torch.autograd.Function):
             gathering = comm.start_all_gather_tokens(x, tp.group) if need_w else None
             if tp.overlap:
                 n = tp.size
-                gx = comm.ring_apply_scatter(lambda d: _block(g, d, n).matmul(w), tp.group)
+                gx = comm.apply_scatter(lambda d: _block(g, d, n).matmul(w), tp.group)
             else:
                 gx = comm.reduce_scatter_tokens(g.matmul(w), tp.group)
             x_all = gathering() if need_w else None
@@ -147,7 +147,7 @@ class _RowLinear(torch.autograd.Function):
             return comm.all_reduce(x.matmul(weight.t()), tp.group)
         if tp.overlap:
             n = tp.size
-            return comm.ring_apply_scatter(lambda d: _block(x, d, n).matmul(weight.t()), tp.group)
+            return comm.apply_scatter(lambda d: _block(x, d, n).matmul(weight.t()), tp.group)
         return comm.reduce_scatter_tokens(x.matmul(weight.t()), tp.group)
 
     @staticmethod
@@ -157,7 +157,7 @@ class _RowLinear(torch.autograd.Function):
         if not tp.sequence_parallel:
             g_all, gx = g, g.matmul(w)
         elif tp.overlap:
-            g_all, gx = comm.ring_gather_apply(g, lambda blk: blk.matmul(w), tp.group)
+            g_all, gx = comm.gather_apply(g, lambda blk: blk.matmul(w), tp.group)
         else:
             g_all = comm.all_gather_tokens(g, tp.group)
             gx = g_all.matmul(w)
