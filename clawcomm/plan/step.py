@@ -143,17 +143,26 @@ def predict(c, prof: Profile, cores: int, cost=None, gpu: bool = False, hosts: i
         return [sum(split[i] for i in r) for r in span]
 
     def tp_seconds(i: int, kind: str, compute: float) -> float:
+        """What layer i's split form adds to a pass of ``compute`` seconds:
+        each collective as the cost model prices it, plus the copy that
+        puts its tokens in order (the whole tensor, at memory speed), both
+        CPU work that slows where ranks outnumber cores (whatever share of
+        the layer's own time is on a core); overlapped, the all-gathers and
+        reduce-scatters only where the pass's computation does not cover
+        them."""
         if c.tp == 1:
             return 0.0
         group = Topology(1, c.tp)
+
+        def seconds(op: str, nbytes: float) -> float:
+            return slow * (comm_time(op, "auto", nbytes, group, cost) + nbytes * cost.shm_beta)
+
         sent = prof.tp_traffic[mbs][i][kind]
-        ring = sum(comm_time(op, "auto", b, group, cost) for op, b in sent if op != "all_reduce")
-        blocking = sum(
-            comm_time(op, "auto", b, group, cost) for op, b in sent if op == "all_reduce"
-        )
-        if tp_overlap:  # around the ring, behind the blocks computed meanwhile
-            ring = max(0.0, ring - compute)
-        return ring + blocking
+        split = sum(seconds(op, b) for op, b in sent if op != "all_reduce")
+        blocking = sum(seconds(op, b) for op, b in sent if op == "all_reduce")
+        if tp_overlap:  # exchanged block by block, behind the blocks computed meanwhile
+            split = max(0.0, split - compute)
+        return split + blocking
 
     def pass_costs(scale: list[float]) -> dict[str, list[float]]:  # each pass kind's, a stage
         out = {"F": per_stage(prof.forward[mbs], scale, "F"),
