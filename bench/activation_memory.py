@@ -15,8 +15,10 @@ not counted. The step time is the median of the second half of the steps
 (compute-bound: the layers compute on this machine's CPU cores).
 
 Per row: mode, tp, peak activation MB per rank, its share of tp 1 with no
-recomputation, the median step time, and the losses' largest difference
-from the run with no recomputation at the same tp (0: identical training).
+recomputation, the median step time, the losses' largest difference from
+the run with no recomputation at the same tp (0: identical training), and
+the parameters, gradients and AdamW state a rank holds (MB, the fullest
+rank's, from the trainer's metrics).
 """
 
 from __future__ import annotations
@@ -54,16 +56,18 @@ def _rank(rank: int, world: int, cfg: TrainConfig) -> dict:
     metrics = tr.fit(global_batches(ds, cfg.effective_batch, cfg.seed), progress=False)
     tr.close()
     half = metrics[len(metrics) // 2 :]
+    last = metrics[-1]  # (the rank that holds the most, as every rank reports it)
     return dict(
         peak=max(peaks),
         step_ms=statistics.median(m["step_ms"] for m in half),
         losses=[m["loss"] for m in metrics],
+        state=(last["param_bytes"], last["grad_bytes"], last["optim_bytes"]),
     )
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
@@ -77,7 +81,7 @@ def main(argv=None) -> int:
           f"tokens, {args.microbatches} x {args.micro_batch_size} samples per step; sequence "
           f"parallel at tp > 1")  # fmt: skip
     print(f"# {'mode':<10}{'tp':>3}{'act MB/rank':>12}{'of tp 1 none':>13}{'step ms':>9}"
-          f"{'max |dloss|':>12}")  # fmt: skip
+          f"{'max |dloss|':>12}{'params':>8}{'grads':>7}{'adamw':>7}")  # fmt: skip
     rows, base = [], None
     for tp in args.tp:
         ref = None
@@ -88,11 +92,14 @@ def main(argv=None) -> int:
             ref = ref or losses
             base = base or peak
             d = max(abs(a - b) for a, b in zip(losses, ref, strict=True))
+            state = [b / 2**20 for b in ranks[0]["state"]]
             row = dict(mode=mode, tp=tp, activation_mb=peak, share=peak / base,
-                       step_ms=ranks[0]["step_ms"], max_loss_diff=d)  # fmt: skip
+                       step_ms=ranks[0]["step_ms"], max_loss_diff=d, param_mb=state[0],
+                       grad_mb=state[1], optim_mb=state[2])  # fmt: skip
             rows.append(row)
             print(f"  {mode:<10}{tp:>3}{peak:>12.1f}{peak / base:>13.2f}"
-                  f"{row['step_ms']:>9.1f}{d:>12.1e}", flush=True)  # fmt: skip
+                  f"{row['step_ms']:>9.1f}{d:>12.1e}{state[0]:>8.2f}{state[1]:>7.2f}"
+                  f"{state[2]:>7.2f}", flush=True)  # fmt: skip
     if args.json:
         from clawcomm.bench.report import write_json
 

@@ -459,3 +459,44 @@ def test_layout_auto_refuses_what_it_cannot_plan(capsys):
     out = capsys.readouterr()
     assert "every layout needs more than --max-memory-mb 1" in out.err
     assert "Traceback" not in out.err + out.out
+
+
+def test_the_plan_searches_tp_and_says_what_each_split_layer_sends():
+    """tp is a dimension of the search (dp x tp x pp = the world), and the
+    TP room says what each layer sends: a sequence-parallel GPT block
+    gathers and reduce-scatters twice in forward, gathers four times and
+    reduce-scatters twice in backward; without sequence parallelism it
+    all-reduces twice each way; the head all-reduces the loss's statistics."""
+    from clawcomm.parallel.tensor.plan import traffic
+    from clawcomm.train import models as train_models
+
+    cands = list(plan.candidates(4, 8, 32, tps=(1, 2, 4)))
+    assert {c.tp for c in cands} == {1, 2, 4}
+    assert all(c.dp * c.tp * c.pp == 4 for c in cands)
+    assert plan.Candidate(1, 2, "zb1", 1, 2, 16, 0, tp=2).flags()[:4] == ["--dp", "1", "--tp", "2"]
+    model = train_models.gpt(50, 32, 2, 4, 16)
+    act = 4.0 * 4 * 16 * 32  # float32 [micro-batch 4, 16 tokens, width 32]
+    sp = traffic(model, 4, 16, True)
+    assert sp[1]["F"] == [("all_gather", act), ("reduce_scatter", act)] * 2
+    assert sorted(sp[1]["B"]) == [("all_gather", act)] * 4 + [("reduce_scatter", act)] * 2
+    assert sp[0] == {"F": [("reduce_scatter", act)], "B": [("all_gather", act)]}
+    assert ("all_reduce", 4.0 * 4 * 16) in sp[-1]["F"]
+    plain = traffic(model, 4, 16, False)
+    assert plain[1] == {"F": [("all_reduce", act)] * 2, "B": [("all_reduce", act)] * 2}
+    mlp = traffic(train_models.mlp(64, 32, 4, 10), 4, 1, False)
+    assert [len(x["F"]) + len(x["B"]) for x in mlp] == [1, 1, 1, 1]  # col, row, col, row
+
+
+def test_a_tp_layout_holds_a_tp_th_of_the_state(gpt_plan):
+    cfg, _, _, prof = gpt_plan
+    prof = dataclasses.replace(prof, tp_traffic={**prof.tp_traffic, 4: traffic_of(cfg, 4)})
+    one = plan.predict(plan.Candidate(1, 1, "1f1b", 1, 1, 4, 0), prof, 2)
+    two = plan.predict(plan.Candidate(1, 1, "1f1b", 1, 1, 4, 0, tp=2), prof, 2)
+    assert two.memory_mb == pytest.approx(one.memory_mb / 2, rel=1e-6)
+
+
+def traffic_of(cfg, mbs):
+    from clawcomm.parallel.tensor.plan import traffic
+    from clawcomm.train import models as train_models
+
+    return traffic(train_models.build(cfg)[0], mbs, cfg.seq_len, True)
