@@ -222,3 +222,12 @@ def test_a_stock_dcp_reader_sees_whole_tensors(tmp_path):
             whole = sd[f"model/{name}"]
             assert list(whole.shape) == (list(split.whole) if split else list(p.shape))
             torch.testing.assert_close(split.take(whole) if split else whole, p)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_tp_runs_on_gloo_too(overlap):
+    """The split layers use torch.distributed's collectives and sends as any
+    backend takes them (gloo checks the all-gather's and reduce-scatter's
+    leading dimension against the world)."""
+    cfg = _config(tp=2, tp_overlap=overlap)
+    _check(run_ranks(_train, 2, cfg, backend="gloo"), cfg)

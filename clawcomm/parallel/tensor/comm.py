@@ -72,20 +72,23 @@ def _size(group) -> int:
 def all_gather_tokens(x: torch.Tensor, group) -> torch.Tensor:
     """[b, t/n, ...] on each rank -> [b, t, ...] (rank r's block r-th)."""
     n = _size(group)
-    out = torch.empty((n, *x.shape), dtype=x.dtype, device=x.device)
+    # (dim 0 is rank-major, n x batch: what every backend's all-gather takes)
+    out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     _timed(all_gather_single, out, x.contiguous(), group=group)
+    out = out.view(n, *x.shape)
     return out.movedim(0, 1).reshape(x.shape[0], n * x.shape[1], *x.shape[2:])
 
 
 def start_all_gather_tokens(x: torch.Tensor, group) -> Callable[[], torch.Tensor]:
     """``all_gather_tokens`` started now; the returned call waits for it."""
     n = _size(group)
-    out = torch.empty((n, *x.shape), dtype=x.dtype, device=x.device)
+    out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     work = all_gather_single(out, x.contiguous(), group=group, async_op=True)
 
     def finish() -> torch.Tensor:
         _timed(work.wait)
-        return out.movedim(0, 1).reshape(x.shape[0], n * x.shape[1], *x.shape[2:])
+        whole = out.view(n, *x.shape).movedim(0, 1)
+        return whole.reshape(x.shape[0], n * x.shape[1], *x.shape[2:])
 
     return finish
 
@@ -98,7 +101,7 @@ def reduce_scatter_tokens(x: torch.Tensor, group) -> torch.Tensor:
         raise ValueError(f"tensor parallel: {t} tokens do not split over tp {n}")
     parts = x.reshape(b, n, t // n, *x.shape[2:]).movedim(1, 0).contiguous()
     out = torch.empty(parts.shape[1:], dtype=x.dtype, device=x.device)
-    _timed(reduce_scatter_single, out, parts, group=group)
+    _timed(reduce_scatter_single, out, parts.view(n * b, *parts.shape[2:]), group=group)
     return out
 
 
