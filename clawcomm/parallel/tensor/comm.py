@@ -24,10 +24,8 @@ computes on the blocks it already has:
     apply_scatter   computes each peer's part and sends it at once, its own
                     part last, then adds what the peers sent it
 
-(A ring, each block passed on by its neighbour, chains every step to the
-one before: at tp 4 on this machine's two cores it hid 30% of what the
-blocking collectives expose, against 81% at tp 2; the direct exchange has
-no chain.)
+(A ring, each block passed on by its neighbour, would chain every step to
+the one before; the direct exchange posts every transfer at once.)
 
 Every blocking call and wait here is timed into ``EXPOSED`` (the TP time the
 step saw: the trainer reports it as ``tp_ms``).
