@@ -467,7 +467,7 @@ def test_the_plan_searches_tp_and_says_what_each_split_layer_sends():
     gathers and reduce-scatters twice in forward, gathers four times and
     reduce-scatters twice in backward; without sequence parallelism it
     all-reduces twice each way; the head all-reduces the loss's statistics."""
-    from clawcomm.parallel.tensor.plan import traffic
+    from clawcomm.parallel.tensor.parallelize import traffic
     from clawcomm.train import models as train_models
 
     cands = list(plan.candidates(4, 8, 32, tps=(1, 2, 4)))
@@ -496,7 +496,7 @@ def test_a_tp_layout_holds_a_tp_th_of_the_state(gpt_plan):
 
 
 def traffic_of(cfg, mbs):
-    from clawcomm.parallel.tensor.plan import traffic
+    from clawcomm.parallel.tensor.parallelize import traffic
     from clawcomm.train import models as train_models
 
     return traffic(train_models.build(cfg)[0], mbs, cfg.seq_len, True)

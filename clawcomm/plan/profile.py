@@ -70,7 +70,7 @@ class Profile:
     seconds: float = 0.0
     threads: int = 0  # intra-op threads the layers were timed with
     # per micro-batch size, per layer: what its tensor-parallel form sends
-    # by pass (clawcomm.parallel.tensor.plan.traffic); empty if no tp searched
+    # by pass (clawcomm.parallel.tensor.parallelize.traffic); empty if no tp searched
     tp_traffic: dict[int, list[dict]] = dataclasses.field(default_factory=dict)
 
 

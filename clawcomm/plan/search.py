@@ -14,7 +14,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from clawcomm.parallel.tensor.plan import traffic as tensor_traffic
+from clawcomm.parallel.tensor.parallelize import traffic as tensor_traffic
 from clawcomm.pipeline.schedules import check_schedule_args
 from clawcomm.plan import pass_order, shared_cores
 from clawcomm.plan.check import model_flags

@@ -119,10 +119,10 @@ class Trainer:
             self.grid.make_groups() if dist.is_initialized() else (None, None, None)
         )
         stages, self.cuts = cut_into_stages(model, S, cfg.balance, sample)
-        self.tensor = None  # the tensor-parallel plan (clawcomm.parallel.tensor), tp > 1
+        self.tensor_parallel = None  # what parallel.tensor.parallelize made, at tp > 1
         if cfg.tp > 1:  # cut whole (every TP rank the same), then split each layer
-            self.tensor = self._split_layers(model, loss_fn, sample)
-            loss_fn = self.tensor.loss_fn
+            self.tensor_parallel = self._split_layers(model, loss_fn, sample)
+            loss_fn = self.tensor_parallel.loss_fn
             stages = [nn.Sequential(*model[self.cuts[s] : self.cuts[s + 1]]) for s in range(S)]
         self.loss_fn = loss_fn
         for mod in [model] if isinstance(model, nn.Sequential) else stages:
@@ -165,7 +165,7 @@ class Trainer:
         )
         self.reducer = self.outer = None
         tied = {id(p) for p, _, _ in self._ties}
-        whole = self.tensor.replicated_ids() if self.tensor is not None else set()
+        whole = self.tensor_parallel.replicated_ids() if self.tensor_parallel is not None else set()
         exchange_group = None
         if cfg.dp > 1 and cfg.sync != "every-step":  # replicas meet every H steps
             # Delayed meetings exchange on a thread, over a group of their own.
@@ -242,9 +242,9 @@ class Trainer:
             self.recorder = trace.StepRecorder()
 
     def _split_layers(self, model, loss_fn, sample):
-        """Applies the tensor-parallel plan to the whole model (every rank
+        """Splits the whole model's layers over the TP group (every rank
         built it from one seed, so each keeps its slices of the same
-        weights); returns the plan."""
+        weights); returns what ``parallelize`` made."""
         from clawcomm.parallel import tensor
 
         cfg = self.cfg
@@ -325,8 +325,8 @@ class Trainer:
         dp_wait = self.reducer.finish() if self.reducer is not None else 0.0
         for p, group, _ in self._ties:
             dist.all_reduce(p.grad, group=group)
-        if self.tensor is not None:
-            self.tensor.sync_replicated_grads()
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.sync_replicated_grads()
         self.lay_out_shards()
         return dp_wait
 
@@ -456,8 +456,8 @@ class Trainer:
         """Squared norm of this rank's gradients; a tied parameter counts on
         its first stage's rank only."""
         shared_elsewhere = {id(p) for p, _, owner in self._ties if not owner}
-        if self.tensor is not None and self.grid.tp_rank != 0:  # counted on TP rank 0
-            shared_elsewhere |= self.tensor.replicated_ids()
+        if self.tensor_parallel is not None and self.grid.tp_rank != 0:  # counted on TP rank 0
+            shared_elsewhere |= self.tensor_parallel.replicated_ids()
         if self.shards is not None:
             return self.shards.sumsq(shared_elsewhere)
         grads = [

@@ -1,7 +1,7 @@
-"""How the trainer's models split over a tensor-parallel group: one plan
-applied to the whole model, built whole on every rank from one seed, so
-each rank keeps its slices of the very weights a single process would
-train.
+"""How the trainer's models split over a tensor-parallel group:
+``parallelize`` applied to the whole model, built whole on every rank from
+one seed, so that each rank keeps its slices of the very weights a single
+process would train.
 
 - gpt (Megatron-LM's split): attention's Q, K and V column-parallel with
   whole heads per rank, its output projection row-parallel; the MLP's up
@@ -174,7 +174,7 @@ class ParallelWaitingLayer(nn.Module):
 
 
 @dataclass
-class Plan:
+class Parallelized:
     """What applying the plan made: the loss to use, and the parameters it
     left whole (LayerNorms, row-parallel biases, positions, an odd last
     linear layer), whose copies on the TP ranks the trainer keeps equal."""
@@ -218,7 +218,7 @@ def whole_shape(p: torch.Tensor) -> list[int]:
     return list(split.whole if split is not None else p.shape)
 
 
-def parallelize(model: nn.Sequential, loss_fn, tp: TensorParallel) -> Plan:
+def parallelize(model: nn.Sequential, loss_fn, tp: TensorParallel) -> Parallelized:
     """Splits ``model`` (one of the trainer's: gpt, mlp, wait) in place over
     ``tp``'s group; returns the plan's loss and partial gradients."""
     from clawcomm.train import models
@@ -230,7 +230,7 @@ def parallelize(model: nn.Sequential, loss_fn, tp: TensorParallel) -> Plan:
     if kinds == {models.WaitingLayer}:
         for i, m in enumerate(layers):
             model[i] = ParallelWaitingLayer(m, tp)
-        return Plan(tp, loss_fn, _replicated(model))
+        return Parallelized(tp, loss_fn, _replicated(model))
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     others = [
         m
@@ -249,7 +249,7 @@ def parallelize(model: nn.Sequential, loss_fn, tp: TensorParallel) -> Plan:
         cls = ColumnParallelLinear if i % 2 == 0 else RowParallelLinear
         replace[id(lin)] = cls(lin, tp)
     _replace(model, replace)
-    return Plan(tp, loss_fn, _replicated(model))
+    return Parallelized(tp, loss_fn, _replicated(model))
 
 
 def _replace(module: nn.Module, new: dict) -> None:
@@ -260,7 +260,7 @@ def _replace(module: nn.Module, new: dict) -> None:
             _replace(child, new)
 
 
-def _gpt(model: nn.Sequential, loss_fn, tp: TensorParallel) -> Plan:
+def _gpt(model: nn.Sequential, loss_fn, tp: TensorParallel) -> Parallelized:
     from clawcomm.train import models
 
     if loss_fn is not models.gpt_loss:
@@ -285,7 +285,7 @@ def _gpt(model: nn.Sequential, loss_fn, tp: TensorParallel) -> Plan:
     def loss(logits, targets):
         return vocab_parallel_cross_entropy(logits, targets, start, group)
 
-    return Plan(tp, loss, _replicated(model))
+    return Parallelized(tp, loss, _replicated(model))
 
 
 # ---- what a split layer sends (the planner prices it) ----------------------------------
