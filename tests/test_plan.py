@@ -81,7 +81,8 @@ def test_the_report_explains_and_its_command_runs(gpt_plan, capsys):
     assert "faster than #" in text or "predicted equal" in text
     command = text.splitlines()[-1].split("clawcomm train ")[1].split()
     assert command[:2] == ["--nproc", "4"] and "--global-batch" not in command
-    from clawcomm.train import cli, config
+    from clawcomm.train import cli
+    from clawcomm.train import flags as config
 
     parser = __import__("argparse").ArgumentParser()
     cli.add_arguments(parser)

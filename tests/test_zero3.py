@@ -17,7 +17,8 @@ import torch
 from _training import _check_against_reference, _config, _reference, _train
 
 from clawcomm.launch import RankFailure, run_ranks
-from clawcomm.train.config import TrainConfig, add_arguments, from_args
+from clawcomm.train.config import TrainConfig
+from clawcomm.train.flags import add_arguments, from_args
 
 # The ZeRO layouts, and one micro-batch per round (FSDP's case) and gpipe at pp 1.
 LAYOUTS = [*_training.LAYOUTS, (2, 1, "1f1b", 1, 1), (2, 1, "gpipe", 1, 4)]

@@ -13,7 +13,7 @@ from clawcomm.plan.search import PRICED_WIRES, cost_model, plan
 
 
 def add_arguments(p) -> None:
-    from clawcomm.train import config
+    from clawcomm.train import flags
 
     p.add_argument("--config", metavar="FILE.toml", help="settings (flags given here win)")
     p.add_argument("--nproc", type=int, required=True, help="ranks of the world to plan for")
@@ -58,14 +58,14 @@ def add_arguments(p) -> None:
     p.add_argument("--cores", type=int, default=0,
                    help="cores the ranks of one host share (0: this machine's; namespace "
                         "hosts on one machine share it: its cores / hosts)")  # fmt: skip
-    config.add_arguments(p)
+    flags.add_arguments(p)
 
 
 def run(args) -> int:
-    from clawcomm.train import config
+    from clawcomm.train import flags
 
     try:
-        cfg = config.from_args(args, args.config)
+        cfg = flags.from_args(args, args.config)
         searched = [w.strip() for w in args.search_compression.split(",") if w.strip()]
         syncs = [w.strip() for w in args.search_sync.split(",") if w.strip()]
         if args.check_rounds < 1:

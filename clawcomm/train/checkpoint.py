@@ -45,6 +45,8 @@ import shutil
 import torch
 import torch.distributed as dist
 
+from clawcomm.parallel.tensor.layers import whole_shape
+from clawcomm.parallel.zero import drop_masters
 from clawcomm.train import checkpoint_files as files
 from clawcomm.train import rng
 from clawcomm.train.checkpoint_pieces import LoadPlanner, Pieces, SavePlanner, wrap
@@ -143,11 +145,29 @@ def _residual_segments(trainer) -> dict[str, torch.Tensor]:
     return out
 
 
+def _optimizer_state(trainer) -> dict:
+    """{parameter: {key: tensor}}: the optimizer's state by the rank's
+    parameters, whole at any ZeRO stage (under ZeRO a collective over the
+    data-parallel group: every rank calls it)."""
+    if trainer.shards is not None:
+        return trainer.shards.state(trainer.optimizer)
+    return {p: dict(s) for p, s in trainer.optimizer.state.items()}
+
+
+def _load_optimizer_state(trainer, state: dict) -> None:
+    """The inverse of ``_optimizer_state``."""
+    if trainer.shards is not None:
+        trainer.shards.load(state)  # laid out over the shards at the next step
+        return
+    for p, s in state.items():  # (a ZeRO run's master weights are not state here)
+        trainer.optimizer.state.setdefault(p, {}).update(drop_masters(s))
+
+
 def state_dict(trainer) -> dict:
     """This rank's part of the checkpoint (see the module docstring)."""
     rank, d = files.rank(), trainer.grid.dp_rank
     sd: dict = {}
-    optim = trainer.optimizer_state()  # whole per parameter, whatever the ZeRO stage
+    optim = _optimizer_state(trainer)  # whole per parameter, whatever the ZeRO stage
     with trainer.whole_params() as gathered:  # ZeRO-3: copies, the gathered ones freed after
         for name, _, p in _local(trainer):
             t = p.detach().clone() if gathered else p.detach()
@@ -307,12 +327,6 @@ def _check(meta: dict, trainer, path: str) -> None:
         )
 
 
-def _whole_shape(p) -> list[int]:
-    from clawcomm.parallel.tensor import whole_shape
-
-    return whole_shape(p)
-
-
 def load(trainer, path: str) -> int:
     """Loads the checkpoint at ``path`` into ``trainer`` on every rank and
     returns its step. ``path`` is a checkpoint, or a root: then the one
@@ -358,7 +372,7 @@ def load(trainer, path: str) -> int:
                 # Moments live with their parameter (a GPU, maybe); torch's
                 # optimizers keep the step count on the CPU.
                 where = "cpu" if key.endswith("/step") else p.device
-                whole = list(md.size) == _whole_shape(p)
+                whole = list(md.size) == whole_shape(p)
                 shape = p.shape if whole else md.size
                 t = torch.empty(shape, dtype=md.properties.dtype, device=where)
                 request[key] = _like(p, t) if whole else t
@@ -392,7 +406,7 @@ def load(trainer, path: str) -> int:
     optim: dict = {}
     for key, (p, k) in optim_keys.items():
         optim.setdefault(p, {})[k] = request[key]
-    trainer.load_optimizer_state(optim)
+    _load_optimizer_state(trainer, optim)
     state = pickle.loads(head[own]) if head.get(own) is not None else None
     # What the reducer learned holds at this layout only. Checkpoints written
     # before the reducer had a state_dict kept the same fields at the top.

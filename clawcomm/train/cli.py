@@ -24,8 +24,7 @@ import sys
 import time
 
 from clawcomm import outputs
-from clawcomm.train import config as config_mod
-from clawcomm.train import failure, resume, stop
+from clawcomm.train import failure, flags, resume, stop
 from clawcomm.train.config import TrainConfig
 
 
@@ -36,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--transport", choices=("auto", "shm", "tcp"), default="auto", help="clawcomm transport"
     )
     p.add_argument("--backend", default="clawcomm", help="torch.distributed backend (clawcomm)")
-    config_mod.add_arguments(p)
+    flags.add_arguments(p)
 
 
 class Events:
@@ -314,7 +313,7 @@ def _cost_line(med: dict, first: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        cfg = config_mod.from_args(args, args.config)
+        cfg = flags.from_args(args, args.config)
     except (ValueError, OSError) as e:
         print(f"clawcomm train: error: {e}", file=sys.stderr)
         return 2

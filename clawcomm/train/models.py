@@ -348,7 +348,7 @@ def cut_into_stages(
 def parameter_shapes(model, stages) -> dict[str, list[int]]:
     """Every parameter's shape in the whole model (a tensor-parallel slice's
     whole tensor's), by its name."""
-    from clawcomm.parallel.tensor import whole_shape
+    from clawcomm.parallel.tensor.layers import whole_shape
 
     params = {id(p): p for p in (model.parameters() if isinstance(model, nn.Sequential) else ())}
     for s in stages:

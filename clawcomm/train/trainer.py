@@ -51,7 +51,8 @@ from clawcomm.compression import get_compressor
 from clawcomm.parallel.buckets import FIRST_BUCKET_MB
 from clawcomm.parallel.reducer import GradReducer
 from clawcomm.parallel.tensor import comm as tensor_comm
-from clawcomm.parallel.zero import ZeroShards, drop_masters
+from clawcomm.parallel.tensor import split_layers
+from clawcomm.parallel.zero import ZeroShards
 from clawcomm.parallel.zero3 import ParamUnits, Trackers, unit_of_params
 from clawcomm.pipeline.actions import B, I, W
 from clawcomm.pipeline.clock import ScheduleClock
@@ -121,7 +122,7 @@ class Trainer:
         stages, self.cuts = cut_into_stages(model, S, cfg.balance, sample)
         self.tensor_parallel = None  # what parallel.tensor.parallelize made, at tp > 1
         if cfg.tp > 1:  # cut whole (every TP rank the same), then split each layer
-            self.tensor_parallel = self._split_layers(model, loss_fn, sample)
+            self.tensor_parallel = split_layers(model, loss_fn, cfg, self.grid, self.tp_group)
             loss_fn = self.tensor_parallel.loss_fn
             stages = [nn.Sequential(*model[self.cuts[s] : self.cuts[s + 1]]) for s in range(S)]
         self.loss_fn = loss_fn
@@ -240,25 +241,6 @@ class Trainer:
         self.energy = StepEnergy(self.device, local)  # this rank's joules per step, if metered
         if cfg.trace or cfg.timeline or cfg.chakra:
             self.recorder = trace.StepRecorder()
-
-    def _split_layers(self, model, loss_fn, sample):
-        """Splits the whole model's layers over the TP group (every rank
-        built it from one seed, so each keeps its slices of the same
-        weights); returns what ``parallelize`` made."""
-        from clawcomm.parallel import tensor
-
-        cfg = self.cfg
-        if not isinstance(model, nn.Sequential):
-            raise ValueError(
-                f"Trainer: tp {cfg.tp} splits the layers of an nn.Sequential model; got a list "
-                "of stage modules"
-            )
-        tokens = cfg.seq_len if cfg.model == "wait" else 0
-        tp = tensor.TensorParallel(
-            self.tp_group, self.grid.tp_rank, cfg.tp, cfg.sequence_parallel_on,
-            cfg.tp_overlap_on, tokens,
-        )  # fmt: skip
-        return tensor.parallelize(model, loss_fn, tp)
 
     # ---- the step ---------------------------------------------------------------------
 
@@ -414,22 +396,6 @@ class Trainer:
             for p in self.shards.tensors() if self.shards is not None else self.params:
                 if p.grad is not None:
                     p.grad.mul_(factor)
-
-    def optimizer_state(self) -> dict:
-        """{parameter: {key: tensor}}: the optimizer's state by this rank's
-        parameters, whole at any ZeRO stage (under ZeRO a collective over
-        the data-parallel group: every rank calls it)."""
-        if self.shards is not None:
-            return self.shards.state(self.optimizer)
-        return {p: dict(s) for p, s in self.optimizer.state.items()}
-
-    def load_optimizer_state(self, state: dict) -> None:
-        """The inverse of ``optimizer_state``."""
-        if self.shards is not None:
-            self.shards.load(state)  # laid out over the shards at the next step
-            return
-        for p, s in state.items():  # (a ZeRO run's master weights are not state here)
-            self.optimizer.state.setdefault(p, {}).update(drop_masters(s))
 
     def _zero_grads(self) -> None:
         if self.reducer is not None:

@@ -59,6 +59,12 @@ class Split:
         return out
 
 
+def whole_shape(p: torch.Tensor) -> list[int]:
+    """The shape of the whole tensor ``p`` is a slice of (its own if whole)."""
+    split = getattr(p, "tp_split", None)
+    return list(split.whole if split is not None else p.shape)
+
+
 def block_of(n: int, size: int, rank: int) -> tuple[int, int]:
     """(start, length) of rank's block when n things split over size ranks
     as evenly as they go (the first n % size ranks one more)."""

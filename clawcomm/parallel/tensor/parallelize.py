@@ -204,6 +204,23 @@ class Parallelized:
             at += g.numel()
 
 
+def split_layers(model, loss_fn, cfg, grid, group) -> Parallelized:
+    """The trainer's split (``--tp``): ``parallelize`` over ``group`` with
+    the config's sequence parallelism and overlap, this rank being ``grid``'s
+    TP rank. Every rank built the whole model from one seed, so each keeps
+    its slices of the same weights."""
+    if not isinstance(model, nn.Sequential):
+        raise ValueError(
+            f"Trainer: tp {cfg.tp} splits the layers of an nn.Sequential model; got a list "
+            "of stage modules"
+        )
+    tokens = cfg.seq_len if cfg.model == "wait" else 0
+    tp = TensorParallel(
+        group, grid.tp_rank, cfg.tp, cfg.sequence_parallel_on, cfg.tp_overlap_on, tokens
+    )
+    return parallelize(model, loss_fn, tp)
+
+
 def _replicated(model: nn.Module) -> list[nn.Parameter]:
     out, seen = [], set()
     for p in model.parameters():
@@ -211,11 +228,6 @@ def _replicated(model: nn.Module) -> list[nn.Parameter]:
             seen.add(id(p))
             out.append(p)
     return out
-
-
-def whole_shape(p: torch.Tensor) -> list[int]:
-    split = getattr(p, "tp_split", None)
-    return list(split.whole if split is not None else p.shape)
 
 
 def parallelize(model: nn.Sequential, loss_fn, tp: TensorParallel) -> Parallelized:
