@@ -228,3 +228,30 @@ def test_simulates_training_step_prices_what_the_compressor_sends():
     assert what.startswith("topk:0.01: all-to-all of ")  # 8 ranks: the reduce-scatter form
     with pytest.raises(ValueError, match="depends on the gradient's values"):
         training_step(n, "dgc:0.01", 0.0, topo, model)
+
+
+def test_simulate_prices_a_tensor_parallel_step_from_what_a_split_block_sends(capsys):
+    """--tp: each block's collectives (the TP room's rule), forward and
+    backward, per micro-batch, within one host; the data-parallel exchange
+    of 1/tp of the parameters over the replicas."""
+    from clawcomm.parallel.tensor.parallelize import block_collectives
+    from clawcomm.simulate import cli as sim
+
+    args = ["--hosts", "2", "--ranks-per-host", "4", "--size", "1M", "--params", "8M",
+            "--tp", "2", "--layers", "3", "--width", "64", "--tokens", "128",
+            "--microbatches", "2", "--json"]  # fmt: skip
+    p = __import__("argparse").ArgumentParser()
+    sim.add_arguments(p)
+    ns = p.parse_args([*args[:-1]])
+    what, t = sim.tensor_parallel_step(ns, CostModel())
+    act = 4.0 * 128 * 64
+    per_block = sum(predict(op, "auto", b, Topology(1, 2), CostModel())
+                    for ops in block_collectives(act, True).values() for op, b in ops)  # fmt: skip
+    assert t == pytest.approx(per_block * 3 * 2) and "10 collectives" in what
+    ns.tp = 3
+    with pytest.raises(ValueError, match="must divide --ranks-per-host"):
+        sim.tensor_parallel_step(ns, CostModel())
+    _, dp = sim.training_step(4_000_000, "none", 0.0, Topology(2, 2), CostModel())
+    assert sim.run(p.parse_args(args[:-1])) == 0
+    out = capsys.readouterr().out
+    assert f"{dp * 1e3:.1f} ms" in out and "tensor parallel at tp 2" in out

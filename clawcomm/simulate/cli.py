@@ -4,11 +4,14 @@ you do not have, from a model file (``clawcomm bench --calibrate``).
     clawcomm simulate --cost-model model.json --hosts 128 --ranks-per-host 8 --size 1G
     clawcomm simulate --hosts 2 --ranks-per-host 4 --size 64M --check    # + the event simulator
     clawcomm simulate --hosts 64 --ranks-per-host 8 --params 1.3G --compression fp16 --overlap 0.5
+    clawcomm simulate --hosts 64 --ranks-per-host 8 --params 1.3G --tp 8 --layers 24 \
+        --width 2048 --tokens 4K --microbatches 8                 # + tensor parallelism
     clawcomm simulate --chakra DIR --cost-model model.json [--project-hosts 64,512]
 
 Prints the nccl-tests table it predicts (time, algbw, busbw; for the
 all-reduce every algorithm and the one ``CLAWCOMM_ALGO=auto`` picks), the
-communication time of one data-parallel training step, and with --plot a
+communication time of one data-parallel training step (with --tp, the
+tensor-parallel collectives of its transformer blocks too), and with --plot a
 picture of predicted busbw against size for 8 to 4096 ranks. With --chakra
 it replays Chakra execution traces instead (``clawcomm train --chakra``'s, or
 another tool's) and prints the predicted step and its critical path
@@ -67,6 +70,17 @@ def add_arguments(p) -> None:
         default=0.0,
         help="the share of communication hidden behind backward (0..1)",
     )
+    p.add_argument("--tp", type=int, default=1,
+                   help="a training step: tensor-parallel ranks, within a host (the data-parallel "
+                        "exchange then spans the hosts x ranks / tp replicas, each of 1/tp of "
+                        "the parameters)")  # fmt: skip
+    p.add_argument("--layers", type=int, default=0, help="--tp: transformer blocks")
+    p.add_argument("--width", type=parse_count, default=0, help="--tp: the blocks' width")
+    p.add_argument("--tokens", type=parse_count, default=0,
+                   help="--tp: tokens per micro-batch (samples x sequence length)")  # fmt: skip
+    p.add_argument("--microbatches", type=int, default=1, help="--tp: micro-batches a step")
+    p.add_argument("--no-sequence-parallel", action="store_true",
+                   help="--tp: all-reduces instead of all-gathers and reduce-scatters")  # fmt: skip
     p.add_argument(
         "--chakra",
         metavar="DIR",
@@ -160,6 +174,29 @@ def training_step(params: int, compression: str, overlap: float, topology: Topol
     what = " then ".join(f"{name.replace('_', '-')} of {nbytes / 2**20:.1f} MiB"
                          for name, nbytes in wire.collectives)  # fmt: skip
     return f"{comp.spec}: {what}", predict_sequence(wire.collectives, topology, model)
+
+
+def tensor_parallel_step(args, model: CostModel) -> tuple[str, float]:
+    """The tensor-parallel collectives of one step: every block's, forward
+    and backward, for each micro-batch (what ``parallel.tensor`` says a
+    split block sends), over tp ranks of one host, priced by the cost
+    model."""
+    from clawcomm.parallel.tensor.parallelize import block_collectives
+
+    if args.ranks_per_host % args.tp:
+        raise ValueError(f"--tp {args.tp} must divide --ranks-per-host {args.ranks_per_host} "
+                         "(a TP group stays on one host)")  # fmt: skip
+    if min(args.layers, args.width, args.tokens) < 1:
+        raise ValueError("--tp needs --layers, --width and --tokens (the blocks it splits)")
+    sp = not args.no_sequence_parallel
+    passes = block_collectives(4.0 * args.tokens * args.width, sp)
+    group = Topology(1, args.tp)
+    block = sum(predict(op, "auto", b, group, model) for ops in passes.values() for op, b in ops)
+    calls = sum(len(ops) for ops in passes.values())
+    what = (f"{calls} collectives a block and micro-batch "
+            f"({'sequence parallel' if sp else 'all-reduces'}) x {args.layers} blocks x "
+            f"{args.microbatches} micro-batches")  # fmt: skip
+    return what, block * args.layers * args.microbatches
 
 
 def plot(path: str, model: CostModel, ranks_per_host: int, max_size: int) -> None:
@@ -262,9 +299,15 @@ def run(args) -> int:
             sizes.append(s)
             s *= args.stepfactor
         text, records = table(collectives, sizes, topology, model, args.check)
-        step = None
+        step = tp_step = None
+        if args.tp < 1:
+            raise ValueError(f"--tp {args.tp} must be at least 1")
         if args.params:
-            step = training_step(args.params, args.compression, args.overlap, topology, model)
+            dp = Topology(args.hosts, args.ranks_per_host // args.tp) if args.tp > 1 else topology
+            params = args.params // args.tp
+            step = training_step(params, args.compression, args.overlap, dp, model)
+        if args.tp > 1:
+            tp_step = tensor_parallel_step(args, model)
     except (OSError, ValueError) as e:
         print(f"clawcomm simulate: error: {e}", file=sys.stderr)
         return 2
@@ -286,6 +329,11 @@ def run(args) -> int:
         print(f"# training step, {_count(args.params)} parameters: {what}: {t * 1e3:.1f} ms, "
               f"{exposed * 1e3:.1f} ms exposed with {args.overlap:.0%} overlapped")  # fmt: skip
         payload["training_step"] = {"what": what, "comm_s": t, "exposed_s": exposed}
+    if tp_step:
+        what, t = tp_step
+        print(f"# tensor parallel at tp {args.tp}: {what}: {t * 1e3:.1f} ms a step, on the "
+              f"critical path of every block (none of it overlapped)")  # fmt: skip
+        payload["tensor_parallel"] = {"what": what, "comm_s": t}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(payload, f, indent=1)

@@ -305,6 +305,16 @@ def _gpt(model: nn.Sequential, loss_fn, tp: TensorParallel) -> Parallelized:
 AG, RS, AR = "all_gather", "reduce_scatter", "all_reduce"
 
 
+def block_collectives(act_bytes: float, sequence_parallel: bool) -> dict[str, list]:
+    """What one transformer block split over a TP group sends for one
+    micro-batch whose activation (``[micro-batch, tokens, width]``) is
+    ``act_bytes``, by pass (``traffic`` says why)."""
+    if sequence_parallel:
+        return {"F": [(AG, act_bytes), (RS, act_bytes)] * 2,
+                "B": [(AG, act_bytes)] * 4 + [(RS, act_bytes)] * 2}  # fmt: skip
+    return {"F": [(AR, act_bytes)] * 2, "B": [(AR, act_bytes)] * 2}
+
+
 def traffic(
     model: nn.Sequential, micro_batch_size: int, seq_len: int, sequence_parallel: bool
 ) -> list[dict[str, list[tuple[str, float]]]]:
@@ -343,11 +353,8 @@ def traffic(
         f: list[tuple[str, float]] = []
         b: list[tuple[str, float]] = []
         if isinstance(layer, models.Block):
-            act = 4.0 * tokens * layer.qkv.in_features
-            if sp:
-                f, b = [(AG, act), (RS, act)] * 2, [(AG, act)] * 4 + [(RS, act)] * 2
-            else:
-                f, b = [(AR, act)] * 2, [(AR, act)] * 2
+            passes = block_collectives(4.0 * tokens * layer.qkv.in_features, sp)
+            f, b = passes["F"], passes["B"]
         elif isinstance(layer, models.Embedding):
             act = 4.0 * tokens * layer.tokens.embedding_dim
             f, b = ([(RS, act)], [(AG, act)]) if sp else ([(AR, act)], [])
