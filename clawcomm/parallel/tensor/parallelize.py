@@ -53,7 +53,7 @@ class TensorParallel:
 
 
 def check(model_name: str, tp: int, heads: int, seq_len: int, sequence_parallel: bool) -> None:
-    """Raises ValueError for a split the plan cannot make (before any rank starts)."""
+    """Raises ValueError for a split ``parallelize`` cannot make (before any rank starts)."""
     if tp == 1:
         return
     if model_name == "gpt" and heads % tp:
@@ -119,8 +119,8 @@ class _WaitingExchange(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, layer):
-        ctx.layer = layer
-        layer.exchange(layer.forward_s)
+        ctx.layer, ctx.rows = layer, x.shape[0]
+        layer.exchange(layer.forward_s, ctx.rows)
         return x.clone()
 
     @staticmethod
@@ -128,7 +128,7 @@ class _WaitingExchange(torch.autograd.Function):
         from clawcomm.pipeline.weight_grad import defer_weight_grad, notify_grad
 
         layer = ctx.layer
-        layer.exchange(layer.input_s)
+        layer.exchange(layer.input_s, ctx.rows)
 
         def weight_pass():
             time.sleep(layer.weight_s)
@@ -152,12 +152,13 @@ class ParallelWaitingLayer(nn.Module):
         )
         self.width = w
 
-    def exchange(self, seconds: float) -> None:
-        """Gather the layer's input tokens, wait ``seconds`` (half before the
-        row-parallel half), reduce-scatter its output; overlapped: each half
-        of the wait cut into one block per rank, around the ring."""
+    def exchange(self, seconds: float, rows: int) -> None:
+        """Gather the tokens of ``rows`` samples' input, wait ``seconds``,
+        reduce-scatter the output; overlapped: each half of the wait cut
+        into one block per rank, the blocks exchanged with every peer
+        meanwhile (``comm.gather_apply``, ``comm.apply_scatter``)."""
         tp = self.tp
-        rows = max(1, self._rows)
+        rows = max(1, rows)
         x = torch.zeros(rows, tp.tokens // tp.size, self.width)
         per_block = seconds / 2 / tp.size
         if tp.overlap:  # (the "computation" makes nothing: an empty slice each)
@@ -169,13 +170,12 @@ class ParallelWaitingLayer(nn.Module):
             comm.reduce_scatter_tokens(torch.zeros(rows, tp.tokens, self.width), tp.group)
 
     def forward(self, x):
-        self._rows = x.shape[0]
         return _WaitingExchange.apply(x, self.weight, self)
 
 
 @dataclass
 class Parallelized:
-    """What applying the plan made: the loss to use, and the parameters it
+    """What ``parallelize`` made: the loss to use, and the parameters it
     left whole (LayerNorms, row-parallel biases, positions, an odd last
     linear layer), whose copies on the TP ranks the trainer keeps equal."""
 
@@ -232,7 +232,7 @@ def _replicated(model: nn.Module) -> list[nn.Parameter]:
 
 def parallelize(model: nn.Sequential, loss_fn, tp: TensorParallel) -> Parallelized:
     """Splits ``model`` (one of the trainer's: gpt, mlp, wait) in place over
-    ``tp``'s group; returns the plan's loss and partial gradients."""
+    ``tp``'s group; returns the loss to use and the parameters left whole."""
     from clawcomm.train import models
 
     layers = list(model)
