@@ -1,4 +1,4 @@
-"""The data- and pipeline-parallel trainer.
+"""The data-, tensor- and pipeline-parallel trainer.
 
     from clawcomm.train import Trainer, TrainConfig
     cfg = TrainConfig(dp=2, pp=2, schedule="zb1", microbatches=8, compression="topk:0.01")
@@ -6,8 +6,9 @@
     for metrics in trainer.fit(global_batches, steps=100):   # one dict per step
         ...
 
-``model`` is an ``nn.Sequential`` (cut into dp x pp-grid stages) or a list
-of stage modules. ``loss_fn(output, target)`` returns the loss *summed* over
+``model`` is an ``nn.Sequential`` (cut into dp x tp x pp-grid stages; at
+tp > 1 each layer is then split over its TP group, clawcomm.parallel.tensor)
+or a list of stage modules. ``loss_fn(output, target)`` returns the loss *summed* over
 the micro-batch; the trainer divides by the number of items (tokens, or
 samples) in the global batch, so the gradient is that of the mean over it
 whatever the layout and the accumulation (torchtitan's normalisation; a
@@ -27,7 +28,9 @@ One step (every rank):
    the reducer only counts how many final contributions each gradient
    gets; from step 2 on it launches on that count.
 3. Wait for the reductions; sum tied gradients across the stages that share
-   them (the GPT's embedding and output projection).
+   them (the GPT's embedding and output projection); at tp > 1, make the
+   gradients of the parameters tensor parallelism leaves whole one over
+   the TP group.
 4. One all-gather of each rank's figures (``metrics.RankSample``: loss,
    squared gradient norm, bytes sent, busy time, action costs, a stop
    request). Every rank gets the global gradient norm (clipping, NaN/inf
