@@ -11,7 +11,9 @@ layout can find its part:
                                and replica, the exchanges in flight (--sync-delay)
                                by fragment; model/ and optim/ then take a dp<d>/
                                scope, each replica's weights being its own
-    residual/dp<d>/<name>      error-feedback residual of data-parallel rank d
+    residual/dp<d>/<name>      error-feedback residual of data-parallel rank d (at tp > 1
+                               a parameter left whole keeps one per TP rank t:
+                               residual/dp<d>/tp<t>/<name>; see _residual_sources)
     momentum/dp<d>/<name>      its DGC momentum (the compressor's, not the optimizer's)
     rng/rank<r>                torch, Python and numpy RNG states of rank r
     trainer/rank<r>            rank r's reducer state: compression step, call
@@ -74,6 +76,7 @@ def _layout(trainer) -> dict:
         "dp": cfg.dp,
         "pp": cfg.pp,
         "tp": cfg.tp,
+        "sequence_parallel": cfg.sequence_parallel_on,
         "virtual_stages": cfg.virtual_stages,
         "cuts": list(trainer.cuts),
         "schedule": cfg.schedule,
@@ -119,6 +122,40 @@ def _outer_tensors(trainer, d: int) -> dict:
     if trainer.cfg.tp == 1:
         return out
     return {f"{k}@tp{trainer.grid.tp_rank}": t for k, t in out.items()}
+
+
+def _residual_key(trainer, kind: str, d: int, name: str, p) -> str:
+    """Where a per-element compression buffer is kept: by data-parallel rank,
+    and at tp > 1 by TP rank too for a parameter left whole, whose gradient
+    each TP rank reduces (and compresses) on its own before the TP group
+    makes them one; a split one's pieces are this rank's anyway."""
+    t = trainer.grid.tp_rank
+    if trainer.cfg.tp > 1 and _split(p) is None:
+        return f"{kind}/dp{d}/tp{t}/{name}"
+    return f"{kind}/dp{d}/{name}"
+
+
+def _residual_sources(trainer, meta: dict, kind: str, name: str, p) -> tuple[list[str], float]:
+    """(the saved keys whose mean, times the factor, is this rank's buffer
+    for ``p``). The mean over the saved data-parallel ranks where dp changed
+    (what the replicas still owe on average). For a parameter left whole at
+    tp > 1 the TP ranks' buffers add up to what is owed with sequence
+    parallelism (each reduced its own tokens' part) and are equal without;
+    at the same tp each rank takes its own, at another the total is shared
+    out: summed (sequence parallel then) and divided among the new TP ranks
+    (sequence parallel now)."""
+    old = meta["layout"]
+    d, cfg = trainer.grid.dp_rank, trainer.cfg
+    dps = [d] if old["dp"] == cfg.dp else list(range(old["dp"]))
+    old_tp = old.get("tp", 1)
+    if _split(p) is not None or old_tp == 1 and cfg.tp == 1:
+        return [f"{kind}/dp{j}/{name}" for j in dps], 1.0
+    if old_tp == cfg.tp:
+        return [f"{kind}/dp{j}/tp{trainer.grid.tp_rank}/{name}" for j in dps], 1.0
+    tps = [f"tp{t}/" for t in range(old_tp)] if old_tp > 1 else [""]
+    summed = len(tps) if old.get("sequence_parallel") else 1
+    shared = cfg.tp if cfg.sequence_parallel_on else 1
+    return [f"{kind}/dp{j}/{t}{name}" for j in dps for t in tps], summed / shared
 
 
 def _names(trainer) -> list[str]:
@@ -180,7 +217,7 @@ def state_dict(trainer) -> dict:
     for kind_name, seg in _residual_segments(trainer).items():
         kind, name = kind_name.split("/", 1)
         p = params[name]
-        sd[f"{kind}/dp{d}/{name}"] = wrap(seg.view(p.shape), _split(p))
+        sd[_residual_key(trainer, kind, d, name, p)] = wrap(seg.view(p.shape), _split(p))
     sd[f"rng/rank{rank}"] = rng.state()
     r, outer = trainer.reducer, trainer.outer
     if outer is not None:
@@ -357,7 +394,8 @@ def load(trainer, path: str) -> int:
         dcp.load(head, storage_reader=dcp.FileSystemReader(path), no_dist=not dist.is_initialized())
     meta = pickle.loads(head["meta"])
     _check(meta, trainer, path)
-    same_layout = meta["layout"] == _layout(trainer)
+    # (checkpoints from before tensor parallelism name no tp: theirs was 1)
+    same_layout = {"tp": 1, "sequence_parallel": False, **meta["layout"]} == _layout(trainer)
 
     request: dict = {}
     if trainer.units is not None:  # ZeRO-3: the load writes whole parameters
@@ -377,18 +415,17 @@ def load(trainer, path: str) -> int:
                 t = torch.empty(shape, dtype=md.properties.dtype, device=where)
                 request[key] = _like(p, t) if whole else t
                 optim_keys[key] = (p, key[len(prefix) :])
-    residual_keys: dict[str, list[str]] = {}
+    residual_keys: dict[tuple, tuple[list[str], float]] = {}
     r = trainer.reducer
     if r is not None and r.compressor is not None:
-        old_dp = meta["layout"]["dp"]
-        ranks = [d] if old_dp == trainer.cfg.dp else list(range(old_dp))
         for kind in r.compression_state.per_element():
             for name, _, p in _local(trainer):
-                for k in (f"{kind}/dp{j}/{name}" for j in ranks):
+                keys, factor = _residual_sources(trainer, meta, kind, name, p)
+                for k in keys:
                     if k in have:
                         t = torch.empty(p.shape, dtype=have[k].properties.dtype)
                         request[k] = wrap(t, _split(p))
-                        residual_keys.setdefault((kind, name), []).append(k)
+                        residual_keys.setdefault((kind, name), ([], factor))[0].append(k)
     if trainer.outer is not None:  # loaded in place
         request.update({k: t for k, t in _outer_tensors(trainer, d).items() if k in have})
     rng_key = f"rng/rank{rank}"
@@ -416,10 +453,10 @@ def load(trainer, path: str) -> int:
     if trainer.outer is not None and same_layout and state and state.get("outer"):
         trainer.outer.load_small_state(state["outer"])
     if r is not None and r.compressor is not None:
-        for (kind, name), keys in residual_keys.items():
+        for (kind, name), (keys, factor) in residual_keys.items():
             (bucket, slot), cs = r.slot[_index_of(trainer, name)], r.compression_state
             res = (cs.residual if kind == "residual" else cs.momentum)(bucket.index, bucket.zeros())
-            saved = torch.stack([request[k] for k in keys]).mean(0)
+            saved = torch.stack([request[k] for k in keys]).mean(0) * factor
             bucket.segment(res, slot).copy_(saved.flatten())
     trainer.lay_out_shards()  # (ZeRO-3: sharded again before the next step, a layer at a time)
     if rng_key in request:
