@@ -271,3 +271,23 @@ def test_compression_and_outer_sync_act_on_each_tp_ranks_data_parallel_traffic(t
         other = run_ranks(_train, 2, dataclasses.replace(cfg, tp=1), None, root)
         losses = [m["loss"] for m in other[0][0]]
         assert losses == pytest.approx([m["loss"] for m in straight[0][0]][2:], rel=2e-2)
+
+
+def _held_out(rank, world, cfg):
+    model, loss_fn, make_opt, ds, tokens, sample = train_models.build(cfg)
+    tr = Trainer(model, loss_fn, make_opt, cfg, tokens_per_sample=tokens, sample=sample)
+    tr.fit(global_batches(ds, cfg.effective_batch, cfg.seed), progress=False)
+    batches = global_batches(ds, cfg.effective_batch, cfg.seed + 1)
+    loss = tr.evaluate(next(batches) for _ in range(2))
+    tr.close()
+    return loss
+
+
+def test_the_held_out_loss_counts_each_replica_once_at_any_tp():
+    """``Trainer.evaluate``: every TP rank of a last stage has the loss; it
+    is counted once."""
+    cfg = _config(steps=2)
+    one = run_ranks(_held_out, 1, cfg)[0]
+    for kw in (dict(tp=2), dict(tp=2, pp=2), dict(dp=2, tp=2, micro_batch_size=2)):
+        got = run_ranks(_held_out, 2 * kw.get("pp", 1) * kw.get("dp", 1), _config(steps=2, **kw))
+        assert got == pytest.approx([one] * len(got), rel=1e-5), kw

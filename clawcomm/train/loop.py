@@ -133,6 +133,8 @@ def evaluate(trainer, batches: Iterable) -> float:
             for _, inputs, targets in trainer.rounds(x, y, whole):
                 loss += sum(float(v) for v in ex.run(inputs, targets).losses)
             items += float(trainer.count_fn(y) if whole else batch.items)
+    if trainer.grid.tp_rank != 0:  # every TP rank of a last stage has its replica's loss
+        loss.zero_()
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(loss)
     return float(loss) / items if items else float("nan")
