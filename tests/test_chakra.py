@@ -198,18 +198,20 @@ LONG_ONLY = pytest.mark.skipif(
             marks=LONG_ONLY,
         ),
         pytest.param(dict(dp=2, pp=1, zero=1), id="dp2-zero1", marks=LONG_ONLY),
+        pytest.param(dict(dp=1, tp=2, pp=2, schedule="1f1b", microbatches=4), id="tp2-pp2"),
     ],
 )
 def test_the_trainers_trace_replays_every_node(tmp_path, layout):
     """Every action of every rank is a node, every send meets its receive,
     every collective meets its group: the replay runs each node once."""
 
-    world = layout["dp"] * layout["pp"]
+    world = layout["dp"] * layout.get("tp", 1) * layout["pp"]
     steps = run_ranks(_train, world, layout, str(tmp_path), timeout=240)
     trace = chakra.read(str(tmp_path))
     assert sorted(trace.ranks) == list(range(world))
     assert all(trace.metadata[r]["host"] == 0 for r in trace.ranks)
     rounds = layout.get("accumulation", 1)
+    tp_nodes = 0
     for r, nodes in trace.ranks.items():
         kinds = [n.type for n in nodes]
         sends, recvs = kinds.count(chakra.COMM_SEND_NODE), kinds.count(chakra.COMM_RECV_NODE)
@@ -220,6 +222,14 @@ def test_the_trainers_trace_replays_every_node(tmp_path, layout):
             assert colls and all(n.comm_size > 0 for n in colls), r
         if "compression" in layout:
             assert {n.collective for n in colls} == {"all_gather"}, r
+        if layout.get("tp", 1) > 1:  # the mlp's column/row pairs' all-reduces, in the chain
+            tp = [n for n in colls if n.attrs["pg_name"].startswith("tp")]
+            assert all(trace.groups[n.attrs["pg_name"]] == [r - r % 2, r - r % 2 + 1]
+                       for n in tp), r  # fmt: skip
+            assert all(len(n.data_deps) == 1 for n in tp), r
+            tp_nodes += len(tp)
+    if layout.get("tp", 1) > 1:  # (the first stage's column layer sends nothing: its input is data)
+        assert tp_nodes > 0
         assert sum(n.duration_us for n in nodes) > 0
     result = replay(trace, CostModel())
     assert len(result.spans) == sum(map(len, trace.ranks.values()))

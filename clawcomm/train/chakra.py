@@ -26,9 +26,12 @@ per accumulation round), with times from the recorded step (trace.py):
   before it; collectives that begin after it (ZeRO's parameter gathers)
   come after it, and it is shortened by the time they took.
 
-Not yet in the trace: tensor parallelism's collectives, which run inside
-the compute nodes (their time is in those nodes; the Chrome trace shows
-them on a track of their own).
+* at tp > 1, each tensor-parallel collective the engine ran inside a
+  compute action splits that action: a compute node up to it, a collective
+  node (process group ``tp<pp rank>.<dp rank>``), a compute node after it,
+  in a chain, so a replay keeps them on the critical path of every layer.
+  The overlapped exchange's sends and receives (``--tp-overlap``) are not
+  split out: their time stays in the compute nodes.
 
 Every rank's file says its host (``host`` in the global metadata, torchrun's
 ``GROUP_RANK``), so a replay knows which messages cross a link.
@@ -55,7 +58,7 @@ def rank_nodes(events: list, actions: list, grid, cfg) -> list[chakra.Node]:
     """This rank's Chakra nodes for one recorded step (``events``: the
     step's events from trace.StepRecorder; ``actions``: its action list)."""
     rounds = cfg.accumulation
-    compute, sizes, waits, dp_ops = {}, {}, [], []
+    compute, sizes, waits, dp_ops, tp_ops = {}, {}, [], [], []
     step = opt_from = None
     for track, name, t0, t1, args in events:
         rnd = args.get("round", 0)
@@ -71,6 +74,9 @@ def rank_nodes(events: list, actions: list, grid, cfg) -> list[chakra.Node]:
             step = (t0, t1)
         elif track == trace.ENGINE and args.get("group", "").startswith("dp"):
             dp_ops.append((t0, t1, name, args))
+        elif track == trace.TP and args.get("op") in chakra.COLLECTIVES:
+            tp_ops.append((t0, t1, name, args))
+    tp_ops.sort()
     if step is None:
         raise ValueError("chakra: the recorded step has no step event")
     origin = step[0]
@@ -105,17 +111,29 @@ def rank_nodes(events: list, actions: list, grid, cfg) -> list[chakra.Node]:
                     deps.append(done[(rnd, RECV_F, a.stage, a.microbatch)])
                 if a.kind in (B, I) and a.stage < last and elsewhere(a.stage + 1):
                     deps.append(done[(rnd, RECV_B, a.stage, a.microbatch)])
+                inside = [op for op in tp_ops if t0 <= op[0] < t1]
+                start, cursor, part = t0 - host, t0, 0
+                for s0, s1, name, args in inside:  # compute up to it, then the collective
+                    n = add(f"{a}{sfx} .{part}", chakra.COMP_NODE,
+                            duration_us=us(max(0.0, s0 - cursor) + (host if part == 0 else 0.0)),
+                            start_us=us(cursor - origin), data_deps=deps, ctrl_deps=[prev.id],
+                            attrs={"is_cpu_op": True})  # fmt: skip
+                    running.append((start, s0, n.id))
+                    pg = f"tp{grid.pp_rank}.{grid.dp_rank}"
+                    prev = _collective(add, name, args, grid, [n.id], pg)
+                    start = cursor = max(s1, s0)
+                    deps, part = [], part + 1
                 n = add(
-                    f"{a}{sfx}",
+                    f"{a}{sfx}" + (f" .{part}" if part else ""),
                     chakra.COMP_NODE,
-                    duration_us=us(t1 - t0 + host),
-                    start_us=us(t0 - origin),
+                    duration_us=us(max(0.0, t1 - cursor) + (host if part == 0 else 0.0)),
+                    start_us=us(cursor - origin),
                     data_deps=deps,
                     ctrl_deps=[prev.id],
                     attrs={"is_cpu_op": True},
                 )
                 done[key] = n.id
-                running.append((t0 - host, t1, n.id))
+                running.append((start, t1, n.id))
                 prev, prev_end = n, t1
             elif a.kind in (SEND_F, SEND_B):
                 fwd = a.kind == SEND_F
@@ -172,11 +190,13 @@ def rank_nodes(events: list, actions: list, grid, cfg) -> list[chakra.Node]:
     return nodes
 
 
-def _collective(add, name: str, args: dict, grid, deps: list[int]) -> chakra.Node:
+def _collective(add, name: str, args: dict, grid, deps: list[int], pg: str = "") -> chakra.Node:
+    """A collective node of the data-parallel group (or of ``pg``)."""
     op, seq = args["op"], args.get("seq")
     if op not in chakra.COLLECTIVES:
-        raise ValueError(f"chakra: the data-parallel op {name!r} is not a collective")
-    pg = _dp_name(grid, grid.pp_rank, grid.tp_rank) + (".2" if args["group"] == "dp 2" else "")
+        raise ValueError(f"chakra: the op {name!r} is not a collective")
+    second = ".2" if args["group"] == "dp 2" else ""
+    pg = pg or _dp_name(grid, grid.pp_rank, grid.tp_rank) + second
     return add(
         name,
         chakra.COMM_COLL_NODE,
@@ -215,6 +235,9 @@ def write(trainer, directory: str, step: int = -1) -> None:
             groups[_dp_name(g, p, t)] = groups[_dp_name(g, p, t) + ".2"] = members
         for d in range(cfg.dp):
             groups[f"pp{d}" + (f"t{t}" if cfg.tp > 1 else "")] = g.pipeline_ranks(d, t)
+    for p in range(cfg.pp) if cfg.tp > 1 else ():
+        for d in range(cfg.dp):
+            groups[f"tp{p}.{d}"] = [g.rank_of(d, p, t) for t in range(cfg.tp)]
     ranks = {r: nodes for r, _h, nodes in gathered}
     _keep_common_collectives(ranks, groups)
     meta = {r: {"host": h, "clawcomm_label": _label(cfg, r)} for r, h, _ in gathered}
@@ -242,9 +265,18 @@ def _keep_common_collectives(ranks: dict, groups: dict) -> None:
                 and n.attrs["pg_name"] == pg
                 and n.attrs["clawcomm_seq"] not in common
             }
+            # a node after a dropped one waits for what that one waited for
+            # (a chain through a tensor-parallel collective stays a chain)
+            before = {n.id: n.data_deps + n.ctrl_deps for n in nodes if n.id in gone}
+
+            def kept(deps: list[int], before=before) -> list[int]:
+                out = []
+                for d in deps:
+                    out += kept(before[d]) if d in before else [d]
+                return list(dict.fromkeys(out))
+
             for n in nodes:
-                n.data_deps = [d for d in n.data_deps if d not in gone]
-                n.ctrl_deps = [d for d in n.ctrl_deps if d not in gone]
+                n.data_deps, n.ctrl_deps = kept(n.data_deps), kept(n.ctrl_deps)
             ranks[r] = [n for n in nodes if n.id not in gone]
 
 

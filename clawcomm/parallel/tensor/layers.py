@@ -127,7 +127,10 @@ class _ColumnLinear(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         tp, w = ctx.tp, ctx.weight
         need_w = ctx.needs_input_grad[1]
-        if not tp.sequence_parallel:
+        if not ctx.needs_input_grad[0]:  # the model's input (every TP rank alike): no exchange
+            x_all = comm.all_gather_tokens(x, tp.group) if tp.sequence_parallel and need_w else x
+            gx = None
+        elif not tp.sequence_parallel:
             x_all, gx = x, comm.all_reduce(g.matmul(w), tp.group)
         else:
             gathering = comm.start_all_gather_tokens(x, tp.group) if need_w else None
