@@ -485,7 +485,7 @@ def test_the_plan_searches_tp_and_says_what_each_split_layer_sends():
     plain = traffic(model, 4, 16, False)
     assert plain[1] == {"F": [("all_reduce", act)] * 2, "B": [("all_reduce", act)] * 2}
     mlp = traffic(train_models.mlp(64, 32, 4, 10), 4, 1, False)
-    assert [len(x["F"]) + len(x["B"]) for x in mlp] == [1, 1, 1, 1]  # col, row, col, row
+    assert [len(x["F"]) + len(x["B"]) for x in mlp] == [0, 1, 1, 1]  # col (data in), row, ...
 
 
 def test_a_tp_layout_holds_a_tp_th_of_the_state(gpt_plan):

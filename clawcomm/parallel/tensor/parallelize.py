@@ -335,7 +335,8 @@ def traffic(
       input gathered, the loss's max and sums all-reduced (one float and
       two per token);
     - the mlp: an all-reduce after each row-parallel layer forward, and of
-      each column-parallel layer's input gradient;
+      each column-parallel layer's input gradient but the first's (the
+      data's);
     - a waiting layer: an all-gather and a reduce-scatter of
       ``[micro-batch, seq_len, width]`` in forward and in backward."""
     from clawcomm.train import models
@@ -370,7 +371,7 @@ def traffic(
                 r = role.get(id(m))
                 if r == "row":
                     f.append((AR, 4.0 * micro_batch_size * m.out_features))
-                elif r == "col":
+                elif r == "col" and m is not linears[0]:  # (the first one's input is the data)
                     b.append((AR, 4.0 * micro_batch_size * m.in_features))
         out.append({"F": f, "B": b})
     return out
