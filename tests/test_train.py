@@ -164,7 +164,7 @@ def test_learning_rate_scaling_warm_up_and_decay():
 
 
 BAD = [
-    (dict(dp=2, pp=2), 2, r"dp \* pp = 2 \* 2 = 4 ranks, but the world has 2"),
+    (dict(dp=2, pp=2), 2, r"dp \* tp \* pp = 2 \* 1 \* 2 = 4 ranks, but the world has 2"),
     (dict(model="mlp", layers=2, pp=2, schedule="interleaved", virtual_stages=2), 2,
      r"4 stages \(pp (2 )?x v( 2)?\) but the (mlp )?model has only 2 layers"),
     (dict(pp=2, microbatches=1), 2, r"schedule 1f1b needs at least pp=2 micro-batches"),
