@@ -28,9 +28,9 @@ import statistics
 import sys
 
 from clawcomm.launch import run_ranks
-from clawcomm.testing.activations import LiveActivations
 from clawcomm.train import TrainConfig, Trainer, models
 from clawcomm.train.data import global_batches
+from clawcomm.train.recompute import LiveActivations
 
 
 def _config(args, mode: str, tp: int) -> TrainConfig:

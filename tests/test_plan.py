@@ -72,7 +72,8 @@ def test_nothing_over_the_memory_limit_is_chosen(gpt_plan):
     fits, over, _ = plan.plan(cfg, 4, memory_mb=limit, cores=4)
     assert fits and over and all(p.memory_mb <= limit for p in fits)
     assert all(p.memory_mb > limit for p in over)
-    assert len(fits) + len(over) == len(preds)
+    # (under a limit each layout is also tried with each recomputation mode)
+    assert len(fits) + len(over) == 3 * len(preds)
 
 
 def test_the_report_explains_and_its_command_runs(gpt_plan, capsys):
@@ -501,3 +502,25 @@ def traffic_of(cfg, mbs):
     from clawcomm.train import models as train_models
 
     return traffic(train_models.build(cfg)[0], mbs, cfg.seq_len, True)
+
+
+def test_under_a_memory_limit_the_plan_recomputes_activations():
+    """With --max-memory-mb, --activation-checkpoint is searched: full keeps
+    less than selective, which keeps less than none (measured per layer,
+    profile.recompute_profile), and where no layout fits without
+    recomputation the plan's first recomputes."""
+    cfg = TrainConfig(model="gpt", dim=64, heads=2, layers=2, seq_len=64, global_batch=8)
+    preds, over, _ = plan.plan(cfg, 2, memory_mb=1e6, cores=2, trial_steps=0, tps=[1])
+    by = {}
+    for p in preds:
+        c = p.cand
+        by.setdefault(dataclasses.replace(c, activation_checkpoint=None), {})[
+            c.activation_checkpoint
+        ] = p.memory_mb
+    for modes in by.values():
+        assert modes["full"] < modes["selective"] < modes["none"], modes
+    least_plain = min(p.memory_mb for p in preds if p.cand.activation_checkpoint == "none")
+    fits, _, _ = plan.plan(cfg, 2, memory_mb=least_plain * 0.99, cores=2, trial_steps=0, tps=[1])
+    assert fits and fits[0].cand.activation_checkpoint in ("selective", "full")
+    flags = fits[0].cand.flags()
+    assert flags[flags.index("--activation-checkpoint") + 1] == fits[0].cand.activation_checkpoint

@@ -47,7 +47,7 @@ def test_gradients_are_identical_and_fewer_activations_are_kept():
     """One process: each mode's gradients equal no recomputation's bit for
     bit; after the forward, selective keeps fewer activation bytes alive,
     full fewer still."""
-    from clawcomm.testing.activations import LiveActivations
+    from clawcomm.train.recompute import LiveActivations
 
     x = torch.randint(0, 50, (4, 32), generator=torch.Generator().manual_seed(0))
 

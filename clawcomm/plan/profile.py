@@ -72,6 +72,12 @@ class Profile:
     # per micro-batch size, per layer: what its tensor-parallel form sends
     # by pass (clawcomm.parallel.tensor.parallelize.traffic); empty if no tp searched
     tp_traffic: dict[int, list[dict]] = dataclasses.field(default_factory=dict)
+    # per --activation-checkpoint mode searched, per micro-batch size, per
+    # layer: (the activation bytes it keeps over what it keeps without
+    # recomputation, its backward's seconds with the recomputation)
+    recompute: dict[str, dict[int, tuple[list[float], list[float]]]] = dataclasses.field(
+        default_factory=dict
+    )
 
 
 def profile(cfg, sizes: list[int], repeats: int = 7, built=None, gpu: bool = False,
@@ -93,6 +99,52 @@ def profile(cfg, sizes: list[int], repeats: int = 7, built=None, gpu: bool = Fal
         prof = _profile(cfg, sizes, repeats, built, split)
         prof.threads = torch.get_num_threads()
     return prof
+
+
+def recompute_profile(cfg, prof: Profile, modes: list[str], sizes: list[int], built,
+                      gpu: bool = False, repeats: int = 3) -> None:  # fmt: skip
+    """Adds to ``prof`` what each of ``modes`` (``--activation-checkpoint``)
+    keeps and costs, layer by layer, at each size: the live activation bytes
+    after the layer's forward against those without recomputation
+    (``recompute.LiveActivations``), and its backward's time (the median of
+    ``repeats``), on copies of the layers."""
+    import copy
+
+    from torch import nn
+
+    from clawcomm.train import recompute
+
+    model, _, _, ds, _, _ = built
+    with rank_threads(gpu):
+        for mode in modes:
+            copies = nn.Sequential(*(copy.deepcopy(layer) for layer in model))
+            recompute.apply(copies, mode)
+            base = nn.Sequential(*(copy.deepcopy(layer) for layer in model))
+            prof.recompute[mode] = {}
+            for mbs in sorted(set(sizes)):
+                x = ds.batch(torch.arange(mbs))[0]
+                kept, back = [], []
+                for layer, plain in zip(copies, base, strict=True):
+                    inp = x.detach().requires_grad_(x.is_floating_point())
+                    ratio, times = 1.0, []
+                    for r in range(repeats):
+                        with recompute.LiveActivations() as mine:
+                            out = layer(inp)
+                        held = mine.live  # (read now: backward frees what it kept)
+                        t0 = time.perf_counter()
+                        out.backward(torch.ones_like(out))
+                        times.append(time.perf_counter() - t0)
+                        if r == 0:
+                            with recompute.LiveActivations() as theirs:
+                                ref = plain(inp)
+                            ratio = held / theirs.live if theirs.live else 1.0
+                            del ref
+                    kept.append(ratio)
+                    back.append(statistics.median(times))
+                    x = out.detach()
+                for layer in (*copies, *base):
+                    layer.zero_grad(set_to_none=True)
+                prof.recompute[mode][mbs] = (kept, back)
 
 
 def _profile(cfg, sizes: list[int], repeats: int, built, split: bool) -> Profile:

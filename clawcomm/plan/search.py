@@ -18,7 +18,7 @@ from clawcomm.parallel.tensor.parallelize import traffic as tensor_traffic
 from clawcomm.pipeline.schedules import check_schedule_args
 from clawcomm.plan import pass_order, shared_cores
 from clawcomm.plan.check import model_flags
-from clawcomm.plan.profile import profile, rank_threads
+from clawcomm.plan.profile import profile, rank_threads, recompute_profile
 from clawcomm.plan.report import report
 from clawcomm.plan.step import Prediction, compressor, predict
 
@@ -41,6 +41,7 @@ class Candidate:
     compression: str | None = None  # searched ('' none); None: the command's own
     sync: str | None = None  # searched; None: the command's own
     tp: int = 1
+    activation_checkpoint: str | None = None  # searched under a memory limit; None: the command's
 
     def flags(self) -> list[str]:
         out = ["--dp", str(self.dp)] + (["--tp", str(self.tp)] if self.tp > 1 else [])
@@ -50,6 +51,8 @@ class Candidate:
         out += ["--microbatches", str(self.microbatches)]
         out += ["--micro-batch-size", str(self.micro_batch_size), "--zero", str(self.zero)]
         out += ["--compression", self.compression] if self.compression else []
+        if self.activation_checkpoint:
+            out += ["--activation-checkpoint", self.activation_checkpoint]
         return out + (["--sync", self.sync] if self.sync else [])
 
     def name(self) -> str:
@@ -58,6 +61,8 @@ class Candidate:
         zero = f" ZeRO-{self.zero}" if self.zero else ""
         wire = f" {self.compression}" if self.compression else ""
         sync = f" {self.sync}" if self.sync else ""
+        if self.activation_checkpoint not in (None, "none"):
+            sync += f" recompute {self.activation_checkpoint}"
         tp = f"tp {self.tp} x " if self.tp > 1 else ""
         return (f"dp {self.dp} x {tp}pp {self.pp}{pipe}, {self.microbatches} x "
                 f"{self.micro_batch_size}{zero}{wire}{sync}")  # fmt: skip
@@ -107,10 +112,11 @@ def microbatch_counts(schedule: str, pp: int, v: int, per_replica: int) -> list[
 
 
 def candidates(world: int, layers: int, global_batch: int, compressions=(None,), syncs=(None,),
-               tps=(1,)):  # fmt: skip
+               tps=(1,), recomputes=(None,)):  # fmt: skip
     """Every layout the trainer can run ``global_batch`` samples a step with
     (with each of ``compressions`` and ``syncs`` where dp > 1), at each
-    tensor-parallel width of ``tps`` that divides the world."""
+    tensor-parallel width of ``tps`` that divides the world, with each
+    activation-checkpointing mode of ``recomputes``."""
     for tp, pp in ((t, p) for t in tps for p in range(1, min(world, layers) + 1)):
         if world % (tp * pp):
             continue
@@ -126,8 +132,9 @@ def candidates(world: int, layers: int, global_batch: int, compressions=(None,),
                 for zero in range(4) if dp > 1 else (0,):
                     for wire in compressions if dp > 1 else compressions[:1]:
                         for sync in syncs if dp > 1 else (None,):
-                            yield Candidate(dp, pp, schedule, v, m, per_replica // m, zero, wire,
-                                            sync, tp)  # fmt: skip
+                            for mode in recomputes:
+                                yield Candidate(dp, pp, schedule, v, m, per_replica // m, zero,
+                                                wire, sync, tp, mode)  # fmt: skip
 
 
 def plan(cfg, world: int, memory_mb: float = 0.0, cores: int | None = None, cost=None,
@@ -159,7 +166,11 @@ def plan(cfg, world: int, memory_mb: float = 0.0, cores: int | None = None, cost
         cfg = dataclasses.replace(cfg, compression="")  # the search decides it
     methods = check_syncs(syncs) if syncs else [None]
     tps = tps or [t for t in range(1, world + 1) if world % t == 0]
-    cands = [c for c in candidates(world, layers, batch, wires, methods, tps)
+    # Under a memory limit, recomputing activations is one more way to fit.
+    modes = [None]
+    if memory_mb:
+        modes = ["none", "full"] if cfg.model != "gpt" else ["none", "selective", "full"]
+    cands = [c for c in candidates(world, layers, batch, wires, methods, tps, modes)
              if _runs(apply(cfg, c), world)]  # fmt: skip
     if not cands:
         raise ValueError(
@@ -170,6 +181,9 @@ def plan(cfg, world: int, memory_mb: float = 0.0, cores: int | None = None, cost
     split = any(c.schedule == "zb1" for c in cands)
     t0 = time.perf_counter()
     prof = profile(cfg, [c.micro_batch_size for c in cands], built=built, gpu=gpu, split=split)
+    if memory_mb:  # what each recomputation keeps and costs
+        recompute_profile(cfg, prof, [m for m in modes if m != "none"],
+                          [c.micro_batch_size for c in cands], built, gpu)  # fmt: skip
     if any(c.tp > 1 for c in cands):  # what each layer sends split (the TP room says)
         sp = dataclasses.replace(cfg, tp=2).sequence_parallel_on
         prof.tp_traffic = {mbs: tensor_traffic(built[0], mbs, cfg.seq_len, sp)

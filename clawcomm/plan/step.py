@@ -24,6 +24,9 @@ rank, from the profile and the answers of the rooms that own each rule.
   computation does not cover. Parameters, gradients, optimizer state and
   activations per rank are 1/tp of the layer's (the replicated LayerNorms
   and biases are not counted apart).
+- **Activation checkpointing** (searched under a memory limit): each
+  layer's backward as profiled with the recomputation, and the activations
+  it keeps as measured against no recomputation (``profile.recompute``).
 - **Optimizer**: the profiled step on the stage's (shard of its) parameters.
 - **Memory**: the model state ZeRO leaves a rank (``parallel.zero``), what
   the compressor keeps between steps (``Compressor.state_bytes``), and the
@@ -166,15 +169,21 @@ def predict(c, prof: Profile, cores: int, cost=None, gpu: bool = False, hosts: i
 
     def pass_costs(scale: list[float]) -> dict[str, list[float]]:  # each pass kind's, a stage
         out = {"F": per_stage(prof.forward[mbs], scale, "F"),
-               "B": per_stage(prof.backward[mbs], scale, "B")}  # fmt: skip
+               "B": per_stage(backward, scale, "B")}  # fmt: skip
         if mbs in prof.input_grad:  # zero-bubble's split backward, as profiled
-            out["I"] = per_stage(prof.input_grad[mbs], scale, "B")
+            again = [b - p for b, p in zip(backward, prof.backward[mbs], strict=True)]
+            i_pass = [i + a for i, a in zip(prof.input_grad[mbs], again, strict=True)]
+            out["I"] = per_stage(i_pass, scale, "B")  # (the recomputation runs in I)
             out["W"] = per_stage(prof.weight_grad[mbs], scale)
         else:
             out["I"] = out["W"] = [b / 2 for b in out["B"]]
         return out
 
     order = pass_order.of(c, prof)
+    backward = prof.backward[mbs]
+    recomputed = prof.recompute.get(c.activation_checkpoint or "none", {}).get(mbs)
+    if recomputed:  # each layer's backward with its recomputation
+        backward = recomputed[1]
 
     def costing(table: dict[str, list[float]]):
         def action_cost(a) -> float:  # in the schedule's order (pass_order)
@@ -219,7 +228,7 @@ def predict(c, prof: Profile, cores: int, cost=None, gpu: bool = False, hosts: i
         comp = compressor(wire)
         tensors = prof.tensors or [[(int(n),)] for n in prof.params]
         w_layers = prof.weight_grad.get(mbs) or [b / 2 for b in prof.backward[mbs]]
-        passes = {"F": prof.forward[mbs], "B": prof.backward[mbs], "W": w_layers}
+        passes = {"F": prof.forward[mbs], "B": backward, "W": w_layers}
         gathers = 0.0
         gather = lambda b: crowded * comm_time("all_gather", "auto", b / c.tp, dp_topology, cost)  # noqa: E731
         for r in range(c.pp):
@@ -277,6 +286,10 @@ def _memory(c, prof: Profile, schedule, span, compression: str, sync, reshard: b
     wire = c.compression if c.compression is not None else compression
     keeps = c.dp > 1 and sync[0] == "every-step"
     saved = prof.saved[c.micro_batch_size]
+    recomputed = prof.recompute.get(c.activation_checkpoint or "none", {})
+    if c.micro_batch_size in recomputed:  # what each layer keeps with the recomputation
+        kept = recomputed[c.micro_batch_size][0]
+        saved = [b * k for b, k in zip(saved, kept, strict=True)]
     most = 0.0
     for r in range(c.pp):
         layers = [i for s in range(len(span)) if s % c.pp == r for i in span[s]]

@@ -21,13 +21,19 @@ collectives again (every TP rank recomputes the same layers in the same
 order).
 
     apply(model, "full")   # in place; parameter names are unchanged
+
+``LiveActivations`` counts what a mode keeps, exactly (the planner's
+profile, bench/activation_memory.py and the tests read it).
 """
 
 from __future__ import annotations
 
 import types
+import weakref
 
+import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 MODES = ("none", "selective", "full")
@@ -65,3 +71,40 @@ def apply(model: nn.Sequential, mode: str) -> int:
         layer.forward = types.MethodType(_recomputed, layer)
         n += 1
     return n
+
+
+class LiveActivations(TorchDispatchMode):
+    """Bytes of tensors created while autograd records, alive now and at peak:
+
+        with LiveActivations() as counter:
+            loss = model(x).sum()     # what the forward keeps for backward stays alive
+        counter.live, counter.peak
+
+    Each op's outputs made with grad enabled (a forward, and a
+    recomputation's forward inside backward) are noted, with a finalizer on
+    each storage for when it is freed; gradients and optimizer state, made
+    with autograd off, are not counted. Exact, where the resident set is
+    not."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen: set[int] = set()
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        self.live -= nbytes
+        self._seen.discard(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if torch.is_grad_enabled():
+            for t in out if isinstance(out, tuple | list) else (out,):
+                if isinstance(t, torch.Tensor):
+                    s = t.untyped_storage()
+                    key = s.data_ptr()
+                    if key and key not in self._seen:
+                        self._seen.add(key)
+                        self.live += s.nbytes()
+                        self.peak = max(self.peak, self.live)
+                        weakref.finalize(s, self._freed, key, s.nbytes())
+        return out
