@@ -81,11 +81,17 @@ def _check_against_reference(results, cfg, atol=2e-5):
     for _, params in results:
         for n, p in params.items():
             if n in got:  # held by several ranks (replicas, tied stages): all equal
-                torch.testing.assert_close(p, got[n], atol=atol, rtol=0, msg=n)
+                torch.testing.assert_close(p, got[n], atol=atol, rtol=0, msg=_named(n))
             got[n] = p
     assert sorted(got) == sorted(want)
     for n, p in got.items():
-        torch.testing.assert_close(p, want[n], atol=atol, rtol=0, msg=n)
+        torch.testing.assert_close(p, want[n], atol=atol, rtol=0, msg=_named(n))
+
+
+def _named(name):
+    """assert_close's message with the parameter's name before it (the
+    mismatch's size stays in the report)."""
+    return lambda message: f"{name}: {message}"
 
 
 def _run(rank, n, cfg, stop, resume):
