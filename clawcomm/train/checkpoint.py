@@ -47,7 +47,7 @@ import shutil
 import torch
 import torch.distributed as dist
 
-from clawcomm.parallel.tensor.layers import whole_shape
+from clawcomm.parallel.split import split_of, whole_shape
 from clawcomm.parallel.zero import drop_masters
 from clawcomm.train import checkpoint_files as files
 from clawcomm.train import rng
@@ -105,8 +105,8 @@ def _scope(trainer) -> str:
 
 
 def _split(p):
-    """How tensor parallelism split ``p`` (None: whole)."""
-    return getattr(p, "tp_split", None)
+    """How ``p`` is split over tensor- or expert-parallel ranks (None: whole)."""
+    return split_of(p)
 
 
 def _like(p, v):

@@ -1,4 +1,4 @@
-"""A tensor-parallel slice as torch.distributed.checkpoint (DCP) sees it:
+"""A tensor- or expert-parallel slice as torch.distributed.checkpoint (DCP) sees it:
 the pieces (boxes) of a whole tensor that this rank holds.
 
 A checkpoint keys every parameter by its name in the whole model and stores
@@ -11,7 +11,7 @@ and the two planners below find a piece by its offsets, which DCP's default
 planners do only for DTensors and ShardedTensors (whose local part is one
 box).
 
-    sd["model/1.qkv.weight"] = Pieces(p, p.tp_split)
+    sd["model/1.qkv.weight"] = Pieces(p, split_of(p))
     dcp.save(sd, storage_writer=..., planner=SavePlanner())
     dcp.load(sd, storage_reader=..., planner=LoadPlanner())
 """

@@ -184,7 +184,7 @@ def read_corpus(cfg: TrainConfig) -> list[str]:
     from clawcomm.train import data, tokens
 
     cfg.check_files()
-    if cfg.model != "gpt":
+    if not cfg.is_gpt:
         return []
     if cfg.text:
         data.CharText.check(data.read_text(cfg.text), cfg.seq_len, cfg.text)
@@ -428,12 +428,12 @@ def _say_written(cfg: TrainConfig) -> None:
 
 def build_check(cfg: TrainConfig) -> None:
     """Checks that need the model: more stages than layers."""
-    layers = {"gpt": cfg.layers + 2, "mlp": cfg.layers, "wait": cfg.layers}[cfg.model]
+    layers = cfg.layers + 2 if cfg.is_gpt else cfg.layers
     if cfg.num_stages > layers:
         raise ValueError(
             f"{cfg.num_stages} stages (pp {cfg.pp} x v {cfg.virtual_stages}) but the {cfg.model} "
             f"model has only {layers} layers; use fewer stages or --layers {cfg.num_stages}"
-            + (" or more" if cfg.model != "gpt" else f" - 2 = {cfg.num_stages - 2} or more")
+            + (f" - 2 = {cfg.num_stages - 2} or more" if cfg.is_gpt else " or more")
         )
 
 

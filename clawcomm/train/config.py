@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 
 from clawcomm.pipeline.schedules import SCHEDULES, check_schedule_args
 
-MODELS = ("gpt", "mlp", "wait")
+MODELS = ("gpt", "moe", "mlp", "wait")
 
 
 def _opt(default, help: str, choices=None, **kw):
@@ -51,6 +51,12 @@ class TrainConfig:
         "(docs/tensor_parallel.md has the figures)",
         kind=bool,
         default_text="auto",
+    )
+    ep: int = _opt(
+        1,
+        "moe: expert-parallel ranks, dividing dp: each copy of the experts spread over ep "
+        "neighbouring data-parallel ranks, the tokens sent to their experts and back by two "
+        "uneven all-to-alls (--dp 4 --ep 2: 2 copies of each expert)",
     )
     schedule: str = _opt("1f1b", "pipeline schedule", SCHEDULES)
     microbatches: int = _opt(4, "micro-batches per schedule run")
@@ -93,6 +99,16 @@ class TrainConfig:
     heads: int = _opt(4, "gpt: attention heads")
     seq_len: int = _opt(64, "gpt: tokens per sample")
     hidden: int = _opt(256, "mlp: hidden width")
+    experts: int = _opt(8, "moe: experts in each mixture-of-experts MLP")
+    top_k: int = _opt(2, "moe: experts each token goes to (1: Switch, 2: GShard/Mixtral)", (1, 2))
+    moe_every: int = _opt(1, "moe: every K-th block has a mixture of experts, the rest an MLP")
+    capacity_factor: float = _opt(
+        0.0,
+        "moe: an expert takes at most factor x tokens x top_k / experts of a micro-batch's "
+        "token slots, the rest dropped and counted (0: no limit, no token dropped)",
+    )
+    aux_loss_coeff: float = _opt(1e-2, "moe: weight of Switch's load-balancing loss")
+    z_loss_coeff: float = _opt(1e-3, "moe: weight of the router z-loss")
     text: str = _opt("", "gpt: a UTF-8 text file (default: the Python docs bundled with CPython)")
     data: str = _opt(
         "",
@@ -209,7 +225,7 @@ class TrainConfig:
 
     def __post_init__(self):
         if self.layers == 0:
-            self.layers = {"gpt": 4, "mlp": 4, "wait": 8}.get(self.model, 4)
+            self.layers = {"mlp": 4, "wait": 8}.get(self.model, 4)
         per = self.round_batch
         if self.global_batch > 0 and per > 0 and self.global_batch % per == 0:
             self.accumulation = self.global_batch // per  # check() refuses one that does not split
@@ -234,7 +250,7 @@ class TrainConfig:
             return False
         if self.sequence_parallel is not None:
             return self.sequence_parallel
-        return self.model in ("gpt", "wait")
+        return self.is_gpt or self.model == "wait"
 
     @property
     def tp_overlap_on(self) -> bool:
@@ -244,6 +260,11 @@ class TrainConfig:
         if self.tp_overlap is not None:
             return self.tp_overlap
         return self.model == "wait"
+
+    @property
+    def is_gpt(self) -> bool:
+        """The model is the GPT (with or without experts): it reads text or tokens."""
+        return self.model in ("gpt", "moe")
 
     @property
     def world(self) -> int:
@@ -329,6 +350,7 @@ class TrainConfig:
             "heads",
             "seq_len",
             "hidden",
+            "ep",
         )
         for name in positive:
             if getattr(self, name) < 1:
@@ -420,17 +442,20 @@ class TrainConfig:
         from clawcomm.train import recompute
 
         recompute.check(self.activation_checkpoint, self.model)
+        from clawcomm.train import moe
+
+        moe.check(self)
 
     def check_files(self) -> None:
         """The corpus files named exist and suit the model (what they hold is
         ``clawcomm.train.cli.read_corpus``'s to check)."""
         import os
 
-        if self.model == "gpt" and self.text and not os.path.isfile(self.text):
+        if self.is_gpt and self.text and not os.path.isfile(self.text):
             raise ValueError(f"text {self.text!r} is not a file (gpt trains on a UTF-8 text)")
         for name in ("data", "data_val"):
             path = getattr(self, name)
-            if path and self.model != "gpt":
+            if path and not self.is_gpt:
                 raise ValueError(f"{name} is a token file for gpt, not for model {self.model}")
             if path and not os.path.isfile(path):
                 raise ValueError(f"{name} {path!r} is not a file (a token file of uint16/32 ids)")

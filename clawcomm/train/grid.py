@@ -135,16 +135,20 @@ def tied_parameters(stages: list[nn.Module], cfg, grid: Grid) -> list[tuple]:
     return ties
 
 
-def sync_initial_weights(local: dict, dp_group, ties) -> None:
+def sync_initial_weights(local: dict, dp_group, ties, experts=None) -> None:
     """Every replica starts from its dp group's first rank's weights, and
-    tied copies from the first stage's."""
+    tied copies from the first stage's; spread experts (``experts``,
+    parallel.expert.SpreadExperts) from the first rank holding the same."""
     if not dist.is_initialized():
         return
     with torch.no_grad():
         for mod in local.values():
             for t in list(mod.parameters()) + list(mod.buffers()):
-                if dp_group is not None:
-                    dist.broadcast(t, dist.get_global_rank(dp_group, 0), group=dp_group)
+                group = dp_group
+                if experts is not None and id(t) in experts.ids:
+                    group = experts.replicas
+                if group is not None:
+                    dist.broadcast(t, dist.get_global_rank(group, 0), group=group)
         for p, group, _ in ties:
             dist.broadcast(p, dist.get_global_rank(group, 0), group=group)
 
@@ -185,6 +189,11 @@ def describe(cfg, cuts: list[int], peak_lr: float, sharded: bool) -> str:
         f"{cfg.lr_decay} decay\n"
         f"layout dp {cfg.dp} x "
         + (f"tp {cfg.tp} ({tp_text(cfg)}) x " if cfg.tp > 1 else "")
+        + (
+            f"(ep {cfg.ep} of the dp ranks: {cfg.experts // cfg.ep} experts each) x "
+            if cfg.ep > 1
+            else ""
+        )
         + f"pp {cfg.pp}"
         + (f" (ZeRO-{cfg.zero})" if sharded else "")
         + sync

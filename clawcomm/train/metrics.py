@@ -41,6 +41,15 @@ class RankSample:
     bytes_dp: float = 0.0
     bytes_tp: float = 0.0  # its tensor-parallel group's (activations and their gradients)
     tp_wait: float = 0.0  # blocked on tensor-parallel communication (the exposed part)
+    bytes_ep: float = 0.0  # its expert-parallel group's (tokens to their experts and back)
+    ep_wait: float = 0.0  # blocked on the experts' all-to-alls
+    # its MoE layers' routing (train/moe.py): token slots, dropped slots, the
+    # load-balancing and z-losses summed, and the layer forwards they sum over
+    moe_slots: float = 0.0
+    moe_dropped: float = 0.0
+    moe_balance: float = 0.0
+    moe_z: float = 0.0
+    moe_layers: float = 0.0
     # bytes_dp by kind: reduce-scatter, all-gather, all-reduce, all-to-all
     # (int8/int4 compression reduce-scatters through one)
     bytes_rs: float = 0.0
@@ -71,6 +80,12 @@ class RankSample:
     cpu_s: float = 0.0  # CPU-seconds its process used over the step (every thread)
     # The mean time of F, B, I and W of each local stage, stage by stage.
     costs: list[float] = field(default_factory=list)
+
+    @staticmethod
+    def routing(figures) -> dict:
+        """``moe.ROUTING.lap()``'s figures as fields."""
+        names = ("moe_slots", "moe_dropped", "moe_balance", "moe_z", "moe_layers")
+        return dict(zip(names, figures, strict=True))
 
     def cost(self, local_stage: int, kind: str) -> float:
         return self.costs[4 * local_stage + KINDS.index(kind)]
@@ -129,7 +144,10 @@ def held_bytes(params, reducer, optimizer, shards=None) -> dict:
     def nbytes(tensors) -> int:
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
-    grads = reducer.grad_bytes() if reducer is not None else nbytes(p.grad for p in params)
+    grads = nbytes(p.grad for p in params)
+    if reducer is not None:  # its buckets, and the gradients outside it (spread experts')
+        inside = {id(p) for p in reducer.params}
+        grads = reducer.grad_bytes() + nbytes(p.grad for p in params if id(p) not in inside)
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     sharded = shards is not None and not shards.stale()  # (laid out from the first step's end)
     held = shards.param_bytes() if sharded else nbytes(params)
@@ -190,7 +208,7 @@ def summarise(rows: list[RankSample], cfg, grid, plan, p2p_latency: float, cuda:
         # the busiest rank's compute, and the longest exposed communication
         # (waits for tensors + the reduction's tail)
         "compute_ms": max(r.busy for r in rows) * 1e3,
-        "exposed_comm_ms": max(r.recv_wait + r.dp_wait + r.tp_wait for r in rows) * 1e3,
+        "exposed_comm_ms": max(r.recv_wait + r.dp_wait + r.tp_wait + r.ep_wait for r in rows) * 1e3,
         "bytes_sent_pp": int(sum(r.bytes_pp for r in rows)),
         "bytes_sent_dp": int(sum(r.bytes_dp for r in rows)),
         "bytes_sent_tp": int(sum(r.bytes_tp for r in rows)),
@@ -213,6 +231,8 @@ def summarise(rows: list[RankSample], cfg, grid, plan, p2p_latency: float, cuda:
         "grad_peak_bytes": int(max(r.grad_peak_bytes for r in rows)),
         "comm_device_bytes": int(max(r.comm_bytes for r in rows)),
     }
+    if cfg.model == "moe":
+        metrics.update(_routing(rows))
     metrics["cpu_s"] = sum(r.cpu_s for r in rows)
     metered = [r.energy_j for r in rows if r.energy_j >= 0]
     if metered:  # every host's packages (CPUs) or every GPU
@@ -223,6 +243,22 @@ def summarise(rows: list[RankSample], cfg, grid, plan, p2p_latency: float, cuda:
     if grid.rank == 0:
         metrics.update(_predicted_bubble(rows, cfg, grid, plan, p2p_latency))
     return metrics
+
+
+def _routing(rows: list[RankSample]) -> dict:
+    """The MoE layers' figures over every rank: dropped token slots (a
+    token's slot at one of its top-k experts) and their share, the mean
+    load-balancing and z-losses per layer and micro-batch, and the experts'
+    all-to-alls (bytes, and the rank that waited longest for them)."""
+    slots, layers = sum(r.moe_slots for r in rows), sum(r.moe_layers for r in rows)
+    return {
+        "dropped_tokens": int(sum(r.moe_dropped for r in rows)),
+        "dropped_fraction": sum(r.moe_dropped for r in rows) / slots if slots else 0.0,
+        "balance_loss": sum(r.moe_balance for r in rows) / layers if layers else 0.0,
+        "z_loss": sum(r.moe_z for r in rows) / layers if layers else 0.0,
+        "bytes_sent_ep": int(sum(r.bytes_ep for r in rows)),
+        "ep_ms": max(r.ep_wait for r in rows) * 1e3,
+    }
 
 
 def _predicted_bubble(rows, cfg, grid, plan, p2p_latency: float) -> dict:
@@ -251,16 +287,18 @@ def _predicted_bubble(rows, cfg, grid, plan, p2p_latency: float) -> dict:
 class Traffic:
     """Bytes this rank sent through its groups' engines: every group, the
     pipeline group and the data-parallel group, the last by kind of
-    collective, and the tensor-parallel group (clawcomm groups only).
+    collective, and the tensor- and expert-parallel groups (clawcomm
+    groups only).
     ``second_dp``: a second group of the data-parallel ranks (ZeRO-3's
     parameter gathers, the delayed exchanges of --sync-delay), counted as
     data-parallel."""
 
     DP_KINDS = ("reduce_scatter", "all_gather", "all_reduce", "all_to_all")
-    WIDTH = 4 + 2 * len(DP_KINDS)  # len(sent())
 
-    def __init__(self, pp_group, dp_group, other_groups=(), second_dp=None, tp_group=None):
-        self._groups = (pp_group, dp_group, second_dp, tp_group, tuple(other_groups))
+    def __init__(
+        self, pp_group, dp_group, other_groups=(), second_dp=None, tp_group=None, ep_group=None
+    ):
+        self._groups = (pp_group, dp_group, second_dp, tp_group, ep_group, tuple(other_groups))
         self._engines: dict = {}  # per device, found on first use (after every group exists)
 
     def engines(self, device: str = "cpu") -> tuple[list, dict]:
@@ -272,10 +310,10 @@ class Traffic:
         if device not in self._engines:
             import clawcomm
 
-            pp, dp, params, tp, others = self._groups
-            groups = (None, pp, dp, params, tp, *others)
+            pp, dp, params, tp, ep, others = self._groups
+            groups = (None, pp, dp, params, tp, ep, *others)
             engines = {id(g): clawcomm.engine_of(g, device) for g in groups}
-            labelled = (("pp", pp), ("dp", dp), ("dp 2", params), ("tp", tp))
+            labelled = (("pp", pp), ("dp", dp), ("dp 2", params), ("tp", tp), ("ep", ep))
             named = {k: engines[id(g)] for k, g in labelled if g is not None}
             self._engines[device] = (list(engines.values()), named)
         return self._engines[device]
@@ -296,12 +334,13 @@ class Traffic:
 
         pp = total(named["pp"]) if "pp" in named else 0
         tp = total(named["tp"]) if "tp" in named else 0
+        ep = total(named["ep"]) if "ep" in named else 0
         busy = [us / 1e6 for us in by_kind("busy_us")]
         return (
             [sum(total(e) for e in every), pp, sum(total(e) for e in dps)]
             + by_kind("bytes_sent")
             + busy
-            + [tp]
+            + [tp, ep]
         )
 
     @staticmethod
@@ -320,6 +359,7 @@ class Traffic:
             "time_ar",
             "time_a2a",
             "bytes_tp",
+            "bytes_ep",
         )
         return dict(zip(names, sent, strict=True))
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -60,15 +60,18 @@ class Block(nn.Module):
 
     recompute = False
 
-    def __init__(self, dim: int, heads: int):
+    def __init__(self, dim: int, heads: int, moe: nn.Module | None = None):
         super().__init__()
         self.heads = heads
         self.norm1 = nn.LayerNorm(dim)
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
         self.norm2 = nn.LayerNorm(dim)
-        self.fc = nn.Linear(dim, 4 * dim)
-        self.out = nn.Linear(4 * dim, dim)
+        if moe is not None:  # a mixture of experts in place of the MLP (train/moe.py)
+            self.moe = moe
+        else:
+            self.fc = nn.Linear(dim, 4 * dim)
+            self.out = nn.Linear(4 * dim, dim)
 
     def forward(self, x):
         # Widths come from the layers' outputs, so the block also runs split
@@ -89,6 +92,8 @@ class Block(nn.Module):
             y = _attend(q, k, v)
         x = x + self.proj(y)
         n2 = self.norm2(x)
+        if "moe" in self._modules:
+            return x + self.moe(n2)
         with again(n2, lambda x=x: self.norm2(x)):
             h = self.fc(n2)
         a = F.gelu(h)
@@ -153,21 +158,35 @@ class Head(nn.Module):
         return self.proj(self.norm(x))
 
 
-def gpt(vocab: int, dim: int = 128, layers: int = 4, heads: int = 4, block: int = 64):
+def gpt(
+    vocab: int,
+    dim: int = 128,
+    layers: int = 4,
+    heads: int = 4,
+    block: int = 64,
+    moe: Callable[[], nn.Module] | None = None,
+    moe_every: int = 1,
+):
     """[embedding, blocks..., head]; the head's projection is the token
     embedding's weight (tied: the same Parameter in the first and last
-    layer, which the trainer keeps in sync across stages)."""
+    layer, which the trainer keeps in sync across stages). ``moe`` makes a
+    mixture-of-experts MLP for every ``moe_every``-th block (the last of
+    each ``moe_every``), the others keep the dense MLP."""
     if dim % heads:
         raise ValueError(f"gpt: dim {dim} is not a multiple of heads {heads}")
     emb = Embedding(vocab, dim, block)
     head = Head(dim, vocab)
     head.proj.weight = emb.tokens.weight
-    model = nn.Sequential(emb, *(Block(dim, heads) for _ in range(layers)), head)
+    blocks = (
+        Block(dim, heads, moe() if moe is not None and (i + 1) % moe_every == 0 else None)
+        for i in range(layers)
+    )
+    model = nn.Sequential(emb, *blocks, head)
     for name, p in model.named_parameters():  # GPT-2's initialisation
         if p.dim() >= 2:
             std = (
                 0.02 / math.sqrt(2 * layers)
-                if name.endswith(("proj.weight", "out.weight"))
+                if name.endswith(("proj.weight", "out.weight", "experts.w2"))
                 else 0.02
             )
             nn.init.normal_(p, 0.0, std)
@@ -274,16 +293,20 @@ def build(cfg):
     from clawcomm.train import data
 
     torch.manual_seed(cfg.seed)
-    if cfg.model == "gpt" and cfg.data:
-        from clawcomm.train import tokens
+    if cfg.is_gpt:
+        if cfg.data:
+            from clawcomm.train import tokens
 
-        ds = tokens.TokenFile(cfg.data, cfg.seq_len, cfg.data_dtype)
-        model = gpt(ds.vocab, cfg.dim, cfg.layers, cfg.heads, cfg.seq_len)
-        loss, tokens_per_sample = gpt_loss, cfg.seq_len
-    elif cfg.model == "gpt":
-        text = data.read_text(cfg.text) if cfg.text else data.default_text()
-        ds = data.CharText(text, cfg.seq_len, source=cfg.text or "the Python docs")
-        model = gpt(ds.vocab, cfg.dim, cfg.layers, cfg.heads, cfg.seq_len)
+            ds = tokens.TokenFile(cfg.data, cfg.seq_len, cfg.data_dtype)
+        else:
+            text = data.read_text(cfg.text) if cfg.text else data.default_text()
+            ds = data.CharText(text, cfg.seq_len, source=cfg.text or "the Python docs")
+        experts = None
+        if cfg.model == "moe":
+            from clawcomm.train import moe
+
+            experts = moe.maker(cfg)
+        model = gpt(ds.vocab, cfg.dim, cfg.layers, cfg.heads, cfg.seq_len, experts, cfg.moe_every)
         loss, tokens_per_sample = gpt_loss, cfg.seq_len
     elif cfg.model == "mlp":
         ds = data.Digits(cfg.seed)
@@ -348,7 +371,7 @@ def cut_into_stages(
 def parameter_shapes(model, stages) -> dict[str, list[int]]:
     """Every parameter's shape in the whole model (a tensor-parallel slice's
     whole tensor's), by its name."""
-    from clawcomm.parallel.tensor.layers import whole_shape
+    from clawcomm.parallel.split import whole_shape
 
     params = {id(p): p for p in (model.parameters() if isinstance(model, nn.Sequential) else ())}
     for s in stages:

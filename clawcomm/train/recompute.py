@@ -40,7 +40,7 @@ MODES = ("none", "selective", "full")
 
 
 def check(mode: str, model_name: str) -> None:
-    if mode == "selective" and model_name != "gpt":
+    if mode == "selective" and model_name not in ("gpt", "moe"):
         raise ValueError(
             f"activation_checkpoint selective recomputes attention and the MLP's activation of "
             f"the gpt's blocks; the {model_name} model has neither (use full or none)"

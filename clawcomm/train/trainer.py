@@ -50,20 +50,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from clawcomm.compression import get_compressor
-from clawcomm.parallel.buckets import FIRST_BUCKET_MB
-from clawcomm.parallel.reducer import GradReducer
+from clawcomm.parallel import expert
 from clawcomm.parallel.tensor import comm as tensor_comm
 from clawcomm.parallel.tensor import split_layers
 from clawcomm.parallel.zero import ZeroShards
-from clawcomm.parallel.zero3 import ParamUnits, Trackers, unit_of_params
+from clawcomm.parallel.zero3 import ParamUnits, Trackers
 from clawcomm.pipeline.actions import B, I, W
 from clawcomm.pipeline.clock import ScheduleClock
 from clawcomm.pipeline.executor import PipelineExecutor
 from clawcomm.pipeline.schedules import build, stage_to_rank
 from clawcomm.pipeline.validate import validate
 from clawcomm.pipeline.weight_grad import split_linear_backward
-from clawcomm.train import recompute, trace
+from clawcomm.train import moe, recompute, replicas, trace
 from clawcomm.train.config import TrainConfig
 from clawcomm.train.data import replica_rows, rounds
 from clawcomm.train.device import for_rank as device_for_rank
@@ -83,7 +81,6 @@ from clawcomm.train.metrics import (
     summarise,
 )
 from clawcomm.train.models import cut_into_stages, parameter_names, parameter_shapes, unique_params
-from clawcomm.train.outer import OuterSync
 
 
 class Trainer:
@@ -129,8 +126,12 @@ class Trainer:
             loss_fn = self.tensor_parallel.loss_fn
             stages = [nn.Sequential(*model[self.cuts[s] : self.cuts[s + 1]]) for s in range(S)]
         self.loss_fn = loss_fn
+        self.experts = None  # what parallel.expert.spread made, at ep > 1
+        if dist.is_initialized() and cfg.ep > 1:
+            self.experts = expert.spread(stages, self.grid, cfg.ep)
         for mod in [model] if isinstance(model, nn.Sequential) else stages:
             recompute.apply(mod, cfg.activation_checkpoint)
+            moe.set_aux_scale(mod, 1.0 / (cfg.microbatches * cfg.accumulation))
         self.names = parameter_names(model, stages)
         self.shapes = parameter_shapes(model, stages)
         self.schedule = build(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages)
@@ -155,7 +156,7 @@ class Trainer:
             for p in reversed(list(self.local[s].parameters()))
             if p.requires_grad
         )
-        sync_initial_weights(self.local, self.dp_group, self._ties)
+        sync_initial_weights(self.local, self.dp_group, self._ties, self.experts)
         self.executor = PipelineExecutor(
             self.local,
             self.schedule[me],
@@ -167,40 +168,7 @@ class Trainer:
             loss_fn,
             device=self.device,
         )
-        self.reducer = self.outer = None
-        tied = {id(p) for p, _, _ in self._ties}
-        whole = self.tensor_parallel.replicated_ids() if self.tensor_parallel is not None else set()
-        exchange_group = None
-        if cfg.dp > 1 and cfg.sync != "every-step":  # replicas meet every H steps
-            # Delayed meetings exchange on a thread, over a group of their own.
-            exchange_group = self.grid.make_dp_group() if cfg.sync_delay else None
-            self.outer = OuterSync(self.params, self.dp_group, cfg, exchange_group)
-        elif cfg.dp > 1:
-            compressor = get_compressor(cfg.compression) if cfg.compression else None
-            self.reducer = GradReducer(
-                self.params,
-                self.dp_group,
-                bucket_cap_mb=cfg.bucket_cap_mb,
-                first_bucket_mb=min(FIRST_BUCKET_MB, cfg.bucket_cap_mb),
-                compressor=compressor,
-                compression_warmup_steps=cfg.compression_warmup,
-                overlap=cfg.overlap,
-                names=[self.names.get(id(p), str(i)) for i, p in enumerate(self.params)],
-                # ZeRO shards all but the parameters tied across pipeline
-                # ranks, whose gradients are summed over them after the
-                # reduction (see clawcomm.parallel.zero), and at tp > 1 those
-                # that tensor parallelism leaves whole, synchronised over
-                # the TP group after it.
-                zero=cfg.zero,
-                replicated={i for i, p in enumerate(self.params) if id(p) in tied | whole},
-                units=unit_of_params(self.params, self.local) if cfg.zero == 3 else None,
-            )
-            # A gradient is final after the last backward actions of its
-            # stage on this rank; the reducer counts their contributions in
-            # step 1 and launches on that count from step 2.
-            last = {(a.stage, a.kind): a for a in self.schedule[me] if a.kind in (B, I, W)}
-            self.reducer.track_final_grads(last.values())
-            self.reducer.attach_grads()
+        self.reducer, self.outer, exchange_group = replicas.synchronise(self)
         self.p2p_latency = measure_p2p_latency(self.pp_group, self.grid.pp_rank, cfg.pp)
         self._make_optimizer = optimizer
         self.optimizer = optimizer(self.params)
@@ -230,6 +198,7 @@ class Trainer:
             (t[1] for t in self._ties),
             params_group or exchange_group,
             self.tp_group,
+            self.experts.group if self.experts else None,
         )
         self._mark = None  # traffic where the next step's figures start (ZeRO: its gathers)
         self._pending_save = None
@@ -297,6 +266,8 @@ class Trainer:
         bytes_before = self._mark if self._mark is not None else self.traffic.sent()
         reset_peak(self.device)
         tensor_comm.EXPOSED.lap()  # (what an evaluation waited is not the step's)
+        expert.EXPOSED.lap()
+        moe.ROUTING.lap()
         if self.shards is not None:
             self.shards.reset_peak()
         if self.pp_group is not None:
@@ -308,6 +279,8 @@ class Trainer:
         ZeRO's shards made anew where the bucket layout changed (the first
         step, a load); returns the seconds waited for the reduction."""
         dp_wait = self.reducer.finish() if self.reducer is not None else 0.0
+        if self.experts is not None:
+            self.experts.reduce_grads()
         for p, group, _ in self._ties:
             dist.all_reduce(p.grad, group=group)
         if self.tensor_parallel is not None:
@@ -333,7 +306,8 @@ class Trainer:
             sumsq=self._owned_sumsq(),
             **Traffic.fields(sent),
             busy=totals.busy, span=span, recv_wait=totals.recv_wait, dp_wait=dp_wait,
-            tp_wait=tensor_comm.EXPOSED.lap(),
+            tp_wait=tensor_comm.EXPOSED.lap(), ep_wait=expert.EXPOSED.lap(),
+            **RankSample.routing(moe.ROUTING.lap()),
             host=totals.host / max(1, totals.computes), gpu_mb=peak_mb(self.device),
             comm_bytes=self._comm_device_bytes(),
             costs=totals.mean_costs(sorted(self.local)),
@@ -401,6 +375,8 @@ class Trainer:
                     p.grad.mul_(factor)
 
     def _zero_grads(self) -> None:
+        if self.experts is not None:
+            self.experts.zero_grad()
         if self.reducer is not None:
             self.reducer.zero_grad()
         else:
@@ -425,6 +401,10 @@ class Trainer:
         """Squared norm of this rank's gradients; a tied parameter counts on
         its first stage's rank only."""
         shared_elsewhere = {id(p) for p, _, owner in self._ties if not owner}
+        spread = 0.0  # the experts' (parallel.expert counts them)
+        if self.experts is not None:
+            shared_elsewhere |= self.experts.ids
+            spread = self.experts.sumsq()
         if self.tensor_parallel is not None and self.grid.tp_rank != 0:  # counted on TP rank 0
             shared_elsewhere |= self.tensor_parallel.replicated_ids()
         if self.shards is not None:
@@ -433,8 +413,8 @@ class Trainer:
             p.grad for p in self.params if p.grad is not None and id(p) not in shared_elsewhere
         ]
         if not grads:
-            return 0.0
-        return float(torch.nn.utils.get_total_norm(grads, 2.0)) ** 2  # (torch >= 2.6; we need 2.11)
+            return spread
+        return float(torch.nn.utils.get_total_norm(grads, 2.0)) ** 2 + spread
 
     # ---- the loop -------------------------------------------------------------------------
 

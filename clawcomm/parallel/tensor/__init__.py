@@ -4,7 +4,7 @@ split (``parallelize``). The trainer's ``--tp`` splits the whole model with
 ``split_layers`` before cutting stages.
 """
 
-from clawcomm.parallel.tensor.layers import Split, whole_shape
+from clawcomm.parallel.split import Split, whole_shape
 from clawcomm.parallel.tensor.parallelize import (
     Parallelized,
     TensorParallel,

@@ -1,5 +1,6 @@
 """Layers split over a tensor-parallel group (Megatron-LM's, with sequence
-parallelism and overlap), and the record of how each parameter is split.
+parallelism and overlap). How each parameter is split is recorded as
+``clawcomm.parallel.split.Split``.
 
 - ``ColumnParallelLinear``: this rank holds some output rows of the weight
   (``Split``); its input is whole (replicated, or gathered from the
@@ -22,60 +23,14 @@ pass), as the trainer's split ``nn.Linear`` does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from clawcomm.parallel.split import Split, block_of, split_parameter
 from clawcomm.parallel.tensor import comm
 from clawcomm.pipeline.weight_grad import current_store, defer_weight_grad, notify_grad
-
-
-@dataclass(frozen=True)
-class Split:
-    """How a parameter is split: this rank's tensor is the concatenation,
-    along ``dim``, of the slices ``pieces`` = ((start, length), ...) of the
-    whole tensor, whose shape is ``whole``."""
-
-    whole: tuple[int, ...]
-    dim: int
-    pieces: tuple[tuple[int, int], ...]
-
-    def take(self, whole: torch.Tensor) -> torch.Tensor:
-        """This rank's part of ``whole``."""
-        return torch.cat([whole.narrow(self.dim, s, n) for s, n in self.pieces], self.dim)
-
-    def boxes(self) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
-        """(offsets in the whole, sizes, offset along dim in the local
-        tensor) of each piece: what a checkpoint writes and reads."""
-        out, at = [], 0
-        for s, n in self.pieces:
-            offsets = tuple(s if d == self.dim else 0 for d in range(len(self.whole)))
-            sizes = tuple(n if d == self.dim else w for d, w in enumerate(self.whole))
-            out.append((offsets, sizes, at))
-            at += n
-        return out
-
-
-def whole_shape(p: torch.Tensor) -> list[int]:
-    """The shape of the whole tensor ``p`` is a slice of (its own if whole)."""
-    split = getattr(p, "tp_split", None)
-    return list(split.whole if split is not None else p.shape)
-
-
-def block_of(n: int, size: int, rank: int) -> tuple[int, int]:
-    """(start, length) of rank's block when n things split over size ranks
-    as evenly as they go (the first n % size ranks one more)."""
-    start = rank * (n // size) + min(rank, n % size)
-    return start, n // size + (1 if rank < n % size else 0)
-
-
-def split_parameter(p: torch.Tensor, split: Split) -> nn.Parameter:
-    q = nn.Parameter(split.take(p.detach()).clone(), requires_grad=p.requires_grad)
-    q.tp_split = split  # what checkpoints and the memory figures read
-    return q
 
 
 def _weight_grad(weight: torch.Tensor, g: torch.Tensor, x: torch.Tensor):

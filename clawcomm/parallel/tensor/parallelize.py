@@ -28,14 +28,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from clawcomm.parallel.split import Split, block_of, split_of, split_parameter
 from clawcomm.parallel.tensor import comm
 from clawcomm.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
-    Split,
     VocabParallelEmbedding,
-    block_of,
-    split_parameter,
     vocab_parallel_cross_entropy,
 )
 
@@ -106,7 +104,7 @@ class _Head(nn.Module):
         super().__init__()
         self.norm = head.norm
         linear = nn.Linear(head.proj.in_features, head.proj.out_features, bias=False)
-        self.proj = ColumnParallelLinear(linear, tp, weight.tp_split.pieces)
+        self.proj = ColumnParallelLinear(linear, tp, split_of(weight).pieces)
         self.proj.weight = weight  # tied to the embedding's block of the vocabulary
 
     def forward(self, x):
@@ -224,7 +222,7 @@ def split_layers(model, loss_fn, cfg, grid, group) -> Parallelized:
 def _replicated(model: nn.Module) -> list[nn.Parameter]:
     out, seen = [], set()
     for p in model.parameters():
-        if not hasattr(p, "tp_split") and id(p) not in seen:
+        if split_of(p) is None and id(p) not in seen:
             seen.add(id(p))
             out.append(p)
     return out
