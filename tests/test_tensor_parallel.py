@@ -12,6 +12,7 @@ import torch
 from _training import _reference
 
 from clawcomm.launch import run_ranks
+from clawcomm.parallel.split import split_of
 from clawcomm.train import TrainConfig, Trainer
 from clawcomm.train import models as train_models
 from clawcomm.train.data import global_batches
@@ -36,9 +37,7 @@ def _train(rank, world, cfg, checkpoint=None, load=None):
     if checkpoint:
         tr.save_checkpoint(checkpoint)
     with tr.whole_params():
-        params = {
-            tr.names[id(p)]: (p.detach().clone(), getattr(p, "tp_split", None)) for p in tr.params
-        }
+        params = {tr.names[id(p)]: (p.detach().clone(), split_of(p)) for p in tr.params}
     tr.close()
     return metrics, params
 

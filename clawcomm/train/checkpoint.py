@@ -24,12 +24,13 @@ layout can find its part:
                                batch a resume keeps (clawcomm.train.resume)
 
 Parameters and optimizer state are replicated over data-parallel ranks and
-split over pipeline stages and tensor-parallel ranks; DCP writes each key
-once, whole (a tensor-parallel rank writes its pieces of it:
-``checkpoint_pieces``). Loading asks each rank for the keys, or the pieces,
-of the parameters it holds now, so a checkpoint taken at dp2 x pp2 loads at
-dp1 x pp4, and one taken at tp 2 at tp 1 or 4 (with the same global batch: ``--resume`` derives
-the accumulation from it). What only makes sense at the same layout (RNG
+split over pipeline stages, tensor-parallel ranks and (experts)
+expert-parallel ranks; DCP writes each key once, whole (a tensor- or
+expert-parallel rank writes its pieces of it: ``checkpoint_pieces``).
+Loading asks each rank for the keys, or the pieces, of the parameters it
+holds now, so a checkpoint taken at dp2 x pp2 loads at dp1 x pp4, one taken
+at tp 2 at tp 1 or 4, and one at ep 2 at ep 1 or 4 (with the same global
+batch: ``--resume`` derives the accumulation from it). What only makes sense at the same layout (RNG
 streams, the reducer's bucket order) is restored only there; residuals of a
 different data-parallel width are averaged, which keeps the mean update
 they still owe.
@@ -77,6 +78,7 @@ def _layout(trainer) -> dict:
         "pp": cfg.pp,
         "tp": cfg.tp,
         "sequence_parallel": cfg.sequence_parallel_on,
+        "ep": cfg.ep,
         "virtual_stages": cfg.virtual_stages,
         "cuts": list(trainer.cuts),
         "schedule": cfg.schedule,
@@ -162,8 +164,13 @@ def _names(trainer) -> list[str]:
     return [trainer.names[id(p)] for p in trainer.params]
 
 
-def _index_of(trainer, name: str) -> int:
-    return next(i for n, i, _ in _local(trainer) if n == name)
+def _reduced(trainer):
+    """(name, index in the reducer, parameter) of every parameter the
+    data-parallel reducer holds (all but spread experts)."""
+    index = {id(p): i for i, p in enumerate(trainer.reducer.params)}
+    for name, _, p in _local(trainer):
+        if id(p) in index:
+            yield name, index[id(p)], p
 
 
 def _residual_segments(trainer) -> dict[str, torch.Tensor]:
@@ -174,7 +181,7 @@ def _residual_segments(trainer) -> dict[str, torch.Tensor]:
         return {}
     out = {}
     for kind, buffers in r.compression_state.per_element().items():
-        for name, i, _ in _local(trainer):
+        for name, i, _ in _reduced(trainer):
             bucket, slot = r.slot[i]
             res = buffers.get(bucket.index)
             if res is not None:
@@ -395,7 +402,9 @@ def load(trainer, path: str) -> int:
     meta = pickle.loads(head["meta"])
     _check(meta, trainer, path)
     # (checkpoints from before tensor parallelism name no tp: theirs was 1)
-    same_layout = {"tp": 1, "sequence_parallel": False, **meta["layout"]} == _layout(trainer)
+    same_layout = {"tp": 1, "sequence_parallel": False, "ep": 1, **meta["layout"]} == _layout(
+        trainer
+    )
 
     request: dict = {}
     if trainer.units is not None:  # ZeRO-3: the load writes whole parameters
@@ -419,7 +428,7 @@ def load(trainer, path: str) -> int:
     r = trainer.reducer
     if r is not None and r.compressor is not None:
         for kind in r.compression_state.per_element():
-            for name, _, p in _local(trainer):
+            for name, _, p in _reduced(trainer):
                 keys, factor = _residual_sources(trainer, meta, kind, name, p)
                 for k in keys:
                     if k in have:
@@ -453,8 +462,9 @@ def load(trainer, path: str) -> int:
     if trainer.outer is not None and same_layout and state and state.get("outer"):
         trainer.outer.load_small_state(state["outer"])
     if r is not None and r.compressor is not None:
+        index = {n: i for n, i, _ in _reduced(trainer)}
         for (kind, name), (keys, factor) in residual_keys.items():
-            (bucket, slot), cs = r.slot[_index_of(trainer, name)], r.compression_state
+            (bucket, slot), cs = r.slot[index[name]], r.compression_state
             res = (cs.residual if kind == "residual" else cs.momentum)(bucket.index, bucket.zeros())
             saved = torch.stack([request[k] for k in keys]).mean(0) * factor
             bucket.segment(res, slot).copy_(saved.flatten())

@@ -145,6 +145,8 @@ class Experts(nn.Module):
         self.b1 = nn.Parameter(torch.zeros(experts, hidden))
         self.w2 = nn.Parameter(torch.empty(experts, hidden, dim))
         self.b2 = nn.Parameter(torch.zeros(experts, dim))
+        for w in (self.w1, self.w2):  # (the GPT initialises them again, as GPT-2 does)
+            nn.init.normal_(w, 0.0, 0.02)
         self.first = 0
 
     @property
