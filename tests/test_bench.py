@@ -47,6 +47,9 @@ def test_every_collective_against_gloo_and_the_raw_engine(tmp_path):
             rows = [r for r in records if r["collective"] == name and r["variant"] == variant]
             assert len(rows) == 5, (name, variant)  # 8 B x 7^k up to 100K
             for r in rows:
+                if (name, variant) == ("all_to_allv", "raw"):  # (even splits only)
+                    assert "even" in r["error"], r
+                    continue
                 assert "error" not in r, r
                 assert r["wrong"] == 0 and r["oob"] == 0, r
                 assert r["time_us"] > 0 and r["busbw"] >= 0
@@ -188,13 +191,22 @@ def test_expected_results_by_hand():
         np.concatenate([ins[0][2:4], ins[1][2:4], ins[2][2:4]]),
     )
     np.testing.assert_array_equal(collectives.expected(sr, 0, count, "sum", -1, n), ins[2])
+    # Uneven: 3 ranks send 6 each, receivers weighted 1 : 1/2 : 1/3 -> 3, 1, 1 (+1 to rank 0).
+    a2av = collectives.COLLECTIVES["all_to_allv"]
+    np.testing.assert_array_equal(collectives.uneven_splits(6, 3, 1.0), [[4, 1, 1]] * 3)
+    assert a2av.counts(count, n, 0) == (6, 12) and a2av.counts(count, n, 2) == (6, 3)
+    np.testing.assert_array_equal(
+        collectives.expected(a2av, 1, count, "sum", -1, n),
+        np.concatenate([ins[0][4:5], ins[1][4:5], ins[2][4:5]]),
+    )
     assert collectives.count_wrong(np.array([1.0, 2.0]), np.array([1.0, 2.5]), "int32") == 1
     assert ar.busbw_factor(4) == 1.5 and rs.busbw_factor(4) == 0.75 and sr.busbw_factor(4) == 1
 
 
 @pytest.mark.skipif(cli._mpi_available() is not None, reason="OpenMPI or mpi4py not installed")
 def test_mpi_comparison_runs_in_the_same_run():
-    p = _bench("--nproc", "2", "-o", "all_reduce,all_gather,sendrecv", "-b", "64", "-e", "64K",
+    p = _bench("--nproc", "2", "-o", "all_reduce,all_gather,sendrecv,all_to_allv", "-b", "64",
+               "-e", "64K",
                "-f", "32", "--compare", "mpi", *FAST)  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]
     assert "mpi" in p.stdout and "skipped" not in p.stdout

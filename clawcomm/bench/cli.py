@@ -129,6 +129,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="float",
         help="float (default), half, bfloat16, " "double, int8, uint8, int32, int64",
     )
+    p.add_argument(
+        "--skew",
+        type=float,
+        default=1.0,
+        help="all_to_allv: how unevenly each rank splits what it sends, as a router splits "
+        "tokens over experts: receiver r gets a share proportional to (r + 1) ** -skew, the "
+        "same at every sender (0: nearly even; 1, the default: rank 0 takes 2/3 at 2 ranks)",
+    )
     p.add_argument("-r", "--root", type=int, default=0, help="root of broadcast/reduce (0)")
     p.add_argument("-c", "--check", type=int, default=1, choices=(0, 1), help="check results (1)")
     p.add_argument(
@@ -330,6 +338,7 @@ def run(args, argv: list[str] | None = None) -> int:
             "check": bool(args.check),
             "repeats": args.repeats,
             "pages": args.pages,
+            "skew": args.skew,
         },
         "algos": args.algo,
         "compare": [c for c in args.compare if c != "mpi"],

@@ -10,8 +10,15 @@ factors, so figures compare with what people quote for NCCL:
 
     all_reduce                         2 (n-1)/n
     reduce_scatter, all_gather,
-    all_to_all                         (n-1)/n
+    all_to_all, all_to_allv            (n-1)/n
     broadcast, reduce, sendrecv        1
+
+``all_to_allv`` is the uneven all-to-all a mixture-of-experts layer makes:
+every rank sends ``count`` elements, split over the receivers as a router
+splits tokens over experts whose popularity falls off as a power law
+(``uneven_splits``; ``--skew`` is its exponent, 0 near even). Every sender
+favours the same receivers (a popular expert is popular everywhere), so
+rank 0 receives the most: the size is what each rank sends.
 """
 
 from __future__ import annotations
@@ -70,17 +77,21 @@ class Collective:
     has_root: bool
     # Elements of (input, output) per rank for a `count`-element size.
     # None for the output means "in place".
-    shape: str  # "inplace", "scatter" (in=count, out=count/n), "gather", "same"
+    shape: str  # "inplace", "scatter" (in=count, out=count/n), "gather", "same", "uneven"
+    skew: float = 0.0  # uneven: the popularity exponent (uneven_splits)
 
     def busbw_factor(self, n: int) -> float:
         if self.name == "all_reduce":
             return 2.0 * (n - 1) / n if n > 1 else 1.0
-        if self.name in ("reduce_scatter", "all_gather", "all_to_all"):
+        if self.name in ("reduce_scatter", "all_gather", "all_to_all", "all_to_allv"):
             return (n - 1) / n if n > 1 else 1.0
         return 1.0
 
-    def counts(self, count: int, n: int) -> tuple[int, int]:
-        """(input elements, output elements) on every rank."""
+    def counts(self, count: int, n: int, rank: int = 0) -> tuple[int, int]:
+        """(input elements, output elements) on ``rank`` (every rank alike
+        but for an uneven all-to-all)."""
+        if self.shape == "uneven":
+            return count, int(uneven_splits(count, n, self.skew)[:, rank].sum())
         if self.shape == "scatter":
             return count, count // n
         if self.shape == "gather":
@@ -101,9 +112,25 @@ COLLECTIVES = {
         Collective("broadcast", False, True, "inplace"),
         Collective("reduce", True, True, "inplace"),
         Collective("all_to_all", False, False, "same"),
+        Collective("all_to_allv", False, False, "uneven", skew=1.0),
         Collective("sendrecv", False, False, "same"),
     )
 }
+
+
+def uneven_splits(count: int, n: int, skew: float) -> np.ndarray:
+    """[sender, receiver] elements of an uneven all-to-all: each sender's
+    ``count`` split in proportion to (receiver + 1) ** -skew (the rest of
+    the rounding to receiver 0)."""
+    weight = (np.arange(n) + 1.0) ** -skew
+    row = np.floor(count * weight / weight.sum()).astype(np.int64)
+    row[0] += count - row.sum()
+    return np.tile(row, (n, 1))
+
+
+def offsets(counts) -> list[int]:
+    """Where each of ``counts``' blocks starts, laid end to end."""
+    return [int(x) for x in np.concatenate([[0], np.cumsum(counts)[:-1]])]
 
 
 def element_count(coll: Collective, size: int, dtype: str, n: int) -> int:
@@ -143,7 +170,7 @@ def _reduce(arrays: list[np.ndarray], redop: str) -> np.ndarray:
 
 def inputs(coll: Collective, rank: int, count: int, redop: str, n: int) -> np.ndarray:
     """This rank's input (float64; each runner casts it to the dtype)."""
-    in_count, _ = coll.counts(count, n)
+    in_count, _ = coll.counts(count, n, rank)
     return pattern(rank, in_count, redop, n)
 
 
@@ -165,6 +192,11 @@ def expected(coll: Collective, rank: int, count: int, redop: str, root: int, n: 
     if coll.name == "all_to_all":
         chunk = count // n
         return np.concatenate([ins[p][rank * chunk : (rank + 1) * chunk] for p in range(n)])
+    if coll.name == "all_to_allv":
+        splits = uneven_splits(count, n, coll.skew)
+        return np.concatenate(
+            [ins[p][offsets(splits[p])[rank] :][: splits[p][rank]] for p in range(n)]
+        )
     if coll.name == "sendrecv":
         return ins[(rank - 1) % n]
     raise ValueError(f"unknown collective {coll.name}")

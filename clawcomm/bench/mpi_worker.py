@@ -13,7 +13,14 @@ import sys
 
 import numpy as np
 
-from clawcomm.bench.collectives import GUARD, Collective, expected, inputs
+from clawcomm.bench.collectives import (
+    GUARD,
+    Collective,
+    expected,
+    inputs,
+    offsets,
+    uneven_splits,
+)
 from clawcomm.bench.runners import SENTINEL, Unsupported, host_array, prepared, set_pages
 from clawcomm.bench.sweep import Config, Sync, points, run_sweep
 
@@ -34,7 +41,7 @@ class MpiRunner:
         comm = self.comm
         rank, n = comm.Get_rank(), comm.Get_size()
         op = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}[redop]
-        in_count, out_count = coll.counts(count, n)
+        in_count, out_count = coll.counts(count, n, rank)
         full = host_array(out_count + GUARD, dtype)
         full.fill(SENTINEL)
         out = full[:out_count]
@@ -62,6 +69,11 @@ class MpiRunner:
             step = lambda: comm.Reduce(inp, out if rank == root else None, op=op, root=root)
         elif name == "all_to_all":
             step = lambda: comm.Alltoall(inp, out)
+        elif name == "all_to_allv":
+            splits = uneven_splits(count, n, coll.skew)
+            send = [inp, (splits[rank].tolist(), offsets(splits[rank]))]
+            recv = [out, (splits[:, rank].tolist(), offsets(splits[:, rank]))]
+            step = lambda: comm.Alltoallv(send, recv)
         elif name == "sendrecv":
             step = lambda: comm.Sendrecv(inp, (rank + 1) % n, 0, out, (rank - 1) % n, 0)
         else:

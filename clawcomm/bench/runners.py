@@ -25,6 +25,7 @@ from clawcomm.bench.collectives import (
     count_wrong,
     expected,
     inputs,
+    uneven_splits,
 )
 
 SENTINEL = 77  # what guard elements hold; no pattern produces it
@@ -118,7 +119,7 @@ class TorchRunner:
         rank = dist.get_rank(self.group)
         n = dist.get_world_size(self.group)
         tdtype = getattr(torch, dtype)
-        in_count, out_count = coll.counts(count, n)
+        in_count, out_count = coll.counts(count, n, rank)
         op = {
             "sum": dist.ReduceOp.SUM,
             "prod": dist.ReduceOp.PRODUCT,
@@ -156,6 +157,10 @@ class TorchRunner:
             step = lambda: dist.reduce(out, dst=groot, op=op, group=g)
         elif name == "all_to_all":
             step = lambda: dist.all_to_all_single(out, inp, group=g)
+        elif name == "all_to_allv":
+            splits = uneven_splits(count, n, coll.skew)
+            send, recv = splits[rank].tolist(), splits[:, rank].tolist()
+            step = lambda: dist.all_to_all_single(out, inp, recv, send, group=g)
         elif name == "sendrecv":
 
             def step():
@@ -197,7 +202,9 @@ class EngineRunner:
         # numpy has no bfloat16: hold it as uint16 and tell the engine.
         np_dtype = np.uint16 if dtype == "bfloat16" else np.dtype(dtype)
         engine_dtype = "bfloat16" if dtype == "bfloat16" else None
-        in_count, out_count = coll.counts(count, n)
+        if coll.shape == "uneven":
+            raise Unsupported("the engine's binding takes even all-to-all splits")
+        in_count, out_count = coll.counts(count, n, rank)
         op = "product" if redop == "prod" else redop
 
         full = host_array(out_count + GUARD, np_dtype)

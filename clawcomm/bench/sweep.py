@@ -17,6 +17,7 @@ elements written past an output.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import time
@@ -52,12 +53,15 @@ class Config:
     repeats: int = 3
     target_s: float = 0.04
     pages: str = "huge"  # buffers from 2 MiB up (runners.host_array)
+    skew: float = 1.0  # all_to_allv: the popularity exponent (collectives.uneven_splits)
 
 
 def points(cfg: Config) -> Iterable[tuple]:
     """(collective, redop, size) in the order they are measured."""
     for name in cfg.collectives:
         coll = COLLECTIVES[name]
+        if coll.shape == "uneven":
+            coll = dataclasses.replace(coll, skew=cfg.skew)
         for redop in cfg.redops if coll.has_redop else ["-"]:
             for size in cfg.sizes:
                 yield coll, redop, size

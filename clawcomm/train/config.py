@@ -332,9 +332,7 @@ class TrainConfig:
             value = getattr(self, f.name)
             choices = f.metadata.get("choices")
             if choices and value not in choices:
-                raise ValueError(
-                    f"{f.name} {value!r} is not one of {', '.join(map(str, choices))}"
-                )
+                raise ValueError(f"{f.name} {value!r} is not one of {', '.join(map(str, choices))}")
             if isinstance(f.default, int) and not isinstance(f.default, bool):
                 if isinstance(value, bool) or not isinstance(value, int):
                     raise ValueError(f"{f.name} must be an integer, got {value!r}")

@@ -144,10 +144,13 @@ def held_bytes(params, reducer, optimizer, shards=None) -> dict:
     def nbytes(tensors) -> int:
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
-    grads = nbytes(p.grad for p in params)
-    if reducer is not None:  # its buckets, and the gradients outside it (spread experts')
+    outside = 0  # gradients the reducer does not hold (spread experts')
+    if reducer is not None:
         inside = {id(p) for p in reducer.params}
-        grads = reducer.grad_bytes() + nbytes(p.grad for p in params if id(p) not in inside)
+        outside = nbytes(p.grad for p in params if id(p) not in inside)
+    grads = (
+        reducer.grad_bytes() + outside if reducer is not None else nbytes(p.grad for p in params)
+    )
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     sharded = shards is not None and not shards.stale()  # (laid out from the first step's end)
     held = shards.param_bytes() if sharded else nbytes(params)
@@ -156,7 +159,7 @@ def held_bytes(params, reducer, optimizer, shards=None) -> dict:
         "grad_bytes": grads,
         "optim_bytes": nbytes(state),
         "param_peak_bytes": max(held, shards.peak_bytes) if shards is not None else held,
-        "grad_peak_bytes": reducer.peak_grad_bytes if reducer is not None else grads,
+        "grad_peak_bytes": reducer.peak_grad_bytes + outside if reducer is not None else grads,
     }
 
 
