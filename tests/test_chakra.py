@@ -176,8 +176,8 @@ def _train(rank, n, layout, folder):
     from clawcomm.train.cli import train_rank
     from clawcomm.train.config import TrainConfig
 
-    cfg = TrainConfig(model="mlp", hidden=32, steps=2, micro_batch_size=2, quiet=True,
-                      chakra=folder, **layout)  # fmt: skip
+    base = dict(model="mlp", hidden=32, steps=2, micro_batch_size=2, quiet=True, chakra=folder)
+    cfg = TrainConfig(**{**base, **layout})
     return train_rank(cfg, announce=False)[-1]["step_ms"] / 1e3
 
 
@@ -199,6 +199,8 @@ LONG_ONLY = pytest.mark.skipif(
         ),
         pytest.param(dict(dp=2, pp=1, zero=1), id="dp2-zero1", marks=LONG_ONLY),
         pytest.param(dict(dp=1, tp=2, pp=2, schedule="1f1b", microbatches=4), id="tp2-pp2"),
+        pytest.param(dict(dp=2, ep=2, pp=1, model="moe", dim=32, layers=2, heads=2, seq_len=16,
+                          experts=4), id="moe-ep2"),  # fmt: skip
     ],
 )
 def test_the_trainers_trace_replays_every_node(tmp_path, layout):
@@ -228,6 +230,11 @@ def test_the_trainers_trace_replays_every_node(tmp_path, layout):
                        for n in tp), r  # fmt: skip
             assert all(len(n.data_deps) == 1 for n in tp), r
             tp_nodes += len(tp)
+        if layout.get("ep", 1) > 1:  # a layer and micro-batch: counts, tokens, back; backward 2
+            ep = [n for n in colls if n.attrs["pg_name"].startswith("ep")]
+            assert {n.collective for n in ep} == {"all_to_all"}, r
+            assert all(trace.groups[n.attrs["pg_name"]] == [0, 1] for n in ep), r
+            assert len(ep) == (3 + 2) * layout["layers"] * 4, (r, len(ep))
     if layout.get("tp", 1) > 1:  # (the first stage's column layer sends nothing: its input is data)
         assert tp_nodes > 0
         assert sum(n.duration_us for n in nodes) > 0

@@ -23,9 +23,10 @@ The predicted step is the last node's end. Its critical path is walked back
 from there, each node to whatever it waited for last: a dependency, the
 rank's previous compute, the slowest member of a collective, or a message.
 
-All-to-all, gather and scatter cost an all-gather of the same bytes, and a
-barrier an all-reduce of 8 bytes: the model has no formulas for them (the
-report says when it used these stand-ins).
+An all-to-all costs the engine's pairwise exchange of its input bytes (the
+experts' uneven ones priced as even); gather and scatter cost an all-gather
+of the same bytes, and a barrier an all-reduce of 8 bytes: the model has no
+formulas for them (the report says when it used these stand-ins).
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ from clawcomm import chakra
 from clawcomm.cost_model import CostModel, Topology, predict
 
 _STAND_INS = {
-    "all_to_all": "all_gather",
     "gather": "all_gather",
     "scatter": "all_gather",
     "reduce_scatter_block": "reduce_scatter",

@@ -31,7 +31,9 @@ per accumulation round), with times from the recorded step (trace.py):
   node (process group ``tp<pp rank>.<dp rank>``), a compute node after it,
   in a chain, so a replay keeps them on the critical path of every layer.
   The overlapped exchange's sends and receives (``--tp-overlap``) are not
-  split out: their time stays in the compute nodes.
+  split out: their time stays in the compute nodes;
+* at ep > 1, each of the experts' all-to-alls likewise (process group
+  ``ep<pp rank>.<copy>``, the copy being dp rank // ep).
 
 Every rank's file says its host (``host`` in the global metadata, torchrun's
 ``GROUP_RANK``), so a replay knows which messages cross a link.
@@ -58,7 +60,7 @@ def rank_nodes(events: list, actions: list, grid, cfg) -> list[chakra.Node]:
     """This rank's Chakra nodes for one recorded step (``events``: the
     step's events from trace.StepRecorder; ``actions``: its action list)."""
     rounds = cfg.accumulation
-    compute, sizes, waits, dp_ops, tp_ops = {}, {}, [], [], []
+    compute, sizes, waits, dp_ops, inside_ops = {}, {}, [], [], []
     step = opt_from = None
     for track, name, t0, t1, args in events:
         rnd = args.get("round", 0)
@@ -74,9 +76,9 @@ def rank_nodes(events: list, actions: list, grid, cfg) -> list[chakra.Node]:
             step = (t0, t1)
         elif track == trace.ENGINE and args.get("group", "").startswith("dp"):
             dp_ops.append((t0, t1, name, args))
-        elif track == trace.TP and args.get("op") in chakra.COLLECTIVES:
-            tp_ops.append((t0, t1, name, args))
-    tp_ops.sort()
+        elif track in (trace.TP, trace.EP) and args.get("op") in chakra.COLLECTIVES:
+            inside_ops.append((t0, t1, name, args, _inside_group(track, grid, cfg)))
+    inside_ops.sort()
     if step is None:
         raise ValueError("chakra: the recorded step has no step event")
     origin = step[0]
@@ -111,15 +113,14 @@ def rank_nodes(events: list, actions: list, grid, cfg) -> list[chakra.Node]:
                     deps.append(done[(rnd, RECV_F, a.stage, a.microbatch)])
                 if a.kind in (B, I) and a.stage < last and elsewhere(a.stage + 1):
                     deps.append(done[(rnd, RECV_B, a.stage, a.microbatch)])
-                inside = [op for op in tp_ops if t0 <= op[0] < t1]
+                inside = [op for op in inside_ops if t0 <= op[0] < t1]
                 start, cursor, part = t0 - host, t0, 0
-                for s0, s1, name, args in inside:  # compute up to it, then the collective
+                for s0, s1, name, args, pg in inside:  # compute up to it, then the collective
                     n = add(f"{a}{sfx} .{part}", chakra.COMP_NODE,
                             duration_us=us(max(0.0, s0 - cursor) + (host if part == 0 else 0.0)),
                             start_us=us(cursor - origin), data_deps=deps, ctrl_deps=[prev.id],
                             attrs={"is_cpu_op": True})  # fmt: skip
                     running.append((start, s0, n.id))
-                    pg = f"tp{grid.pp_rank}.{grid.dp_rank}"
                     prev = _collective(add, name, args, grid, [n.id], pg)
                     start = cursor = max(s1, s0)
                     deps, part = [], part + 1
@@ -210,6 +211,13 @@ def _collective(add, name: str, args: dict, grid, deps: list[int], pg: str = "")
     )
 
 
+def _inside_group(track: int, grid, cfg) -> str:
+    """The process group of a collective that runs inside compute actions."""
+    if track == trace.TP:
+        return f"tp{grid.pp_rank}.{grid.dp_rank}"
+    return f"ep{grid.pp_rank}.{grid.dp_rank // cfg.ep}"
+
+
 def _dp_name(grid, pp_rank: int, tp_rank: int) -> str:
     return f"dp{pp_rank}" + (f"t{tp_rank}" if grid.tp > 1 else "")
 
@@ -238,6 +246,9 @@ def write(trainer, directory: str, step: int = -1) -> None:
     for p in range(cfg.pp) if cfg.tp > 1 else ():
         for d in range(cfg.dp):
             groups[f"tp{p}.{d}"] = [g.rank_of(d, p, t) for t in range(cfg.tp)]
+    for p in range(cfg.pp) if cfg.ep > 1 else ():
+        for c in range(cfg.dp // cfg.ep):
+            groups[f"ep{p}.{c}"] = [g.rank_of(c * cfg.ep + j, p) for j in range(cfg.ep)]
     ranks = {r: nodes for r, _h, nodes in gathered}
     _keep_common_collectives(ranks, groups)
     meta = {r: {"host": h, "clawcomm_label": _label(cfg, r)} for r, h, _ in gathered}
@@ -285,4 +296,5 @@ def _label(cfg, rank: int) -> str:
 
     g = Grid(cfg.dp, cfg.pp, rank, cfg.tp)
     tp = f", tp {g.tp_rank}" if cfg.tp > 1 else ""
-    return f"dp {g.dp_rank}{tp}, pp {g.pp_rank}"
+    ep = f", ep {g.dp_rank % cfg.ep}" if cfg.ep > 1 else ""
+    return f"dp {g.dp_rank}{ep}{tp}, pp {g.pp_rank}"

@@ -16,7 +16,9 @@ process of a host):
   which overlap compute) and the pipeline group's sends and receives, from
   the engine's flight recorder, whose clock (steady_clock) is the same;
 * tensor parallel: the TP group's collectives and ring sends, which run
-  inside the compute actions (their own track).
+  inside the compute actions (their own track);
+* expert parallel: the experts' all-to-alls (``--ep``), inside the compute
+  actions too (their own track).
 
 ``write_chrome_trace`` merges every rank's events into one JSON file that
 chrome://tracing and ui.perfetto.dev open: a process per rank, a track for
@@ -32,7 +34,7 @@ import torch.distributed as dist
 
 # (track, name, start s, end s, args)
 Event = tuple[int, str, float, float, dict]
-COMPUTE, COMM, STEP, ENGINE, DATA, TP = 0, 1, 2, 3, 4, 5
+COMPUTE, COMM, STEP, ENGINE, DATA, TP, EP = 0, 1, 2, 3, 4, 5, 6
 TRACKS = {
     COMPUTE: "compute",
     COMM: "communication",
@@ -40,8 +42,11 @@ TRACKS = {
     ENGINE: "engine ops",
     DATA: "data",  # the wait for the step's batch, before the step
     TP: "tensor parallel",
+    EP: "expert parallel",
 }
+INSIDE = {"tp": TP, "ep": EP}  # groups whose every op runs inside compute actions
 COLORS = {"F": "#4C72B0", "B": "#DD8452", "I": "#C44E52", "W": "#55A868", "opt": "#8172B3"}
+INSIDE_COLORS = {TP: "#DA8BC3", EP: "#CCB974"}
 
 
 class StepRecorder:
@@ -85,8 +90,8 @@ def run_events(stats, accumulation_round: int | None = None) -> list[Event]:
 
 def engine_events(named_engines: dict, t0: float, t1: float) -> list[Event]:
     """The dp group's collectives, the pp group's sends and receives and
-    every op of the tp group that ran in [t0, t1], from the engines'
-    flight records."""
+    every op of the tp and ep groups that ran in [t0, t1], from the
+    engines' flight records."""
     out = []
     for label, eng in named_engines.items():
         for op in json.loads(eng.flight_record())["ops"]:
@@ -94,11 +99,11 @@ def engine_events(named_engines: dict, t0: float, t1: float) -> list[Event]:
             p2p = op["op"] in ("send", "recv")
             if op["state"] != "done" or s1 < t0 or s0 > t1:
                 continue
-            if label != "tp" and label.startswith("dp") == p2p:
+            if label not in INSIDE and label.startswith("dp") == p2p:
                 continue
             name = f"{label} {op['op']}" + (f" #{op['seq']}" if "seq" in op else "")
             args = {"group": label, "op": op["op"], "seq": op.get("seq"), "bytes": op["bytes"]}
-            out.append((TP if label == "tp" else ENGINE, name, s0, s1, args))
+            out.append((INSIDE.get(label, ENGINE), name, s0, s1, args))
     return out
 
 
@@ -161,8 +166,8 @@ def draw_timeline(path: str, ranks: list, step: int = -1, title: str = "") -> No
                 ax.broken_barh([(x, w)], (y - 0.35, 0.18), color="#333333")
             elif track == ENGINE and args.get("group") == "dp":
                 ax.broken_barh([(x, w)], (y + 0.22, 0.13), color="#937860")
-            elif track == TP:
-                ax.broken_barh([(x, w)], (y + 0.22, 0.13), color="#DA8BC3")
+            elif track in (TP, EP):
+                ax.broken_barh([(x, w)], (y + 0.22, 0.13), color=INSIDE_COLORS[track])
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([label for _, label, _ in rows])
     ax.invert_yaxis()
@@ -171,8 +176,9 @@ def draw_timeline(path: str, ranks: list, step: int = -1, title: str = "") -> No
     handles = [Patch(color=c, label=k if k != "opt" else "optimizer") for k, c in COLORS.items()]
     handles.append(Patch(color="#333333", label="waiting on communication"))
     handles.append(Patch(color="#937860", label="dp reduction in flight"))
-    if any(e[0] == TP for s in chosen for e in s):
-        handles.append(Patch(color="#DA8BC3", label="tp collective"))
+    for track, what in ((TP, "tp collective"), (EP, "ep all-to-all")):
+        if any(e[0] == track for s in chosen for e in s):
+            handles.append(Patch(color=INSIDE_COLORS[track], label=what))
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=6, fontsize=8)
     ax.set_title(title)
     fig.tight_layout()
@@ -197,7 +203,9 @@ def write_recorded(trainer, trace_path: str | None, timeline_path: str | None) -
     and writes the Chrome trace and/or the timeline picture (collective)."""
     g, cfg = trainer.grid, trainer.cfg
     tp = f", tp {g.tp_rank}" if cfg.tp > 1 else ""
-    ranks = trainer.recorder.gather(g.rank, f"rank {g.rank} (dp {g.dp_rank}{tp}, pp {g.pp_rank})")
+    ep = f", ep {g.dp_rank % cfg.ep}" if cfg.ep > 1 else ""
+    label = f"rank {g.rank} (dp {g.dp_rank}{ep}{tp}, pp {g.pp_rank})"
+    ranks = trainer.recorder.gather(g.rank, label)
     if g.rank != 0:
         return
     if trace_path:
@@ -206,7 +214,9 @@ def write_recorded(trainer, trace_path: str | None, timeline_path: str | None) -
         title = (
             f"step {trainer.step_index}: dp {cfg.dp} x "
             + (f"tp {cfg.tp} x " if cfg.tp > 1 else "")
-            + f"pp {cfg.pp}, {cfg.schedule}, "
+            + f"pp {cfg.pp}"
+            + (f" (ep {cfg.ep})" if cfg.ep > 1 else "")
+            + f", {cfg.schedule}, "
             f"{cfg.microbatches} micro-batches"
         )
         draw_timeline(timeline_path, ranks, -1, title)
