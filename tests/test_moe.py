@@ -294,3 +294,32 @@ def test_resuming_with_compressed_dense_gradients_is_exact(tmp_path):
     assert [m["loss"] for m in resumed[0][0]] == [m["loss"] for m in straight[0][0]][2:]
     for (_, pa), (_, pb) in zip(straight, resumed, strict=True):
         assert all(torch.equal(pa[n][0], pb[n][0]) for n in pa)
+
+
+# ---- the plan -----------------------------------------------------------------------------
+
+
+def test_the_plan_searches_ep_and_prices_its_all_to_alls_and_memory():
+    """ep widths that divide dp, as flags the trainer takes; what each MoE
+    layer's experts hold and send (the expert room's answer); an ep 2
+    layout predicted with its all-to-alls and half the experts' state."""
+    from clawcomm.plan import search as plan
+    from clawcomm.parallel.expert import traffic
+
+    cands = list(plan.candidates(4, 4, 16, eps=(1, 2, 4)))
+    assert {(c.dp, c.ep) for c in cands if c.pp == 1} == {(4, 1), (4, 2), (4, 4)}
+    assert {c.ep for c in cands if c.dp == 2} == {1, 2}
+    c = plan.Candidate(2, 1, "1f1b", 1, 2, 4, 0, ep=2)
+    assert c.flags()[:4] == ["--dp", "2", "--ep", "2"] and "(ep 2)" in c.name()
+    assert plan.apply(_config(), c).ep == 2
+    model = train_models.build(_config())[0]
+    per_layer = traffic(model, 4, 16)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert sum(e for e, _ in per_layer) == experts
+    assert [b for _, b in per_layer] == [0.0, 4.0 * 4 * 16 * 2 * 32, 4.0 * 4 * 16 * 2 * 32, 0.0]
+
+    preds, _, prof = plan.plan(_config(micro_batch_size=4), 2)
+    by_shape = {(p.cand.dp, p.cand.ep, p.cand.zero, p.cand.pp): p for p in preds}
+    one, two = by_shape[(2, 1, 0, 1)], by_shape[(2, 2, 0, 1)]
+    assert two.memory_mb < one.memory_mb
+    assert two.compute_ms > one.compute_ms - 1e-9  # the all-to-alls, inside the passes

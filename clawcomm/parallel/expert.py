@@ -210,3 +210,24 @@ def _groups(grid, ep: int):
                 if grid.rank in ranks:
                     same = g
     return mine, same
+
+
+# ---- what the planner asks ------------------------------------------------------------
+
+
+def traffic(model: nn.Module, micro_batch_size: int, seq_len: int) -> list[tuple[float, float]]:
+    """Per layer of the whole model: (its experts' parameters, the bytes one
+    of its all-to-alls carries for a micro-batch: every token slot's
+    activation, float32, as the cost model takes an all-to-all's input).
+    A micro-batch makes three all-to-alls a layer forward (the counts', a
+    few bytes, then the tokens there and back) and two backward."""
+    from clawcomm.train.moe import layers_of
+
+    out = []
+    for layer in model:
+        experts, nbytes = 0.0, 0.0
+        for m in layers_of(layer):
+            experts += sum(p.numel() for p in m.experts.parameters())
+            nbytes += 4.0 * micro_batch_size * seq_len * m.top_k * m.router.in_features
+        out.append((experts, nbytes))
+    return out

@@ -72,6 +72,9 @@ class Profile:
     # per micro-batch size, per layer: what its tensor-parallel form sends
     # by pass (clawcomm.parallel.tensor.parallelize.traffic); empty if no tp searched
     tp_traffic: dict[int, list[dict]] = dataclasses.field(default_factory=dict)
+    # per micro-batch size, per layer: (its experts' parameters, the bytes
+    # one all-to-all carries; clawcomm.parallel.expert.traffic); empty if no ep searched
+    ep_traffic: dict[int, list[tuple[float, float]]] = dataclasses.field(default_factory=dict)
     # per --activation-checkpoint mode searched, per micro-batch size, per
     # layer: (the activation bytes it keeps over what it keeps without
     # recomputation, its backward's seconds with the recomputation)

@@ -14,6 +14,7 @@ import os
 import time
 from dataclasses import dataclass
 
+from clawcomm.parallel.expert import traffic as expert_traffic
 from clawcomm.parallel.tensor.parallelize import traffic as tensor_traffic
 from clawcomm.pipeline.schedules import check_schedule_args
 from clawcomm.plan import pass_order, shared_cores
@@ -42,9 +43,11 @@ class Candidate:
     sync: str | None = None  # searched; None: the command's own
     tp: int = 1
     activation_checkpoint: str | None = None  # searched under a memory limit; None: the command's
+    ep: int = 1  # --model moe: experts spread over ep of the dp ranks
 
     def flags(self) -> list[str]:
         out = ["--dp", str(self.dp)] + (["--tp", str(self.tp)] if self.tp > 1 else [])
+        out += ["--ep", str(self.ep)] if self.ep > 1 else []
         out += ["--pp", str(self.pp)]
         if self.pp > 1:
             out += ["--schedule", self.schedule, "-v", str(self.virtual_stages)]
@@ -64,12 +67,13 @@ class Candidate:
         if self.activation_checkpoint not in (None, "none"):
             sync += f" recompute {self.activation_checkpoint}"
         tp = f"tp {self.tp} x " if self.tp > 1 else ""
-        return (f"dp {self.dp} x {tp}pp {self.pp}{pipe}, {self.microbatches} x "
+        ep = f" (ep {self.ep})" if self.ep > 1 else ""
+        return (f"dp {self.dp}{ep} x {tp}pp {self.pp}{pipe}, {self.microbatches} x "
                 f"{self.micro_batch_size}{zero}{wire}{sync}")  # fmt: skip
 
     def shape(self) -> tuple:
-        """The layout's shape: (dp, pp, schedule, virtual_stages, tp)."""
-        return self.dp, self.pp, self.schedule, self.virtual_stages, self.tp
+        """The layout's shape: (dp, pp, schedule, virtual_stages, tp, ep)."""
+        return self.dp, self.pp, self.schedule, self.virtual_stages, self.tp, self.ep
 
 
 def apply(cfg, c: Candidate):
@@ -112,11 +116,12 @@ def microbatch_counts(schedule: str, pp: int, v: int, per_replica: int) -> list[
 
 
 def candidates(world: int, layers: int, global_batch: int, compressions=(None,), syncs=(None,),
-               tps=(1,), recomputes=(None,)):  # fmt: skip
+               tps=(1,), recomputes=(None,), eps=(1,)):  # fmt: skip
     """Every layout the trainer can run ``global_batch`` samples a step with
     (with each of ``compressions`` and ``syncs`` where dp > 1), at each
     tensor-parallel width of ``tps`` that divides the world, with each
-    activation-checkpointing mode of ``recomputes``."""
+    activation-checkpointing mode of ``recomputes``, and each
+    expert-parallel width of ``eps`` that divides dp."""
     for tp, pp in ((t, p) for t in tps for p in range(1, min(world, layers) + 1)):
         if world % (tp * pp):
             continue
@@ -132,9 +137,10 @@ def candidates(world: int, layers: int, global_batch: int, compressions=(None,),
                 for zero in range(4) if dp > 1 else (0,):
                     for wire in compressions if dp > 1 else compressions[:1]:
                         for sync in syncs if dp > 1 else (None,):
-                            for mode in recomputes:
-                                yield Candidate(dp, pp, schedule, v, m, per_replica // m, zero,
-                                                wire, sync, tp, mode)  # fmt: skip
+                            for mode, ep in ((r, e) for r in recomputes for e in eps):
+                                if dp % ep == 0:
+                                    yield Candidate(dp, pp, schedule, v, m, per_replica // m,
+                                                    zero, wire, sync, tp, mode, ep)  # fmt: skip
 
 
 def plan(cfg, world: int, memory_mb: float = 0.0, cores: int | None = None, cost=None,
@@ -170,7 +176,9 @@ def plan(cfg, world: int, memory_mb: float = 0.0, cores: int | None = None, cost
     modes = [None]
     if memory_mb:
         modes = ["none", "full"] if cfg.model != "gpt" else ["none", "selective", "full"]
-    cands = [c for c in candidates(world, layers, batch, wires, methods, tps, modes)
+    # --model moe: the experts spread over any width the world's dp can take
+    eps = [e for e in range(1, world + 1) if world % e == 0] if cfg.model == "moe" else [1]
+    cands = [c for c in candidates(world, layers, batch, wires, methods, tps, modes, eps)
              if _runs(apply(cfg, c), world)]  # fmt: skip
     if not cands:
         raise ValueError(
@@ -187,6 +195,9 @@ def plan(cfg, world: int, memory_mb: float = 0.0, cores: int | None = None, cost
     if any(c.tp > 1 for c in cands):  # what each layer sends split (the TP room says)
         sp = dataclasses.replace(cfg, tp=2).sequence_parallel_on
         prof.tp_traffic = {mbs: tensor_traffic(built[0], mbs, cfg.seq_len, sp)
+                           for mbs in {c.micro_batch_size for c in cands}}  # fmt: skip
+    if any(c.ep > 1 for c in cands):  # what each layer's experts hold and send (the EP room says)
+        prof.ep_traffic = {mbs: expert_traffic(built[0], mbs, cfg.seq_len)
                            for mbs in {c.micro_batch_size for c in cands}}  # fmt: skip
     cores = cores or os.cpu_count() or 1
     cap = cfg.bucket_cap_mb * 2**20
@@ -289,7 +300,8 @@ def cost_model(path: str | None = None, link: str | None = None):
 
 def choose(cfg, world: int, say=print):
     """``cfg`` with the plan's first layout (``clawcomm train --layout auto``;
-    a --tp above 1 is kept, else tp is searched too)."""
+    a --tp above 1 is kept, else tp is searched too; ep is searched for
+    --model moe)."""
     preds, over, prof = plan(cfg, world, cfg.max_memory_mb,
                              tps=[cfg.tp] if cfg.tp > 1 else None)  # fmt: skip
     if not preds:

@@ -24,6 +24,13 @@ rank, from the profile and the answers of the rooms that own each rule.
   computation does not cover. Parameters, gradients, optimizer state and
   activations per rank are 1/tp of the layer's (the replicated LayerNorms
   and biases are not counted apart).
+- **Expert parallelism** (--model moe, ep > 1): each MoE layer's passes
+  add its all-to-alls over the ep group (``parallel.expert.traffic``:
+  every token slot's activation, priced as an even exchange, though a
+  router's are uneven); a rank holds 1/ep of the experts' parameters and
+  optimizer state. Their gradients are priced in the data-parallel
+  reduction as the dense ones' (the trainer reduces them after it, over
+  the dp/ep ranks holding the same experts).
 - **Activation checkpointing** (searched under a memory limit): each
   layer's backward as profiled with the recomputation, and the activations
   it keeps as measured against no recomputation (``profile.recompute``).
@@ -141,9 +148,22 @@ def predict(c, prof: Profile, cores: int, cost=None, gpu: bool = False, hosts: i
 
     def per_stage(times: list[float], scale: list[float], tp_pass: str = "") -> list[float]:
         split = [scale[i] * times[i] / c.tp for i in range(len(times))]
-        if tp_pass:  # what the split layers' collectives add to the pass
-            split = [t + tp_seconds(i, tp_pass, t) for i, t in enumerate(split)]
+        if tp_pass:  # what the split layers' collectives and the experts' exchanges add
+            split = [t + tp_seconds(i, tp_pass, t) + ep_seconds(i, tp_pass)
+                     for i, t in enumerate(split)]  # fmt: skip
         return [sum(split[i] for i in r) for r in span]
+
+    def ep_seconds(i: int, kind: str) -> float:
+        """What layer i's experts add to a pass at ep > 1: its all-to-alls
+        (forward: the counts, then the tokens there and back; backward: their
+        gradients there and back), each priced as an even exchange of every
+        slot's activation, CPU work that slows where ranks outnumber cores."""
+        nbytes = prof.ep_traffic[mbs][i][1] if c.ep > 1 else 0.0
+        if not nbytes:
+            return 0.0
+        group = expert_topology(c, hosts)
+        counts = comm_time("all_to_all", "auto", 8.0 * c.ep, group, cost) if kind == "F" else 0.0
+        return slow * (2 * comm_time("all_to_all", "auto", nbytes, group, cost) + counts)
 
     def tp_seconds(i: int, kind: str, compute: float) -> float:
         """What layer i's split form adds to a pass of ``compute`` seconds:
@@ -206,8 +226,9 @@ def predict(c, prof: Profile, cores: int, cost=None, gpu: bool = False, hosts: i
     sim = pipeline.run(action_cost, latency if c.pp > 1 else 0.0)
     busy = max(sim.busy.values())
     # Per rank: its stages' parameters (the fullest rank decides).
+    held = held_params(c, prof)
     rank_params = [
-        sum(prof.params[i] for s in range(stages) if s % c.pp == r for i in span[s]) / c.tp
+        sum(held[i] for s in range(stages) if s % c.pp == r for i in span[s]) / c.tp
         for r in range(c.pp)
     ]
     p_max = max(rank_params)
@@ -276,6 +297,23 @@ def predict(c, prof: Profile, cores: int, cost=None, gpu: bool = False, hosts: i
     return Prediction(c, 1e3 * busy, 1e3 * (makespan - busy), 1e3 * comm, 1e3 * opt, memory)
 
 
+def held_params(c, prof: Profile) -> list[float]:
+    """Each layer's parameters a rank holds: its experts' 1/ep (at ep > 1),
+    the rest whole."""
+    if c.ep == 1:
+        return list(prof.params)
+    experts = [e for e, _ in prof.ep_traffic[c.micro_batch_size]]
+    return [p - e + e / c.ep for p, e in zip(prof.params, experts, strict=True)]
+
+
+def expert_topology(c, hosts: int) -> Topology:
+    """An expert-parallel group's hosts: ep data-parallel neighbours, tp
+    ranks apart, so ep x tp consecutive ranks."""
+    per_host = c.dp * c.tp * c.pp // hosts
+    spanned = max(1, c.ep * c.tp // per_host)
+    return Topology(spanned, c.ep // spanned)
+
+
 def _memory(c, prof: Profile, schedule, span, compression: str, sync, reshard: bool) -> float:
     """The fullest rank's MB at its step's peak, as the trainer's
     ``--max-memory-mb`` counts it (``parallel.zero.step_peak_bytes``; at
@@ -291,10 +329,11 @@ def _memory(c, prof: Profile, schedule, span, compression: str, sync, reshard: b
         kept = recomputed[c.micro_batch_size][0]
         saved = [b * k for b, k in zip(saved, kept, strict=True)]
     most = 0.0
+    local = held_params(c, prof)
     for r in range(c.pp):
         layers = [i for s in range(len(span)) if s % c.pp == r for i in span[s]]
-        params = sum(prof.params[i] for i in layers) / c.tp
-        whole = gathered_bytes([4.0 * prof.params[i] / c.tp for i in layers], reshard)
+        params = sum(local[i] for i in layers) / c.tp
+        whole = gathered_bytes([4.0 * local[i] / c.tp for i in layers], reshard)
         held = sum(step_peak_bytes(params, c.dp, c.zero, whole).values())
         held += compressor(wire).state_bytes(params) if keeps else 0.0
         acts = held_for_backward(schedule[r], lambda s: sum(saved[i] for i in span[s]) / c.tp)
