@@ -303,8 +303,8 @@ def test_the_plan_searches_ep_and_prices_its_all_to_alls_and_memory():
     """ep widths that divide dp, as flags the trainer takes; what each MoE
     layer's experts hold and send (the expert room's answer); an ep 2
     layout predicted with its all-to-alls and half the experts' state."""
-    from clawcomm.plan import search as plan
     from clawcomm.parallel.expert import traffic
+    from clawcomm.plan import search as plan
 
     cands = list(plan.candidates(4, 4, 16, eps=(1, 2, 4)))
     assert {(c.dp, c.ep) for c in cands if c.pp == 1} == {(4, 1), (4, 2), (4, 4)}
@@ -313,7 +313,7 @@ def test_the_plan_searches_ep_and_prices_its_all_to_alls_and_memory():
     assert c.flags()[:4] == ["--dp", "2", "--ep", "2"] and "(ep 2)" in c.name()
     assert plan.apply(_config(), c).ep == 2
     model = train_models.build(_config())[0]
-    per_layer = traffic(model, 4, 16)
+    per_layer = traffic([moe.layers_of(layer) for layer in model], 4, 16)
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     assert sum(e for e, _ in per_layer) == experts
     assert [b for _, b in per_layer] == [0.0, 4.0 * 4 * 16 * 2 * 32, 4.0 * 4 * 16 * 2 * 32, 0.0]

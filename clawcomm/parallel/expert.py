@@ -117,14 +117,13 @@ def _regroup(counts: torch.Tensor) -> torch.Tensor:
 # ---- spreading the experts, and their gradients -------------------------------------
 
 
-def split(model: nn.Module, group, ep: int, ep_rank: int) -> list[nn.Parameter]:
-    """Each MoE layer of ``model`` keeps its ``ep_rank``-th block of experts
-    (parameters split along the expert dimension, which checkpoints reshard)
-    and sends tokens over ``group``; returns the experts' parameters."""
-    from clawcomm.train.moe import layers_of
-
+def split(layers: list[nn.Module], group, ep: int, ep_rank: int) -> list[nn.Parameter]:
+    """Each MoE layer of ``layers`` (``train.moe.MoE``) keeps its
+    ``ep_rank``-th block of experts (parameters split along the expert
+    dimension, which checkpoints reshard) and sends tokens over ``group``;
+    returns the experts' parameters."""
     out = []
-    for layer in layers_of(model):
+    for layer in layers:
         mod = layer.experts
         start, n = block_of(mod.count, ep, ep_rank)
         for name in ("w1", "b1", "w2", "b2"):
@@ -180,15 +179,13 @@ class SpreadExperts:
             p.grad = None
 
 
-def spread(modules, grid, ep: int) -> SpreadExperts:
-    """Splits the experts of ``modules`` (the whole model, or its stages)
-    over the expert-parallel groups of ``grid`` (every rank makes every
-    group, in the same order): the ep neighbouring data-parallel ranks of
-    each stage, and the dp / ep ranks that hold the same experts."""
+def spread(layers: list[nn.Module], grid, ep: int) -> SpreadExperts:
+    """Splits the experts of the MoE ``layers`` over the expert-parallel
+    groups of ``grid`` (every rank makes every group, in the same order):
+    the ep neighbouring data-parallel ranks of each stage, and the dp / ep
+    ranks that hold the same experts."""
     groups, replicas = _groups(grid, ep)
-    params = []
-    for mod in modules:
-        params += split(mod, groups, ep, grid.dp_rank % ep)
+    params = split(layers, groups, ep, grid.dp_rank % ep)
     return SpreadExperts(params, groups, replicas, ep, grid.dp)
 
 
@@ -215,18 +212,19 @@ def _groups(grid, ep: int):
 # ---- what the planner asks ------------------------------------------------------------
 
 
-def traffic(model: nn.Module, micro_batch_size: int, seq_len: int) -> list[tuple[float, float]]:
-    """Per layer of the whole model: (its experts' parameters, the bytes one
-    of its all-to-alls carries for a micro-batch: every token slot's
-    activation, float32, as the cost model takes an all-to-all's input).
-    A micro-batch makes three all-to-alls a layer forward (the counts', a
-    few bytes, then the tokens there and back) and two backward."""
-    from clawcomm.train.moe import layers_of
-
+def traffic(
+    layers: list[list[nn.Module]], micro_batch_size: int, seq_len: int
+) -> list[tuple[float, float]]:
+    """Per layer of the whole model (the MoE layers in each, ``layers``):
+    (its experts' parameters, the bytes one of its all-to-alls carries for a
+    micro-batch: every token slot's activation, float32, as the cost model
+    takes an all-to-all's input). A micro-batch makes three all-to-alls a
+    layer forward (the counts', a few bytes, then the tokens there and
+    back) and two backward."""
     out = []
-    for layer in model:
+    for moes in layers:
         experts, nbytes = 0.0, 0.0
-        for m in layers_of(layer):
+        for m in moes:
             experts += sum(p.numel() for p in m.experts.parameters())
             nbytes += 4.0 * micro_batch_size * seq_len * m.top_k * m.router.in_features
         out.append((experts, nbytes))

@@ -22,6 +22,7 @@ from clawcomm.plan.check import model_flags
 from clawcomm.plan.profile import profile, rank_threads, recompute_profile
 from clawcomm.plan.report import report
 from clawcomm.plan.step import Prediction, compressor, predict
+from clawcomm.train.moe import layers_of
 
 SCHEDULE_CHOICES = (("gpipe", 1), ("1f1b", 1), ("zb1", 1), ("interleaved", 2))
 # What --search-compression can price: a compressor whose Compressor.wire is
@@ -197,7 +198,8 @@ def plan(cfg, world: int, memory_mb: float = 0.0, cores: int | None = None, cost
         prof.tp_traffic = {mbs: tensor_traffic(built[0], mbs, cfg.seq_len, sp)
                            for mbs in {c.micro_batch_size for c in cands}}  # fmt: skip
     if any(c.ep > 1 for c in cands):  # what each layer's experts hold and send (the EP room says)
-        prof.ep_traffic = {mbs: expert_traffic(built[0], mbs, cfg.seq_len)
+        moes = [layers_of(layer) for layer in built[0]]
+        prof.ep_traffic = {mbs: expert_traffic(moes, mbs, cfg.seq_len)
                            for mbs in {c.micro_batch_size for c in cands}}  # fmt: skip
     cores = cores or os.cpu_count() or 1
     cap = cfg.bucket_cap_mb * 2**20

@@ -128,7 +128,8 @@ class Trainer:
         self.loss_fn = loss_fn
         self.experts = None  # what parallel.expert.spread made, at ep > 1
         if dist.is_initialized() and cfg.ep > 1:
-            self.experts = expert.spread(stages, self.grid, cfg.ep)
+            layers = [m for s in stages for m in moe.layers_of(s)]
+            self.experts = expert.spread(layers, self.grid, cfg.ep)
         for mod in [model] if isinstance(model, nn.Sequential) else stages:
             recompute.apply(mod, cfg.activation_checkpoint)
             moe.set_aux_scale(mod, 1.0 / (cfg.microbatches * cfg.accumulation))
