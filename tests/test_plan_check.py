@@ -62,7 +62,7 @@ def test_the_grid_is_the_plans_first_then_every_shape_at_fixed_micro_batches():
     assert len(shapes) == len(rest)  # each layout once
     # dp 4; dp 2 x pp 2 in all four schedules; pp 4 without interleaved (8 stages > 6 layers)
     assert len(rest) == 1 + 4 + 3
-    assert (4, 1, "1f1b", 1, 1) in shapes and (2, 2, "interleaved", 2, 1) in shapes
+    assert (4, 1, "1f1b", 1, 1, 1) in shapes and (2, 2, "interleaved", 2, 1, 1) in shapes
     steps = [p.step_ms for p in chosen[1:]]
     assert steps == sorted(steps)  # in the plan's order
 

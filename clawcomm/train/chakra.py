@@ -294,7 +294,8 @@ def _keep_common_collectives(ranks: dict, groups: dict) -> None:
 def _label(cfg, rank: int) -> str:
     from clawcomm.train.grid import Grid
 
-    g = Grid(cfg.dp, cfg.pp, rank, cfg.tp)
+    g = Grid(cfg.dp, cfg.pp, rank, cfg.tp, cfg.cp)
     tp = f", tp {g.tp_rank}" if cfg.tp > 1 else ""
     ep = f", ep {g.dp_rank % cfg.ep}" if cfg.ep > 1 else ""
-    return f"dp {g.dp_rank}{ep}{tp}, pp {g.pp_rank}"
+    cp = f", cp {g.cp_rank}" if cfg.cp > 1 else ""
+    return f"dp {g.dp_rank}{ep}{cp}{tp}, pp {g.pp_rank}"

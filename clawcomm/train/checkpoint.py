@@ -79,6 +79,7 @@ def _layout(trainer) -> dict:
         "tp": cfg.tp,
         "sequence_parallel": cfg.sequence_parallel_on,
         "ep": cfg.ep,
+        "cp": cfg.cp,
         "virtual_stages": cfg.virtual_stages,
         "cuts": list(trainer.cuts),
         "schedule": cfg.schedule,
@@ -402,9 +403,8 @@ def load(trainer, path: str) -> int:
     meta = pickle.loads(head["meta"])
     _check(meta, trainer, path)
     # (checkpoints from before tensor parallelism name no tp: theirs was 1)
-    same_layout = {"tp": 1, "sequence_parallel": False, "ep": 1, **meta["layout"]} == _layout(
-        trainer
-    )
+    old = {"tp": 1, "sequence_parallel": False, "ep": 1, "cp": 1, **meta["layout"]}
+    same_layout = old == _layout(trainer)
 
     request: dict = {}
     if trainer.units is not None:  # ZeRO-3: the load writes whole parameters

@@ -58,6 +58,18 @@ class TrainConfig:
         "neighbouring data-parallel ranks, the tokens sent to their experts and back by two "
         "uneven all-to-alls (--dp 4 --ep 2: 2 copies of each expert)",
     )
+    cp: int = _opt(
+        1,
+        "gpt: context-parallel ranks: each holds 1/cp of every sequence (chunks i and "
+        "2cp-1-i, so that the causal mask gives every rank the same work) and attention "
+        "passes keys and values around them (dp * cp * tp * pp = world size)",
+    )
+    cp_method: str = _opt(
+        "ring",
+        "cp > 1: ring (key/value blocks passed around the cp ranks while each computes on the "
+        "block it holds) or allgather (every rank's keys and values gathered first)",
+        ("ring", "allgather"),
+    )
     schedule: str = _opt("1f1b", "pipeline schedule", SCHEDULES)
     microbatches: int = _opt(4, "micro-batches per schedule run")
     virtual_stages: int = _opt(1, "stages per rank (interleaved schedule: v)", flag="-v")
@@ -268,7 +280,12 @@ class TrainConfig:
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def averaged_over(self) -> int:
+        """The ranks each gradient is averaged over: every replica's cp ranks."""
+        return self.dp * self.cp
 
     @property
     def num_stages(self) -> int:
@@ -351,6 +368,7 @@ class TrainConfig:
             "seq_len",
             "hidden",
             "ep",
+            "cp",
         )
         for name in positive:
             if getattr(self, name) < 1:
@@ -407,9 +425,12 @@ class TrainConfig:
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if world_size is not None and self.world != world_size:
+            cp = " * cp" if self.cp > 1 else ""
+            cpv = f" * {self.cp}" if self.cp > 1 else ""
             raise ValueError(
-                f"dp * tp * pp = {self.dp} * {self.tp} * {self.pp} = {self.world} ranks, but the "
-                f"world has {world_size}; choose dp, tp and pp with dp * tp * pp == {world_size}"
+                f"dp{cp} * tp * pp = {self.dp}{cpv} * {self.tp} * {self.pp} = {self.world} ranks, "
+                f"but the world has {world_size}; choose dp{cp}, tp and pp with "
+                f"dp{cp} * tp * pp == {world_size}"
             )
         self.check_tp()
         check_schedule_args(self.schedule, self.pp, self.microbatches, self.virtual_stages)
@@ -438,7 +459,12 @@ class TrainConfig:
                 "tp_overlap overlaps the sequence-parallel all-gathers and reduce-scatters: it "
                 "needs sequence_parallel"
             )
-        tensor.check(self.model, self.tp, self.heads, self.seq_len, self.sequence_parallel_on)
+        tensor.check(
+            self.model, self.tp, self.heads, self.seq_len // self.cp, self.sequence_parallel_on
+        )
+        from clawcomm.parallel import context
+
+        context.check(self)
         from clawcomm.train import recompute
 
         recompute.check(self.activation_checkpoint, self.model)

@@ -1,13 +1,16 @@
-"""Where each rank sits in the dp x tp x pp grid of a run's layout, its
+"""Where each rank sits in the dp x cp x tp x pp grid of a run's layout, its
 process groups, the parameters tied across stages, and the line that
 describes the layout at start.
 
-Ranks are numbered pipeline-stage-major, tensor-parallel innermost:
-``rank = (pp_rank * dp + dp_rank) * tp + tp_rank``, so a tensor-parallel
-group (the traffic of every layer) is made of neighbours, which share a host
-first, then the ranks that average the same stage's gradients, as Megatron
-and torchtitan place them. Every rank creates every group, in the same
-order, as torch.distributed requires.
+Ranks are numbered pipeline-stage-major, tensor-parallel innermost, then
+context-parallel: ``rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp
++ tp_rank``, so a tensor-parallel group (the traffic of every layer) is
+made of neighbours, which share a host first, then a context-parallel group
+(the ring of every attention), then the ranks that average the same stage's
+gradients, as Megatron and torchtitan place them. The data-parallel group
+holds the cp ranks of every replica: they see different tokens of the same
+samples, so their gradients are summed with the replicas'. Every rank
+creates every group, in the same order, as torch.distributed requires.
 """
 
 from __future__ import annotations
@@ -26,68 +29,98 @@ class Grid:
     pp: int
     rank: int
     tp: int = 1
+    cp: int = 1
 
     @property
     def tp_rank(self) -> int:
         return self.rank % self.tp
 
     @property
+    def cp_rank(self) -> int:
+        return self.rank // self.tp % self.cp
+
+    @property
     def dp_rank(self) -> int:
-        return self.rank // self.tp % self.dp
+        return self.rank // (self.tp * self.cp) % self.dp
 
     @property
     def pp_rank(self) -> int:
-        return self.rank // (self.tp * self.dp)
+        return self.rank // (self.tp * self.cp * self.dp)
 
-    def rank_of(self, dp_rank: int, pp_rank: int, tp_rank: int | None = None) -> int:
-        """The rank at (dp_rank, pp_rank) and ``tp_rank`` (default: this rank's)."""
+    def rank_of(
+        self, dp_rank: int, pp_rank: int, tp_rank: int | None = None, cp_rank: int | None = None
+    ) -> int:
+        """The rank at (dp_rank, pp_rank), ``tp_rank`` and ``cp_rank``
+        (default: this rank's)."""
         t = self.tp_rank if tp_rank is None else tp_rank
-        return (pp_rank * self.dp + dp_rank) * self.tp + t
+        c = self.cp_rank if cp_rank is None else cp_rank
+        return ((pp_rank * self.dp + dp_rank) * self.cp + c) * self.tp + t
 
-    def pipeline_ranks(self, dp_rank: int, tp_rank: int | None = None) -> list[int]:
-        return [self.rank_of(dp_rank, p, tp_rank) for p in range(self.pp)]
+    def pipeline_ranks(
+        self, dp_rank: int, tp_rank: int | None = None, cp_rank: int | None = None
+    ) -> list[int]:
+        return [self.rank_of(dp_rank, p, tp_rank, cp_rank) for p in range(self.pp)]
 
     def replica_ranks(self, pp_rank: int, tp_rank: int | None = None) -> list[int]:
-        return [self.rank_of(d, pp_rank, tp_rank) for d in range(self.dp)]
+        """The ranks that average ``pp_rank``'s gradients: every replica's
+        context-parallel ranks."""
+        return [
+            self.rank_of(d, pp_rank, tp_rank, c) for d in range(self.dp) for c in range(self.cp)
+        ]
 
     def tensor_ranks(self) -> list[int]:
         return [self.rank_of(self.dp_rank, self.pp_rank, t) for t in range(self.tp)]
 
+    def context_ranks(self, dp_rank: int, pp_rank: int, tp_rank: int) -> list[int]:
+        return [self.rank_of(dp_rank, pp_rank, tp_rank, c) for c in range(self.cp)]
+
     def make_groups(self, backend: str | None = None):
-        """(pp group, dp group, tp group) of this rank; every rank creates all
-        of them. A group of one rank is None (nothing to talk to). On
-        clawcomm the pipeline's progress threads are not niced: a stage posts
-        its send and goes on computing, and the next stage waits for those
-        bytes (``clawcomm.group_options``)."""
+        """(pp group, dp group, tp group, cp group) of this rank; every rank
+        creates all of them. A group of one rank is None (nothing to talk
+        to). On clawcomm the pipeline's progress threads are not niced: a
+        stage posts its send and goes on computing, and the next stage
+        waits for those bytes (``clawcomm.group_options``); nor are the
+        context-parallel ring's, for the same reason."""
         pp_group = None
         for t in range(self.tp):
             for d in range(self.dp):
-                ranks = self.pipeline_ranks(d, t)
-                g = None
-                if self.pp > 1:
+                for c in range(self.cp):
+                    ranks = self.pipeline_ranks(d, t, c)
+                    g = None
+                    if self.pp > 1:
+                        g = dist.new_group(
+                            ranks, backend=backend, pg_options=_pipeline_options(backend)
+                        )
+                    if self.rank in ranks:
+                        pp_group = g
+        dp_group = self.make_dp_group(backend)
+        tp_group = cp_group = None
+        for p in range(self.pp):
+            for d in range(self.dp):
+                for c in range(self.cp):
+                    ranks = [self.rank_of(d, p, t, c) for t in range(self.tp)]
+                    g = dist.new_group(ranks, backend=backend) if self.tp > 1 else None
+                    if self.rank in ranks:
+                        tp_group = g
+        for p in range(self.pp) if self.cp > 1 else ():
+            for d in range(self.dp):
+                for t in range(self.tp):
+                    ranks = self.context_ranks(d, p, t)
                     g = dist.new_group(
                         ranks, backend=backend, pg_options=_pipeline_options(backend)
                     )
-                if self.rank in ranks:
-                    pp_group = g
-        dp_group = self.make_dp_group(backend)
-        tp_group = None
-        for p in range(self.pp):
-            for d in range(self.dp):
-                ranks = [self.rank_of(d, p, t) for t in range(self.tp)]
-                g = dist.new_group(ranks, backend=backend) if self.tp > 1 else None
-                if self.rank in ranks:
-                    tp_group = g
-        return pp_group, dp_group, tp_group
+                    if self.rank in ranks:
+                        cp_group = g
+        return pp_group, dp_group, tp_group, cp_group
 
     def make_dp_group(self, backend: str | None = None):
         """This rank's data-parallel group (a new one at each call; every
-        rank creates all of them). None where dp == 1."""
+        rank creates all of them). None where dp x cp == 1."""
         dp_group = None
         for t in range(self.tp):
             for p in range(self.pp):
                 ranks = self.replica_ranks(p, t)
-                g = dist.new_group(ranks, backend=backend) if self.dp > 1 else None
+                g = dist.new_group(ranks, backend=backend) if len(ranks) > 1 else None
                 if self.rank in ranks:
                     dp_group = g
         return dp_group
@@ -124,11 +157,12 @@ def tied_parameters(stages: list[nn.Module], cfg, grid: Grid) -> list[tuple]:
         mine = None
         for t in range(grid.tp):
             for d in range(cfg.dp):
-                ranks = [grid.rank_of(d, r, t) for r in ranks_pp]
-                if tuple(ranks) not in groups:
-                    groups[tuple(ranks)] = dist.new_group(ranks)
-                if grid.rank in ranks:
-                    mine = groups[tuple(ranks)]
+                for c in range(grid.cp):
+                    ranks = [grid.rank_of(d, r, t, c) for r in ranks_pp]
+                    if tuple(ranks) not in groups:
+                        groups[tuple(ranks)] = dist.new_group(ranks)
+                    if grid.rank in ranks:
+                        mine = groups[tuple(ranks)]
         if mine is not None:
             owner = stage_to_rank(ss[0], cfg.pp) == grid.pp_rank
             ties.append((objects[pid], mine, owner))
@@ -192,6 +226,11 @@ def describe(cfg, cuts: list[int], peak_lr: float, sharded: bool) -> str:
         + (
             f"(ep {cfg.ep} of the dp ranks: {cfg.experts // cfg.ep} experts each) x "
             if cfg.ep > 1
+            else ""
+        )
+        + (
+            f"cp {cfg.cp} ({cfg.cp_method}, {cfg.seq_len // cfg.cp} tokens a rank) x "
+            if cfg.cp > 1
             else ""
         )
         + f"pp {cfg.pp}"

@@ -43,6 +43,9 @@ class RankSample:
     tp_wait: float = 0.0  # blocked on tensor-parallel communication (the exposed part)
     bytes_ep: float = 0.0  # its expert-parallel group's (tokens to their experts and back)
     ep_wait: float = 0.0  # blocked on the experts' all-to-alls
+    bytes_cp: float = 0.0  # its context-parallel group's (keys and values, their gradients)
+    cp_wait: float = 0.0  # blocked on the context-parallel ring's transfers
+    cp_attention: float = 0.0  # in attention's arithmetic over the cp group
     # its MoE layers' routing (train/moe.py): token slots, dropped slots, the
     # load-balancing and z-losses summed, and the layer forwards they sum over
     moe_slots: float = 0.0
@@ -211,7 +214,10 @@ def summarise(rows: list[RankSample], cfg, grid, plan, p2p_latency: float, cuda:
         # the busiest rank's compute, and the longest exposed communication
         # (waits for tensors + the reduction's tail)
         "compute_ms": max(r.busy for r in rows) * 1e3,
-        "exposed_comm_ms": max(r.recv_wait + r.dp_wait + r.tp_wait + r.ep_wait for r in rows) * 1e3,
+        "exposed_comm_ms": max(
+            r.recv_wait + r.dp_wait + r.tp_wait + r.ep_wait + r.cp_wait for r in rows
+        )
+        * 1e3,
         "bytes_sent_pp": int(sum(r.bytes_pp for r in rows)),
         "bytes_sent_dp": int(sum(r.bytes_dp for r in rows)),
         "bytes_sent_tp": int(sum(r.bytes_tp for r in rows)),
@@ -236,6 +242,8 @@ def summarise(rows: list[RankSample], cfg, grid, plan, p2p_latency: float, cuda:
     }
     if cfg.model == "moe":
         metrics.update(_routing(rows))
+    if cfg.cp > 1:
+        metrics.update(_context(rows))
     metrics["cpu_s"] = sum(r.cpu_s for r in rows)
     metered = [r.energy_j for r in rows if r.energy_j >= 0]
     if metered:  # every host's packages (CPUs) or every GPU
@@ -261,6 +269,19 @@ def _routing(rows: list[RankSample]) -> dict:
         "z_loss": sum(r.moe_z for r in rows) / layers if layers else 0.0,
         "bytes_sent_ep": int(sum(r.bytes_ep for r in rows)),
         "ep_ms": max(r.ep_wait for r in rows) * 1e3,
+    }
+
+
+def _context(rows: list[RankSample]) -> dict:
+    """Context parallelism's figures: the bytes the cp rings carried, the
+    rank that waited longest for them, and attention's arithmetic on the
+    slowest and the fastest rank (the load-balanced mask's evenness)."""
+    attention = [r.cp_attention for r in rows]
+    return {
+        "bytes_sent_cp": int(sum(r.bytes_cp for r in rows)),
+        "cp_ms": max(r.cp_wait for r in rows) * 1e3,
+        "cp_attention_ms_max": max(attention) * 1e3,
+        "cp_attention_ms_min": min(attention) * 1e3,
     }
 
 
@@ -299,9 +320,17 @@ class Traffic:
     DP_KINDS = ("reduce_scatter", "all_gather", "all_reduce", "all_to_all")
 
     def __init__(
-        self, pp_group, dp_group, other_groups=(), second_dp=None, tp_group=None, ep_group=None
+        self,
+        pp_group,
+        dp_group,
+        other_groups=(),
+        second_dp=None,
+        tp_group=None,
+        ep_group=None,
+        cp_group=None,
     ):
-        self._groups = (pp_group, dp_group, second_dp, tp_group, ep_group, tuple(other_groups))
+        inside = (tp_group, ep_group, cp_group)
+        self._groups = (pp_group, dp_group, second_dp, inside, tuple(other_groups))
         self._engines: dict = {}  # per device, found on first use (after every group exists)
 
     def engines(self, device: str = "cpu") -> tuple[list, dict]:
@@ -313,10 +342,11 @@ class Traffic:
         if device not in self._engines:
             import clawcomm
 
-            pp, dp, params, tp, ep, others = self._groups
-            groups = (None, pp, dp, params, tp, ep, *others)
+            pp, dp, params, (tp, ep, cp), others = self._groups
+            groups = (None, pp, dp, params, tp, ep, cp, *others)
             engines = {id(g): clawcomm.engine_of(g, device) for g in groups}
-            labelled = (("pp", pp), ("dp", dp), ("dp 2", params), ("tp", tp), ("ep", ep))
+            labelled = (("pp", pp), ("dp", dp), ("dp 2", params), ("tp", tp), ("ep", ep),
+                        ("cp", cp))  # fmt: skip
             named = {k: engines[id(g)] for k, g in labelled if g is not None}
             self._engines[device] = (list(engines.values()), named)
         return self._engines[device]
@@ -338,12 +368,13 @@ class Traffic:
         pp = total(named["pp"]) if "pp" in named else 0
         tp = total(named["tp"]) if "tp" in named else 0
         ep = total(named["ep"]) if "ep" in named else 0
+        cp = total(named["cp"]) if "cp" in named else 0
         busy = [us / 1e6 for us in by_kind("busy_us")]
         return (
             [sum(total(e) for e in every), pp, sum(total(e) for e in dps)]
             + by_kind("bytes_sent")
             + busy
-            + [tp, ep]
+            + [tp, ep, cp]
         )
 
     @staticmethod
@@ -363,6 +394,7 @@ class Traffic:
             "time_a2a",
             "bytes_tp",
             "bytes_ep",
+            "bytes_cp",
         )
         return dict(zip(names, sent, strict=True))
 

@@ -40,14 +40,27 @@ from clawcomm.train.stage_cuts import balanced_cuts, measured_costs, parameter_c
 
 
 class Embedding(nn.Module):
+    """Tokens and positions. ``token_positions``: the positions of the tokens
+    this rank holds under context parallelism (parallel.context; None:
+    0 .. t-1)."""
+
+    token_positions: torch.Tensor | None = None
+
     def __init__(self, vocab: int, dim: int, block: int):
         super().__init__()
         self.tokens = nn.Embedding(vocab, dim)
         self.positions = nn.Embedding(block, dim)
 
     def forward(self, idx):
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        return self.tokens(idx) + self.positions(pos)
+        return self.tokens(idx) + self.positions(held_positions(self, idx))
+
+
+def held_positions(emb, idx: torch.Tensor) -> torch.Tensor:
+    """The positions of ``idx``'s tokens: 0 .. t-1, or where context
+    parallelism put them (``token_positions``)."""
+    if emb.token_positions is not None:
+        return emb.token_positions.to(idx.device)
+    return torch.arange(idx.shape[1], device=idx.device)
 
 
 class Block(nn.Module):
@@ -59,6 +72,9 @@ class Block(nn.Module):
     the projections are not recomputed."""
 
     recompute = False
+    # Attention over a context-parallel group, fn(q, k, v) (parallel.context);
+    # None: over this rank's tokens, which are the whole sequence.
+    attention_across = None
 
     def __init__(self, dim: int, heads: int, moe: nn.Module | None = None):
         super().__init__()
@@ -87,9 +103,9 @@ class Block(nn.Module):
             for z in qkv.split(width, dim=2)
         )
         if self.recompute:
-            y = checkpoint(_attend, q, k, v, use_reentrant=False)
+            y = checkpoint(_attend, q, k, v, self.attention_across, use_reentrant=False)
         else:
-            y = _attend(q, k, v)
+            y = _attend(q, k, v, self.attention_across)
         x = x + self.proj(y)
         n2 = self.norm2(x)
         if "moe" in self._modules:
@@ -101,9 +117,14 @@ class Block(nn.Module):
             return x + self.out(a)
 
 
-def _attend(q, k, v):
-    """Causal attention's core: [b, heads, t, d] each -> [b, t, heads * d]."""
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+def _attend(q, k, v, across=None):
+    """Causal attention's core: [b, heads, t, d] each -> [b, t, heads * d]
+    (``across``: over a context-parallel group)."""
+    y = (
+        across(q, k, v)
+        if across is not None
+        else F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    )
     b, _, t, _ = y.shape
     return y.transpose(1, 2).reshape(b, t, -1)
 

@@ -3,8 +3,9 @@ over the replicas every step, or an outer sync every H steps
 (``--sync local-sgd/diloco``), built for the parameters each group holds.
 
 The reducer averages every parameter's gradient over the stage's
-data-parallel group, except the experts' at ep > 1, which the ranks that
-hold the same experts reduce (``clawcomm.parallel.expert``).
+data-parallel group (every replica's context-parallel ranks), except the
+experts' at ep > 1, which the ranks that hold the same experts reduce
+(``clawcomm.parallel.expert``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ def synchronise(trainer):
     """(the reducer, the outer sync, the group of the outer sync's delayed
     exchanges) of ``trainer``'s layout; None where it has none."""
     cfg = trainer.cfg
-    if cfg.dp == 1:
+    if cfg.averaged_over == 1:  # (at dp 1 with cp > 1 the cp ranks' gradients are summed)
         return None, None, None
     if cfg.sync != "every-step":  # replicas meet every H steps
         # Delayed meetings exchange on a thread, over a group of their own.

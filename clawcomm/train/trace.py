@@ -18,7 +18,9 @@ process of a host):
 * tensor parallel: the TP group's collectives and ring sends, which run
   inside the compute actions (their own track);
 * expert parallel: the experts' all-to-alls (``--ep``), inside the compute
-  actions too (their own track).
+  actions too (their own track);
+* context parallel: the ring's sends and receives of keys and values
+  (``--cp``), inside the compute actions (their own track).
 
 ``write_chrome_trace`` merges every rank's events into one JSON file that
 chrome://tracing and ui.perfetto.dev open: a process per rank, a track for
@@ -34,7 +36,7 @@ import torch.distributed as dist
 
 # (track, name, start s, end s, args)
 Event = tuple[int, str, float, float, dict]
-COMPUTE, COMM, STEP, ENGINE, DATA, TP, EP = 0, 1, 2, 3, 4, 5, 6
+COMPUTE, COMM, STEP, ENGINE, DATA, TP, EP, CP = 0, 1, 2, 3, 4, 5, 6, 7
 TRACKS = {
     COMPUTE: "compute",
     COMM: "communication",
@@ -43,10 +45,11 @@ TRACKS = {
     DATA: "data",  # the wait for the step's batch, before the step
     TP: "tensor parallel",
     EP: "expert parallel",
+    CP: "context parallel",
 }
-INSIDE = {"tp": TP, "ep": EP}  # groups whose every op runs inside compute actions
+INSIDE = {"tp": TP, "ep": EP, "cp": CP}  # groups whose every op runs inside compute actions
 COLORS = {"F": "#4C72B0", "B": "#DD8452", "I": "#C44E52", "W": "#55A868", "opt": "#8172B3"}
-INSIDE_COLORS = {TP: "#DA8BC3", EP: "#CCB974"}
+INSIDE_COLORS = {TP: "#DA8BC3", EP: "#CCB974", CP: "#64B5CD"}
 
 
 class StepRecorder:
@@ -166,7 +169,7 @@ def draw_timeline(path: str, ranks: list, step: int = -1, title: str = "") -> No
                 ax.broken_barh([(x, w)], (y - 0.35, 0.18), color="#333333")
             elif track == ENGINE and args.get("group") == "dp":
                 ax.broken_barh([(x, w)], (y + 0.22, 0.13), color="#937860")
-            elif track in (TP, EP):
+            elif track in INSIDE_COLORS:
                 ax.broken_barh([(x, w)], (y + 0.22, 0.13), color=INSIDE_COLORS[track])
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([label for _, label, _ in rows])
@@ -176,7 +179,7 @@ def draw_timeline(path: str, ranks: list, step: int = -1, title: str = "") -> No
     handles = [Patch(color=c, label=k if k != "opt" else "optimizer") for k, c in COLORS.items()]
     handles.append(Patch(color="#333333", label="waiting on communication"))
     handles.append(Patch(color="#937860", label="dp reduction in flight"))
-    for track, what in ((TP, "tp collective"), (EP, "ep all-to-all")):
+    for track, what in ((TP, "tp collective"), (EP, "ep all-to-all"), (CP, "cp ring transfer")):
         if any(e[0] == track for s in chosen for e in s):
             handles.append(Patch(color=INSIDE_COLORS[track], label=what))
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=6, fontsize=8)
@@ -204,7 +207,8 @@ def write_recorded(trainer, trace_path: str | None, timeline_path: str | None) -
     g, cfg = trainer.grid, trainer.cfg
     tp = f", tp {g.tp_rank}" if cfg.tp > 1 else ""
     ep = f", ep {g.dp_rank % cfg.ep}" if cfg.ep > 1 else ""
-    label = f"rank {g.rank} (dp {g.dp_rank}{ep}{tp}, pp {g.pp_rank})"
+    cp = f", cp {g.cp_rank}" if cfg.cp > 1 else ""
+    label = f"rank {g.rank} (dp {g.dp_rank}{ep}{cp}{tp}, pp {g.pp_rank})"
     ranks = trainer.recorder.gather(g.rank, label)
     if g.rank != 0:
         return

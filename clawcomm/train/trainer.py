@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from clawcomm.parallel import expert
+from clawcomm.parallel import context, expert
 from clawcomm.parallel.tensor import comm as tensor_comm
 from clawcomm.parallel.tensor import split_layers
 from clawcomm.parallel.zero import ZeroShards
@@ -107,7 +107,8 @@ class Trainer:
         self.cfg = cfg
         world = dist.get_world_size() if dist.is_initialized() else 1
         cfg.check(world)
-        self.grid = Grid(cfg.dp, cfg.pp, dist.get_rank() if dist.is_initialized() else 0, cfg.tp)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self.grid = Grid(cfg.dp, cfg.pp, rank, cfg.tp, cfg.cp)
         self.count_fn = count_fn or (lambda t: t.numel())
         self.tokens_per_sample = tokens_per_sample
         if getattr(loss_fn, "reduction", "sum") == "mean":
@@ -116,8 +117,8 @@ class Trainer:
                 "divides by the number of items in the effective batch"
             )
         S = cfg.num_stages
-        self.pp_group, self.dp_group, self.tp_group = (
-            self.grid.make_groups() if dist.is_initialized() else (None, None, None)
+        self.pp_group, self.dp_group, self.tp_group, self.cp_group = (
+            self.grid.make_groups() if dist.is_initialized() else (None,) * 4
         )
         stages, self.cuts = cut_into_stages(model, S, cfg.balance, sample)
         self.tensor_parallel = None  # what parallel.tensor.parallelize made, at tp > 1
@@ -126,6 +127,10 @@ class Trainer:
             loss_fn = self.tensor_parallel.loss_fn
             stages = [nn.Sequential(*model[self.cuts[s] : self.cuts[s + 1]]) for s in range(S)]
         self.loss_fn = loss_fn
+        if self.cp_group is not None:  # each rank on its tokens of every sequence
+            context.split(
+                [model] if isinstance(model, nn.Sequential) else stages, self.cp_group, cfg
+            )
         self.experts = None  # what parallel.expert.spread made, at ep > 1
         if dist.is_initialized() and cfg.ep > 1:
             layers = [m for s in stages for m in moe.layers_of(s)]
@@ -200,6 +205,7 @@ class Trainer:
             params_group or exchange_group,
             self.tp_group,
             self.experts.group if self.experts else None,
+            self.cp_group,
         )
         self._mark = None  # traffic where the next step's figures start (ZeRO: its gathers)
         self._pending_save = None
@@ -234,13 +240,13 @@ class Trainer:
         bytes_before = self._begin_step()
         t0 = time.perf_counter()
         self.energy.begin()
-        totals, events = self._run_pipeline(x, y, cfg.dp / count, whole)
+        totals, events = self._run_pipeline(x, y, cfg.averaged_over / count, whole)
         t_pipe = time.perf_counter()
         dp_wait = self._finish_gradients()
         rows = gather(self._sample(totals, bytes_before, t_pipe - t0, dp_wait))
         self.stopped_by = int(max(r.stop for r in rows))  # every rank reads the same rows
         check_memory(rows, cfg.max_memory_mb, self.step_index + 1)
-        grad_norm = math.sqrt(sum(r.sumsq for r in rows) / cfg.dp)
+        grad_norm = math.sqrt(sum(r.sumsq for r in rows) / cfg.averaged_over)
         loss = sum(r.loss for r in rows) / count
         self._check_finite(loss, grad_norm)
         self._clip(grad_norm)
@@ -268,6 +274,8 @@ class Trainer:
         reset_peak(self.device)
         tensor_comm.EXPOSED.lap()  # (what an evaluation waited is not the step's)
         expert.EXPOSED.lap()
+        context.EXPOSED.lap()
+        context.COMPUTE.lap()
         moe.ROUTING.lap()
         if self.shards is not None:
             self.shards.reset_peak()
@@ -308,6 +316,7 @@ class Trainer:
             **Traffic.fields(sent),
             busy=totals.busy, span=span, recv_wait=totals.recv_wait, dp_wait=dp_wait,
             tp_wait=tensor_comm.EXPOSED.lap(), ep_wait=expert.EXPOSED.lap(),
+            cp_wait=context.EXPOSED.lap(), cp_attention=context.COMPUTE.lap(),
             **RankSample.routing(moe.ROUTING.lap()),
             host=totals.host / max(1, totals.computes), gpu_mb=peak_mb(self.device),
             comm_bytes=self._comm_device_bytes(),
@@ -344,7 +353,12 @@ class Trainer:
         """``data.rounds`` for this rank: its replica's slice, with the
         inputs where it holds the first stage and the targets where the last."""
         first, last = 0 in self.local, self.cfg.num_stages - 1 in self.local
-        return rounds(self.cfg, self.grid.dp_rank, x, y, whole, first, last, self.device)
+        out = rounds(self.cfg, self.grid.dp_rank, x, y, whole, first, last, self.device)
+        if self.cfg.cp == 1:
+            return out
+        cp, c = self.cfg.cp, self.grid.cp_rank  # each rank its tokens of every sequence
+        held = lambda ts: None if ts is None else [context.take(t, cp, c) for t in ts]  # noqa: E731
+        return ((a, held(i), held(t)) for a, i, t in out)
 
     def _run_pipeline(self, x, y, loss_scale: float, whole: bool) -> tuple[PipelineTotals, list]:
         """The replica's slice through the schedule, once per accumulation

@@ -69,6 +69,8 @@ class ParallelEmbedding(nn.Module):
     """The GPT's embedding: tokens split by vocabulary; positions whole,
     added to this rank's tokens."""
 
+    token_positions: torch.Tensor | None = None  # as models.Embedding's
+
     def __init__(self, emb, tp: TensorParallel):
         super().__init__()
         self.tp = tp
@@ -76,13 +78,13 @@ class ParallelEmbedding(nn.Module):
         self.positions = emb.positions
 
     def forward(self, idx):
-        t = idx.shape[1]
+        from clawcomm.train.models import held_positions
+
+        pos = held_positions(self, idx)
         x = self.tokens(idx)
         if self.tp.sequence_parallel:
-            per = t // self.tp.size
-            pos = torch.arange(self.tp.rank * per, (self.tp.rank + 1) * per, device=idx.device)
-        else:
-            pos = torch.arange(t, device=idx.device)
+            per = idx.shape[1] // self.tp.size
+            pos = pos[self.tp.rank * per : (self.tp.rank + 1) * per]
         return x + self.positions(pos)
 
 

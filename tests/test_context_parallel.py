@@ -1,0 +1,163 @@
+"""Context parallelism (parallel/context.py, ``--cp``): which tokens a rank
+holds; ring and all-gather attention against torch's causal attention,
+forward and backward, in float64; every layout (cp alone, with dp, pp and
+each schedule, tp with sequence parallelism, ZeRO-3) against single-process
+training; the held-out loss; checkpoints across cp; the refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+from _training import _check_against_reference, _config, _reference, _train
+
+from clawcomm.launch import run_ranks
+from clawcomm.parallel import context
+
+# ---- which tokens --------------------------------------------------------------------
+
+
+def test_each_rank_holds_chunk_i_and_its_mirror():
+    assert context.chunks(0, 2) == (0, 3) and context.chunks(1, 2) == (1, 2)
+    assert context.positions(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert context.positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    held = sorted(p for r in range(4) for p in context.positions(16, 4, r).tolist())
+    assert held == list(range(16))  # every token on one rank
+    x = torch.arange(16).view(1, 16)
+    assert context.take(x, 4, 1).tolist() == [[2, 3, 12, 13]]
+    with pytest.raises(ValueError, match="not a multiple of 2 cp"):
+        context.positions(10, 3, 0)
+
+
+def _attention(rank, world, method, seq):
+    torch.manual_seed(0)
+    q, k, v, g = (torch.randn(2, 3, seq, 8, dtype=torch.float64) for _ in range(4))
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = torch.nn.functional.scaled_dot_product_attention(*whole, is_causal=True)
+    (out * g).sum().backward()
+    group = dist.new_group(list(range(world)))
+    mine = [context.take(t, world, rank, 2).clone().requires_grad_() for t in (q, k, v)]
+    fn = context.ring_attention if method == "ring" else context.allgather_attention
+    o = fn(*mine, group)
+    (o * context.take(g, world, rank, 2)).sum().backward()
+    errors = [(o - context.take(out, world, rank, 2)).abs().max().item()]
+    for m, w in zip(mine, whole, strict=True):
+        errors.append((m.grad - context.take(w.grad, world, rank, 2)).abs().max().item())
+    return max(errors)
+
+
+@pytest.mark.parametrize("method", ["ring", "allgather"])
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_attention_over_the_group_is_causal_attention_forward_and_backward(method, cp):
+    """Each rank's output and its queries', keys' and values' gradients are
+    torch's causal attention's over the whole sequence, to float64's
+    rounding."""
+    assert max(run_ranks(_attention, cp, method, 4 * cp)) < 1e-12
+
+
+# ---- training against one process ------------------------------------------------------
+
+# SGD: AdamW turns a rounding difference in a gradient near its eps into one
+# of up to lr in a weight (test_moe says more).
+SGD = dict(optimizer="sgd", lr=0.1, seq_len=32, micro_batch_size=2, microbatches=2)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(cp=2),
+        dict(cp=4),
+        dict(cp=2, cp_method="allgather"),
+        dict(cp=2, dp=2),
+        dict(cp=2, pp=2, schedule="1f1b", microbatches=4),
+        dict(cp=2, pp=2, schedule="zb1", microbatches=4),
+        dict(cp=2, pp=2, schedule="interleaved", virtual_stages=2, layers=4, microbatches=4),
+        dict(cp=2, tp=2, heads=2),
+        dict(cp=2, tp=2, heads=2, sequence_parallel=False),
+        dict(cp=2, dp=2, zero=3, reshard_after_forward=True),
+        dict(cp=2, activation_checkpoint="selective"),
+    ],
+    ids=["cp2", "cp4", "cp2-allgather", "cp2-dp2", "cp2-pp2", "cp2-pp2-zb1", "cp2-interleaved",
+         "cp2-tp2-sp", "cp2-tp2", "cp2-dp2-zero3", "cp2-selective"],  # fmt: skip
+)
+def test_every_layout_trains_like_one_process(kw):
+    """Losses, norms and every weight (a TP rank's slices of it) are one
+    process's."""
+    from test_tensor_parallel import _check
+    from test_tensor_parallel import _train as train_slices
+
+    cfg = _config(**{**SGD, **kw})
+    _check(run_ranks(train_slices, cfg.world, cfg), cfg, atol=1e-5)
+
+
+def test_adamw_losses_and_norms_match_one_process():
+    cfg = _config(cp=2, seq_len=32)
+    _check_against_reference(run_ranks(_train, 2, cfg), cfg, atol=float("inf"))
+
+
+def _held_out(rank, world, cfg):
+    from clawcomm.train import Trainer
+    from clawcomm.train import models as train_models
+    from clawcomm.train.data import global_batches
+
+    model, loss_fn, make_opt, ds, tokens, sample = train_models.build(cfg)
+    tr = Trainer(model, loss_fn, make_opt, cfg, tokens_per_sample=tokens, sample=sample)
+    batches = global_batches(ds, cfg.effective_batch, cfg.seed + 1)
+    value = tr.evaluate([next(batches) for _ in range(2)])
+    tr.close()
+    return value
+
+
+def test_the_held_out_loss_is_one_processes():
+    cfg = _config(**SGD)
+    one = run_ranks(_held_out, 1, cfg)[0]
+    assert run_ranks(_held_out, 2, dataclasses.replace(cfg, cp=2)) == pytest.approx([one] * 2)
+
+
+def _train_saving(rank, world, cfg, root=None, load=None):
+    from clawcomm.train import Trainer
+    from clawcomm.train import models as train_models
+    from clawcomm.train.data import global_batches
+
+    model, loss_fn, make_opt, ds, tokens, sample = train_models.build(cfg)
+    tr = Trainer(model, loss_fn, make_opt, cfg, tokens_per_sample=tokens, sample=sample)
+    start = tr.load_checkpoint(load) if load else 0
+    batches = global_batches(ds, cfg.effective_batch, cfg.seed, start=start)
+    metrics = tr.fit(batches, steps=cfg.steps - start, progress=False)
+    if root:
+        tr.save_checkpoint(root)
+    tr.close()
+    return [m["loss"] for m in metrics]
+
+
+@pytest.mark.parametrize("saved,loaded", [(dict(cp=2), dict()), (dict(), dict(cp=2, pp=2))])
+def test_a_checkpoint_loads_at_another_cp(tmp_path, saved, loaded):
+    a = _config(**{**SGD, "steps": 4, **saved})
+    run_ranks(_train_saving, a.world, dataclasses.replace(a, steps=2), str(tmp_path))
+    b = _config(**{**SGD, "steps": 4, **loaded})
+    losses = run_ranks(_train_saving, b.world, b, None, str(tmp_path))
+    want = _reference(_config(**{**SGD, "steps": 4}))[0]
+    for got in losses:
+        assert got == pytest.approx(want[2:], rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kw,words",
+    [
+        (dict(cp=2, model="mlp"), "cp 2 splits each sequence over ranks: it needs --model gpt"),
+        (dict(cp=3, seq_len=16), "seq_len 16 is not a multiple of 6"),
+        (dict(cp=2, dp=2, compression="topk:0.1"), "cp 2 with compression 'topk:0.1'"),
+        (dict(cp=2, dp=2, sync="local-sgd:4"), "cp 2 with sync 'local-sgd:4'"),
+        (dict(cp=2, cp_method="zigzag"), "cp_method 'zigzag' is not one of ring, allgather"),
+    ],
+)
+def test_refusals_name_the_setting(kw, words):
+    with pytest.raises(ValueError, match=words):
+        _config(**kw).check()
+
+
+def test_the_world_size_message_names_cp():
+    with pytest.raises(ValueError, match=r"dp \* cp \* tp \* pp = 1 \* 2 \* 1 \* 1 = 2 ranks"):
+        _config(cp=2).check(4)
