@@ -199,8 +199,10 @@ LONG_ONLY = pytest.mark.skipif(
         ),
         pytest.param(dict(dp=2, pp=1, zero=1), id="dp2-zero1", marks=LONG_ONLY),
         pytest.param(dict(dp=1, tp=2, pp=2, schedule="1f1b", microbatches=4), id="tp2-pp2"),
-        pytest.param(dict(dp=2, ep=2, pp=1, model="moe", dim=32, layers=2, heads=2, seq_len=16,
-                          experts=4), id="moe-ep2"),  # fmt: skip
+        pytest.param(
+            dict(dp=2, ep=2, pp=1, model="moe", dim=32, layers=2, heads=2, seq_len=16, experts=4),
+            id="moe-ep2",
+        ),  # fmt: skip
     ],
 )
 def test_the_trainers_trace_replays_every_node(tmp_path, layout):

@@ -79,8 +79,19 @@ SGD = dict(optimizer="sgd", lr=0.1, seq_len=32, micro_batch_size=2, microbatches
         dict(cp=2, dp=2, zero=3, reshard_after_forward=True),
         dict(cp=2, activation_checkpoint="selective"),
     ],
-    ids=["cp2", "cp4", "cp2-allgather", "cp2-dp2", "cp2-pp2", "cp2-pp2-zb1", "cp2-interleaved",
-         "cp2-tp2-sp", "cp2-tp2", "cp2-dp2-zero3", "cp2-selective"],  # fmt: skip
+    ids=[
+        "cp2",
+        "cp4",
+        "cp2-allgather",
+        "cp2-dp2",
+        "cp2-pp2",
+        "cp2-pp2-zb1",
+        "cp2-interleaved",
+        "cp2-tp2-sp",
+        "cp2-tp2",
+        "cp2-dp2-zero3",
+        "cp2-selective",
+    ],  # fmt: skip
 )
 def test_every_layout_trains_like_one_process(kw):
     """Losses, norms and every weight (a TP rank's slices of it) are one
