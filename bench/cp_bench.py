@@ -5,14 +5,19 @@
    gathering keys and values instead of the ring, against cp 1: the largest
    relative difference of the loss and of the gradient norm (the gradients'
    norm: every parameter's gradient enters it), and a rerun bit for bit.
-2. **Memory**: the bytes autograd keeps for backward after one
+2. **Memory**: the activation bytes autograd keeps for backward after one
    micro-batch's forward on a rank (every saved tensor's storage, counted
-   once), at cp 1, 2 and 4.
-3. **Balance**: each rank's seconds in ring attention's arithmetic
-   (forward and backward) at cp 2 and 4: the slowest against the fastest.
-4. **Overlap**: the share of the ring's transfers hidden behind the
-   computation, 1 - (time blocked on them) / (the same transfers alone), by
-   sequence length, at cp 2 and 4.
+   once, the weights' left out), at cp 1, 2 and 4.
+3. **Balance**: each rank's CPU seconds in ring attention's arithmetic
+   (forward and backward, one intra-op thread a rank) at cp 2 and 4: the
+   slowest against the fastest.
+4. **Overlap**: by sequence length, at cp 2 and 4: forward and backward
+   with the ring, the same arithmetic with the transfers switched off, the
+   same transfers alone (each the slowest rank's median), and the share of
+   the transfers that had landed before the rank needed them (hidden
+   entirely behind its computation; a transfer that had not may have
+   waited for a slower peer rather than for the wire). The attention CPU
+   time is each rank's best of the repeats.
 
     python3 bench/cp_bench.py --json runs/cp_bench.json
 
@@ -80,10 +85,12 @@ def _saved_bytes(rank: int, world: int, cp: int) -> int:
         context.split([model], group, cfg)
         x = context.take(x, cp, rank)
     seen: dict[int, int] = {}
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
-    def pack(t):
+    def pack(t):  # every saved activation's storage, once (not the weights)
         s = t.untyped_storage()
-        seen[s.data_ptr()] = s.nbytes()
+        if s.data_ptr() not in weights:
+            seen[s.data_ptr()] = s.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -93,7 +100,7 @@ def _saved_bytes(rank: int, world: int, cp: int) -> int:
 
 
 def memory() -> tuple[list[str], dict]:
-    lines = ["## Bytes autograd keeps after one micro-batch's forward (2 x 256 tokens)",
+    lines = ["## Activation bytes autograd keeps after one micro-batch's forward (2 x 256 tokens)",
              "| cp | MB a rank | share of cp 1 |", "|---:|---:|---:|"]  # fmt: skip
     out = {}
     for cp in (1, 2, 4):
@@ -103,7 +110,13 @@ def memory() -> tuple[list[str], dict]:
     return lines, out
 
 
+def _no_transfer(self, t, tag):
+    """A ring step that moves nothing: the rank's own block again (compute only)."""
+    return t.clone(), ()
+
+
 def _attention(rank: int, world: int, seq: int, repeats: int) -> dict:
+    torch.set_num_threads(1)  # a rank, a core's worth: CPU time is its arithmetic
     torch.manual_seed(rank)
     group = dist.new_group(list(range(world)))
     b, h, d = 1, 4, 32
@@ -111,48 +124,63 @@ def _attention(rank: int, world: int, seq: int, repeats: int) -> dict:
     q, k, v = (torch.randn(b, h, local, d, requires_grad=True) for _ in range(3))
     ring = context._Ring(group)
     kv = torch.randn(2, b, h, local, d)
-    spans, exposed, computed, alone = [], [], [], []
-    for _ in range(repeats):
-        dist.barrier(group=group)
-        context.EXPOSED.lap(), context.COMPUTE.lap()
-        t0 = time.perf_counter()
-        out = context.ring_attention(q, k, v, group)
-        out.sum().backward()
-        spans.append(time.perf_counter() - t0)
-        exposed.append(context.EXPOSED.lap())
-        computed.append(context.COMPUTE.lap())
-        # The same transfers alone: cp - 1 of keys and values each way, cp of their gradients.
+
+    def timed(fn) -> float:
         dist.barrier(group=group)
         t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    def step():
+        context.ring_attention(q, k, v, group).sum().backward()
+
+    def transfers():  # cp - 1 of keys and values each way, cp of their gradients
         for tag, n in ((context.KV, 2 * (world - 1)), (context.GRADS, world)):
             for _ in range(n):
                 _, requests = ring.start(kv, tag)
                 for r in requests:
                     r.wait()
-        alone.append(time.perf_counter() - t0)
+
+    spans, alone, arithmetic, plain, landed = [], [], [], [], [0, 0]
+    real = context._Ring.start
+    for _ in range(repeats):
+        context.COMPUTE.lap()
+        context.LANDED.lap()
+        spans.append(timed(step))
+        arithmetic.append(context.COMPUTE.lap())
+        got, waited = context.LANDED.lap()
+        landed[0] += got
+        landed[1] += waited
+        alone.append(timed(transfers))
+        context._Ring.start = _no_transfer
+        try:
+            plain.append(timed(step))
+        finally:
+            context._Ring.start = real
     med = statistics.median
-    return dict(span=med(spans), exposed=med(exposed), compute=med(computed), alone=med(alone))
+    return dict(span=med(spans), alone=med(alone), compute=min(arithmetic), plain=med(plain),
+                landed=landed[0] / max(1, landed[1]))  # fmt: skip
 
 
 def overlap_and_balance(repeats: int) -> tuple[list[str], dict]:
-    lines = ["## Ring attention, forward and backward (1 x 4 heads x 32, float32)",
-             "| cp | seq_len | step ms | attention arithmetic ms (slowest / fastest rank) "
-             "| transfers alone ms | blocked on them ms | hidden |",
-             "|---:|---:|---:|---|---:|---:|---:|"]  # fmt: skip
+    lines = ["## Ring attention, forward and backward (1 x 4 heads x 32, float32, a thread a rank)",
+             "| cp | seq_len | with the ring ms | the same, transfers off ms | transfers alone ms "
+             "| landed before needed | attention CPU ms (slowest / fastest rank) |",
+             "|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
     out = {}
     for cp in (2, 4):
         for seq in (256, 1024, 4096, 8192):
             rows = run_ranks(_attention, cp, seq, repeats, timeout=1800)
+            span = max(r["span"] for r in rows)
+            plain = max(r["plain"] for r in rows)
+            alone = max(r["alone"] for r in rows)
             slow = max(r["compute"] for r in rows)
             fast = min(r["compute"] for r in rows)
-            alone = statistics.mean(r["alone"] for r in rows)
-            blocked = statistics.mean(r["exposed"] for r in rows)
-            hidden = max(0.0, 1.0 - blocked / alone) if alone else 0.0
+            landed = statistics.mean(r["landed"] for r in rows)
             out[f"cp{cp}_{seq}"] = rows
             lines.append(
-                f"| {cp} | {seq} | {max(r['span'] for r in rows) * 1e3:.1f} | "
-                f"{slow * 1e3:.1f} / {fast * 1e3:.1f} ({slow / fast:.2f}x) | "
-                f"{alone * 1e3:.2f} | {blocked * 1e3:.2f} | {hidden:.2f} |"
+                f"| {cp} | {seq} | {span * 1e3:.1f} | {plain * 1e3:.1f} | {alone * 1e3:.2f} | "
+                f"{landed:.2f} | {slow * 1e3:.1f} / {fast * 1e3:.1f} ({slow / fast:.2f}x) |"
             )
     return lines, out
 

@@ -172,3 +172,54 @@ def test_refusals_name_the_setting(kw, words):
 def test_the_world_size_message_names_cp():
     with pytest.raises(ValueError, match=r"dp \* cp \* tp \* pp = 1 \* 2 \* 1 \* 1 = 2 ranks"):
         _config(cp=2).check(4)
+
+
+def test_the_metrics_say_what_the_ring_carried():
+    """A micro-batch's attention sends cp - 1 key/value blocks forward, and
+    cp - 1 blocks and cp gradient sums backward, a layer; the figures count
+    them on every rank."""
+    cfg = _config(**SGD, cp=2)
+    m = run_ranks(_train, 2, cfg)[0][0][-1]
+    kv = 2 * cfg.micro_batch_size * cfg.heads * (cfg.seq_len // 2) * (cfg.dim // cfg.heads) * 4
+    payload = 2 * cfg.layers * cfg.microbatches * (2 * (2 - 1) + 2) * kv
+    assert payload <= m["bytes_sent_cp"] <= 1.02 * payload
+    assert m["cp_ms"] >= 0 and m["cp_attention_cpu_ms_max"] >= m["cp_attention_cpu_ms_min"] > 0
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4, 8])
+def test_every_rank_computes_the_same_number_of_blocks(cp):
+    """The load-balanced mask: over the ring's cp steps each rank computes
+    2 cp + 1 blocks of a chunk's queries against a chunk's keys (two of
+    them causal), whatever its place in the sequence."""
+    counts = [
+        sum(1 for s in range(cp) for _ in context._pairs(context.chunks(r, cp),
+                                                          context.chunks((r - s) % cp, cp)))
+        for r in range(cp)
+    ]  # fmt: skip
+    assert counts == [2 * cp + 1] * cp
+
+
+def test_the_plan_searches_cp_and_prices_its_ring_and_memory():
+    """cp widths that divide the world and cut the sequence in 2 cp chunks,
+    as flags the trainer takes; each attention layer's key/value bytes (the
+    CP room's answer); a cp 2 layout holds half the activations and its
+    passes half the compute, plus the ring beyond it."""
+    from clawcomm.plan import search as plan
+    from clawcomm.train import models as train_models
+
+    cands = list(plan.candidates(4, 4, 16, cps=(1, 2, 4)))
+    assert {(c.dp, c.cp) for c in cands if c.pp == 1} == {(4, 1), (2, 2), (1, 4)}
+    c = plan.Candidate(1, 1, "1f1b", 1, 2, 4, 0, cp=2)
+    assert c.flags()[:4] == ["--dp", "1", "--cp", "2"] and "cp 2" in c.name()
+    assert c.averaged_over == 2 and c.work_split == 2
+    assert plan.apply(_config(), c).cp == 2
+    model = train_models.build(_config(seq_len=32))[0]
+    kv = context.kv_bytes(model, 32)
+    assert kv == [0.0, 2.0 * 4 * 32 * 32, 2.0 * 4 * 32 * 32, 0.0]
+
+    _, _, prof = plan.plan(_config(seq_len=32, micro_batch_size=4, microbatches=2), 2)
+    assert prof.kv_bytes == kv
+    whole = plan.predict(plan.Candidate(1, 1, "1f1b", 1, 2, 4, 0), prof, 2)
+    split = plan.predict(plan.Candidate(1, 1, "1f1b", 1, 2, 4, 0, cp=2), prof, 2)
+    assert split.compute_ms < whole.compute_ms
+    assert split.memory_mb < whole.memory_mb

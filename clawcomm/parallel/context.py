@@ -29,8 +29,12 @@ rank's keys and values, attends with the matching mask, and backward
 reduce-scatters their gradients; for comparison.
 
 Every blocking wait on a transfer is timed into ``EXPOSED`` (the trainer's
-``cp_ms``), and the attention's own arithmetic into ``COMPUTE`` (what the
-balance figure compares across ranks).
+``cp_ms``; it includes waiting for a peer that is still computing), and the
+attention's own arithmetic into ``COMPUTE``, as the calling thread's CPU
+seconds (what the balance figure compares across ranks: CPU time, unlike
+wall time, does not count the time the rank's thread waited for a core on a
+machine with more ranks than cores; with several intra-op threads it counts
+the calling thread's share only).
 """
 
 from __future__ import annotations
@@ -47,6 +51,27 @@ from clawcomm.parallel.tensor.comm import Exposed
 
 EXPOSED = Exposed()  # blocked on the cp group's transfers
 COMPUTE = Exposed()  # the attention's arithmetic (for the balance figure)
+
+
+class Landed:
+    """Of the ring's transfers a rank waited for, how many had landed
+    (sent and received) before it needed them: hidden entirely behind its
+    computation."""
+
+    def __init__(self):
+        self.landed = self.waited = 0
+
+    def count(self, landed: bool) -> None:
+        self.landed += int(landed)
+        self.waited += 1
+
+    def lap(self) -> tuple[int, int]:
+        out = (self.landed, self.waited)
+        self.landed = self.waited = 0
+        return out
+
+
+LANDED = Landed()
 KV, GRADS = 7001, 7002  # the tags of the two streams between neighbours
 
 
@@ -117,6 +142,7 @@ class _Ring:
 
     @staticmethod
     def wait(requests) -> None:
+        LANDED.count(all(r.is_completed() for r in requests))
         t0 = time.perf_counter()
         for r in requests:
             r.wait()
@@ -135,7 +161,7 @@ class _RingAttention(torch.autograd.Function):
         kv = torch.stack([k, v]).contiguous()
         for s in range(cp):
             pending = ring.start(kv, KV) if s < cp - 1 else None
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             ks, vs = _halves(kv[0]), _halves(kv[1])
             for a, b, causal in _pairs(chunks(c, cp), chunks((c - s) % cp, cp)):
                 sc = _scores(qs[a], ks[b], causal, scale).to(wide)
@@ -146,7 +172,7 @@ class _RingAttention(torch.autograd.Function):
                     block - new
                 ).unsqueeze(-1)
                 lse[a] = new
-            COMPUTE.seconds += time.perf_counter() - t0
+            COMPUTE.seconds += time.thread_time() - t0
             if pending is not None:
                 kv, requests = pending
                 ring.wait(requests)
@@ -169,7 +195,7 @@ class _RingAttention(torch.autograd.Function):
         passing = None  # the accumulated dK, dV of the block held next, in flight
         for s in range(cp):
             pending = ring.start(kv, KV) if s < cp - 1 else None
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             ks, vs = _halves(kv[0].to(wide)), _halves(kv[1].to(wide))
             mine = torch.zeros_like(kv, dtype=wide)  # this rank's share of the block's dK, dV
             dks, dvs = _halves(mine[0]), _halves(mine[1])
@@ -180,7 +206,7 @@ class _RingAttention(torch.autograd.Function):
                 ds = p * (torch.matmul(gs[a], vs[b].transpose(-1, -2)) - delta[a]) * scale
                 dks[b] += torch.matmul(ds.transpose(-1, -2), qs[a])
                 later.append((a, ds, b))
-            COMPUTE.seconds += time.perf_counter() - t0
+            COMPUTE.seconds += time.thread_time() - t0
             if passing is not None:  # what the ranks before added to this block
                 acc, requests = passing
                 ring.wait(requests)
@@ -188,10 +214,10 @@ class _RingAttention(torch.autograd.Function):
             # On with the block's gradients (after the last step, home), while
             # this rank computes its dQ terms and the next step.
             passing = ring.start(mine, GRADS)
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             for a, ds, b in later:
                 dq[a] += torch.matmul(ds, ks[b])
-            COMPUTE.seconds += time.perf_counter() - t0
+            COMPUTE.seconds += time.thread_time() - t0
             if pending is not None:
                 kv, requests = pending
                 ring.wait(requests)
@@ -243,9 +269,9 @@ def allgather_attention(q, k, v, group) -> torch.Tensor:
     values = torch.cat([_halves(vs[r])[h] for _, r, h in order], -2)
     pos = positions(2 * cp * n, cp, c).to(q.device)
     mask = pos.unsqueeze(1) >= torch.arange(2 * cp * n, device=q.device).unsqueeze(0)
-    t0 = time.perf_counter()
+    t0 = time.thread_time()
     out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-    COMPUTE.seconds += time.perf_counter() - t0
+    COMPUTE.seconds += time.thread_time() - t0
     return out
 
 
@@ -266,6 +292,17 @@ def split(modules, group, cfg) -> None:
                 m.token_positions = held
             if hasattr(m, "attention_across"):
                 m.attention_across = functools.partial(attend, group=group)
+
+
+def kv_bytes(model, seq_len: int) -> list[float]:
+    """Per layer of the whole (unsplit) model, the bytes of one sample's
+    keys and values (float32) where it attends: what the planner prices
+    the ring's hops by (a rank's block is 1/cp of them, 1/tp at tp)."""
+    out = []
+    for layer in model:
+        attends = hasattr(layer, "attention_across")
+        out.append(2.0 * 4 * seq_len * layer.qkv.in_features if attends else 0.0)
+    return out
 
 
 def check(cfg) -> None:

@@ -75,6 +75,9 @@ class Profile:
     # per micro-batch size, per layer: (its experts' parameters, the bytes
     # one all-to-all carries; clawcomm.parallel.expert.traffic); empty if no ep searched
     ep_traffic: dict[int, list[tuple[float, float]]] = dataclasses.field(default_factory=dict)
+    # per layer, the bytes of one sample's keys and values (float32) where it
+    # attends (what the cp ring passes, context.kv_bytes); empty if no cp searched
+    kv_bytes: list[float] = dataclasses.field(default_factory=list)
     # per --activation-checkpoint mode searched, per micro-batch size, per
     # layer: (the activation bytes it keeps over what it keeps without
     # recomputation, its backward's seconds with the recomputation)

@@ -14,6 +14,7 @@ import os
 import time
 from dataclasses import dataclass
 
+from clawcomm.parallel.context import kv_bytes
 from clawcomm.parallel.expert import traffic as expert_traffic
 from clawcomm.parallel.tensor.parallelize import traffic as tensor_traffic
 from clawcomm.pipeline.schedules import check_schedule_args
@@ -45,10 +46,23 @@ class Candidate:
     tp: int = 1
     activation_checkpoint: str | None = None  # searched under a memory limit; None: the command's
     ep: int = 1  # --model moe: experts spread over ep of the dp ranks
+    cp: int = 1  # gpt: each sequence split over cp ranks
+
+    @property
+    def averaged_over(self) -> int:
+        """The ranks each gradient is averaged over (``TrainConfig``'s rule)."""
+        return self.dp * self.cp
+
+    @property
+    def work_split(self) -> int:
+        """The ranks a layer's passes are split over: its TP group's, each on
+        1/cp of the tokens."""
+        return self.tp * self.cp
 
     def flags(self) -> list[str]:
         out = ["--dp", str(self.dp)] + (["--tp", str(self.tp)] if self.tp > 1 else [])
         out += ["--ep", str(self.ep)] if self.ep > 1 else []
+        out += ["--cp", str(self.cp)] if self.cp > 1 else []
         out += ["--pp", str(self.pp)]
         if self.pp > 1:
             out += ["--schedule", self.schedule, "-v", str(self.virtual_stages)]
@@ -69,12 +83,15 @@ class Candidate:
             sync += f" recompute {self.activation_checkpoint}"
         tp = f"tp {self.tp} x " if self.tp > 1 else ""
         ep = f" (ep {self.ep})" if self.ep > 1 else ""
+        ep += f" x cp {self.cp}" if self.cp > 1 else ""
         return (f"dp {self.dp}{ep} x {tp}pp {self.pp}{pipe}, {self.microbatches} x "
                 f"{self.micro_batch_size}{zero}{wire}{sync}")  # fmt: skip
 
     def shape(self) -> tuple:
-        """The layout's shape: (dp, pp, schedule, virtual_stages, tp, ep)."""
-        return self.dp, self.pp, self.schedule, self.virtual_stages, self.tp, self.ep
+        """The layout's shape: (dp, pp, schedule, virtual_stages, tp, ep),
+        and cp where it is above 1."""
+        out = self.dp, self.pp, self.schedule, self.virtual_stages, self.tp, self.ep
+        return out + (self.cp,) if self.cp > 1 else out
 
 
 def apply(cfg, c: Candidate):
@@ -117,16 +134,18 @@ def microbatch_counts(schedule: str, pp: int, v: int, per_replica: int) -> list[
 
 
 def candidates(world: int, layers: int, global_batch: int, compressions=(None,), syncs=(None,),
-               tps=(1,), recomputes=(None,), eps=(1,)):  # fmt: skip
+               tps=(1,), recomputes=(None,), eps=(1,), cps=(1,)):  # fmt: skip
     """Every layout the trainer can run ``global_batch`` samples a step with
     (with each of ``compressions`` and ``syncs`` where dp > 1), at each
     tensor-parallel width of ``tps`` that divides the world, with each
-    activation-checkpointing mode of ``recomputes``, and each
-    expert-parallel width of ``eps`` that divides dp."""
-    for tp, pp in ((t, p) for t in tps for p in range(1, min(world, layers) + 1)):
-        if world % (tp * pp):
+    activation-checkpointing mode of ``recomputes``, each expert-parallel
+    width of ``eps`` that divides dp, and each context-parallel width of
+    ``cps`` that divides the world."""
+    splits = ((t, p, c) for t in tps for c in cps for p in range(1, min(world, layers) + 1))
+    for tp, pp, cp in splits:
+        if world % (tp * pp * cp):
             continue
-        dp = world // (tp * pp)
+        dp = world // (tp * pp * cp)
         if global_batch % dp:
             continue
         per_replica = global_batch // dp
@@ -141,7 +160,7 @@ def candidates(world: int, layers: int, global_batch: int, compressions=(None,),
                             for mode, ep in ((r, e) for r in recomputes for e in eps):
                                 if dp % ep == 0:
                                     yield Candidate(dp, pp, schedule, v, m, per_replica // m,
-                                                    zero, wire, sync, tp, mode, ep)  # fmt: skip
+                                                    zero, wire, sync, tp, mode, ep, cp)  # fmt: skip
 
 
 def plan(cfg, world: int, memory_mb: float = 0.0, cores: int | None = None, cost=None,
@@ -179,7 +198,10 @@ def plan(cfg, world: int, memory_mb: float = 0.0, cores: int | None = None, cost
         modes = ["none", "full"] if cfg.model != "gpt" else ["none", "selective", "full"]
     # --model moe: the experts spread over any width the world's dp can take
     eps = [e for e in range(1, world + 1) if world % e == 0] if cfg.model == "moe" else [1]
-    cands = [c for c in candidates(world, layers, batch, wires, methods, tps, modes, eps)
+    # the gpt: its sequences split over any width that cuts them in 2 cp chunks
+    cps = [c for c in range(1, world + 1) if world % c == 0 and cfg.seq_len % (2 * c) == 0]
+    cps = cps if cfg.model == "gpt" and not cfg.cp > 1 else [cfg.cp]
+    cands = [c for c in candidates(world, layers, batch, wires, methods, tps, modes, eps, cps)
              if _runs(apply(cfg, c), world)]  # fmt: skip
     if not cands:
         raise ValueError(
@@ -201,6 +223,8 @@ def plan(cfg, world: int, memory_mb: float = 0.0, cores: int | None = None, cost
         moes = [layers_of(layer) for layer in built[0]]
         prof.ep_traffic = {mbs: expert_traffic(moes, mbs, cfg.seq_len)
                            for mbs in {c.micro_batch_size for c in cands}}  # fmt: skip
+    if any(c.cp > 1 for c in cands):  # what each layer's ring passes (the CP room says)
+        prof.kv_bytes = kv_bytes(built[0], cfg.seq_len)
     cores = cores or os.cpu_count() or 1
     cap = cfg.bucket_cap_mb * 2**20
     shapes = [shape for layer in prof.tensors for shape in layer]

@@ -57,9 +57,9 @@ def stages(c, prof) -> tuple[list[range], list[float]]:
 
 def copies(c) -> int:
     """Ranks that run each pipeline rank's actions: its data-parallel
-    replicas, each split over tp ranks (``rank_seconds`` gives each 1/tp of
-    the layers' time)."""
-    return c.dp * c.tp
+    replicas, each split over cp x tp ranks (``rank_seconds`` gives each
+    1/(tp cp) of the layers' time)."""
+    return c.averaged_over * c.tp
 
 
 def host_of(c, p: int, k: int, per_host: int) -> int:
@@ -85,10 +85,10 @@ def rank_seconds(c, prof, span, share, tau: float, schedule) -> dict[int, float]
     time; each pass as its schedule's order makes it (``pass_order``)."""
     mbs = c.micro_batch_size
     order = pass_order.of(c, prof)
-    tp = c.tp
+    split = c.work_split
 
     def cpu(times: list[float]) -> list[float]:
-        return [sum(share[i] * times[i] for i in r) / tp for r in span]
+        return [sum(share[i] * times[i] for i in r) / split for r in span]
 
     back = cpu(prof.backward[mbs])
     table = {"F": cpu(prof.forward[mbs]), "B": back}

@@ -24,6 +24,12 @@ rank, from the profile and the answers of the rooms that own each rule.
   computation does not cover. Parameters, gradients, optimizer state and
   activations per rank are 1/tp of the layer's (the replicated LayerNorms
   and biases are not counted apart).
+- **Context parallelism** (gpt, cp > 1): each layer's passes take 1/cp of
+  their profiled time (the load-balanced mask gives every rank 1/cp of
+  attention's work too), plus what the ring's key/value hops take beyond
+  the pass's computation (cost model: a message between two ranks); the
+  activations are 1/cp; the gradients are reduced, and ZeRO shards, over
+  dp x cp ranks.
 - **Expert parallelism** (--model moe, ep > 1): each MoE layer's passes
   add its all-to-alls over the ep group (``parallel.expert.traffic``:
   every token slot's activation, priced as an even exchange, though a
@@ -105,14 +111,15 @@ def placement(c, hosts: int):
     dp_rank) * tp + tp_rank): (how many replicas' pipeline ranks p and q are
     on different hosts, the cost model's topology of the widest dp group;
     both for TP rank 0)."""
-    per_host = c.dp * c.tp * c.pp // hosts
-    host = lambda d, p: (p * c.dp + d) * c.tp // per_host  # noqa: E731
+    dp = c.averaged_over  # (every replica's cp ranks: each its own pipeline, one dp group)
+    per_host = dp * c.tp * c.pp // hosts
+    host = lambda d, p: (p * dp + d) * c.tp // per_host  # noqa: E731
 
     def crossing(p: int, q: int) -> int:
-        return sum(host(d, p) != host(d, q) for d in range(c.dp))
+        return sum(host(d, p) != host(d, q) for d in range(dp))
 
-    spans = max(len({host(d, p) for d in range(c.dp)}) for p in range(c.pp))
-    return crossing, Topology(spans, -(-c.dp // spans))
+    spans = max(len({host(d, p) for d in range(dp)}) for p in range(c.pp))
+    return crossing, Topology(spans, -(-dp // spans))
 
 
 def predict(c, prof: Profile, cores: int, cost=None, gpu: bool = False, hosts: int = 1,
@@ -140,18 +147,32 @@ def predict(c, prof: Profile, cores: int, cost=None, gpu: bool = False, hosts: i
     stages = c.pp * c.virtual_stages
     span, share = shared_cores.stages(c, prof)
     crossing, dp_topology = placement(c, hosts)
-    world = c.dp * c.tp * c.pp
+    world = c.averaged_over * c.tp * c.pp
     slow = 1.0 if gpu else max(1.0, world / hosts / cores)  # ranks sharing cores
     mbs = c.micro_batch_size
     # Only the share of a layer's time spent on a core slows down (waiting layers do not).
     scale = [1.0 + (slow - 1.0) * sh for sh in share]
 
     def per_stage(times: list[float], scale: list[float], tp_pass: str = "") -> list[float]:
-        split = [scale[i] * times[i] / c.tp for i in range(len(times))]
-        if tp_pass:  # what the split layers' collectives and the experts' exchanges add
+        split = [scale[i] * times[i] / c.work_split for i in range(len(times))]
+        if tp_pass:  # what the split layers' collectives and the exchanges add
             split = [t + tp_seconds(i, tp_pass, t) + ep_seconds(i, tp_pass)
-                     for i, t in enumerate(split)]  # fmt: skip
+                     + cp_seconds(i, tp_pass, t) for i, t in enumerate(split)]  # fmt: skip
         return [sum(split[i] for i in r) for r in span]
+
+    def cp_seconds(i: int, kind: str, compute: float) -> float:
+        """What the cp ring adds to attention layer i's pass: its keys and
+        values sent cp - 1 times forward, and cp - 1 times with cp sums of
+        their gradients backward, between neighbours (the cost model's
+        message between two ranks), where the pass's computation does not
+        cover them."""
+        if c.cp == 1 or not prof.kv_bytes or not prof.kv_bytes[i]:
+            return 0.0
+        nbytes = prof.kv_bytes[i] * c.micro_batch_size / (c.cp * c.tp)
+        hops = c.cp - 1 if kind == "F" else 2 * c.cp - 1
+        net = c.tp * c.cp > c.averaged_over * c.tp * c.pp // hosts  # (a ring across hosts)
+        alpha, beta = (cost.net_alpha, cost.net_beta) if net else (cost.shm_alpha, cost.shm_beta)
+        return max(0.0, slow * hops * (alpha + nbytes * beta) - compute)
 
     def ep_seconds(i: int, kind: str) -> float:
         """What layer i's experts add to a pass at ep > 1: its all-to-alls
@@ -234,12 +255,12 @@ def predict(c, prof: Profile, cores: int, cost=None, gpu: bool = False, hosts: i
     p_max = max(rank_params)
     grad_bytes = 4 * p_max
     comm = 0.0
-    if c.dp > 1 and sync[0] != "every-step":
+    if c.averaged_over > 1 and sync[0] != "every-step":
         # local SGD / DiLoCo: no gradient exchange a step; the replicas' parameters
         # are averaged every H steps (on a thread of its own with --sync-delay)
         meeting = comm_time("all_reduce", "auto", grad_bytes, dp_topology, cost)
         comm = 0.0 if sync_delay else meeting / sync[1]
-    elif c.dp > 1:
+    elif c.averaged_over > 1:
         # The buckets are reduced while the host's ranks still compute their
         # backward: where ranks outnumber cores, the reduction's copies, sums
         # and sockets get a core's share as the layers do (the cost model's
@@ -253,7 +274,8 @@ def predict(c, prof: Profile, cores: int, cost=None, gpu: bool = False, hosts: i
         gathers = 0.0
         gather = lambda b: crowded * comm_time("all_gather", "auto", b / c.tp, dp_topology, cost)  # noqa: E731
         for r in range(c.pp):
-            rank = rank_timeline(sim, r, span, lambda k, i: scale[i] * passes[k][i] / c.tp, tensors)
+            rank = rank_timeline(sim, r, span, lambda k, i: scale[i] * passes[k][i] / c.work_split,
+                                 tensors)  # fmt: skip
             bs = buckets(rank, cap_bytes)
             pass_s = codec.get((wire, c.dp), 0.0)  # over the whole model's gradient
             codec_s = slow * pass_s * rank_params[r] / max(1.0, sum(prof.params))
@@ -270,14 +292,14 @@ def predict(c, prof: Profile, cores: int, cost=None, gpu: bool = False, hosts: i
             )
             gathers = max(
                 exposed_unit_gathers(
-                    [([(i, scale[i] * passes["F"][i] / c.tp) for i in span[s]],
-                      [(i, scale[i] * passes["B"][i] / c.tp) for i in reversed(span[s])])
+                    [([(i, scale[i] * passes["F"][i] / c.work_split) for i in span[s]],
+                      [(i, scale[i] * passes["B"][i] / c.work_split) for i in reversed(span[s])])
                      for s in range(stages) if s % c.pp == r],
                     layer_gather, per_round)
                 for r in range(c.pp)
             )  # fmt: skip
         comm += gathers
-    opt = slow * prof.opt_s_per_param * p_max / (c.dp if c.zero >= 1 else 1)
+    opt = slow * prof.opt_s_per_param * p_max / (c.averaged_over if c.zero >= 1 else 1)
     memory = _memory(c, prof, sim.schedule, span, compression, sync, reshard)
     busy += slow * prof.host_s  # the trainer's own time, on the busiest rank
     makespan = sim.makespan + slow * prof.host_s
@@ -309,7 +331,7 @@ def held_params(c, prof: Profile) -> list[float]:
 def expert_topology(c, hosts: int) -> Topology:
     """An expert-parallel group's hosts: ep data-parallel neighbours, tp
     ranks apart, so ep x tp consecutive ranks."""
-    per_host = c.dp * c.tp * c.pp // hosts
+    per_host = c.averaged_over * c.tp * c.pp // hosts
     spanned = max(1, c.ep * c.tp // per_host)
     return Topology(spanned, c.ep // spanned)
 
@@ -322,7 +344,7 @@ def _memory(c, prof: Profile, schedule, span, compression: str, sync, reshard: b
     replicas that meet every step only) and the activations the rank's
     schedule holds for backward, which the trainer's limit does not count."""
     wire = c.compression if c.compression is not None else compression
-    keeps = c.dp > 1 and sync[0] == "every-step"
+    keeps = c.averaged_over > 1 and sync[0] == "every-step"
     saved = prof.saved[c.micro_batch_size]
     recomputed = prof.recompute.get(c.activation_checkpoint or "none", {})
     if c.micro_batch_size in recomputed:  # what each layer keeps with the recomputation
@@ -334,8 +356,10 @@ def _memory(c, prof: Profile, schedule, span, compression: str, sync, reshard: b
         layers = [i for s in range(len(span)) if s % c.pp == r for i in span[s]]
         params = sum(local[i] for i in layers) / c.tp
         whole = gathered_bytes([4.0 * local[i] / c.tp for i in layers], reshard)
-        held = sum(step_peak_bytes(params, c.dp, c.zero, whole).values())
+        held = sum(step_peak_bytes(params, c.averaged_over, c.zero, whole).values())
         held += compressor(wire).state_bytes(params) if keeps else 0.0
-        acts = held_for_backward(schedule[r], lambda s: sum(saved[i] for i in span[s]) / c.tp)
+        acts = held_for_backward(
+            schedule[r], lambda s: sum(saved[i] for i in span[s]) / c.work_split
+        )
         most = max(most, held + acts)
     return most / 2**20

@@ -45,7 +45,7 @@ class RankSample:
     ep_wait: float = 0.0  # blocked on the experts' all-to-alls
     bytes_cp: float = 0.0  # its context-parallel group's (keys and values, their gradients)
     cp_wait: float = 0.0  # blocked on the context-parallel ring's transfers
-    cp_attention: float = 0.0  # in attention's arithmetic over the cp group
+    cp_attention: float = 0.0  # CPU seconds of attention's arithmetic over the cp group
     # its MoE layers' routing (train/moe.py): token slots, dropped slots, the
     # load-balancing and z-losses summed, and the layer forwards they sum over
     moe_slots: float = 0.0
@@ -274,14 +274,15 @@ def _routing(rows: list[RankSample]) -> dict:
 
 def _context(rows: list[RankSample]) -> dict:
     """Context parallelism's figures: the bytes the cp rings carried, the
-    rank that waited longest for them, and attention's arithmetic on the
-    slowest and the fastest rank (the load-balanced mask's evenness)."""
+    rank that waited longest for them, and the CPU time of attention's
+    arithmetic on the slowest and the fastest rank (the load-balanced
+    mask's evenness)."""
     attention = [r.cp_attention for r in rows]
     return {
         "bytes_sent_cp": int(sum(r.bytes_cp for r in rows)),
         "cp_ms": max(r.cp_wait for r in rows) * 1e3,
-        "cp_attention_ms_max": max(attention) * 1e3,
-        "cp_attention_ms_min": min(attention) * 1e3,
+        "cp_attention_cpu_ms_max": max(attention) * 1e3,
+        "cp_attention_cpu_ms_min": min(attention) * 1e3,
     }
 
 
