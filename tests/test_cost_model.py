@@ -255,3 +255,35 @@ def test_simulate_prices_a_tensor_parallel_step_from_what_a_split_block_sends(ca
     assert sim.run(p.parse_args(args[:-1])) == 0
     out = capsys.readouterr().out
     assert f"{dp * 1e3:.1f} ms" in out and "tensor parallel at tp 2" in out
+
+
+def test_simulate_prices_the_experts_all_to_alls_and_the_cp_ring(capsys):
+    """--ep: five all-to-alls a block and micro-batch (the counts', the
+    tokens there and back, twice in backward) over ep neighbours, spanning
+    hosts where ep outgrows one; --cp: 3 cp - 2 neighbour hops of a rank's
+    keys and values a block and micro-batch."""
+    from clawcomm.simulate import cli as sim
+
+    p = __import__("argparse").ArgumentParser()
+    sim.add_arguments(p)
+    args = ["--hosts", "2", "--ranks-per-host", "4", "--size", "1M", "--layers", "3",
+            "--width", "64", "--tokens", "128", "--microbatches", "2"]  # fmt: skip
+    m = CostModel()
+    ns = p.parse_args([*args, "--ep", "4", "--top-k", "2"])
+    what, t = sim.expert_step(ns, m)
+    slots = 4.0 * 128 * 2 * 64
+    one = Topology(1, 4)
+    per = 4 * predict("all_to_all", "auto", slots, one, m) + predict(
+        "all_to_all", "auto", 32, one, m
+    )
+    assert t == pytest.approx(per * 3 * 2) and "over 1 host" in what
+    ns.ep = 8
+    assert "over 2 host" in sim.expert_step(ns, m)[0]
+    ns = p.parse_args([*args, "--cp", "2"])
+    _, t = sim.context_step(ns, m)
+    kv = 2 * 4.0 * 64 * 64
+    assert t == pytest.approx(4 * (m.shm_alpha + kv * m.shm_beta) * 3 * 2)
+    assert sim.run(p.parse_args([*args, "--ep", "2", "--cp", "2"])) == 0
+    out = capsys.readouterr().out
+    assert "expert parallel at ep 2" in out and "context parallel at cp 2" in out
+    assert sim.run(p.parse_args([*args, "--cp", "3"])) == 2

@@ -6,12 +6,17 @@ you do not have, from a model file (``clawcomm bench --calibrate``).
     clawcomm simulate --hosts 64 --ranks-per-host 8 --params 1.3G --compression fp16 --overlap 0.5
     clawcomm simulate --hosts 64 --ranks-per-host 8 --params 1.3G --tp 8 --layers 24 \
         --width 2048 --tokens 4K --microbatches 8                 # + tensor parallelism
+    clawcomm simulate --hosts 8 --ranks-per-host 8 --ep 8 --layers 24 --width 2048 \
+        --tokens 4K --top-k 2                                       # + experts' all-to-alls
+    clawcomm simulate --hosts 8 --ranks-per-host 8 --cp 4 --layers 24 --width 2048 \
+        --tokens 32K                                                # + the cp ring
     clawcomm simulate --chakra DIR --cost-model model.json [--project-hosts 64,512]
 
 Prints the nccl-tests table it predicts (time, algbw, busbw; for the
 all-reduce every algorithm and the one ``CLAWCOMM_ALGO=auto`` picks), the
 communication time of one data-parallel training step (with --tp, the
-tensor-parallel collectives of its transformer blocks too), and with --plot a
+tensor-parallel collectives of its transformer blocks too; with --ep, the
+experts' all-to-alls; with --cp, the ring attention's hops), and with --plot a
 picture of predicted busbw against size for 8 to 4096 ranks. With --chakra
 it replays Chakra execution traces instead (``clawcomm train --chakra``'s, or
 another tool's) and prints the predicted step and its critical path
@@ -81,6 +86,14 @@ def add_arguments(p) -> None:
     p.add_argument("--microbatches", type=int, default=1, help="--tp: micro-batches a step")
     p.add_argument("--no-sequence-parallel", action="store_true",
                    help="--tp: all-reduces instead of all-gathers and reduce-scatters")  # fmt: skip
+    p.add_argument("--ep", type=int, default=1,
+                   help="a training step: expert-parallel ranks, neighbours (every block a "
+                        "mixture of experts; --layers, --width, --tokens, --top-k)")  # fmt: skip
+    p.add_argument("--top-k", type=int, default=2, help="--ep: experts each token goes to")
+    p.add_argument("--cp", type=int, default=1,
+                   help="a training step: context-parallel ranks, neighbours after a TP group: "
+                        "ring attention's key/value hops (--layers, --width, --tokens: the "
+                        "whole sequence's)")  # fmt: skip
     p.add_argument(
         "--chakra",
         metavar="DIR",
@@ -199,6 +212,50 @@ def tensor_parallel_step(args, model: CostModel) -> tuple[str, float]:
     return what, block * args.layers * args.microbatches
 
 
+def _neighbours(args, n: int, inside: int) -> Topology:
+    """n neighbouring ranks, ``inside`` ranks apart (a TP group's width):
+    on one host where they fit, else spread over the hosts they span."""
+    hosts = max(1, n * inside // args.ranks_per_host)
+    return Topology(hosts, n // hosts)
+
+
+def expert_step(args, model: CostModel) -> tuple[str, float]:
+    """The experts' all-to-alls of one step (parallel.expert): every block's
+    tokens there and back, forward and backward (each as an even exchange
+    of every token slot's float32 activation) and the counts' exchange, for
+    each micro-batch, over ep neighbouring ranks."""
+    if min(args.layers, args.width, args.tokens) < 1:
+        raise ValueError("--ep needs --layers, --width and --tokens (the blocks' tokens)")
+    group = _neighbours(args, args.ep, args.tp)
+    slots = 4.0 * args.tokens * args.top_k * args.width
+    block = 4 * predict("all_to_all", "auto", slots, group, model)
+    block += predict("all_to_all", "auto", 8.0 * args.ep, group, model)
+    what = (f"5 all-to-alls a block and micro-batch ({_size(slots)} of slots each way) x "
+            f"{args.layers} blocks x {args.microbatches} micro-batches over {group.hosts} "
+            f"host(s)")  # fmt: skip
+    return what, block * args.layers * args.microbatches
+
+
+def context_step(args, model: CostModel) -> tuple[str, float]:
+    """Ring attention's hops of one step (parallel.context): a rank's keys
+    and values (1/cp of the sequence's, 1/tp of its width at tp) sent cp - 1
+    times forward and 2 cp - 1 times backward (the blocks and their
+    gradients' sums) for every block and micro-batch, each a message
+    between neighbours; the ring's transfers overlap the blocks'
+    computation, which this model does not know."""
+    if min(args.layers, args.width, args.tokens) < 1:
+        raise ValueError("--cp needs --layers, --width and --tokens (the whole sequence's)")
+    across = args.cp * args.tp > args.ranks_per_host
+    alpha, beta = (model.net_alpha, model.net_beta) if across else (model.shm_alpha, model.shm_beta)
+    kv = 2 * 4.0 * args.tokens / args.cp * args.width / args.tp
+    hops = (args.cp - 1) + (2 * args.cp - 1)
+    what = (
+        f"{hops} hops of {_size(kv)} a block and micro-batch x {args.layers} blocks x "
+        f"{args.microbatches} micro-batches, {'across hosts' if across else 'within a host'}"
+    )
+    return what, hops * (alpha + kv * beta) * args.layers * args.microbatches
+
+
 def plot(path: str, model: CostModel, ranks_per_host: int, max_size: int) -> None:
     from clawcomm._optional import require
 
@@ -308,6 +365,13 @@ def run(args) -> int:
             step = training_step(params, args.compression, args.overlap, dp, model)
         if args.tp > 1:
             tp_step = tensor_parallel_step(args, model)
+        for name in ("ep", "cp"):
+            if getattr(args, name) < 1 or args.ranks_per_host * args.hosts % getattr(args, name):
+                raise ValueError(f"--{name} {getattr(args, name)} must divide the world")
+        inside = [(f"expert parallel at ep {args.ep}", expert_step(args, model), "experts")
+                  for _ in range(args.ep > 1)]  # fmt: skip
+        inside += [(f"context parallel at cp {args.cp}", context_step(args, model), "context")
+                   for _ in range(args.cp > 1)]  # fmt: skip
     except (OSError, ValueError) as e:
         print(f"clawcomm simulate: error: {e}", file=sys.stderr)
         return 2
@@ -334,6 +398,9 @@ def run(args) -> int:
         print(f"# tensor parallel at tp {args.tp}: {what}: {t * 1e3:.1f} ms a step, on the "
               f"critical path of every block (none of it overlapped)")  # fmt: skip
         payload["tensor_parallel"] = {"what": what, "comm_s": t}
+    for title, (what, t), key in inside:
+        print(f"# {title}: {what}: {t * 1e3:.1f} ms a step")
+        payload[key] = {"what": what, "comm_s": t}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(payload, f, indent=1)
