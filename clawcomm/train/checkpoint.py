@@ -195,14 +195,21 @@ def _optimizer_state(trainer) -> dict:
     parameters, whole at any ZeRO stage (under ZeRO a collective over the
     data-parallel group: every rank calls it)."""
     if trainer.shards is not None:
-        return trainer.shards.state(trainer.optimizer)
+        out = trainer.shards.state(trainer.optimizer)
+        opt = trainer.optimizer
+        out.update({p: dict(opt.state[p]) for p in trainer._outside() if p in opt.state})
+        return out
     return {p: dict(s) for p, s in trainer.optimizer.state.items()}
 
 
 def _load_optimizer_state(trainer, state: dict) -> None:
     """The inverse of ``_optimizer_state``."""
     if trainer.shards is not None:
-        trainer.shards.load(state)  # laid out over the shards at the next step
+        outside = {id(p) for p in trainer._outside()}  # (whole: in the optimizer now)
+        for p, s in state.items():
+            if id(p) in outside:
+                trainer.optimizer.state.setdefault(p, {}).update(s)
+        trainer.shards.load({p: s for p, s in state.items() if id(p) not in outside})
         return
     for p, s in state.items():  # (a ZeRO run's master weights are not state here)
         trainer.optimizer.state.setdefault(p, {}).update(drop_masters(s))

@@ -147,7 +147,7 @@ def held_bytes(params, reducer, optimizer, shards=None) -> dict:
     def nbytes(tensors) -> int:
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
-    outside = 0  # gradients the reducer does not hold (spread experts')
+    outside, inside = 0, set()  # gradients the reducer does not hold (spread experts')
     if reducer is not None:
         inside = {id(p) for p in reducer.params}
         outside = nbytes(p.grad for p in params if id(p) not in inside)
@@ -156,7 +156,8 @@ def held_bytes(params, reducer, optimizer, shards=None) -> dict:
     )
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     sharded = shards is not None and not shards.stale()  # (laid out from the first step's end)
-    held = shards.param_bytes() if sharded else nbytes(params)
+    whole = nbytes(p for p in params if id(p) not in inside) if reducer is not None else 0
+    held = shards.param_bytes() + whole if sharded else nbytes(params)
     return {
         "param_bytes": held,
         "grad_bytes": grads,

@@ -304,7 +304,15 @@ class Trainer:
         if self.shards is not None:
             if self.units is not None:
                 self.units.land()
-            self.optimizer = self.shards.ready(self.optimizer, self._make_optimizer)
+            old = self.optimizer  # (the experts outside the reducer: whole, 1/ep already)
+            make = lambda shards: self._make_optimizer(shards + self._outside())  # noqa: E731
+            self.optimizer = self.shards.ready(old, make)
+            for p in self._outside() if self.optimizer is not old else ():
+                self.optimizer.state[p] = old.state.get(p, {})
+
+    def _outside(self) -> list:
+        """This rank's parameters outside the reducer: spread experts'."""
+        return [p for p in self.params if id(p) in self.experts.ids] if self.experts else []
 
     def _sample(self, totals, bytes_before, span: float, dp_wait: float) -> RankSample:
         """This rank's figures of the step, which every rank gathers."""
@@ -385,7 +393,8 @@ class Trainer:
     def _clip(self, grad_norm: float) -> None:
         if self.cfg.clip > 0 and grad_norm > self.cfg.clip:
             factor = self.cfg.clip / (grad_norm + 1e-6)
-            for p in self.shards.tensors() if self.shards is not None else self.params:
+            tensors = self.shards.tensors() + self._outside() if self.shards else self.params
+            for p in tensors:
                 if p.grad is not None:
                     p.grad.mul_(factor)
 
@@ -423,7 +432,7 @@ class Trainer:
         if self.tensor_parallel is not None and self.grid.tp_rank != 0:  # counted on TP rank 0
             shared_elsewhere |= self.tensor_parallel.replicated_ids()
         if self.shards is not None:
-            return self.shards.sumsq(shared_elsewhere)
+            return self.shards.sumsq(shared_elsewhere) + spread
         grads = [
             p.grad for p in self.params if p.grad is not None and id(p) not in shared_elsewhere
         ]
