@@ -352,11 +352,14 @@ def _memory(c, prof: Profile, schedule, span, compression: str, sync, reshard: b
         saved = [b * k for b, k in zip(saved, kept, strict=True)]
     most = 0.0
     local = held_params(c, prof)
+    spread = [e / c.ep for e, _ in prof.ep_traffic[c.micro_batch_size]] if c.ep > 1 else None
     for r in range(c.pp):
         layers = [i for s in range(len(span)) if s % c.pp == r for i in span[s]]
         params = sum(local[i] for i in layers) / c.tp
         whole = gathered_bytes([4.0 * local[i] / c.tp for i in layers], reshard)
-        held = sum(step_peak_bytes(params, c.averaged_over, c.zero, whole).values())
+        experts = sum(spread[i] for i in layers) if spread else 0.0  # (ZeRO leaves them whole)
+        held = sum(step_peak_bytes(params - experts, c.averaged_over, c.zero, whole).values())
+        held += sum(step_peak_bytes(experts, 1, 0).values())
         held += compressor(wire).state_bytes(params) if keeps else 0.0
         acts = held_for_backward(
             schedule[r], lambda s: sum(saved[i] for i in span[s]) / c.work_split
