@@ -100,7 +100,7 @@ def test_options_that_are_not_clawcomms_are_refused():
 def _trainer_groups(rank, ws):
     from clawcomm.train.grid import Grid
 
-    pp, dp, _ = Grid(dp=2, pp=2, rank=rank).make_groups()
+    pp, dp, _, _ = Grid(dp=2, pp=2, rank=rank).make_groups()
     return (
         clawcomm.backend_of(pp).options.progress_nice,
         clawcomm.backend_of(dp).options.progress_nice,
