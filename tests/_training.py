@@ -72,6 +72,26 @@ def _train(rank, world, cfg):
     return metrics, params
 
 
+def _train_slices(rank, world, cfg, checkpoint=None, load=None):
+    """Trains (from ``load``'s checkpoint, if given) to ``cfg.steps``, saves
+    to ``checkpoint`` if given; returns the metrics and this rank's
+    parameters by name as (tensor, how it is split: a tensor- or
+    expert-parallel slice, or None)."""
+    from clawcomm.parallel.split import split_of
+
+    model, loss_fn, make_opt, ds, tokens, sample = train_models.build(cfg)
+    tr = Trainer(model, loss_fn, make_opt, cfg, tokens_per_sample=tokens, sample=sample)
+    start = tr.load_checkpoint(load) if load else 0
+    batches = global_batches(ds, cfg.effective_batch, cfg.seed, start=start)
+    metrics = tr.fit(batches, steps=cfg.steps - start, progress=False)
+    if checkpoint:
+        tr.save_checkpoint(checkpoint)
+    with tr.whole_params():
+        params = {tr.names[id(p)]: (p.detach().clone(), split_of(p)) for p in tr.params}
+    tr.close()
+    return metrics, params
+
+
 def _check_against_reference(results, cfg, atol=2e-5):
     losses, norms, want = _reference(cfg)
     for metrics, _ in results:

@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
-from _training import _check_against_reference, _config, _reference, _train
+from _training import _check_against_reference, _config, _reference, _train, _train_slices
 
 from clawcomm.launch import run_ranks
 from clawcomm.parallel import context
@@ -97,10 +97,9 @@ def test_every_layout_trains_like_one_process(kw):
     """Losses, norms and every weight (a TP rank's slices of it) are one
     process's."""
     from test_tensor_parallel import _check
-    from test_tensor_parallel import _train as train_slices
 
     cfg = _config(**{**SGD, **kw})
-    _check(run_ranks(train_slices, cfg.world, cfg), cfg, atol=1e-5)
+    _check(run_ranks(_train_slices, cfg.world, cfg), cfg, atol=1e-5)
 
 
 def test_adamw_losses_and_norms_match_one_process():
@@ -127,31 +126,15 @@ def test_the_held_out_loss_is_one_processes():
     assert run_ranks(_held_out, 2, dataclasses.replace(cfg, cp=2)) == pytest.approx([one] * 2)
 
 
-def _train_saving(rank, world, cfg, root=None, load=None):
-    from clawcomm.train import Trainer
-    from clawcomm.train import models as train_models
-    from clawcomm.train.data import global_batches
-
-    model, loss_fn, make_opt, ds, tokens, sample = train_models.build(cfg)
-    tr = Trainer(model, loss_fn, make_opt, cfg, tokens_per_sample=tokens, sample=sample)
-    start = tr.load_checkpoint(load) if load else 0
-    batches = global_batches(ds, cfg.effective_batch, cfg.seed, start=start)
-    metrics = tr.fit(batches, steps=cfg.steps - start, progress=False)
-    if root:
-        tr.save_checkpoint(root)
-    tr.close()
-    return [m["loss"] for m in metrics]
-
-
 @pytest.mark.parametrize("saved,loaded", [(dict(cp=2), dict()), (dict(), dict(cp=2, pp=2))])
 def test_a_checkpoint_loads_at_another_cp(tmp_path, saved, loaded):
     a = _config(**{**SGD, "steps": 4, **saved})
-    run_ranks(_train_saving, a.world, dataclasses.replace(a, steps=2), str(tmp_path))
+    run_ranks(_train_slices, a.world, dataclasses.replace(a, steps=2), str(tmp_path))
     b = _config(**{**SGD, "steps": 4, **loaded})
-    losses = run_ranks(_train_saving, b.world, b, None, str(tmp_path))
+    results = run_ranks(_train_slices, b.world, b, None, str(tmp_path))
     want = _reference(_config(**{**SGD, "steps": 4}))[0]
-    for got in losses:
-        assert got == pytest.approx(want[2:], rel=1e-5)
+    for metrics, _ in results:
+        assert [m["loss"] for m in metrics] == pytest.approx(want[2:], rel=1e-5)
 
 
 @pytest.mark.parametrize(

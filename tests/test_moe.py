@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from _training import _train_slices as _train
 
 from clawcomm.launch import run_ranks
 from clawcomm.train import TrainConfig, Trainer, moe
@@ -134,21 +135,6 @@ def _reference(cfg: TrainConfig):
         losses.append(total)
         norms.append(float(norm))
     return losses, norms, dropped, {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def _train(rank, world, cfg, checkpoint=None, load=None):
-    from clawcomm.parallel.split import split_of
-
-    model, loss_fn, make_opt, ds, tokens, sample = train_models.build(cfg)
-    tr = Trainer(model, loss_fn, make_opt, cfg, tokens_per_sample=tokens, sample=sample)
-    start = tr.load_checkpoint(load) if load else 0
-    batches = global_batches(ds, cfg.effective_batch, cfg.seed, start=start)
-    metrics = tr.fit(batches, steps=cfg.steps - start, progress=False)
-    if checkpoint:
-        tr.save_checkpoint(checkpoint)
-    params = {tr.names[id(p)]: (p.detach().clone(), split_of(p)) for p in tr.params}
-    tr.close()
-    return metrics, params
 
 
 def _check(results, cfg, atol=1e-5):

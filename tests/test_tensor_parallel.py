@@ -10,9 +10,9 @@ import dataclasses
 import pytest
 import torch
 from _training import _reference
+from _training import _train_slices as _train
 
 from clawcomm.launch import run_ranks
-from clawcomm.parallel.split import split_of
 from clawcomm.train import TrainConfig, Trainer
 from clawcomm.train import models as train_models
 from clawcomm.train.data import global_batches
@@ -23,23 +23,6 @@ GPT = dict(model="gpt", dim=32, heads=4, layers=2, seq_len=16, lr=3e-3, lr_decay
 
 def _config(**kw) -> TrainConfig:
     return TrainConfig(**{**GPT, **kw})
-
-
-def _train(rank, world, cfg, checkpoint=None, load=None):
-    model, loss_fn, make_opt, ds, tokens, sample = train_models.build(cfg)
-    tr = Trainer(model, loss_fn, make_opt, cfg, tokens_per_sample=tokens, sample=sample)
-    start = tr.load_checkpoint(load) if load else 0
-    metrics = tr.fit(
-        global_batches(ds, cfg.effective_batch, cfg.seed, start=start),
-        steps=cfg.steps - start,
-        progress=False,
-    )
-    if checkpoint:
-        tr.save_checkpoint(checkpoint)
-    with tr.whole_params():
-        params = {tr.names[id(p)]: (p.detach().clone(), split_of(p)) for p in tr.params}
-    tr.close()
-    return metrics, params
 
 
 def _check(results, cfg, rel=1e-5, atol=2e-5):
