@@ -87,10 +87,7 @@ def _through_peers(rows, counts, experts, group) -> torch.Tensor:
     layer) to the ranks holding their experts, through them, and back."""
     ep, local = dist.get_world_size(group), experts.count
     send = counts.view(ep, local)  # [peer, its expert]: what goes to each peer
-    recv = torch.empty_like(send)  # [source, my expert]: what comes from each
-    t0 = time.perf_counter()
-    dist.all_to_all_single(recv, send.contiguous(), group=group)
-    EXPOSED.seconds += time.perf_counter() - t0
+    recv = _all_to_all(send, [1] * ep, [1] * ep, group)  # [source, my expert]: what comes
     send_rows, recv_rows = send.sum(1).tolist(), recv.sum(1).tolist()
     got = _Exchange.apply(rows, recv_rows, send_rows, group)
     # They come by source, then expert; the experts take them by expert, then source.
