@@ -172,6 +172,10 @@ SGD = dict(optimizer="sgd", lr=0.1)
         dict(dp=2, ep=2, pp=2, schedule="interleaved", virtual_stages=2, layers=4, microbatches=4),
         dict(dp=2, ep=2, zero=1),
         dict(dp=4, ep=2, zero=2, microbatches=1),
+        dict(dp=2, ep=2, zero=3),
+        dict(dp=2, ep=1, zero=3),
+        dict(dp=4, ep=2, zero=3, microbatches=1),
+        dict(dp=2, ep=2, pp=2, zero=3, microbatches=4),
     ],
     ids=[
         "dp2-ep2",
@@ -183,6 +187,10 @@ SGD = dict(optimizer="sgd", lr=0.1)
         "ep2-interleaved",
         "ep2-zero1",
         "dp4-ep2-zero2",
+        "ep2-zero3",
+        "ep1-zero3",
+        "dp4-ep2-zero3",
+        "ep2-pp2-zero3",
     ],  # fmt: skip
 )
 def test_every_layout_trains_like_one_process(kw, top_k):
@@ -227,8 +235,15 @@ def test_expert_parallelism_runs_on_gloo_too():
         (dict(dp=2, ep=1), dict(dp=4, ep=4, microbatches=1)),
         (dict(dp=4, ep=4, microbatches=1), dict(dp=2, ep=2, pp=2, microbatches=2)),
         (dict(dp=2, ep=2, zero=2), dict(dp=2, ep=1, zero=1)),
+        (dict(dp=4, ep=2, zero=3, microbatches=1), dict(dp=2, ep=2, zero=1)),
     ],
-    ids=["ep2-to-ep1", "ep1-to-ep4", "ep4-to-ep2-pp2", "ep2-zero2-to-ep1-zero1"],
+    ids=[
+        "ep2-to-ep1",
+        "ep1-to-ep4",
+        "ep4-to-ep2-pp2",
+        "ep2-zero2-to-ep1-zero1",
+        "ep2-zero3-to-zero1",
+    ],
 )
 def test_a_checkpoint_loads_at_another_ep(tmp_path, saved, loaded):
     """Saved after 2 steps at one ep, loaded at another with the same global
@@ -271,7 +286,6 @@ def test_experts_and_their_optimizer_state_are_one_ep_th_per_rank():
         (dict(dp=2, ep=3), "ep 3 must divide dp 2"),
         (dict(dp=4, ep=4, experts=6), "experts 6 must be a multiple of ep 4"),
         (dict(tp=2), "tp 2 with --model moe is not supported yet"),
-        (dict(dp=2, ep=2, zero=3), "ep 2 with zero 3 is not supported yet"),
         (dict(activation_checkpoint="full"), "activation_checkpoint full with --model moe"),
         (dict(model="gpt", ep=2, dp=2), "ep 2 spreads experts: it needs --model moe"),
         (dict(top_k=3), "top_k 3 is not one of"),
@@ -283,7 +297,11 @@ def test_refusals_name_the_setting(kw, words):
         _config(**kw).check()
 
 
-@pytest.mark.parametrize("kw", [dict(compression="topk:0.25"), dict(zero=1)], ids=["topk", "zero1"])
+@pytest.mark.parametrize(
+    "kw",
+    [dict(compression="topk:0.25"), dict(zero=1), dict(zero=3)],
+    ids=["topk", "zero1", "zero3"],
+)
 def test_resuming_at_ep_2_is_exact(tmp_path, kw):
     """At ep 2 the reducer holds the dense parameters only: their
     error-feedback residuals are saved and loaded by its own indices, and

@@ -356,8 +356,10 @@ def _memory(c, prof: Profile, schedule, span, compression: str, sync, reshard: b
     for r in range(c.pp):
         layers = [i for s in range(len(span)) if s % c.pp == r for i in span[s]]
         params = sum(local[i] for i in layers) / c.tp
-        whole = gathered_bytes([4.0 * local[i] / c.tp for i in layers], reshard)
-        experts = sum(spread[i] for i in layers) if spread else 0.0  # (ZeRO leaves them whole)
+        # ZeRO leaves the spread experts whole: not sharded, and never gathered.
+        dense = [local[i] / c.tp - (spread[i] if spread else 0.0) for i in layers]
+        whole = gathered_bytes([4.0 * d for d in dense], reshard)
+        experts = params - sum(dense)
         held = sum(step_peak_bytes(params - experts, c.averaged_over, c.zero, whole).values())
         held += sum(step_peak_bytes(experts, 1, 0).values())
         held += compressor(wire).state_bytes(params) if keeps else 0.0

@@ -252,7 +252,6 @@ def check(cfg) -> None:
         )
     if cfg.ep > 1:
         for name, value, why in (
-            ("zero", cfg.zero == 3, "ZeRO-3's layers gathered with experts outside the reducer"),
             ("sync", cfg.sync != "every-step", "replicas that meet every H steps"),
         ):
             if value:

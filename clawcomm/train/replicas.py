@@ -51,7 +51,7 @@ def synchronise(trainer):
         # parallelism leaves whole, synchronised over the TP group after it.
         zero=cfg.zero,
         replicated={i for i, p in enumerate(reduced) if id(p) in tied | whole},
-        units=unit_of_params(trainer.params, trainer.local) if cfg.zero == 3 else None,
+        units=unit_of_params(reduced, trainer.local) if cfg.zero == 3 else None,
     )
     # A gradient is final after the last backward actions of its stage on
     # this rank; the reducer counts their contributions in step 1 and
