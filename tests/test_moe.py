@@ -14,6 +14,7 @@ import torch
 from _training import _train_slices as _train
 
 from clawcomm.launch import run_ranks
+from clawcomm.parallel.split import Split, cut_parameter, split_of
 from clawcomm.train import TrainConfig, Trainer, moe
 from clawcomm.train import models as train_models
 from clawcomm.train.data import global_batches
@@ -102,6 +103,23 @@ def test_an_evaluation_counts_no_routing_and_adds_no_aux_gradient():
     assert moe.ROUTING.lap() == (0.0,) * 5
 
 
+def test_a_parameter_cut_twice_takes_and_boxes_its_part():
+    """Tensor-parallel experts are cut along hidden, then along the expert
+    dimension: the part taken, and the checkpoint's boxes, are the product."""
+    whole = torch.arange(4 * 3 * 6.0).view(4, 3, 6)
+    p = torch.nn.Parameter(whole.clone())
+    cut_parameter(p, 2, ((2, 2),))
+    cut_parameter(p, 0, ((1, 2),))
+    assert torch.equal(p.detach(), whole[1:3, :, 2:4])
+    assert split_of(p).local_shape() == (2, 3, 2) and split_of(p).whole == (4, 3, 6)
+    assert torch.equal(split_of(p).take(whole), p.detach())
+    assert split_of(p).boxes() == [((1, 0, 2), (2, 3, 2), (0, 0, 0))]
+    qkv = Split((6, 2), 0, ((0, 1), (3, 1))).cut(1, ((1, 1),))
+    assert qkv.boxes() == [((0, 1), (1, 1), (0, 0)), ((3, 1), (1, 1), (1, 0))]
+    with pytest.raises(ValueError, match="dimension 0 of \\[6, 2\\] is cut already"):
+        qkv.cut(0, ((0, 1),))
+
+
 # ---- every layout against one process --------------------------------------------------
 
 
@@ -176,6 +194,11 @@ SGD = dict(optimizer="sgd", lr=0.1)
         dict(dp=2, ep=1, zero=3),
         dict(dp=4, ep=2, zero=3, microbatches=1),
         dict(dp=2, ep=2, pp=2, zero=3, microbatches=4),
+        dict(tp=2),
+        dict(tp=2, sequence_parallel=False),
+        dict(dp=2, ep=2, tp=2),
+        dict(dp=2, ep=2, tp=2, sequence_parallel=False, zero=1),
+        dict(tp=2, pp=2, schedule="1f1b", microbatches=4),
     ],
     ids=[
         "dp2-ep2",
@@ -191,6 +214,11 @@ SGD = dict(optimizer="sgd", lr=0.1)
         "ep1-zero3",
         "dp4-ep2-zero3",
         "ep2-pp2-zero3",
+        "tp2",
+        "tp2-nosp",
+        "ep2-tp2",
+        "ep2-tp2-nosp-zero1",
+        "tp2-pp2",
     ],  # fmt: skip
 )
 def test_every_layout_trains_like_one_process(kw, top_k):
@@ -236,6 +264,8 @@ def test_expert_parallelism_runs_on_gloo_too():
         (dict(dp=4, ep=4, microbatches=1), dict(dp=2, ep=2, pp=2, microbatches=2)),
         (dict(dp=2, ep=2, zero=2), dict(dp=2, ep=1, zero=1)),
         (dict(dp=4, ep=2, zero=3, microbatches=1), dict(dp=2, ep=2, zero=1)),
+        (dict(dp=2, ep=2, tp=2), dict(dp=2, ep=1)),
+        (dict(dp=2, ep=1), dict(dp=2, ep=2, tp=2, sequence_parallel=False)),
     ],
     ids=[
         "ep2-to-ep1",
@@ -243,6 +273,8 @@ def test_expert_parallelism_runs_on_gloo_too():
         "ep4-to-ep2-pp2",
         "ep2-zero2-to-ep1-zero1",
         "ep2-zero3-to-zero1",
+        "ep2-tp2-to-ep1",
+        "ep1-to-ep2-tp2",
     ],
 )
 def test_a_checkpoint_loads_at_another_ep(tmp_path, saved, loaded):
@@ -285,7 +317,6 @@ def test_experts_and_their_optimizer_state_are_one_ep_th_per_rank():
     [
         (dict(dp=2, ep=3), "ep 3 must divide dp 2"),
         (dict(dp=4, ep=4, experts=6), "experts 6 must be a multiple of ep 4"),
-        (dict(tp=2), "tp 2 with --model moe is not supported yet"),
         (dict(activation_checkpoint="full"), "activation_checkpoint full with --model moe"),
         (dict(model="gpt", ep=2, dp=2), "ep 2 spreads experts: it needs --model moe"),
         (dict(top_k=3), "top_k 3 is not one of"),

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from clawcomm.parallel.split import Split, block_of, split_parameter
+from clawcomm.parallel.split import block_of, cut_parameter
 from clawcomm.parallel.tensor.comm import Exposed
 
 EXPOSED = Exposed()
@@ -123,11 +123,8 @@ def split(layers: list[nn.Module], group, ep: int, ep_rank: int) -> list[nn.Para
     for layer in layers:
         mod = layer.experts
         start, n = block_of(mod.count, ep, ep_rank)
-        for name in ("w1", "b1", "w2", "b2"):
-            p = getattr(mod, name)
-            q = split_parameter(p, Split(tuple(p.shape), 0, ((start, n),)))
-            setattr(mod, name, q)
-            out.append(q)
+        for name in ("w1", "b1", "w2", "b2"):  # (at tp > 1, cut along hidden already)
+            out.append(cut_parameter(getattr(mod, name), 0, ((start, n),)))
         mod.first = start
         layer.ep_group = group
     return out
@@ -164,11 +161,12 @@ class SpreadExperts:
             g.copy_(flat[at : at + g.numel()].view_as(g))
             at += g.numel()
 
-    def sumsq(self) -> float:
+    def sumsq(self, skip: set[int] = frozenset()) -> float:
         """The experts' squared gradient norm as the trainer's global norm
         counts a rank's (it divides the sum over ranks by dp, and these are
-        held by dp / ep ranks, not dp): ep times theirs."""
-        grads = [p.grad for p in self.params if p.grad is not None]
+        held by dp / ep ranks, not dp): ep times theirs; less ``skip``
+        (counted on another TP rank)."""
+        grads = [p.grad for p in self.params if p.grad is not None and id(p) not in skip]
         return self.ep * sum(float(g.double().square().sum()) for g in grads)
 
     def zero_grad(self) -> None:

@@ -32,9 +32,9 @@ class Pieces:
     """``local`` (this rank's tensor) as the pieces ``split`` names."""
 
     def __init__(self, local: torch.Tensor, split):
-        if tuple(local.shape) != _local_shape(split):
+        if tuple(local.shape) != split.local_shape():
             raise ValueError(
-                f"checkpoint: a slice of {list(split.whole)} holds {_local_shape(split)}, "
+                f"checkpoint: a slice of {list(split.whole)} holds {split.local_shape()}, "
                 f"got {list(local.shape)}"
             )
         self.local, self.split = local, split
@@ -46,7 +46,10 @@ class Pieces:
     def _view(self, offsets) -> torch.Tensor:
         for off, sizes, at in self._boxes:
             if tuple(off) == tuple(offsets):
-                return self.local.narrow(self.split.dim, at, sizes[self.split.dim])
+                view = self.local
+                for d, _ in self.split.cuts():
+                    view = view.narrow(d, at[d], sizes[d])
+                return view
         raise ValueError(f"checkpoint: no piece of this slice starts at {list(offsets)}")
 
     def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
@@ -69,11 +72,6 @@ class Pieces:
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
         return self._view(index.offset)
-
-
-def _local_shape(split) -> tuple[int, ...]:
-    n = sum(length for _, length in split.pieces)
-    return tuple(n if d == split.dim else w for d, w in enumerate(split.whole))
 
 
 def wrap(tensor: torch.Tensor, split):

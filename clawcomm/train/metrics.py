@@ -85,10 +85,11 @@ class RankSample:
     costs: list[float] = field(default_factory=list)
 
     @staticmethod
-    def routing(figures) -> dict:
-        """``moe.ROUTING.lap()``'s figures as fields."""
+    def routing(figures, counted: bool = True) -> dict:
+        """``moe.ROUTING.lap()``'s figures as fields (zeros where not
+        ``counted``: the TP ranks but the first, which route alike)."""
         names = ("moe_slots", "moe_dropped", "moe_balance", "moe_z", "moe_layers")
-        return dict(zip(names, figures, strict=True))
+        return dict(zip(names, figures if counted else (0,) * len(names), strict=True))
 
     def cost(self, local_stage: int, kind: str) -> float:
         return self.costs[4 * local_stage + KINDS.index(kind)]

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from clawcomm.parallel import expert
+from clawcomm.parallel.tensor import comm
 
 
 @dataclass
@@ -149,6 +150,10 @@ class Experts(nn.Module):
             nn.init.normal_(w, 0.0, 0.02)
         self.first = 0
 
+    # At tp > 1 (parallel.tensor.parallelize): the TP group this rank's block
+    # of every expert's hidden units is one of.
+    tp = None
+
     @property
     def count(self) -> int:
         """The experts this rank holds."""
@@ -157,11 +162,27 @@ class Experts(nn.Module):
     def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """``rows`` grouped by the expert they go to (``counts[e]`` of them for
         this rank's e-th expert), each through its expert."""
+        if self.tp is not None:
+            return self._split_forward(rows, counts)
         out = []
         for e, x in enumerate(rows.split(counts)):
             h = F.gelu(torch.addmm(self.b1[e], x, self.w1[e]))
             out.append(torch.addmm(self.b2[e], h, self.w2[e]))
         return torch.cat(out)
+
+    def _split_forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Tensor-parallel experts, as Megatron-LM's MLP: every TP rank has the
+        same rows and a block of each expert's hidden units (w1's columns, w2's
+        rows); the partial outputs are summed over the group and the whole b2
+        added after. The rows' gradient is summed over the group in backward."""
+        group = self.tp.group
+        rows = comm.copy_to_tp(rows, group)
+        out = [
+            F.gelu(torch.addmm(self.b1[e], x, self.w1[e])) @ self.w2[e]
+            for e, x in enumerate(rows.split(counts))
+        ]
+        y = comm.sum_over_tp(torch.cat(out), group)
+        return y + self.b2.repeat_interleave(torch.tensor(counts, device=y.device), dim=0)
 
 
 class MoE(nn.Module):
@@ -189,8 +210,14 @@ class MoE(nn.Module):
         self.balance_coeff, self.z_coeff = balance_coeff, z_coeff
         self.aux_scale = 1.0
         self.ep_group = None
+        self.tp = None  # at tp > 1, the TP group its experts are split over
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Under sequence parallelism every TP rank routes the whole sequence,
+        # the same way (its experts hold a block of hidden units each).
+        whole = self.tp is not None and self.tp.sequence_parallel
+        if whole:
+            x = comm.gather_whole(x, self.tp.group)
         tokens = x.reshape(-1, x.shape[-1])
         r = route(self.router(tokens), self.top_k, self.capacity_factor)
         out = expert.dispatch(tokens, r.chosen, r.gates, r.keep, self.experts, self.ep_group)
@@ -198,7 +225,8 @@ class MoE(nn.Module):
             ROUTING.add(r)
             aux = self.balance_coeff * r.balance + self.z_coeff * r.z
             out = _AuxLoss.apply(out, aux, self.aux_scale)
-        return out.view(x.shape)
+        out = out.view(x.shape)
+        return comm.own_tokens(out, self.tp.group) if whole else out
 
 
 def layers_of(model: nn.Module) -> list[MoE]:
@@ -245,11 +273,6 @@ def check(cfg) -> None:
         )
     if cfg.experts % cfg.ep:
         raise ValueError(f"experts {cfg.experts} must be a multiple of ep {cfg.ep}")
-    if cfg.tp > 1:
-        raise ValueError(
-            f"tp {cfg.tp} with --model moe is not supported yet (tensor-parallel experts): use "
-            "tp 1 and spread the experts with --ep"
-        )
     if cfg.ep > 1:
         for name, value, why in (
             ("sync", cfg.sync != "every-step", "replicas that meet every H steps"),

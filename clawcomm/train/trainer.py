@@ -325,7 +325,7 @@ class Trainer:
             busy=totals.busy, span=span, recv_wait=totals.recv_wait, dp_wait=dp_wait,
             tp_wait=tensor_comm.EXPOSED.lap(), ep_wait=expert.EXPOSED.lap(),
             cp_wait=context.EXPOSED.lap(), cp_attention=context.COMPUTE.lap(),
-            **RankSample.routing(moe.ROUTING.lap()),
+            **RankSample.routing(moe.ROUTING.lap(), self.grid.tp_rank == 0),
             host=totals.host / max(1, totals.computes), gpu_mb=peak_mb(self.device),
             comm_bytes=self._comm_device_bytes(),
             costs=totals.mean_costs(sorted(self.local)),
@@ -425,12 +425,12 @@ class Trainer:
         """Squared norm of this rank's gradients; a tied parameter counts on
         its first stage's rank only."""
         shared_elsewhere = {id(p) for p, _, owner in self._ties if not owner}
-        spread = 0.0  # the experts' (parallel.expert counts them)
-        if self.experts is not None:
-            shared_elsewhere |= self.experts.ids
-            spread = self.experts.sumsq()
         if self.tensor_parallel is not None and self.grid.tp_rank != 0:  # counted on TP rank 0
             shared_elsewhere |= self.tensor_parallel.replicated_ids()
+        spread = 0.0  # the experts' (parallel.expert counts them)
+        if self.experts is not None:
+            spread = self.experts.sumsq(shared_elsewhere)
+            shared_elsewhere |= self.experts.ids
         if self.shards is not None:
             return self.shards.sumsq(shared_elsewhere) + spread
         grads = [

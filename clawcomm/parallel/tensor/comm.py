@@ -11,6 +11,12 @@ layers move between that slice and the whole sequence:
     sum_over_tp        forward all-reduce,              backward identity
 
 (the four ``f``/``g`` pairs of Megatron-LM's sequence-parallel paper).
+Around a computation every rank repeats on the whole sequence (a
+mixture-of-experts layer under sequence parallelism: the same routing on
+every TP rank), the gradients are whole on every rank, so the pair is
+
+    gather_whole       forward all-gather over tokens,  backward own block
+    own_tokens         forward own block,               backward all-gather
 
 Overlapped ("async TP", as torch's micro-pipelined TP over symmetric
 memory and the collective matmul of Wang et al., ASPLOS 2023, decompose
@@ -150,6 +156,42 @@ class _SumOverTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return g, None
+
+
+class _GatherWhole(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_tokens(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _own_block(g, ctx.group), None
+
+
+class _OwnTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _own_block(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_gather_tokens(g, ctx.group), None
+
+
+def _own_block(x: torch.Tensor, group) -> torch.Tensor:
+    n, r = _size(group), dist.get_rank(group)
+    t = x.shape[1] // n
+    return x[:, r * t : (r + 1) * t].contiguous()
+
+
+def gather_whole(x, group):
+    return _GatherWhole.apply(x, group)
+
+
+def own_tokens(x, group):
+    return _OwnTokens.apply(x, group)
 
 
 def gather_tokens(x, group):

@@ -23,12 +23,12 @@ process would train.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from clawcomm.parallel.split import Split, block_of, split_of, split_parameter
+from clawcomm.parallel.split import Split, block_of, cut_parameter, split_of, split_parameter
 from clawcomm.parallel.tensor import comm
 from clawcomm.parallel.tensor.layers import (
     ColumnParallelLinear,
@@ -88,17 +88,34 @@ class ParallelEmbedding(nn.Module):
         return x + self.positions(pos)
 
 
-def _split_block(block, tp: TensorParallel) -> None:
+def _split_block(block, tp: TensorParallel) -> set[int]:
     """A GPT block in place: its forward reads widths from its layers, so it
-    runs split with ``heads / tp`` heads."""
+    runs split with ``heads / tp`` heads. Returns the ids of its whole
+    parameters that every rank computes alike (``Parallelized.alike``)."""
     d = block.qkv.in_features
     start, width = block_of(d, tp.size, tp.rank)
     qkv_rows = tuple((j * d + start, width) for j in range(3))  # this rank's heads of Q, K, V
     block.qkv = ColumnParallelLinear(block.qkv, tp, qkv_rows)
     block.proj = RowParallelLinear(block.proj, tp)
+    block.heads //= tp.size
+    if "moe" in block._modules:  # every expert's hidden units split, as the MLP's
+        return _split_experts(block.moe, tp)
     block.fc = ColumnParallelLinear(block.fc, tp)
     block.out = RowParallelLinear(block.out, tp)
-    block.heads //= tp.size
+    return set()
+
+
+def _split_experts(moe, tp: TensorParallel) -> set[int]:
+    """A mixture-of-experts MLP (train/moe.py) in place: each expert's up
+    projection column-parallel and its down projection row-parallel (w1's
+    and b1's hidden columns, w2's hidden rows); the router and b2 whole,
+    computed alike on every rank (``Parallelized.alike``)."""
+    experts = moe.experts
+    hidden = (block_of(experts.b1.shape[1], tp.size, tp.rank),)
+    for name, dim in (("w1", 2), ("b1", 1), ("w2", 1)):
+        cut_parameter(getattr(experts, name), dim, hidden)
+    moe.tp = experts.tp = tp
+    return {id(moe.router.weight), id(experts.b2)}
 
 
 class _Head(nn.Module):
@@ -177,11 +194,15 @@ class ParallelWaitingLayer(nn.Module):
 class Parallelized:
     """What ``parallelize`` made: the loss to use, and the parameters it
     left whole (LayerNorms, row-parallel biases, positions, an odd last
-    linear layer), whose copies on the TP ranks the trainer keeps equal."""
+    linear layer, a mixture of experts' router and output biases), whose
+    copies on the TP ranks the trainer keeps equal; ``alike``: those of them
+    every rank computes on the whole sequence even with sequence
+    parallelism (the experts' router and output biases)."""
 
     tp: TensorParallel
     loss_fn: object
     replicated: list[nn.Parameter]
+    alike: set[int] = field(default_factory=set)
 
     def replicated_ids(self) -> set[int]:
         return {id(p) for p in self.replicated}
@@ -189,19 +210,19 @@ class Parallelized:
     def sync_replicated_grads(self) -> None:
         """The whole parameters' gradients made one over the group (one
         all-reduce): with sequence parallelism each rank's is partial (its
-        tokens only) and they are summed; without, they are equal and
-        averaged, so that no rounding lets the copies drift apart."""
-        grads = [p.grad for p in self.replicated if p.grad is not None]
-        if not grads:
+        tokens only) and they are summed; otherwise (or ``alike``) they are
+        equal and averaged, so that no rounding lets the copies drift apart."""
+        held = [p for p in self.replicated if p.grad is not None]
+        if not held:
             return
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = torch.cat([p.grad.reshape(-1) for p in held])
         comm.all_reduce(flat, self.tp.group)
-        if not self.tp.sequence_parallel:
-            flat /= self.tp.size
         at = 0
-        for g in grads:
-            g.copy_(flat[at : at + g.numel()].view_as(g))
-            at += g.numel()
+        for p in held:
+            g = flat[at : at + p.numel()].view_as(p)
+            at += p.numel()
+            summed = self.tp.sequence_parallel and id(p) not in self.alike
+            p.grad.copy_(g if summed else g / self.tp.size)
 
 
 def split_layers(model, loss_fn, cfg, grid, group) -> Parallelized:
@@ -285,8 +306,9 @@ def _gpt(model: nn.Sequential, loss_fn, tp: TensorParallel) -> Parallelized:
     tied = emb.tokens.weight
     model[0] = ParallelEmbedding(emb, tp)
     weight = model[0].tokens.weight
+    alike = set()
     for m in list(model)[1:-1]:
-        _split_block(m, tp)
+        alike |= _split_block(m, tp)
     head = model[-1]
     if head.proj.weight is not tied:
         raise ValueError("tp: the gpt's output layer must be tied to its token embedding")
@@ -297,7 +319,7 @@ def _gpt(model: nn.Sequential, loss_fn, tp: TensorParallel) -> Parallelized:
     def loss(logits, targets):
         return vocab_parallel_cross_entropy(logits, targets, start, group)
 
-    return Parallelized(tp, loss, _replicated(model))
+    return Parallelized(tp, loss, _replicated(model), alike)
 
 
 # ---- what a split layer sends (the planner prices it) ----------------------------------
