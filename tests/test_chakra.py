@@ -203,6 +203,21 @@ LONG_ONLY = pytest.mark.skipif(
             dict(dp=2, ep=2, pp=1, model="moe", dim=32, layers=2, heads=2, seq_len=16, experts=4),
             id="moe-ep2",
         ),  # fmt: skip
+        pytest.param(
+            dict(
+                dp=2,
+                ep=2,
+                tp=2,
+                pp=1,
+                model="moe",
+                dim=32,
+                layers=2,
+                heads=2,
+                seq_len=16,
+                experts=4,
+            ),
+            id="moe-ep2-tp2",
+        ),  # fmt: skip
     ],
 )
 def test_the_trainers_trace_replays_every_node(tmp_path, layout):
@@ -235,7 +250,9 @@ def test_the_trainers_trace_replays_every_node(tmp_path, layout):
         if layout.get("ep", 1) > 1:  # a layer and micro-batch: counts, tokens, back; backward 2
             ep = [n for n in colls if n.attrs["pg_name"].startswith("ep")]
             assert {n.collective for n in ep} == {"all_to_all"}, r
-            assert all(trace.groups[n.attrs["pg_name"]] == [0, 1] for n in ep), r
+            tp = layout.get("tp", 1)  # (rank t of each TP group with its peers')
+            want = [r % tp, r % tp + tp]
+            assert all(trace.groups[n.attrs["pg_name"]] == want for n in ep), r
             assert len(ep) == (3 + 2) * layout["layers"] * 4, (r, len(ep))
     if layout.get("tp", 1) > 1:  # (the first stage's column layer sends nothing: its input is data)
         assert tp_nodes > 0

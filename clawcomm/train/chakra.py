@@ -28,12 +28,16 @@ per accumulation round), with times from the recorded step (trace.py):
 
 * at tp > 1, each tensor-parallel collective the engine ran inside a
   compute action splits that action: a compute node up to it, a collective
-  node (process group ``tp<pp rank>.<dp rank>``), a compute node after it,
+  node (process group ``tp<pp rank>.<dp rank>``, ``c<cp rank>`` after it
+  at cp > 1), a compute node after it,
   in a chain, so a replay keeps them on the critical path of every layer.
   The overlapped exchange's sends and receives (``--tp-overlap``) are not
   split out: their time stays in the compute nodes;
 * at ep > 1, each of the experts' all-to-alls likewise (process group
-  ``ep<pp rank>.<copy>``, the copy being dp rank // ep).
+  ``ep<pp rank>.<copy>``, the copy being dp rank // ep; ``t<tp rank>``
+  after it at tp > 1, where each TP rank has its expert-parallel group).
+  Context parallelism's ring sends and receives are not split out (as the
+  overlapped TP exchange's): their time stays in the compute nodes.
 
 Every rank's file says its host (``host`` in the global metadata, torchrun's
 ``GROUP_RANK``), so a replay knows which messages cross a link.
@@ -214,8 +218,16 @@ def _collective(add, name: str, args: dict, grid, deps: list[int], pg: str = "")
 def _inside_group(track: int, grid, cfg) -> str:
     """The process group of a collective that runs inside compute actions."""
     if track == trace.TP:
-        return f"tp{grid.pp_rank}.{grid.dp_rank}"
-    return f"ep{grid.pp_rank}.{grid.dp_rank // cfg.ep}"
+        return _tp_name(grid.pp_rank, grid.dp_rank, grid.cp_rank, cfg)
+    return _ep_name(grid.pp_rank, grid.dp_rank // cfg.ep, grid.tp_rank, cfg)
+
+
+def _tp_name(p: int, d: int, c: int, cfg) -> str:
+    return f"tp{p}.{d}" + (f"c{c}" if cfg.cp > 1 else "")
+
+
+def _ep_name(p: int, copy: int, t: int, cfg) -> str:
+    return f"ep{p}.{copy}" + (f"t{t}" if cfg.tp > 1 else "")
 
 
 def _dp_name(grid, pp_rank: int, tp_rank: int) -> str:
@@ -245,10 +257,13 @@ def write(trainer, directory: str, step: int = -1) -> None:
             groups[f"pp{d}" + (f"t{t}" if cfg.tp > 1 else "")] = g.pipeline_ranks(d, t)
     for p in range(cfg.pp) if cfg.tp > 1 else ():
         for d in range(cfg.dp):
-            groups[f"tp{p}.{d}"] = [g.rank_of(d, p, t) for t in range(cfg.tp)]
+            for c in range(cfg.cp):
+                groups[_tp_name(p, d, c, cfg)] = [g.rank_of(d, p, t, c) for t in range(cfg.tp)]
     for p in range(cfg.pp) if cfg.ep > 1 else ():
-        for c in range(cfg.dp // cfg.ep):
-            groups[f"ep{p}.{c}"] = [g.rank_of(c * cfg.ep + j, p) for j in range(cfg.ep)]
+        for copy in range(cfg.dp // cfg.ep):
+            for t in range(cfg.tp):
+                ranks = [g.rank_of(copy * cfg.ep + j, p, t) for j in range(cfg.ep)]
+                groups[_ep_name(p, copy, t, cfg)] = ranks
     ranks = {r: nodes for r, _h, nodes in gathered}
     _keep_common_collectives(ranks, groups)
     meta = {r: {"host": h, "clawcomm_label": _label(cfg, r)} for r, h, _ in gathered}
