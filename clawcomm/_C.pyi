@@ -374,7 +374,12 @@ class Engine:
         input: typing_extensions.Buffer,
         output: typing_extensions.Buffer,
         dtype: typing.Any = None,
-    ) -> None: ...
+        send_counts: list[int] | None = None,
+        recv_counts: list[int] | None = None,
+    ) -> None:
+        """
+        send_counts[p] elements of input go to rank p, recv_counts[p] from rank p land in output, each in rank order; neither: an even split
+        """
     def barrier(self) -> None: ...
     def broadcast(
         self,

@@ -24,7 +24,7 @@ def names_algorithm(value: str, collective: str) -> bool:
     `collective`'s algorithm: auto, op:name for it, or a bare name it has."""
     from clawcomm import _C
 
-    op = {"sendrecv": "send"}.get(collective, collective)
+    op = {"sendrecv": "send", "all_to_allv": "all_to_all"}.get(collective, collective)
     if value == "auto":
         return True
     if ":" in value:

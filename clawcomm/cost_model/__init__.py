@@ -45,11 +45,16 @@ ALGORITHMS = {
     "all_gather": ("ring", "hierarchical", "direct"),
     "broadcast": ("direct", "scatter_allgather", "tree"),
     "reduce": ("reducescatter_gather", "tree"),
+    "all_to_all": ("pairwise", "hierarchical"),
 }
 
-# Collectives outside the engine's selection table, with the one algorithm
-# the engine runs for each (csrc/algorithms/pairwise_all_to_all.cc).
-FIXED = {"all_to_all": "pairwise"}
+# The collectives whose choice is the layout's, whatever the size
+# (selection.cc's allToAllByLayout): with uneven splits no byte count is the
+# same on every rank, and every rank must run the same algorithm.
+BY_LAYOUT = {"all_to_all"}
+# The sizes a choice by layout is checked at: the later row only where it
+# is cheaper at every one.
+LAYOUT_SIZES = [0.0] + [float(1 << b) for b in range(41)]
 
 # The rows auto passes over (selection.cc's chooseAlgorithm): the two-shot
 # all-reduce runs only where named (measured behind the ring at 3 ranks).
@@ -74,14 +79,19 @@ def predict(
 def choose(collective: str, nbytes: float, topology: Topology, model: CostModel) -> str:
     """What CLAWCOMM_ALGO=auto picks, as the engine does: the cheapest of
     the collective's algorithms but NAMED_ONLY, ties to the later row (one
-    rank's all-reduce: the tree, which returns at once)."""
-    if collective in FIXED:
-        return FIXED[collective]
+    rank's all-reduce: the tree, which returns at once). The all-to-all's
+    is the layout's (BY_LAYOUT): hierarchical only where it is cheaper at
+    every size, whatever `nbytes`."""
     try:
         algos = ALGORITHMS[collective]
     except KeyError:
-        known = ", ".join([*ALGORITHMS, *FIXED])
+        known = ", ".join(ALGORITHMS)
         raise ValueError(f"no collective {collective!r}: one of {known}") from None
+    if collective in BY_LAYOUT:
+        first, later = (_FORMULAS[(collective, a)] for a in algos)
+        if all(later(s, topology, model) < first(s, topology, model) for s in LAYOUT_SIZES):
+            return algos[1]
+        return algos[0]
     if collective == "all_reduce" and topology.size <= 1:
         return "tree"
     best, best_cost = algos[0], math.inf

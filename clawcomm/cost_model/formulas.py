@@ -214,6 +214,22 @@ def pairwise_all_to_all(N: float, topology: Topology, m: CostModel) -> float:
     return max(local, m.net_alpha + k * (n - k) * N / n * m.net_beta)
 
 
+def hierarchical_all_to_all(N: float, topology: Topology, m: CostModel) -> float:
+    """hierarchical_all_to_all.cc, on m >= 2 hosts of k >= 2 ranks: three
+    steps one after the other. The sizes inside the host (one small
+    message); the shuffle, each rank's (k-1) m blocks of N/n one after
+    another through its channel; then k (m-1) messages of k blocks leave
+    each host together: the pairwise all-to-all's bytes on each link, in
+    fewer messages, which this model (one alpha per step) does not price."""
+    if not topology.hierarchical:
+        return math.inf
+    k, hosts = topology.ranks_per_host, topology.hosts
+    block = N / topology.size
+    shuffle = m.shm_alpha + (k - 1) * hosts * block * m.shm_beta
+    across = m.net_alpha + k * (hosts - 1) * k * block * m.net_beta
+    return m.shm_alpha + shuffle + across
+
+
 def direct_broadcast(N: float, topology: Topology, m: CostModel) -> float:
     """direct_broadcast.cc, one host: from the single-copy size every peer
     reads the root at once (one copy of N), below it the root copies N into
@@ -357,4 +373,5 @@ _FORMULAS = {
     ("reduce", "reducescatter_gather"): reducescatter_gather_reduce,
     ("reduce", "tree"): binomial_reduce,
     ("all_to_all", "pairwise"): pairwise_all_to_all,
+    ("all_to_all", "hierarchical"): hierarchical_all_to_all,
 }

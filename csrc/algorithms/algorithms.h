@@ -90,6 +90,12 @@ void linearScatter(Channel& ch, const void* in, void* out, size_t bytes, int roo
 // rank p, recvBytes[p] bytes from rank p land at the running offset in `out`.
 void pairwiseAllToAll(Channel& ch, const void* in, const std::vector<size_t>& sendBytes, void* out,
                       const std::vector<size_t>& recvBytes);
+// The same in two stages over hosts (hierarchical_all_to_all.cc): a
+// shuffle inside each host over shared memory, then one message from each
+// rank to the rank of the same local index on every other host. Pairwise
+// where the channel's topology is not hierarchical().
+void hierarchicalAllToAll(Channel& ch, const void* in, const std::vector<size_t>& sendBytes,
+                          void* out, const std::vector<size_t>& recvBytes);
 
 void disseminationBarrier(Channel& ch);
 
@@ -108,20 +114,24 @@ struct CollectiveAlgorithm {
   const char* name;
 };
 // Every collective algorithm CLAWCOMM_ALGO can name (all-reduce,
-// reduce-scatter, all-gather, broadcast and reduce have a choice).
+// reduce-scatter, all-gather, broadcast, reduce and all-to-all have a
+// choice).
 const std::vector<CollectiveAlgorithm>& collectiveAlgorithms();
 
 // The cost model's prediction, in seconds, for `op` by `algo` over `topo`
 // (docs/algorithms.md); `bytes`: the whole buffer (all-reduce, broadcast,
-// reduce: the message; reduce-scatter: the input; all-gather: the output).
+// reduce: the message; reduce-scatter: the input; all-gather: the output;
+// all-to-all: what each rank sends, bytes/n to each rank).
 // Infinite where the algorithm cannot run on the layout.
 double collectiveCost(OpType op, Algorithm algo, double bytes, const Topology& topo,
                       const CostModel& model);
 
 // `op`'s algorithm for `bytes` over `topo`: the one CLAWCOMM_ALGO names for
 // it (an item "op:name", or a bare name that is one of op's algorithms;
-// one the layout cannot run gives the ring), else the cheapest by the cost
-// model; kDefault for an op without a choice.
+// one the layout cannot run gives the ring, or the all-to-all's pairwise
+// one), else the cheapest by the cost model; kDefault for an op without a
+// choice. The all-to-all's does not depend on `bytes`, which differ from
+// rank to rank with uneven splits: it is the layout's (selection.cc).
 Algorithm chooseAlgorithm(OpType op, size_t bytes, const Topology& topo, const Settings& settings);
 
 // One all-reduce algorithm: a row of the table in selection.cc.

@@ -35,6 +35,17 @@
 //                   reducescatter_gather: twice the layout's reduce-scatter
 //                   and its sends, then the root's n-1 messages of N/n
 //                   (see collectiveCost)
+//   all-to-all      (N: what each rank sends, b = N/n to each rank; m hosts
+//                   x k ranks) pairwise: one step, shm_alpha + (k-1) b
+//                   shm_beta inside the host against net_alpha + k (n-k) b
+//                   net_beta on its link, the slower; hierarchical: three
+//                   steps one after the other, the sizes (shm_alpha), the
+//                   shuffle (shm_alpha + (k-1) m b shm_beta) and the
+//                   exchange across hosts (net_alpha + k (m-1) k b
+//                   net_beta): the same bytes on each link as pairwise, in
+//                   k (m-1) messages instead of k (n-k), which this model
+//                   (one alpha per step, however many messages share it)
+//                   does not price, so it never comes out cheaper
 #include <algorithm>
 #include <limits>
 
@@ -252,6 +263,40 @@ double hierarchicalGatherScatterCost(double N, const Topology& t, const CostMode
   return P == 1 ? shm + net : P * std::max(shm, net) + std::min(shm, net);
 }
 
+// pairwise_all_to_all.cc: every rank posts its n-1 blocks of N/n at once;
+// its local ones go one after another through its channel, and the blocks
+// that leave a host (on (n - on) of them for `on` ranks there) share its
+// link. The slower of the two.
+double pairwiseAllToAllCost(double N, const Topology& t, const CostModel& m) {
+  const int n = t.size();
+  if (n <= 1) return 0;
+  int local = 0, leaving = 0;
+  for (int h = 0; h < t.hosts(); ++h) {
+    int on = 0;
+    for (int r = 0; r < n; ++r) on += t.hostOf(r) == h;
+    local = std::max(local, on - 1);
+    leaving = std::max(leaving, on * (n - on));
+  }
+  const double block = N / n;
+  double cost = local > 0 ? m.shmAlpha + local * block * m.shmBeta : 0;
+  if (leaving > 0) cost = std::max(cost, m.netAlpha + leaving * block * m.netBeta);
+  return cost;
+}
+
+// hierarchical_all_to_all.cc, one stage after the other: the sizes inside
+// the host (one message), the shuffle (each rank's (k-1) m blocks one after
+// another through its channel), then k (m-1) messages of k blocks leaving
+// each host at once.
+double hierarchicalAllToAllCost(double N, const Topology& t, const CostModel& m) {
+  if (!t.hierarchical()) return kNever;
+  const int k = t.ranksPerHost(), hosts = t.hosts();
+  const double block = N / t.size();
+  const double sizes = m.shmAlpha;
+  const double shuffle = m.shmAlpha + (k - 1) * hosts * block * m.shmBeta;
+  const double across = m.netAlpha + double(k) * (hosts - 1) * k * block * m.netBeta;
+  return sizes + shuffle + across;
+}
+
 double reduceScatterCost(Algorithm a, double N, const Topology& t, const CostModel& m) {
   const int n = t.size();
   const double chunk = N / n;
@@ -348,6 +393,10 @@ double collectiveCost(OpType op, Algorithm algo, double bytes, const Topology& t
         return 2 * (reduceScatterCost(layoutAlgorithm(topo), bytes, topo, model) + sent) +
                rootCost(topo, model, bytes / topo.size());
       }
+      return kNever;
+    case OpType::kAllToAll:
+      if (algo == Algorithm::kPairwise) return pairwiseAllToAllCost(bytes, topo, model);
+      if (algo == Algorithm::kHierarchical) return hierarchicalAllToAllCost(bytes, topo, model);
       return kNever;
     default: return kNever;
   }

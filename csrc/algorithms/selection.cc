@@ -4,6 +4,7 @@
 // holds the same formulas for `clawcomm simulate`).
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <string>
 
@@ -48,6 +49,28 @@ std::string namedFor(const std::string& setting, OpType op) {
   return bare;
 }
 
+// The all-to-all's algorithm under auto. Every rank must run the same one
+// (each frame carries it, and ranks that differ fail at the first frame),
+// but with uneven splits no byte count is the same on every rank: each
+// knows only what it sends and receives. So the choice is the layout's,
+// made from what every rank has alike, the topology and the cost model:
+// the hierarchical all-to-all where the model prices it below the pairwise
+// one at every size (0, then 1 byte to 1 TiB by powers of two), else the
+// pairwise one. With costs.cc's formulas that never holds (the hierarchical
+// all-to-all moves the pairwise one's bytes over each link in one step as
+// it does, after a shuffle the pairwise one does not pay), and the
+// measurement agrees (docs/algorithms.md).
+Algorithm allToAllByLayout(const Topology& topo, const CostModel& model) {
+  for (int bits = -1; bits <= 40; ++bits) {
+    const double bytes = bits < 0 ? 0.0 : double(uint64_t(1) << bits);
+    if (collectiveCost(OpType::kAllToAll, Algorithm::kHierarchical, bytes, topo, model) >=
+        collectiveCost(OpType::kAllToAll, Algorithm::kPairwise, bytes, topo, model)) {
+      return Algorithm::kPairwise;
+    }
+  }
+  return Algorithm::kHierarchical;
+}
+
 }  // namespace
 
 const AllReduceAlgorithm& allReduceById(Algorithm id) {
@@ -89,6 +112,8 @@ const std::vector<CollectiveAlgorithm>& collectiveAlgorithms() {
       {OpType::kBroadcast, Algorithm::kTree, "tree"},
       {OpType::kReduce, Algorithm::kReduceScatterGather, "reducescatter_gather"},
       {OpType::kReduce, Algorithm::kTree, "tree"},
+      {OpType::kAllToAll, Algorithm::kPairwise, "pairwise"},
+      {OpType::kAllToAll, Algorithm::kHierarchical, "hierarchical"},
   };
   return table;
 }
@@ -99,12 +124,13 @@ Algorithm chooseAlgorithm(OpType op, size_t bytes, const Topology& topo, const S
     const CollectiveAlgorithm* row = rowOf(op, named);
     if (!row) checkAlgorithmSetting(settings.algo);  // throws, naming the choices
     // A named algorithm the layout cannot run (hierarchical on one host,
-    // direct across hosts) runs the ring.
+    // direct across hosts) runs the ring (the all-to-all: pairwise).
     if (std::isinf(collectiveCost(op, row->id, double(bytes), topo, settings.costModel))) {
-      return Algorithm::kRing;
+      return op == OpType::kAllToAll ? Algorithm::kPairwise : Algorithm::kRing;
     }
     return row->id;
   }
+  if (op == OpType::kAllToAll) return allToAllByLayout(topo, settings.costModel);
   if (op == OpType::kAllReduce) {
     // One rank: nothing moves; recursive doubling returns at once.
     if (topo.size() <= 1) return Algorithm::kTree;
@@ -171,7 +197,7 @@ void checkAlgorithmSetting(const std::string& value) {
     }
     CLAWCOMM_ARG_CHECK(first != nullptr, "clawcomm: CLAWCOMM_ALGO=", value, ": '", opName,
                        "' is not an operation with a choice of algorithm (all_reduce, "
-                       "reduce_scatter, all_gather, broadcast, reduce)");
+                       "reduce_scatter, all_gather, broadcast, reduce, all_to_all)");
     CLAWCOMM_ARG_CHECK(name == "auto" || rowOf(first->op, name) != nullptr,
                        "clawcomm: CLAWCOMM_ALGO=", value, ": ", opName, " has no algorithm '", name,
                        "' (", ofOp, ", or auto)");

@@ -249,9 +249,14 @@ RequestPtr Communicator::allToAll(const void* in, std::vector<size_t> sendCounts
   const size_t es = elementSize(dtype);
   for (auto& c : sendCounts) c *= es;
   for (auto& c : recvCounts) c *= es;
+  const size_t sent = std::accumulate(sendCounts.begin(), sendCounts.end(), size_t(0));
+  // Not by `sent`: that differs from rank to rank, and every rank must run
+  // the same algorithm. The all-to-all's choice is the layout's
+  // (selection.cc), whatever the size.
+  sig.algo = algorithmFor(OpType::kAllToAll, 0);
+  const auto run = sig.algo == Algorithm::kHierarchical ? hierarchicalAllToAll : pairwiseAllToAll;
   return enqueueCollective(
-      sig, std::accumulate(sendCounts.begin(), sendCounts.end(), size_t(0)),
-      [=](Channel& ch) { pairwiseAllToAll(ch, in, sendCounts, out, recvCounts); }, std::move(cb));
+      sig, sent, [=](Channel& ch) { run(ch, in, sendCounts, out, recvCounts); }, std::move(cb));
 }
 
 RequestPtr Communicator::barrier(Callback cb) {

@@ -37,6 +37,7 @@ const char* algorithmName(Algorithm a) {
     case Algorithm::kReduceScatterGather: return "reducescatter_gather";
     case Algorithm::kOneShot: return "oneshot";
     case Algorithm::kTwoShot: return "twoshot";
+    case Algorithm::kPairwise: return "pairwise";
   }
   return "unknown-algorithm";
 }

@@ -44,6 +44,7 @@ enum class Algorithm : uint8_t {
   kReduceScatterGather = 10,  // reduce: reduce-scatter, then gather at the root
   kOneShot = 11,              // all-reduce: every rank sends to every peer, folds all inputs
   kTwoShot = 12,              // all-reduce: direct reduce-scatter, then direct all-gather
+  kPairwise = 13,             // all-to-all: every rank exchanges with every peer at once
 };
 
 const char* algorithmName(Algorithm a);

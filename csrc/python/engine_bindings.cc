@@ -4,6 +4,7 @@
 
 #include <cstring>
 #include <memory>
+#include <numeric>
 #include <optional>
 #include <string>
 
@@ -413,18 +414,39 @@ void bindEngine(py::module_& m) {
           py::arg("buf"), py::arg("root") = 0, py::arg("op") = "sum", py::arg("dtype") = py::none())
       .def(
           "all_to_all",
-          [](Communicator& c, py::buffer in, py::buffer out, py::object dtype) {
+          [](Communicator& c, py::buffer in, py::buffer out, py::object dtype,
+             std::optional<std::vector<size_t>> sendCounts,
+             std::optional<std::vector<size_t>> recvCounts) {
             Buffer i = takeBuffer("all_to_all", "input", in, false, dtype);
             Buffer o = takeBuffer("all_to_all", "output", out, true, dtype);
             checkSameType("all_to_all", i, o);
             const size_t n = size_t(c.size());
-            CLAWCOMM_ARG_CHECK(i.count == o.count && i.count % n == 0,
-                               "clawcomm::all_to_all: input has ", i.count, " elements, output ",
-                               o.count, " (both must be the same multiple of ", n, ")");
-            std::vector<size_t> counts(n, i.count / n);
-            run([&] { return c.allToAll(i.data, counts, o.data, counts, i.dtype); });
+            if (!sendCounts && !recvCounts) {
+              CLAWCOMM_ARG_CHECK(i.count == o.count && i.count % n == 0,
+                                 "clawcomm::all_to_all: input has ", i.count, " elements, output ",
+                                 o.count, " (both must be the same multiple of ", n, ")");
+              std::vector<size_t> counts(n, i.count / n);
+              run([&] { return c.allToAll(i.data, counts, o.data, counts, i.dtype); });
+              return;
+            }
+            // Uneven: each list's sum must be its buffer's length.
+            CLAWCOMM_ARG_CHECK(sendCounts && recvCounts,
+                               "clawcomm::all_to_all: give both send_counts and recv_counts, "
+                               "or neither (an even split)");
+            auto total = [](const std::vector<size_t>& v) {
+              return std::accumulate(v.begin(), v.end(), size_t(0));
+            };
+            const size_t sent = total(*sendCounts), received = total(*recvCounts);
+            CLAWCOMM_ARG_CHECK(sent == i.count, "clawcomm::all_to_all: send_counts add up to ",
+                               sent, " elements, the input has ", i.count);
+            CLAWCOMM_ARG_CHECK(received == o.count, "clawcomm::all_to_all: recv_counts add up to ",
+                               received, " elements, the output has ", o.count);
+            run([&] { return c.allToAll(i.data, *sendCounts, o.data, *recvCounts, i.dtype); });
           },
-          py::arg("input"), py::arg("output"), py::arg("dtype") = py::none())
+          py::arg("input"), py::arg("output"), py::arg("dtype") = py::none(),
+          py::arg("send_counts") = py::none(), py::arg("recv_counts") = py::none(),
+          "send_counts[p] elements of input go to rank p, recv_counts[p] from rank p land in "
+          "output, each in rank order; neither: an even split")
       .def("barrier", [](Communicator& c) { run([&] { return c.barrier(); }); })
       .def(
           "send",
