@@ -10,7 +10,15 @@
    once, the weights' left out), at cp 1, 2 and 4.
 3. **Balance**: each rank's CPU seconds in ring attention's arithmetic
    (forward and backward, one intra-op thread a rank) at cp 2 and 4: the
-   slowest against the fastest.
+   slowest against the fastest. Twice: with the ranks running at once (as
+   in training: on this machine's two cores they compete for the cores and
+   the cache, which moves each rank's time by more than its share of the
+   work does), and each rank's arithmetic alone, one rank after another in
+   one process (``_Rehearsal``: the blocks that rank would receive, in its
+   order), the ranks interleaved over the repeats, each rank's best (the
+   least disturbed by whatever else the machine ran); the
+   same alone with the contiguous layout (rank c holding chunks 2c and
+   2c + 1), which the load-balanced one replaces.
 4. **Overlap**: by sequence length, at cp 2 and 4: forward and backward
    with the ring, the same arithmetic with the transfers switched off, the
    same transfers alone (each the slowest rank's median), and the share of
@@ -162,6 +170,67 @@ def _attention(rank: int, world: int, seq: int, repeats: int) -> dict:
                 landed=landed[0] / max(1, landed[1]))  # fmt: skip
 
 
+class _Rehearsal:
+    """The ring as rank ``c`` of ``cp`` sees it, run alone: each step's
+    key/value block is the one that rank would receive (rank c - s's), and
+    the gradients it passes on go nowhere."""
+
+    def __init__(self, blocks: list[torch.Tensor], c: int):
+        self.blocks, self.rank, self.n, self.step = blocks, c, len(blocks), 0
+
+    def start(self, t: torch.Tensor, tag: int):
+        if tag != context.KV:
+            return torch.zeros_like(t), ()
+        self.step += 1
+        return self.blocks[(self.rank - self.step) % self.n], ()
+
+    def wait(self, requests) -> None:
+        pass
+
+
+def _alone(cp: int, seq: int, repeats: int, contiguous: bool = False) -> list[float]:
+    """Each rank's best CPU seconds of ring attention's arithmetic,
+    forward and backward, run alone (the ranks interleaved over repeats,
+    each first in turn)."""
+    torch.manual_seed(0)
+    b, h, d, local = 1, 4, 32, seq // cp
+    qkv = [[torch.randn(b, h, local, d, requires_grad=True) for _ in range(3)] for _ in range(cp)]
+    blocks = [torch.stack([k, v]).detach().contiguous() for _, k, v in qkv]
+    real_ring, real_chunks = context._Ring, context.chunks
+    times: list[list[float]] = [[] for _ in range(cp)]
+    try:
+        if contiguous:
+            context.chunks = lambda rank, n: (2 * rank, 2 * rank + 1)
+        for r in range(repeats):
+            for c in ((i + r) % cp for i in range(cp)):  # each rank first in turn
+                context._Ring = lambda group, c=c: _Rehearsal(blocks, c)
+                q, k, v = qkv[c]
+                context.COMPUTE.lap()
+                context.ring_attention(q, k, v, None).sum().backward()
+                times[c].append(context.COMPUTE.lap())
+    finally:
+        context._Ring, context.chunks = real_ring, real_chunks
+    return [min(t) for t in times]
+
+
+def balance_alone(repeats: int) -> tuple[list[str], dict]:
+    torch.set_num_threads(1)
+    lines = ["## Ring attention's arithmetic, each rank alone (forward and backward, best "
+             f"of {repeats}; CPU ms of the slowest / fastest rank)",
+             "| cp | seq_len | load-balanced (chunks c, 2cp-1-c) | contiguous (chunks 2c, 2c+1) |",
+             "|---:|---:|---|---|"]  # fmt: skip
+    out = {}
+    for cp in (2, 4):
+        for seq in (256, 1024, 4096, 8192):
+            row = [f"| {cp} | {seq} "]
+            for contiguous in (False, True):
+                t = _alone(cp, seq, repeats, contiguous)
+                out[f"cp{cp}_{seq}_{'contiguous' if contiguous else 'balanced'}"] = t
+                row.append(f"| {max(t) * 1e3:.1f} / {min(t) * 1e3:.1f} ({max(t) / min(t):.2f}x) ")
+            lines.append("".join(row) + "|")
+    return lines, out
+
+
 def overlap_and_balance(repeats: int) -> tuple[list[str], dict]:
     lines = ["## Ring attention, forward and backward (1 x 4 heads x 32, float32, a thread a rank)",
              "| cp | seq_len | with the ring ms | the same, transfers off ms | transfers alone ms "
@@ -189,11 +258,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--only", choices=("equivalence", "memory", "overlap"), default=None)
+    p.add_argument("--only", choices=("equivalence", "memory", "overlap", "balance"), default=None)
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     parts = {"equivalence": lambda: equivalence(args.steps), "memory": memory,
-             "overlap": lambda: overlap_and_balance(args.repeats)}  # fmt: skip
+             "overlap": lambda: overlap_and_balance(args.repeats),
+             "balance": lambda: balance_alone(args.repeats)}  # fmt: skip
     text, results = [], {}
     for name, fn in parts.items():
         if args.only in (None, name):
