@@ -43,6 +43,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.utils.flop_counter import FlopCounterMode
 
 from clawcomm.launch import run_ranks
 from clawcomm.parallel import context
@@ -188,10 +189,11 @@ class _Rehearsal:
         pass
 
 
-def _alone(cp: int, seq: int, repeats: int, contiguous: bool = False) -> list[float]:
+def _alone(cp: int, seq: int, repeats: int, contiguous: bool = False):
     """Each rank's best CPU seconds of ring attention's arithmetic,
     forward and backward, run alone (the ranks interleaved over repeats,
-    each first in turn)."""
+    each first in turn), and its matrix-multiply FLOPs (torch's
+    FlopCounterMode, over one more run)."""
     torch.manual_seed(0)
     b, h, d, local = 1, 4, 32, seq // cp
     qkv = [[torch.randn(b, h, local, d, requires_grad=True) for _ in range(3)] for _ in range(cp)]
@@ -208,15 +210,22 @@ def _alone(cp: int, seq: int, repeats: int, contiguous: bool = False) -> list[fl
                 context.COMPUTE.lap()
                 context.ring_attention(q, k, v, None).sum().backward()
                 times[c].append(context.COMPUTE.lap())
+        flops = []
+        for c in range(cp):
+            context._Ring = lambda group, c=c: _Rehearsal(blocks, c)
+            with FlopCounterMode(display=False) as counter:
+                context.ring_attention(*qkv[c], None).sum().backward()
+            flops.append(counter.get_total_flops())
     finally:
         context._Ring, context.chunks = real_ring, real_chunks
-    return [min(t) for t in times]
+    return [min(t) for t in times], flops
 
 
 def balance_alone(repeats: int) -> tuple[list[str], dict]:
     torch.set_num_threads(1)
     lines = ["## Ring attention's arithmetic, each rank alone (forward and backward, best "
-             f"of {repeats}; CPU ms of the slowest / fastest rank)",
+             f"of {repeats}; CPU ms of the slowest / fastest rank; the most / fewest "
+             "matrix-multiply FLOPs)",
              "| cp | seq_len | load-balanced (chunks c, 2cp-1-c) | contiguous (chunks 2c, 2c+1) |",
              "|---:|---:|---|---|"]  # fmt: skip
     out = {}
@@ -224,9 +233,14 @@ def balance_alone(repeats: int) -> tuple[list[str], dict]:
         for seq in (256, 1024, 4096, 8192):
             row = [f"| {cp} | {seq} "]
             for contiguous in (False, True):
-                t = _alone(cp, seq, repeats, contiguous)
-                out[f"cp{cp}_{seq}_{'contiguous' if contiguous else 'balanced'}"] = t
-                row.append(f"| {max(t) * 1e3:.1f} / {min(t) * 1e3:.1f} ({max(t) / min(t):.2f}x) ")
+                t, f = _alone(cp, seq, repeats, contiguous)
+                out[f"cp{cp}_{seq}_{'contiguous' if contiguous else 'balanced'}"] = dict(
+                    cpu_s=t, flops=f
+                )
+                row.append(
+                    f"| {max(t) * 1e3:.1f} / {min(t) * 1e3:.1f} ({max(t) / min(t):.2f}x); "
+                    f"FLOPs {max(f) / min(f):.2f}x "
+                )
             lines.append("".join(row) + "|")
     return lines, out
 

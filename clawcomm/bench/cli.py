@@ -407,6 +407,11 @@ def run(args, argv: list[str] | None = None) -> int:
         )
     else:
         print(f"# memcpy ceiling (one core, 64 MiB numpy.copyto, best of 10): {memcpy:.2f} GB/s")
+        if result.get("engine_floor_s"):
+            print(
+                f"# engine floor (the raw engine's 8-byte all-reduce, no torch, best of 3 x 1000 "
+                f"calls, slowest rank): {result['engine_floor_s'] * 1e6:.2f} us"
+            )
         print(f"# buffers from 2 MiB up on {args.pages} pages (--pages), for every system")
         if result.get("single_copy"):
             print(single_copy_line(result["single_copy"]))
@@ -422,6 +427,7 @@ def run(args, argv: list[str] | None = None) -> int:
                 "world_size": world,
                 "machine": info,
                 "memcpy_GBps": memcpy,
+                "engine_floor_s": result.get("engine_floor_s"),
                 "device": args.device,
                 "gpu": result.get("gpu"),
                 "d2d_copy_GBps": d2d,

@@ -56,6 +56,27 @@ def d2d_copy_gbps(nbytes: int = 256 << 20, repeats: int = 10) -> float:
     return nbytes / best / 1e9
 
 
+def engine_floor_s(engine, sync: Sync, calls: int = 1000) -> float:
+    """The raw engine's 8-byte all-reduce (two float32, one call into C++,
+    no torch): the best of three batches of ``calls``, seconds a call, the
+    slowest rank's. The floor every table's torch path is measured against."""
+    import time
+
+    import numpy as np
+
+    buf = np.zeros(2, np.float32)
+    for _ in range(min(calls, 200)):
+        engine.all_reduce(buf, "sum", None)
+    best = float("inf")
+    for _ in range(3):
+        sync.barrier()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            engine.all_reduce(buf, "sum", None)
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return sync.max(best)
+
+
 class _Failed:
     """A variant that could not be set up: every point shows n/a and why."""
 
@@ -143,12 +164,17 @@ def rank_main(rank: int, world_size: int, options: dict):
     # Each pair's single-copy threshold (the reader measures it at setup):
     # what the sizes in the table travelled by.
     mine = clawcomm.engine_of(runners[reference].group)
+    floor = engine_floor_s(mine, sync) if device == "cpu" else None
     pairs = {(rank, p): mine.single_copy_from(p) for p in range(world_size) if p != rank}
     gathered = [None] * world_size
     dist.all_gather_object(gathered, pairs, group=control)
     if rank != 0:
         return None
-    result = {"records": records, "single_copy": {k: v for g in gathered for k, v in g.items()}}
+    result = {
+        "records": records,
+        "single_copy": {k: v for g in gathered for k, v in g.items()},
+        "engine_floor_s": floor,
+    }
     if device == "cuda":
         result["gpu"] = torch.cuda.get_device_name()
         result["d2d_GBps"] = d2d_copy_gbps()
