@@ -276,7 +276,6 @@ class ClawcommBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> launch(OpType type, TensorList outputs,
                                         std::vector<EngineBuffer> buffers,
                                         std::function<void()> finalize, Issue issue) {
-    auto completion = std::make_shared<Completion>();
     std::vector<c10::Device> devices;
     for (const auto& b : buffers) {
       if (b.tensor->device().is_cuda()) {
@@ -284,7 +283,7 @@ class ClawcommBackend : public c10d::Backend {
         break;
       }
     }
-    completion->future = makeFuture(devices);
+    auto completion = std::make_shared<Completion>(devices);
     // Inline only on the CPU and outside a coalesced group: a staged CUDA
     // collective leaves the host free while it runs, as before.
     const Communicator::Blocking blocking(Communicator::Blocking::active() && devices.empty() &&
@@ -317,11 +316,8 @@ class ClawcommBackend : public c10d::Backend {
       if (completion->staging) completion->staging->release();
       completion->keepAlive.clear();
       if (completion->profilingEnd) std::exchange(completion->profilingEnd, nullptr)();
-      if (error) {
-        completion->future->setError(error);
-        std::rethrow_exception(error);
-      }
-      completion->future->markCompleted(c10::IValue(completion->outputs));
+      completion->complete(error);
+      if (error) std::rethrow_exception(error);
     };
     try {
       work->attach(issue(std::move(cb)));

@@ -6,6 +6,9 @@
 
 #include <ATen/record_function.h>
 
+#include <atomic>
+#include <mutex>
+
 #include "torch/adapter_helpers.h"
 
 namespace clawcomm {
@@ -104,21 +107,76 @@ class DeviceStaging {
 // ---------------------------------------------------------------------------
 // Work.
 
+inline c10::intrusive_ptr<c10::ivalue::Future> makeFuture(std::vector<c10::Device> devices = {}) {
+  static const c10::TypePtr kTensors = c10::ListType::create(c10::TensorType::get());  // one type
+  return c10::make_intrusive<c10::ivalue::Future>(kTensors, std::move(devices));
+}
+
 // What completes when the engine finishes: shared by the Work and the engine
 // callback, so that neither keeps the other alive.
+//
+// The future: a CUDA op's is made at launch (it completes on the
+// communicator's stream, with an event); a CPU op's only when someone asks
+// for it (getFuture), completed at once if the op is done by then. A
+// blocking CPU call that nobody asks the future of never makes one: making,
+// completing and freeing it was a fifth of the adapter's instructions per
+// small call (callgrind, issue 62).
 struct Completion {
-  c10::intrusive_ptr<c10::ivalue::Future> future;
   TensorList outputs;                      // what the future yields
   std::function<void()> finalize;          // copies results back into the caller's tensors
   TensorList keepAlive;                    // staging buffers the engine reads or writes
   std::function<void()> profilingEnd;      // closes the op's torch.profiler span
   std::shared_ptr<DeviceStaging> staging;  // CUDA ops only
-};
 
-inline c10::intrusive_ptr<c10::ivalue::Future> makeFuture(std::vector<c10::Device> devices = {}) {
-  static const c10::TypePtr kTensors = c10::ListType::create(c10::TensorType::get());  // one type
-  return c10::make_intrusive<c10::ivalue::Future>(kTensors, std::move(devices));
-}
+  explicit Completion(std::vector<c10::Device> devices) {
+    if (!devices.empty()) future_ = makeFuture(std::move(devices));
+  }
+
+  // The engine's callback, once: the outcome, and the future completed if
+  // one was made.
+  void complete(std::exception_ptr error) {
+    c10::intrusive_ptr<c10::ivalue::Future> future;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      error_ = error;
+      done_.store(true, std::memory_order_release);
+      future = future_;
+    }
+    if (future) settle(*future);
+  }
+
+  bool done() const { return done_.load(std::memory_order_acquire); }
+
+  // The op's error, once it is done (null before, or on success).
+  std::exception_ptr error() const {
+    if (!done()) return nullptr;
+    std::lock_guard<std::mutex> lock(mutex_);
+    return error_;
+  }
+
+  c10::intrusive_ptr<c10::ivalue::Future> future() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!future_) {
+      future_ = makeFuture();
+      if (done()) settle(*future_);
+    }
+    return future_;
+  }
+
+ private:
+  void settle(c10::ivalue::Future& f) {
+    if (error_) {
+      f.setError(error_);
+    } else {
+      f.markCompleted(c10::IValue(outputs));
+    }
+  }
+
+  mutable std::mutex mutex_;  // future_ (made lazily) and error_
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::exception_ptr error_;
+  std::atomic<bool> done_{false};
+};
 
 // The span torch.profiler shows for an op ("clawcomm:allreduce"): c10d's
 // Work keeps the pointer, so these are string literals.
@@ -170,17 +228,14 @@ class ClawcommWork : public c10d::Work {
 
   void attach(RequestPtr request) { request_ = std::move(request); }
 
-  // The future completes inside the engine's completion callback, where the
-  // request is already done (comm/request.h: its callbacks may ask, and
-  // wait); other threads see the request done a moment after the future:
-  // a completed future is a completed Work.
-  bool isCompleted() override {
-    return request_->isCompleted() || completion_->future->completed();
-  }
+  // The completion is recorded inside the engine's completion callback, where
+  // the request is already done (comm/request.h: its callbacks may ask, and
+  // wait); other threads see the request done a moment after the completion:
+  // a completed Completion (and its future) is a completed Work.
+  bool isCompleted() override { return isDone(); }
   bool isSuccess() const override { return isDone() && !exception(); }
   std::exception_ptr exception() const override {
-    const auto& f = completion_->future;
-    if (f->completed() && f->hasError()) return f->exception_ptr();
+    if (auto e = completion_->error()) return e;
     return request_->exception();
   }
   int sourceRank() const override { return request_->sourceRank(); }
@@ -194,11 +249,11 @@ class ClawcommWork : public c10d::Work {
     if (auto e = request_->exception()) rethrowForTorch(e);
     // CUDA: the caller's current stream waits for the copies back to the
     // device (an event on the communicator's stream); the host does not.
-    if (completion_->staging) completion_->future->wait();
+    if (completion_->staging) completion_->future()->wait();
     return true;
   }
 
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return completion_->future; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return completion_->future(); }
 
  private:
   ClawcommWork(int rank, OpType type, std::shared_ptr<Completion> completion,
@@ -207,7 +262,7 @@ class ClawcommWork : public c10d::Work {
              profiled ? std::optional<TensorList>(inputs) : std::nullopt),
         completion_(std::move(completion)) {}
 
-  bool isDone() const { return request_->isCompleted() || completion_->future->completed(); }
+  bool isDone() const { return request_->isCompleted() || completion_->done(); }
 
   std::shared_ptr<Completion> completion_;
   RequestPtr request_;
