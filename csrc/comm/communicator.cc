@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <future>
 #include <numeric>
 #include <set>
 
@@ -88,7 +89,19 @@ Communicator::Communicator(std::shared_ptr<Store> store, int rank, int size,
   // The group's epoch: its random token's low bits, new for every group (a
   // rebuilt one included).
   messenger_->setEpoch(uint32_t(std::stoull(jobToken_.empty() ? "0" : jobToken_, nullptr, 16)));
-  thread_ = std::thread([this] { progressLoop(); });
+  // The progress thread takes its nice value before the communicator is
+  // returned, so that no work runs at the wrong priority and a caller that
+  // looks sees it set.
+  std::promise<void> niced;
+  thread_ = std::thread([this, &niced] {
+    if (settings_.progressNice > 0) {
+      // This thread only: on Linux a thread id names one thread here.
+      setpriority(PRIO_PROCESS, id_t(syscall(SYS_gettid)), settings_.progressNice);
+    }
+    niced.set_value();
+    progressLoop();
+  });
+  niced.get_future().wait();
   liveCommunicators.fetch_add(1);
   std::lock_guard<std::mutex> lock(registryMutex);
   registry().insert(this);

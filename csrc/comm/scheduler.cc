@@ -5,8 +5,6 @@
 // thread spins briefly, then sleeps on the condition variable; with only
 // sends and receives in flight it hands waiting to the messenger's policy
 // (messenger/waits.cc).
-#include <sys/resource.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "algorithms/channel.h"
@@ -172,10 +170,6 @@ void Communicator::progressPointToPoint(bool startedOne, Clock::time_point& idle
 }
 
 void Communicator::progressLoop() {
-  if (settings_.progressNice > 0) {
-    // This thread only: on Linux a thread id names one thread here.
-    setpriority(PRIO_PROCESS, id_t(syscall(SYS_gettid)), settings_.progressNice);
-  }
   Clock::time_point idleSince = Clock::now();
   Clock::time_point stopDeadline = Clock::time_point::max();
   std::vector<std::unique_ptr<Op>> ops;
