@@ -35,6 +35,13 @@ CONFIGS = {
     "twoshot": {"CLAWCOMM_ALGO": "all_reduce:twoshot,reduce:reducescatter_gather"},
     "hierarchical": {"CLAWCOMM_ALGO": "hierarchical"},
     "tiny": {"CLAWCOMM_SEGMENT_BYTES": "4096", "CLAWCOMM_SHM_RING_BYTES": "8192"},
+    # Every frame of 4 KiB or more by single copy (reductions too), and
+    # every collective on the progress thread.
+    "copy": {
+        "CLAWCOMM_SINGLE_COPY": "all",
+        "CLAWCOMM_SINGLE_COPY_BYTES": "4096",
+        "CLAWCOMM_INLINE_BYTES": "0",
+    },
 }
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 SIZES = [1, 7, 1000, 65537]
@@ -123,6 +130,15 @@ def _sweep(rank: int, ws: int, configs: list[str], sizes: list[int], big: int) -
                     out = torch.empty(n, dtype=dtype)
                     dist.reduce_scatter_tensor(out, rs_in[rank].clone(), redop, group=group)
                     _compare(failures, f"reduce_scatter/{case}", out, chunk)
+                    if op == "sum":
+                        # Uneven splits: rank q gets (total + 5 q) % 11 elements.
+                        counts = [(total + 5 * q) % 11 for q in range(ws)]
+                        parts = [make_input(3, r, sum(counts), dtype) for r in range(ws)]
+                        at = sum(counts[:rank])
+                        mine = canonical(parts)[at : at + counts[rank]]
+                        out = torch.empty(counts[rank], dtype=dtype)
+                        dist.reduce_scatter(out, list(parts[rank].split(counts)), group=group)
+                        _compare(failures, f"uneven reduce_scatter/{case}", out, mine)
                     if dtype in (torch.float32, torch.float64) and op == "sum":
                         a = inputs[rank].numpy().copy()
                         eng.all_reduce(a)
@@ -160,7 +176,7 @@ def test_every_algorithm_gives_the_tree(ws, layout):
     """Every config on shared memory up to 4 ranks; beyond, and across
     hosts (where the direct algorithms fall back to the ring anyway), the
     ring, one-shot, hierarchical and tiny-segment ones."""
-    few = ["ring", "oneshot", "hierarchical", "tiny"]
+    few = ["ring", "oneshot", "hierarchical", "tiny", "copy"]
     configs = list(CONFIGS) if layout == "shm" and ws <= 4 else few
     sizes = SIZES if ws <= 5 else [1, 7, 1000]
     big = 1000003 if ws <= 5 else 100003
