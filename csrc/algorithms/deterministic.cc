@@ -28,10 +28,9 @@
 //
 // All-reduce: the reduce-scatter in place, with a direct all-gather in the
 // same pipeline: each reduced segment goes to every peer as soon as it is
-// done (it copies bits and adds nothing). A separate all-gather after the
-// whole reduce-scatter took 1.3x the ring's time at 4 ranks; pipelined, the
-// gather of one segment overlaps the reduction of the next, as the ring's
-// does. Bytes: 2 (n-1)/n N each way. Reduce: the reduce-scatter, then the
+// done (it copies bits and adds nothing), so the gather of one segment
+// overlaps the reduction of the next, as in the ring's pipeline. Bytes:
+// 2 (n-1)/n N each way. Reduce: the reduce-scatter, then the
 // root gathers the chunks. AVG is a SUM here; the operation divides once at
 // the end.
 #include <algorithm>
