@@ -34,7 +34,7 @@ class ClawcommBackend(dist.ProcessGroup):  # a c10d::Backend at run time
     def transport_of(self, peer: int) -> str:
         """How this rank reaches `peer`: 'shm', 'tcp' or 'self'."""
     def all_reduce_algorithm(self, nbytes: int) -> str:
-        """The algorithm all_reduce of `nbytes` bytes uses ('oneshot', 'twoshot', 'ring', 'tree', 'hierarchical')."""
+        """The algorithm all_reduce of `nbytes` bytes uses ('oneshot', 'twoshot', 'ring', 'tree', 'hierarchical'; 'deterministic' under CLAWCOMM_DETERMINISTIC=1)."""
     def cuda_ipc_status(self) -> dict[int, str]:
         """Per CUDA device index used so far: 'ok' where collectives go through
         CUDA IPC, else why they are staged through host memory."""

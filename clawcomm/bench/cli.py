@@ -27,7 +27,7 @@ import tempfile
 import time
 
 from clawcomm import outputs
-from clawcomm.bench.collectives import COLLECTIVES, DTYPE_ALIASES, REDOPS
+from clawcomm.bench.collectives import COLLECTIVES, DETERMINISTIC, DTYPE_ALIASES, REDOPS
 from clawcomm.launch import check_settings, under_torchrun
 
 COMPARE_CHOICES = ("gloo", "mpi", "raw", "nccl")
@@ -41,12 +41,14 @@ ALGO_CHOICES = (
     "scatter_allgather",
     "reducescatter_gather",
     "auto",
+    "deterministic",
 )
 
 
 def _algorithms(text: str) -> list[str]:
     """--algo: CLAWCOMM_ALGO values, one per variant (a name, which applies
-    to every op that has it, or op:name), checked by the engine's own rule."""
+    to every op that has it, or op:name), checked by the engine's own rule;
+    or "deterministic", a group with CLAWCOMM_DETERMINISTIC=1."""
     from dataclasses import asdict
 
     from clawcomm import _C
@@ -56,6 +58,8 @@ def _algorithms(text: str) -> list[str]:
     if not items:
         raise argparse.ArgumentTypeError(f"algorithm {text!r} not one of {', '.join(ALGO_CHOICES)}")
     for item in items:
+        if item == DETERMINISTIC:  # CLAWCOMM_DETERMINISTIC=1, not a CLAWCOMM_ALGO value
+            continue
         try:
             _C._choose_algorithm("all_reduce", 8, [0], asdict(CostModel()), item)
         except ValueError as e:
@@ -145,7 +149,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=["auto"],
         help="algorithms to compare, one variant each: ring, tree, hierarchical, direct, "
         "scatter_allgather, reducescatter_gather, auto, or op:name (e.g. broadcast:tree); a "
-        "bare name applies to every op that has it, the others run auto (default auto)",
+        "bare name applies to every op that has it, the others run auto (default auto); "
+        "deterministic: a group with CLAWCOMM_DETERMINISTIC=1 (its reductions)",
     )
     p.add_argument(
         "--compare",

@@ -28,6 +28,9 @@ from dataclasses import dataclass
 import numpy as np
 
 REDOPS = ("sum", "prod", "min", "max", "avg")
+# The --algo variant that is a group with CLAWCOMM_DETERMINISTIC=1 (its
+# reductions: docs/deterministic.md) rather than a CLAWCOMM_ALGO value.
+DETERMINISTIC = "deterministic"
 
 # nccl-tests' type names, plus torch's, mapped to one canonical name each.
 DTYPE_ALIASES = {

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
+from clawcomm.bench.collectives import DETERMINISTIC
 from clawcomm.bench.runners import EngineRunner, TorchRunner, set_pages
 from clawcomm.bench.sweep import Config, Sync, points, run_sweep
 
@@ -21,12 +22,15 @@ def clawcomm_name(algo: str, algos: list[str]) -> str:
 
 def names_algorithm(value: str, collective: str) -> bool:
     """Whether the CLAWCOMM_ALGO value `value` (one --algo item) chooses
-    `collective`'s algorithm: auto, op:name for it, or a bare name it has."""
+    `collective`'s algorithm: auto, op:name for it, or a bare name it has;
+    "deterministic" chooses the reductions'."""
     from clawcomm import _C
 
     op = {"sendrecv": "send", "all_to_allv": "all_to_all"}.get(collective, collective)
     if value == "auto":
         return True
+    if value == DETERMINISTIC:
+        return op in ("all_reduce", "reduce_scatter", "reduce")
     if ":" in value:
         return value.split(":", 1)[0] == op
     return (op, value) in _C._algorithm_table()
@@ -109,11 +113,13 @@ def rank_main(rank: int, world_size: int, options: dict):
     runners = {}
     previous = os.environ.get("CLAWCOMM_ALGO")
     for algo in algos:
-        os.environ["CLAWCOMM_ALGO"] = algo
+        os.environ["CLAWCOMM_ALGO"] = "auto" if algo == DETERMINISTIC else algo
+        os.environ["CLAWCOMM_DETERMINISTIC"] = "1" if algo == DETERMINISTIC else "0"
         group = dist.new_group(backend="clawcomm")
         runners[clawcomm_name(algo, algos)] = TorchRunner(
             clawcomm_name(algo, algos), group, "clawcomm", device
         )
+    os.environ.pop("CLAWCOMM_DETERMINISTIC", None)
     if previous is None:
         os.environ.pop("CLAWCOMM_ALGO", None)
     else:

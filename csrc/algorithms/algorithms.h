@@ -99,6 +99,18 @@ void hierarchicalAllToAll(Channel& ch, const void* in, const std::vector<size_t>
 
 void disseminationBarrier(Channel& ch);
 
+// The deterministic reductions (deterministic.cc, CLAWCOMM_DETERMINISTIC):
+// each chunk's owner adds every rank's chunk in one fixed binary tree over
+// the ranks, on any layout and transport. The reduce-scatter: rank r's
+// reduced chunk (counts[r] elements) lands in `out`, which may be its own
+// chunk of `in`; `in` is otherwise only read. The all-reduce: in place, AVG
+// left as a SUM. The reduce: into `buf` on `root`; non-roots' `buf` is only
+// read.
+void deterministicReduceScatter(Channel& ch, const void* in, void* out,
+                                const std::vector<size_t>& counts);
+void deterministicAllReduce(Channel& ch, void* buf, size_t count);
+void deterministicReduce(Channel& ch, void* buf, size_t count, int root);
+
 // Broadcast and reduce with the message split among the ranks
 // (split_broadcast_reduce.cc): the root scatters, then the layout's
 // all-gather; the layout's reduce-scatter, then the root gathers (non-roots'
@@ -126,7 +138,9 @@ const std::vector<CollectiveAlgorithm>& collectiveAlgorithms();
 double collectiveCost(OpType op, Algorithm algo, double bytes, const Topology& topo,
                       const CostModel& model);
 
-// `op`'s algorithm for `bytes` over `topo`: the one CLAWCOMM_ALGO names for
+// `op`'s algorithm for `bytes` over `topo`: under CLAWCOMM_DETERMINISTIC=1
+// the deterministic one for a reduction (all-reduce, reduce-scatter,
+// reduce), whatever CLAWCOMM_ALGO says; else the one CLAWCOMM_ALGO names for
 // it (an item "op:name", or a bare name that is one of op's algorithms;
 // one the layout cannot run gives the ring, or the all-to-all's pairwise
 // one), else the cheapest by the cost model; kDefault for an op without a
@@ -150,7 +164,8 @@ const AllReduceAlgorithm& allReduceById(Algorithm id);
 // hierarchical one is infinite where it does not apply).
 double allReduceCost(Algorithm algo, double bytes, const Topology& topo, const CostModel& model);
 
-// The all-reduce of `bytes` over `topo`: CLAWCOMM_ALGO's, or with auto the
+// The all-reduce of `bytes` over `topo`: the deterministic one under
+// CLAWCOMM_DETERMINISTIC=1, else CLAWCOMM_ALGO's, or with auto the
 // one the cost model predicts fastest (CLAWCOMM_TREE_MAX_BYTES overrides the
 // model with a fixed crossover between tree and ring).
 const AllReduceAlgorithm& chooseAllReduce(size_t bytes, const Topology& topo,

@@ -88,6 +88,9 @@ const std::vector<AllReduceAlgorithm>& allReduceAlgorithms() {
       {Algorithm::kRing, "ring", ringAllReduce},
       {Algorithm::kTree, "tree", treeAllReduce},
       {Algorithm::kHierarchical, "hierarchical", hierarchicalAllReduce},
+      // Not a row of collectiveAlgorithms(): CLAWCOMM_DETERMINISTIC=1 picks
+      // it, never the cost model nor CLAWCOMM_ALGO.
+      {Algorithm::kDeterministic, "deterministic", deterministicAllReduce},
   };
   return table;
 }
@@ -119,6 +122,12 @@ const std::vector<CollectiveAlgorithm>& collectiveAlgorithms() {
 }
 
 Algorithm chooseAlgorithm(OpType op, size_t bytes, const Topology& topo, const Settings& settings) {
+  // CLAWCOMM_DETERMINISTIC=1 overrides CLAWCOMM_ALGO for every reduction
+  // (docs/deterministic.md): the result must not depend on the algorithm.
+  if (settings.deterministic &&
+      (op == OpType::kAllReduce || op == OpType::kReduceScatter || op == OpType::kReduce)) {
+    return Algorithm::kDeterministic;
+  }
   const std::string named = namedFor(settings.algo, op);
   if (!named.empty()) {
     const CollectiveAlgorithm* row = rowOf(op, named);

@@ -285,6 +285,8 @@ class Communicator {
   Algorithm algorithmFor(OpType op, size_t bytes) const;
   void checkRoot(OpType op, int root) const;
   void checkCounts(OpType op, const std::vector<size_t>& counts, const char* what) const;
+  // InvalidArgument under CLAWCOMM_DETERMINISTIC=1, naming `op` and `wire`.
+  void checkNotDeterministic16BitWire(OpType op, DataType wire) const;
   // The scheduler (scheduler.cc): the progress thread's loop and its steps.
   void progressLoop();
   // The next work under one lock: a collective, or the sends and receives

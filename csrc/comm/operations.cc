@@ -32,6 +32,15 @@ void Communicator::checkRoot(OpType op, int root) const {
                      " is out of range for a group of ", size_, " ranks");
 }
 
+void Communicator::checkNotDeterministic16BitWire(OpType op, DataType wire) const {
+  // The 16-bit ring adds in ring order; a canonical tree over a 16-bit wire
+  // is not built (docs/deterministic.md).
+  CLAWCOMM_ARG_CHECK(!settings_.deterministic, opPrefix(op), "a ", dataTypeName(wire),
+                     " wire (the 16-bit-wire ring) is refused with CLAWCOMM_DETERMINISTIC=1: "
+                     "its ring adds in an order that depends on the rank; reduce float32 "
+                     "instead, or unset CLAWCOMM_DETERMINISTIC");
+}
+
 void Communicator::checkCounts(OpType op, const std::vector<size_t>& counts,
                                const char* what) const {
   CLAWCOMM_ARG_CHECK(counts.size() == size_t(size_), opPrefix(op), what, " has ", counts.size(),
@@ -64,6 +73,7 @@ RequestPtr Communicator::allReduce16BitWire(float* buf, size_t count, DataType w
   CLAWCOMM_ARG_CHECK(std::isfinite(postscale) && postscale != 0.0f,
                      "clawcomm::all_reduce: postscale ", postscale,
                      " is not a finite non-zero factor");
+  checkNotDeterministic16BitWire(OpType::kAllReduce, wire);
   OpSignature sig{OpType::kAllReduce, wire, ReduceOp::kSum, -1, count};
   sig.algo = Algorithm::kRing16BitWire;
   return enqueueCollective(
@@ -83,6 +93,7 @@ RequestPtr Communicator::reduceScatter16BitWire(float* buf, float* out, size_t c
                      " is not a finite non-zero factor");
   CLAWCOMM_ARG_CHECK(count % size_t(size_) == 0, op, ": a 16-bit wire needs a count that ", size_,
                      " ranks divide evenly, got ", count);
+  checkNotDeterministic16BitWire(OpType::kReduceScatter, wire);
   OpSignature sig{OpType::kReduceScatter, wire, ReduceOp::kSum, -1, count};
   sig.algo = Algorithm::kRing16BitWire;
   return enqueueCollective(
@@ -99,14 +110,16 @@ RequestPtr Communicator::reduceScatter(const void* in, void* out, std::vector<si
   OpSignature sig{OpType::kReduceScatter, dtype, op, -1, total};
   sig.algo = algorithmFor(OpType::kReduceScatter, total * elementSize(dtype));
   const bool hierarchical = sig.algo == Algorithm::kHierarchical;
-  const bool direct = sig.algo == Algorithm::kDirect;
+  const bool direct = sig.algo == Algorithm::kDirect || sig.algo == Algorithm::kDeterministic;
+  const auto runDirect =
+      sig.algo == Algorithm::kDeterministic ? deterministicReduceScatter : directReduceScatter;
   const int r = rank_, n = size_;
   return enqueueCollective(
       sig, total * elementSize(dtype),
       [=](Channel& ch) {
         const size_t es = elementSize(dtype);
         if (direct) {
-          directReduceScatter(ch, in, out, counts);
+          runDirect(ch, in, out, counts);
           if (op == ReduceOp::kAvg) divideInPlace(dtype, out, counts[r], n);
           return;
         }
@@ -181,11 +194,13 @@ RequestPtr Communicator::reduce(void* buf, size_t count, DataType dtype, ReduceO
   OpSignature sig{OpType::kReduce, dtype, op, root, count};
   sig.algo = algorithmFor(OpType::kReduce, count * elementSize(dtype));
   const int r = rank_, n = size_;
-  if (sig.algo == Algorithm::kReduceScatterGather) {
+  if (sig.algo == Algorithm::kReduceScatterGather || sig.algo == Algorithm::kDeterministic) {
+    const auto run =
+        sig.algo == Algorithm::kDeterministic ? deterministicReduce : reduceScatterGatherReduce;
     return enqueueCollective(
         sig, count * elementSize(dtype),
         [=](Channel& ch) {
-          reduceScatterGatherReduce(ch, buf, count, root);
+          run(ch, buf, count, root);
           if (r == root && op == ReduceOp::kAvg) divideInPlace(dtype, buf, count, n);
         },
         std::move(cb));

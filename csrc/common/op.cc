@@ -38,6 +38,7 @@ const char* algorithmName(Algorithm a) {
     case Algorithm::kOneShot: return "oneshot";
     case Algorithm::kTwoShot: return "twoshot";
     case Algorithm::kPairwise: return "pairwise";
+    case Algorithm::kDeterministic: return "deterministic";
   }
   return "unknown-algorithm";
 }

@@ -45,6 +45,7 @@ enum class Algorithm : uint8_t {
   kOneShot = 11,              // all-reduce: every rank sends to every peer, folds all inputs
   kTwoShot = 12,              // all-reduce: direct reduce-scatter, then direct all-gather
   kPairwise = 13,             // all-to-all: every rank exchanges with every peer at once
+  kDeterministic = 14,        // reductions: every chunk's owner adds all inputs in one tree
 };
 
 const char* algorithmName(Algorithm a);

@@ -56,6 +56,7 @@ Settings Settings::fromEnv() {
   simdChoiceFromEnv();  // CLAWCOMM_SIMD is read once per process; refuse a bad one at setup
   if (const char* v = env("CLAWCOMM_TRANSPORT")) s.transport = v;
   if (const char* v = env("CLAWCOMM_ALGO")) s.algo = v;
+  s.deterministic = envChoice("CLAWCOMM_DETERMINISTIC", {"0", "1"}) == 1;
   if (const char* v = env("CLAWCOMM_COST_MODEL")) {
     s.costModelPath = v;
     s.costModel = CostModel::load(v);
@@ -107,10 +108,11 @@ std::string Settings::mustMatch() const {
   const std::string oneShot =
       cudaOneShotMaxBytes == kAutoBytes ? "auto" : std::to_string(cudaOneShotMaxBytes);
   return CLAWCOMM_CONCAT(
-      "CLAWCOMM_TRANSPORT=", transport, "|CLAWCOMM_SHM_RING_BYTES=", shmRingBytes,
-      "|CLAWCOMM_SOCKETS_PER_PEER=", socketsPerPeer, "|CLAWCOMM_CUDA_IPC=", cudaIpc ? "auto" : "0",
-      "|CLAWCOMM_CUDA_IPC_BYTES=", cudaIpcBytes, "|CLAWCOMM_CUDA_GRAPH_BYTES=", cudaGraphBytes,
-      "|CLAWCOMM_CUDA_P2P_BYTES=", cudaP2pBytes, "|CLAWCOMM_CUDA_ONESHOT_BYTES=", oneShot);
+      "CLAWCOMM_TRANSPORT=", transport, "|CLAWCOMM_DETERMINISTIC=", deterministic ? 1 : 0,
+      "|CLAWCOMM_SHM_RING_BYTES=", shmRingBytes, "|CLAWCOMM_SOCKETS_PER_PEER=", socketsPerPeer,
+      "|CLAWCOMM_CUDA_IPC=", cudaIpc ? "auto" : "0", "|CLAWCOMM_CUDA_IPC_BYTES=", cudaIpcBytes,
+      "|CLAWCOMM_CUDA_GRAPH_BYTES=", cudaGraphBytes, "|CLAWCOMM_CUDA_P2P_BYTES=", cudaP2pBytes,
+      "|CLAWCOMM_CUDA_ONESHOT_BYTES=", oneShot);
 }
 
 }  // namespace clawcomm

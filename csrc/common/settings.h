@@ -37,6 +37,16 @@ struct Settings {
   // elsewhere it runs the ring. Checked against the table when a
   // communicator is created.
   std::string algo = "auto";
+  // CLAWCOMM_DETERMINISTIC=0|1. 1: every reduction (all-reduce,
+  // reduce-scatter, reduce; every operator and dtype) adds its inputs in
+  // one canonical order, a fixed binary tree over the ranks
+  // (algorithms/deterministic.cc, docs/deterministic.md), whatever the
+  // layout, transport, segment size or timing: the result is a function of
+  // the inputs and the group size alone, the same bits on every rank. It
+  // overrides CLAWCOMM_ALGO for those three operations (the flight record
+  // says "deterministic"); the 16-bit-wire reductions are refused, and CUDA
+  // tensors' reductions are staged through host memory (not CUDA IPC).
+  bool deterministic = false;
   // CLAWCOMM_COST_MODEL: a model file (`clawcomm bench --calibrate` writes
   // one) whose latencies and bandwidths auto chooses by; unset means the
   // defaults in common/cost_model.h.

@@ -57,6 +57,17 @@ DeviceComm::~DeviceComm() {
 }
 
 bool DeviceComm::ipc(OpType op, size_t bytesPerRank, const Streams& s) {
+  // CLAWCOMM_DETERMINISTIC=1: the IPC kernels add in their own orders, so
+  // reductions are staged through host memory and the engine's
+  // deterministic algorithms (docs/deterministic.md). Staging waits on the
+  // host, which a CUDA graph cannot capture.
+  if (comm_->settings().deterministic &&
+      (op == OpType::kAllReduce || op == OpType::kReduceScatter || op == OpType::kReduce)) {
+    CLAWCOMM_ARG_CHECK(!s.captured, opPrefix(op),
+                       "a CUDA graph cannot capture a reduction with CLAWCOMM_DETERMINISTIC=1 "
+                       "(it is staged through host memory, not CUDA IPC)");
+    return false;
+  }
   bool needSetup;
   {
     std::lock_guard<std::mutex> lock(mutex_);

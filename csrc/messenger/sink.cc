@@ -27,6 +27,12 @@ ReceiveSink ReceiveSink::reduceFrom(void* dst, const void* local, DataType dtype
   return s;
 }
 
+ReceiveSink ReceiveSink::reduceOnto(void* dst, const void* local, DataType dtype, ReduceOp op) {
+  ReceiveSink s = reduceFrom(dst, local, dtype, op);
+  s.kind = Kind::kReduceOnto;
+  return s;
+}
+
 ReceiveSink ReceiveSink::decode(float* dst, DataType wire, float scale) {
   ReceiveSink s = copy(dst);
   s.kind = Kind::kDecode;
@@ -54,7 +60,8 @@ size_t ReceiveSink::granule() const {
   switch (kind) {
     case Kind::kCopy: return 1;
     case Kind::kReduce:
-    case Kind::kReduceFrom: return elementSize(dtype);
+    case Kind::kReduceFrom:
+    case Kind::kReduceOnto: return elementSize(dtype);
     default: return 2;  // one 16-bit wire value
   }
 }
@@ -72,6 +79,19 @@ void ReceiveSink::take(size_t offset, const uint8_t* src, size_t n) const {
       if (dst != local) std::memcpy(dst + offset, local + offset, n);
       reduceInto(dtype, op, dst + offset, src, n / elementSize(dtype));
       return;
+    case Kind::kReduceOnto: {
+      // Through an L1 block, so that `local` may be `dst` (an in-place
+      // all-reduce's own chunk): each piece of it is read before written.
+      constexpr size_t kPiece = 4096;  // a multiple of every element size
+      alignas(64) uint8_t piece[kPiece];
+      for (size_t at = 0; at < n; at += kPiece) {
+        const size_t m = n - at < kPiece ? n - at : kPiece;
+        std::memcpy(piece, src + at, m);
+        reduceInto(dtype, op, piece, local + offset + at, m / elementSize(dtype));
+        std::memcpy(dst + offset + at, piece, m);
+      }
+      return;
+    }
     case Kind::kDecode: toFloat32(dtype, src, f32 + at, n / 2, scale); return;
     case Kind::kDecodeAdd: addFrom16(dtype, f32 + at, src, n / 2, scale); return;
     case Kind::kDecodeAddRound:

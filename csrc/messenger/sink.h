@@ -9,6 +9,9 @@
 //   reduceFrom      dst[i] = local[i] op src[i]           (a reduce whose first
 //                   operand is another buffer: copied a chunk at a time as the
 //                   bytes arrive, so the copy needs no pass of its own)
+//   reduceOnto      dst[i] = src[i] op local[i]           (the same with the
+//                   arriving values as the first operand: the deterministic
+//                   reductions keep every tree node's left-right order)
 //   decode          dst[i] = widen(src[i]) * scale        (16-bit wire -> float32)
 //   decodeAdd       dst[i] = dst[i] * scale + widen(src[i])
 //   decodeAddRound  decodeAdd, then rounded[i] = round16(dst[i]) and
@@ -25,11 +28,20 @@
 namespace clawcomm {
 
 struct ReceiveSink {
-  enum class Kind : uint8_t { kCopy, kReduce, kReduceFrom, kDecode, kDecodeAdd, kDecodeAddRound };
+  enum class Kind : uint8_t {
+    kCopy,
+    kReduce,
+    kReduceFrom,
+    kReduceOnto,
+    kDecode,
+    kDecodeAdd,
+    kDecodeAddRound
+  };
 
   static ReceiveSink copy(void* dst);
   static ReceiveSink reduce(void* dst, DataType dtype, ReduceOp op);
   static ReceiveSink reduceFrom(void* dst, const void* local, DataType dtype, ReduceOp op);
+  static ReceiveSink reduceOnto(void* dst, const void* local, DataType dtype, ReduceOp op);
   static ReceiveSink decode(float* dst, DataType wire, float scale = 1.0f);
   static ReceiveSink decodeAdd(float* dst, DataType wire, float dstScale = 1.0f);
   static ReceiveSink decodeAddRound(float* dst, DataType wire, uint16_t* rounded, float dstScale,
@@ -49,7 +61,7 @@ struct ReceiveSink {
   ReduceOp op = ReduceOp::kSum;
   uint8_t* dst = nullptr;  // copy, reduce: bytes; decode*: float32 elements
   uint16_t* rounded = nullptr;
-  const uint8_t* local = nullptr;  // reduceFrom
+  const uint8_t* local = nullptr;  // reduceFrom, reduceOnto
   float scale = 1.0f;
   float outScale = 1.0f;
 };

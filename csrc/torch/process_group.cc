@@ -51,7 +51,7 @@ PYBIND11_MODULE(_C_torch, m) {
           },
           py::arg("nbytes"),
           "The algorithm all_reduce of `nbytes` bytes uses ('oneshot', 'twoshot', 'ring', "
-          "'tree', 'hierarchical').")
+          "'tree', 'hierarchical'; 'deterministic' under CLAWCOMM_DETERMINISTIC=1).")
       .def("cuda_ipc_status", &ClawcommBackend::cudaIpcStatus,
            "Per CUDA device index used so far: 'ok' where collectives go through CUDA IPC, "
            "else why they are staged through host memory.")
