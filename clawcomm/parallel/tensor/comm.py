@@ -115,99 +115,35 @@ def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     return x
 
 
-class _GatherTokens(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather_tokens(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return reduce_scatter_tokens(g, ctx.group), None
-
-
-class _ScatterTokens(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return reduce_scatter_tokens(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return all_gather_tokens(g, ctx.group), None
-
-
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, g):
-        return all_reduce(g.clone(), ctx.group), None
-
-
-class _SumOverTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return all_reduce(x.clone(), group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
-
-
-class _GatherWhole(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather_tokens(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _own_block(g, ctx.group), None
-
-
-class _OwnTokens(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _own_block(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return all_gather_tokens(g, ctx.group), None
-
-
 def _own_block(x: torch.Tensor, group) -> torch.Tensor:
     n, r = _size(group), dist.get_rank(group)
     t = x.shape[1] // n
     return x[:, r * t : (r + 1) * t].contiguous()
 
 
-def gather_whole(x, group):
-    return _GatherWhole.apply(x, group)
+def _collective(forward: Callable, backward: Callable) -> Callable:
+    """``fn(x, group)``: ``forward(x, group)``, whose gradient is
+    ``backward(g, group)`` (the pairs in the module docstring)."""
+
+    class _Function(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return forward(x, group)
+
+        @staticmethod
+        def backward(ctx, g):
+            return backward(g, ctx.group), None
+
+    return _Function.apply
 
 
-def own_tokens(x, group):
-    return _OwnTokens.apply(x, group)
-
-
-def gather_tokens(x, group):
-    return _GatherTokens.apply(x, group)
-
-
-def scatter_tokens(x, group):
-    return _ScatterTokens.apply(x, group)
-
-
-def copy_to_tp(x, group):
-    return _CopyToTP.apply(x, group)
-
-
-def sum_over_tp(x, group):
-    return _SumOverTP.apply(x, group)
+gather_tokens = _collective(all_gather_tokens, reduce_scatter_tokens)
+scatter_tokens = _collective(reduce_scatter_tokens, all_gather_tokens)
+copy_to_tp = _collective(lambda x, group: x, lambda g, group: all_reduce(g.clone(), group))
+sum_over_tp = _collective(lambda x, group: all_reduce(x.clone(), group), lambda g, group: g)
+gather_whole = _collective(all_gather_tokens, _own_block)
+own_tokens = _collective(_own_block, all_gather_tokens)
 
 
 # ---- overlapped: blocks of tokens in flight while others are computed ---------------

@@ -217,12 +217,16 @@ class Parallelized:
             return
         flat = torch.cat([p.grad.reshape(-1) for p in held])
         comm.all_reduce(flat, self.tp.group)
+        sp = self.tp.sequence_parallel
+        if not sp:
+            flat /= self.tp.size
         at = 0
         for p in held:
             g = flat[at : at + p.numel()].view_as(p)
             at += p.numel()
-            summed = self.tp.sequence_parallel and id(p) not in self.alike
-            p.grad.copy_(g if summed else g / self.tp.size)
+            if sp and id(p) in self.alike:
+                g /= self.tp.size
+            p.grad.copy_(g)
 
 
 def split_layers(model, loss_fn, cfg, grid, group) -> Parallelized:
