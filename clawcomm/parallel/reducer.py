@@ -348,6 +348,12 @@ class GradReducer(BucketBuffers):
             )
         self.ready(i)
 
+    def all_final(self) -> None:
+        """Every gradient became final at once (the deterministic trainer's
+        micro-batch tree): one mark each, in parameter order."""
+        for i in range(len(self.params)):
+            self.mark(i)
+
     def finish(self) -> float:
         """Ends the step: launches what is left, waits for every bucket, and
         after the first step learns. Returns the seconds it waited."""

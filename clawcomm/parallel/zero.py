@@ -333,19 +333,16 @@ class ZeroShards:
         rows = dequantize(wholes[0], wholes[1], 8, _BLOCK).view(self.n, -1)
         return rows[:, :shard].reshape(-1)
 
-    def sumsq(self, skip: set[int]) -> float:
-        """This rank's part of the squared gradient norm, scaled so that
-        the trainer's sum over every rank divided by dp is the whole norm:
-        a shard counts dp times (each rank holds a different one), a
-        replicated gradient once per replica. ``skip``: ids of replicated
-        parameters another pipeline rank counts."""
-        total = torch.zeros((), dtype=torch.float64)
-        for _, _, shard in self.entries:
-            total += self.n * shard.grad.double().square().sum().cpu()
-        for p in self.replicated:
-            if p.grad is not None and id(p) not in skip:
-                total += p.grad.double().square().sum().cpu()
-        return float(total)
+    def owned(self, skip: set[int]) -> list[tuple[torch.Tensor, int]]:
+        """This rank's gradients in the squared gradient norm, each with the
+        times it counts, so that the trainer's sum over every rank divided
+        by dp is the whole norm: a shard dp times (each rank holds a
+        different one), a replicated gradient once per replica. ``skip``:
+        ids of replicated parameters another pipeline rank counts."""
+        out = [(shard.grad, self.n) for _, _, shard in self.entries]
+        return out + [
+            (p.grad, 1) for p in self.replicated if p.grad is not None and id(p) not in skip
+        ]
 
     def full_state(self, optimizer, masters: bool = True) -> dict:
         """{parameter: {key: whole state tensor}} for every parameter of the

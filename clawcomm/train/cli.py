@@ -352,6 +352,7 @@ def run(args: argparse.Namespace) -> int:
         import clawcomm  # noqa: F401  (registers the backend)
 
         os.environ.setdefault("CLAWCOMM_TRANSPORT", args.transport)
+        os.environ.update(_engine_env(cfg))
         dist.init_process_group(args.backend)
         try:
             metrics = train_rank(cfg)
@@ -372,7 +373,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             results = run_ranks(
                 _spawned, world, cfg, backend=args.backend, timeout=24 * 3600, pg_timeout=300,
-                env={"CLAWCOMM_TRANSPORT": args.transport},
+                env={"CLAWCOMM_TRANSPORT": args.transport, **_engine_env(cfg)},
             )  # fmt: skip
         except RankFailure as e:
             if launcher.killed:
@@ -385,6 +386,14 @@ def run(args: argparse.Namespace) -> int:
             return 1
     _finish(results[0], cfg, launcher.signum)
     return _status(results[0], launcher.signum)
+
+
+def _engine_env(cfg: TrainConfig) -> dict[str, str]:
+    """What the ranks' engines need from the config: the deterministic
+    reductions under --deterministic."""
+    from clawcomm.train.deterministic import ENV
+
+    return {ENV: "1"} if cfg.deterministic else {}
 
 
 def _finish(metrics: list[dict], cfg: TrainConfig, signum: int = 0) -> None:

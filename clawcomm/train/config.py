@@ -180,6 +180,11 @@ class TrainConfig:
     )
     bucket_cap_mb: float = _opt(25.0, "gradient bucket size")
     overlap: bool = _opt(True, "reduce buckets while the pipeline drains")
+    deterministic: bool = _opt(
+        False,
+        "bitwise the same losses and weights at every dp x pp x ZeRO stage (powers of two; "
+        "docs/deterministic.md): micro-batch gradients summed in a fixed tree, no overlap",
+    )
     zero: int = _opt(
         0,
         "ZeRO stage: 0 (every dp replica holds all the optimizer state), 1 (each holds "
@@ -433,6 +438,9 @@ class TrainConfig:
                 f"dp{cp} * tp * pp == {world_size}"
             )
         self.check_tp()
+        from clawcomm.train import deterministic
+
+        deterministic.check(self)
         check_schedule_args(self.schedule, self.pp, self.microbatches, self.virtual_stages)
         if self.model == "wait":
             self.wait_times()

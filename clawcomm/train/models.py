@@ -174,9 +174,16 @@ class Head(nn.Module):
         super().__init__()
         self.norm = nn.LayerNorm(dim)
         self.proj = nn.Linear(dim, vocab, bias=False)
+        # deterministic mode, the projection tied to the embedding on this
+        # rank: its gradient is left here (clawcomm.train.deterministic)
+        self.apart: list | None = None
 
     def forward(self, x):
-        return self.proj(self.norm(x))
+        if self.apart is None:
+            return self.proj(self.norm(x))
+        from clawcomm.train.deterministic import KeptApart
+
+        return nn.functional.linear(self.norm(x), KeptApart.apply(self.proj.weight, self.apart))
 
 
 def gpt(

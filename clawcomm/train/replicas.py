@@ -32,7 +32,7 @@ def synchronise(trainer):
             OuterSync(trainer.params, trainer.dp_group, cfg, exchange_group),
             exchange_group,
         )
-    tied = {id(p) for p, _, _ in trainer._ties}
+    tied = {id(p) for p, _, _ in trainer._ties} | {id(p) for p, _ in trainer.apart}
     tp = trainer.tensor_parallel
     whole = tp.replicated_ids() if tp is not None else set()
     reduced = trainer.experts.dense(trainer.params) if trainer.experts else trainer.params
@@ -45,8 +45,8 @@ def synchronise(trainer):
         compression_warmup_steps=cfg.compression_warmup,
         overlap=cfg.overlap,
         names=[trainer.names.get(id(p), str(i)) for i, p in enumerate(reduced)],
-        # ZeRO shards all but the parameters tied across pipeline ranks,
-        # whose gradients are summed over them after the reduction (see
+        # ZeRO shards all but the parameters tied across pipeline ranks (or
+        # kept apart on one), whose gradients are summed after the reduction (see
         # clawcomm.parallel.zero), and at tp > 1 those that tensor
         # parallelism leaves whole, synchronised over the TP group after it.
         zero=cfg.zero,

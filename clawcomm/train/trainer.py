@@ -61,7 +61,7 @@ from clawcomm.pipeline.executor import PipelineExecutor
 from clawcomm.pipeline.schedules import build, stage_to_rank
 from clawcomm.pipeline.validate import validate
 from clawcomm.pipeline.weight_grad import split_linear_backward
-from clawcomm.train import moe, recompute, replicas, trace
+from clawcomm.train import deterministic, moe, norms, recompute, replicas, trace
 from clawcomm.train.config import TrainConfig
 from clawcomm.train.data import replica_rows, rounds
 from clawcomm.train.device import for_rank as device_for_rank
@@ -107,6 +107,8 @@ class Trainer:
         self.cfg = cfg
         world = dist.get_world_size() if dist.is_initialized() else 1
         cfg.check(world)
+        if cfg.deterministic:
+            deterministic.enter(world)
         rank = dist.get_rank() if dist.is_initialized() else 0
         self.grid = Grid(cfg.dp, cfg.pp, rank, cfg.tp, cfg.cp)
         self.count_fn = count_fn or (lambda t: t.numel())
@@ -174,6 +176,8 @@ class Trainer:
             loss_fn,
             device=self.device,
         )
+        # deterministic: the GPT head's gradient apart from the embedding's, on one rank
+        self.apart = deterministic.keep_head_apart(self.local) if cfg.deterministic else []
         self.reducer, self.outer, exchange_group = replicas.synchronise(self)
         self.p2p_latency = measure_p2p_latency(self.pp_group, self.grid.pp_rank, cfg.pp)
         self._make_optimizer = optimizer
@@ -197,6 +201,11 @@ class Trainer:
             if self.shards.frees:  # sharded from the start, a bucket at a time
                 self.lay_out_shards()
         self.tracker = Trackers(self.reducer, self.units) if self.units else self.reducer
+        if cfg.deterministic:  # (the reducer hears nothing: it launches after the tree)
+            per_replica = cfg.microbatches * cfg.accumulation
+            self.tracker = deterministic.MicroBatchTree(
+                self.local, per_replica, cfg.microbatches, self.apart, self.units
+            )
         self.step_index = 0
         self.traffic = Traffic(
             self.pp_group,
@@ -246,8 +255,10 @@ class Trainer:
         rows = gather(self._sample(totals, bytes_before, t_pipe - t0, dp_wait))
         self.stopped_by = int(max(r.stop for r in rows))  # every rank reads the same rows
         check_memory(rows, cfg.max_memory_mb, self.step_index + 1)
-        grad_norm = math.sqrt(sum(r.sumsq for r in rows) / cfg.averaged_over)
-        loss = sum(r.loss for r in rows) / count
+        loss, sumsq = sum(r.loss for r in rows), sum(r.sumsq for r in rows)
+        if cfg.deterministic:  # exact sums: no rank or shard boundary shows
+            loss, sumsq = norms.exact_step_totals(self, totals.losses)
+        grad_norm, loss = math.sqrt(sumsq / cfg.averaged_over), loss / count
         self._check_finite(loss, grad_norm)
         self._clip(grad_norm)
         t_opt = time.perf_counter()
@@ -292,6 +303,8 @@ class Trainer:
             self.experts.reduce_grads()
         for p, group, _ in self._ties:
             dist.all_reduce(p.grad, group=group)
+        if self.cfg.deterministic:  # (the GPT head's part, averaged as the rest was)
+            self.tracker.add_apart(self.dp_group if self.reducer is not None else None)
         if self.tensor_parallel is not None:
             self.tensor_parallel.sync_replicated_grads()
         self.lay_out_shards()
@@ -320,7 +333,7 @@ class Trainer:
         return RankSample(
             # (every TP rank of the last stage has the loss: rank 0 of them counts it)
             loss=float(sum(float(v) for v in totals.losses)) if self.grid.tp_rank == 0 else 0.0,
-            sumsq=self._owned_sumsq(),
+            sumsq=norms.owned_sumsq(self),
             **Traffic.fields(sent),
             busy=totals.busy, span=span, recv_wait=totals.recv_wait, dp_wait=dp_wait,
             tp_wait=tensor_comm.EXPOSED.lap(), ep_wait=expert.EXPOSED.lap(),
@@ -375,12 +388,16 @@ class Trainer:
         cfg = self.cfg
         totals, events = PipelineTotals(), []
         for a, inputs, targets in self.rounds(x, y, whole):
-            if self.reducer is not None:  # it launches in the last round (ZeRO-2: in each)
+            if self.reducer is not None and not cfg.deterministic:  # (ZeRO-2: in each)
                 self.reducer.begin_round(a, last=a == cfg.accumulation - 1)
             stats = self.executor.run(inputs, targets, loss_scale=loss_scale, tracker=self.tracker)
             totals.add(stats)
             if self.recorder is not None:
                 events += trace.run_events(stats, a if cfg.accumulation > 1 else None)
+        if cfg.deterministic:  # every gradient final at once, the tree's root
+            self.tracker.collapse()
+            if self.reducer is not None:
+                self.reducer.all_final()
         return totals, events
 
     def _check_finite(self, loss: float, grad_norm: float) -> None:
@@ -420,25 +437,6 @@ class Trainer:
         if self.device.type != "cuda":
             return 0.0
         return float(comm_device_bytes(self.traffic.engines("cuda")[0]))
-
-    def _owned_sumsq(self) -> float:
-        """Squared norm of this rank's gradients; a tied parameter counts on
-        its first stage's rank only."""
-        shared_elsewhere = {id(p) for p, _, owner in self._ties if not owner}
-        if self.tensor_parallel is not None and self.grid.tp_rank != 0:  # counted on TP rank 0
-            shared_elsewhere |= self.tensor_parallel.replicated_ids()
-        spread = 0.0  # the experts' (parallel.expert counts them)
-        if self.experts is not None:
-            spread = self.experts.sumsq(shared_elsewhere)
-            shared_elsewhere |= self.experts.ids
-        if self.shards is not None:
-            return self.shards.sumsq(shared_elsewhere) + spread
-        grads = [
-            p.grad for p in self.params if p.grad is not None and id(p) not in shared_elsewhere
-        ]
-        if not grads:
-            return spread
-        return float(torch.nn.utils.get_total_norm(grads, 2.0)) ** 2 + spread
 
     # ---- the loop -------------------------------------------------------------------------
 
