@@ -15,7 +15,7 @@ from fractions import Fraction
 
 import pytest
 import torch
-from _training import _config, _train
+from _training import _config, _train, _train_slices
 
 from clawcomm.launch import run_ranks
 from clawcomm.train import TrainConfig
@@ -71,6 +71,19 @@ def test_every_layout_gives_one_process_bits(one_process, dp, pp, zero, schedule
     losses, norms, params = _run(dp, pp, zero, schedule, v, accumulation)
     assert losses == one_process[0]
     assert norms == one_process[1]
+    assert _bits_differ(one_process[2], params) == []
+
+
+def test_a_checkpoint_resumed_at_another_layout_continues_bit_for_bit(one_process, tmp_path):
+    """Saved after step 2 at dp 2 ZeRO-1, resumed for step 3 at pp 2: the
+    weights of three uninterrupted steps in one process."""
+    kw = dict(micro_batch_size=2, deterministic=True)
+    first = _config(dp=2, zero=1, microbatches=MICROBATCHES // 2, steps=2, **kw)
+    run_ranks(_train_slices, 2, first, str(tmp_path), env=ENV)
+    then = _config(pp=2, microbatches=MICROBATCHES, **kw)
+    out = run_ranks(_train_slices, 2, then, None, str(tmp_path), env=ENV)
+    params = {n: t for _, p in out for n, (t, _) in p.items()}
+    assert [m["loss"] for m in out[0][0]] == one_process[0][2:]
     assert _bits_differ(one_process[2], params) == []
 
 

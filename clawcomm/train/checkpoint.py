@@ -83,6 +83,8 @@ def _layout(trainer) -> dict:
         "virtual_stages": cfg.virtual_stages,
         "cuts": list(trainer.cuts),
         "schedule": cfg.schedule,
+        # (what the reducer learned differs: the micro-batch tree marks each gradient once)
+        **({"deterministic": True} if cfg.deterministic else {}),
     }
 
 
