@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from clawcomm.pipeline.actions import RECV_F, SEND_F, F
 from clawcomm.pipeline.executor import PipelineExecutor
+from clawcomm.train import deterministic
 from clawcomm.train.metrics import MetricsSink
 
 
@@ -126,15 +127,18 @@ def evaluate(trainer, batches: Iterable) -> float:
     ex = trainer.eval_executor
     if trainer.units is not None:
         trainer.units.settle()
-    loss, items = torch.zeros(1, dtype=torch.float64), 0.0  # summed on the last stages
+    losses, items = [], 0.0  # on the last stages
     with torch.no_grad(), trainer.whole_params():
         for batch in batches:
             x, y, whole = trainer.cfg.check_batch(batch)
             for _, inputs, targets in trainer.rounds(x, y, whole):
-                loss += sum(float(v) for v in ex.run(inputs, targets).losses)
+                losses += ex.run(inputs, targets).losses
             items += float(trainer.count_fn(y) if whole else batch.items)
     if trainer.grid.tp_rank != 0:  # every TP rank of a last stage has its replica's loss
-        loss.zero_()
+        losses = []
+    if trainer.cfg.deterministic:  # summed exactly, as the step's loss
+        return deterministic.exact_totals(losses, [])[0] / items if items else float("nan")
+    loss = torch.tensor([sum(float(v) for v in losses)], dtype=torch.float64)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(loss)
     return float(loss) / items if items else float("nan")
