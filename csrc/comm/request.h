@@ -72,6 +72,16 @@ class Request {
     return error_;
   }
 
+  // isCompleted(), and if so exception() and sourceRank(), under one lock
+  // (the torch adapter's blocking calls ask all three).
+  bool completedWith(std::exception_ptr& error, int& source) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!doneHere()) return false;
+    error = error_;
+    source = source_;
+    return true;
+  }
+
   // The rank a receive from any source matched; -1 otherwise.
   int sourceRank() const {
     std::lock_guard<std::mutex> lock(mutex_);
