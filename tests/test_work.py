@@ -165,3 +165,56 @@ def test_results_reach_leaves_that_require_grad_from_the_progress_thread():
     broadcast failed so on an H100)."""
     for p, q, leaf in run_ranks(_into_leaves, 2, env={"CLAWCOMM_INLINE_BYTES": "0"}):
         assert p == [1.0] and q == [3.0] and leaf
+
+
+# --- a blocking call's Work is made finished --------------------------------
+
+
+def _blocking_work(rank, ws):
+    # async_op=False through the process group, as torch's Python API calls
+    # it: the Work comes back finished (torch/work.h's FinishedWork), its
+    # result and future the caller's tensors. A non-contiguous tensor's
+    # result is copied back before the call returns.
+    pg = dist.distributed_c10d._get_default_group()
+    opts = dist.AllreduceOptions()
+    opts.asyncOp = False
+    seen = []
+    for t in (torch.full((4,), float(rank + 1)), torch.full((4, 3), float(rank + 1)).t()):
+        work = pg.allreduce([t], opts)
+        done = (work.is_completed(), work.is_success(), work.exception() is None)
+        values = t.unique().tolist()  # before wait(): the call itself waited
+        work.wait()
+        result = [r.unique().tolist() for r in work.result()]
+        future = [r.unique().tolist() for r in work.get_future().value()]
+        seen.append((done, values, result, future))
+    return seen
+
+
+def test_a_blocking_call_returns_a_finished_work_with_its_results():
+    """A blocking CPU call has ended when it returns (inline, or waited for
+    when queued: CLAWCOMM_INLINE_BYTES=0): its Work is complete, and its
+    result and future give the caller's tensors with the sum."""
+    for env in ({}, {"CLAWCOMM_INLINE_BYTES": "0"}):
+        for seen in run_ranks(_blocking_work, 2, env=env, timeout=60):
+            assert seen == [((True, True, True), [3.0], [[3.0]], [[3.0]])] * 2, (env, seen)
+
+
+def _blocking_mismatch(rank, ws):
+    pg = dist.distributed_c10d._get_default_group()
+    opts = dist.AllreduceOptions()
+    opts.asyncOp = False
+    work = pg.allreduce([torch.ones(4 + rank)], opts)  # rank 1 passes 5 elements
+    try:
+        work.wait()
+        raised = ""
+    except Exception as e:  # noqa: BLE001 - the test reports what was raised
+        raised = str(e)
+    return work.is_completed(), work.is_success(), work.exception() is not None, raised
+
+
+def test_a_blocking_call_that_fails_reports_it_through_its_work():
+    """The error of a blocking call is its Work's: wait() raises it, naming
+    the op, and is_success() says no, as when the Work waited itself."""
+    for completed, success, has_error, raised in run_ranks(_blocking_mismatch, 2, timeout=60):
+        assert completed and not success and has_error, (completed, success, has_error)
+        assert "all_reduce" in raised, raised

@@ -15,19 +15,30 @@ std::vector<int> everyRank(int n) {
 }
 
 Channel::Channel(Messenger& messenger, const OpSignature& sig, Clock::time_point deadline,
-                 const Settings& settings, const Topology& topology, Scratch* scratch)
+                 const Settings& settings, const Topology& topology, Scratch* scratch,
+                 ChannelMemory* memory)
     : messenger_(messenger),
       sig_(sig),
       deadline_(deadline),
       settings_(settings),
       topology_(topology),
-      steps_(std::make_shared<Steps>()),
+      ownMemory_(memory ? nullptr : std::make_unique<ChannelMemory>()),
+      memory_(memory ? memory : ownMemory_.get()),
+      wholeGroup_(true),
       rank_(messenger.rank()),
       ownScratch_(scratch ? nullptr : std::make_shared<Scratch>()),
       scratch_(scratch ? scratch : ownScratch_.get()) {
-  steps_->send.assign(size_t(messenger.size()), 0);
-  steps_->recv.assign(size_t(messenger.size()), 0);
-  for (int r = 0; r < messenger.size(); ++r) members_.push_back(r);
+  const size_t n = size_t(messenger.size());
+  if (memory_->everyRank.size() != n) {  // the first operation
+    memory_->sendSteps.resize(n);
+    memory_->recvSteps.resize(n);
+    memory_->everyRank = everyRank(int(n));
+  }
+  std::fill(memory_->sendSteps.begin(), memory_->sendSteps.end(), 0);
+  std::fill(memory_->recvSteps.begin(), memory_->recvSteps.end(), 0);
+  members_ = memory_->everyRank.data();
+  size_ = int(n);
+  pending_.swap(memory_->pending);
 }
 
 Channel::Channel(Channel& parent, const std::vector<int>& members)
@@ -36,26 +47,38 @@ Channel::Channel(Channel& parent, const std::vector<int>& members)
       deadline_(parent.deadline_),
       settings_(parent.settings_),
       topology_(parent.topology_),
-      steps_(parent.steps_),
+      memory_(parent.memory_),
+      wholeGroup_(false),
       rank_(-1),
       ownScratch_(parent.ownScratch_),
       scratch_(parent.scratch_) {
   for (int m : members) {
-    if (m == parent.rank()) rank_ = int(members_.size());
-    members_.push_back(parent.globalRank(m));
+    if (m == parent.rank()) rank_ = int(viewMembers_.size());
+    viewMembers_.push_back(parent.globalRank(m));
   }
+  members_ = viewMembers_.data();
+  size_ = int(viewMembers_.size());
   CLAWCOMM_CHECK(rank_ >= 0, "rank ", parent.rank(), " is not a member of its own subgroup");
 }
 
+Channel::~Channel() {
+  if (!wholeGroup_) return;
+  // Transfers still posted (the operation failed) go now, as before; the
+  // vector's capacity goes back for the next operation.
+  pending_.clear();
+  pending_.swap(memory_->pending);
+}
+
 void Channel::send(int peer, const void* buf, size_t bytes) {
-  const int g = members_[size_t(peer)];
-  pending_.push_back(messenger_.sendCollective(g, sig_, steps_->send[size_t(g)]++, buf, bytes));
+  const int g = members_[peer];
+  pending_.push_back(
+      messenger_.sendCollective(g, sig_, memory_->sendSteps[size_t(g)]++, buf, bytes));
 }
 
 void Channel::recv(int peer, void* buf, size_t bytes) {
-  const int g = members_[size_t(peer)];
-  pending_.push_back(
-      messenger_.recvCollective(g, sig_, steps_->recv[size_t(g)]++, ReceiveSink::copy(buf), bytes));
+  const int g = members_[peer];
+  pending_.push_back(messenger_.recvCollective(g, sig_, memory_->recvSteps[size_t(g)]++,
+                                               ReceiveSink::copy(buf), bytes));
 }
 
 void Channel::recvReduce(int peer, void* buf, size_t bytes) {
@@ -63,8 +86,9 @@ void Channel::recvReduce(int peer, void* buf, size_t bytes) {
 }
 
 void Channel::recvInto(int peer, const ReceiveSink& sink, size_t bytes) {
-  const int g = members_[size_t(peer)];
-  pending_.push_back(messenger_.recvCollective(g, sig_, steps_->recv[size_t(g)]++, sink, bytes));
+  const int g = members_[peer];
+  pending_.push_back(
+      messenger_.recvCollective(g, sig_, memory_->recvSteps[size_t(g)]++, sink, bytes));
 }
 
 void Channel::copyLocal(void* dst, const void* src, size_t bytes) {

@@ -27,11 +27,25 @@ namespace clawcomm {
 // 0 .. n-1: the members of a view over a whole channel of n ranks.
 std::vector<int> everyRank(int n);
 
+// What a whole-group channel keeps from one operation to the next, so that
+// making one allocates nothing (the communicator holds one: one collective
+// runs at a time): the step counters, zeroed for each operation, the
+// group's ranks 0 .. n-1, and the list of posted transfers (empty between
+// operations, its capacity kept). A small all-reduce used to pay four
+// allocations here (issue 62).
+struct ChannelMemory {
+  std::vector<uint32_t> sendSteps, recvSteps;  // per global peer
+  std::vector<int> everyRank;
+  std::vector<TransferPtr> pending;
+};
+
 class Channel {
  public:
-  // `scratch`: the communicator's reusable buffers (null: the channel's own).
+  // `scratch`: the communicator's reusable buffers, `memory` its channel
+  // memory (null: the channel's own; neither may serve two channels at once).
   Channel(Messenger& messenger, const OpSignature& sig, Clock::time_point deadline,
-          const Settings& settings, const Topology& topology, Scratch* scratch = nullptr);
+          const Settings& settings, const Topology& topology, Scratch* scratch = nullptr,
+          ChannelMemory* memory = nullptr);
   // The view of `parent` over `members` (ranks of the parent's numbering,
   // this rank among them): member i is rank i of the view.
   // everyRank(size()) gives a view of the whole group whose posted
@@ -39,13 +53,14 @@ class Channel {
   Channel(Channel& parent, const std::vector<int>& members);
   Channel(const Channel&) = delete;
   Channel& operator=(const Channel&) = delete;
+  ~Channel();
 
   int rank() const { return rank_; }
-  int size() const { return int(members_.size()); }
+  int size() const { return size_; }
   // Where the whole group's ranks run (global rank numbers).
   const Topology& topology() const { return topology_; }
   // The whole group's number of this view's rank `r`.
-  int globalRank(int r) const { return members_[size_t(r)]; }
+  int globalRank(int r) const { return members_[r]; }
   const OpSignature& signature() const { return sig_; }
   const Settings& settings() const { return settings_; }
   size_t elementBytes() const { return elementSize(sig_.dtype); }
@@ -79,16 +94,17 @@ class Channel {
   void progress() { messenger_.progress(); }
 
  private:
-  struct Steps {
-    std::vector<uint32_t> send, recv;  // per global peer
-  };
   Messenger& messenger_;
   OpSignature sig_;
   Clock::time_point deadline_;
   const Settings& settings_;
   const Topology& topology_;
-  std::shared_ptr<Steps> steps_;
-  std::vector<int> members_;  // global rank of each member
+  std::unique_ptr<ChannelMemory> ownMemory_;  // a whole-group channel's, when given none
+  ChannelMemory* memory_;                     // the whole group's: its step counters
+  bool wholeGroup_;                           // pending_ is memory_->pending's, lent
+  std::vector<int> viewMembers_;              // a view's
+  const int* members_;                        // global rank of each member
+  int size_;
   int rank_;
   std::vector<TransferPtr> pending_;
   std::shared_ptr<Scratch> ownScratch_;  // when the communicator gave none

@@ -70,7 +70,8 @@ Communicator::Communicator(std::shared_ptr<Store> store, int rank, int size,
       size_(size),
       timeoutMs_(timeout.count()),
       settings_(std::move(settings)),
-      recorder_(settings_.recorderEntries) {
+      recorder_(settings_.recorderEntries),
+      channelMemory_(std::make_unique<ChannelMemory>()) {
   jobToken_ = conns.jobToken;
   storeNamespace_ = conns.storeNamespace;
   topology_ = Topology(conns.hostOf);
@@ -192,18 +193,34 @@ void Communicator::countExternal(OpType type, uint64_t sent, uint64_t received) 
 
 thread_local bool Communicator::Blocking::active_ = false;
 
+std::unique_ptr<Communicator::Op> Communicator::takeOpLocked() {
+  return spareOp_ ? std::move(spareOp_) : std::make_unique<Op>();
+}
+
+RequestPtr Communicator::takeRequestLocked(Callback cb) {
+  if (spareRequest_ && spareRequest_.use_count() == 1) {
+    // Its last other holder let go with a release; see its writes.
+    std::atomic_thread_fence(std::memory_order_acquire);
+    spareRequest_->reuse(std::move(cb));
+  } else {
+    spareRequest_ = std::make_shared<Request>(std::move(cb));
+  }
+  return spareRequest_;
+}
+
 RequestPtr Communicator::enqueueCollective(const OpSignature& sig, size_t bytes,
                                            std::function<void(Channel&)> run, Callback cb) {
-  auto op = std::make_unique<Op>();
-  op->sig = sig;
-  op->run = std::move(run);
-  op->request = std::make_shared<Request>(std::move(cb));
-  RequestPtr request = op->request;
   Traffic::add(messenger_->traffic().of(sig.type).calls, 1);
+  std::unique_ptr<Op> op;
+  RequestPtr request;
   bool runHere = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     CLAWCOMM_ARG_CHECK(!stopping_, opPrefix(sig.type), "the communicator is shutting down");
+    op = takeOpLocked();
+    op->sig = sig;
+    op->run = std::move(run);
+    op->request = request = takeRequestLocked(std::move(cb));
     op->sig.seq = nextSeq_++;
     op->record = recorder_.queued(op->sig, -1, bytes);
     // Small and nothing ahead of it: run it right here. The progress thread
@@ -231,8 +248,10 @@ RequestPtr Communicator::enqueueCollective(const OpSignature& sig, size_t bytes,
     return request;
   }
   runCollective(*op);
+  *op = Op();  // its closure's captures go now, on this thread
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    if (!spareOp_) spareOp_ = std::move(op);
     inlineBusy_ = false;
     inlineThread_ = std::thread::id();
     // Wake the progress thread only if work arrived meanwhile: a wake-up

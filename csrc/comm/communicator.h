@@ -41,6 +41,7 @@
 namespace clawcomm {
 
 class Channel;
+struct ChannelMemory;
 class Messenger;
 struct AllReduceAlgorithm;
 
@@ -279,6 +280,10 @@ class Communicator {
                                std::function<void(Channel&)> run, Callback cb);
   RequestPtr enqueuePointToPoint(bool isSend, void* buf, size_t bytes, int peer, uint64_t tag,
                                  Callback cb);
+  // Under mutex_: the spare op, or a new one; a request for `cb`, the spare
+  // one if nobody else holds it (see spareOp_).
+  std::unique_ptr<Op> takeOpLocked();
+  RequestPtr takeRequestLocked(Callback cb);
   // chooseAlgorithm's answer for `op` on `bytes`, remembered: the cost model
   // walks every rank of the layout, and a training loop asks for the same
   // few sizes on every step.
@@ -291,6 +296,7 @@ class Communicator {
   void progressLoop();
   // The next work under one lock: a collective, or the sends and receives
   // at the queue's head; false once stopping with nothing in flight.
+  // (`ops`: the last work's, emptied, for spareOp_.)
   bool nextWork(std::vector<std::unique_ptr<Op>>& ops, std::string& abortNow,
                 Clock::time_point& stopDeadline);
   void idleSpin(std::unique_lock<std::mutex>& lock);
@@ -315,6 +321,7 @@ class Communicator {
   std::vector<std::string> hosts_;  // each rank's host identity, for split()
   mutable std::mutex choiceMutex_;
   mutable std::map<std::pair<OpType, size_t>, Algorithm> choices_;  // guarded by it
+  mutable std::atomic<uint64_t> lastChoice_{0};  // the last of them (algorithmFor)
   std::string jobToken_;
   std::vector<int> globalRanks_;  // empty: the group ranks are the global ones
   // `text` with each "rank N" of this group as "rank G (group rank N)".
@@ -322,10 +329,17 @@ class Communicator {
   std::string storeNamespace_;
   Recorder recorder_;
   Scratch scratch_;  // the collectives' working memory (one collective runs at a time)
+  std::unique_ptr<ChannelMemory> channelMemory_;  // their channels' (the same)
 
   std::mutex mutex_;
   std::condition_variable cv_;
   std::deque<std::unique_ptr<Op>> queue_;
+  // Kept for the next collective (guarded by mutex_), so that a run of
+  // blocking calls allocates neither (issue 62): the op of the last one
+  // that finished, emptied (Op() again), and the last request made, reused
+  // once the communicator holds the only reference to it.
+  std::unique_ptr<Op> spareOp_;
+  RequestPtr spareRequest_;
   bool stopping_ = false;
   uint64_t nextSeq_ = 0;  // guarded by mutex_
   // Who drives the messenger (guarded by mutex_): the progress thread while

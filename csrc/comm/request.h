@@ -31,6 +31,20 @@ class Request {
 
   explicit Request(Callback callback) : callback_(std::move(callback)) {}
 
+  // Makes a completed request new again, for another operation with
+  // `callback`: the communicator keeps one (comm/communicator.cc), and
+  // calls this only while it holds the sole reference (no waiter, no
+  // completer), so every field is reset and nobody can see it half done.
+  void reuse(Callback callback) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    callback_ = std::move(callback);
+    done_ = false;
+    settled_ = false;
+    completer_ = std::thread::id();
+    error_ = nullptr;
+    source_ = -1;
+  }
+
   bool isCompleted() const {
     std::lock_guard<std::mutex> lock(mutex_);
     return doneHere();
@@ -58,6 +72,16 @@ class Request {
     return error_;
   }
 
+  // isCompleted(), and if so exception() and sourceRank(), under one lock
+  // (the torch adapter's blocking calls ask all three).
+  bool completedWith(std::exception_ptr& error, int& source) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!doneHere()) return false;
+    error = error_;
+    source = source_;
+    return true;
+  }
+
   // The rank a receive from any source matched; -1 otherwise.
   int sourceRank() const {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -65,17 +89,22 @@ class Request {
   }
 
   // Called once, by the engine (see the class comment).
+  // The callback is taken out to run: its captures (the caller's buffers)
+  // go once the waiters have woken, not with the request, which the
+  // communicator may keep for another operation (reuse()).
   void complete(std::exception_ptr error, int source = -1) {
+    Callback callback;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       done_ = true;
       error_ = error;
       source_ = source;
       completer_ = std::this_thread::get_id();
+      callback.swap(callback_);
     }
-    if (callback_) {
+    if (callback) {
       try {
-        callback_(error);
+        callback(error);
       } catch (...) {
         std::lock_guard<std::mutex> lock(mutex_);
         if (!error_) error_ = std::current_exception();

@@ -38,7 +38,8 @@ void Communicator::runCollective(Op& op) {
   const Clock::time_point start = Clock::now();
   recorder_.started(op.record, start);
   try {
-    Channel ch(*messenger_, op.sig, start + this->timeout(), settings_, topology_, &scratch_);
+    Channel ch(*messenger_, op.sig, start + this->timeout(), settings_, topology_, &scratch_,
+               channelMemory_.get());
     op.run(ch);
   } catch (const TimeoutError&) {
     // "clawcomm::all_reduce: timeout after 5 s: rank 0 timed out waiting
@@ -79,6 +80,10 @@ void Communicator::idleSpin(std::unique_lock<std::mutex>& lock) {
 bool Communicator::nextWork(std::vector<std::unique_ptr<Op>>& ops, std::string& abortNow,
                             Clock::time_point& stopDeadline) {
   std::unique_lock<std::mutex> lock(mutex_);
+  for (auto& op : ops) {
+    if (op && !spareOp_) spareOp_ = std::move(op);
+  }
+  ops.clear();
   if (queue_.empty() && pointToPoint_.empty()) {
     threadBusy_ = false;
     idleSpin(lock);
@@ -187,10 +192,13 @@ void Communicator::progressLoop() {
       }
     }
     if (!pointToPoint_.empty()) progressPointToPoint(started, idleSince, stopDeadline);
-    // A collective's op (its buffers, its callback's captures) goes now,
-    // not when the next work wakes this thread: held until then, the last
-    // call's tensors outlived it (the chaos soak saw its memory floor rise).
-    ops.clear();
+    // A collective's op (its buffers, its callback's captures) is emptied
+    // now, not when the next work wakes this thread: held until then, the
+    // last call's tensors outlived it (the chaos soak saw its memory floor
+    // rise). nextWork keeps the emptied op for the next collective.
+    for (auto& op : ops) {
+      if (op) *op = Op();
+    }
   }
 }
 

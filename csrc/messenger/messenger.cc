@@ -91,10 +91,28 @@ const char* Messenger::transportOf(int peer) const {
   return peers_[peer].conn ? peers_[peer].conn->kind() : "self";
 }
 
+TransferPtr Messenger::newTransfer() {
+  for (auto& t : spareTransfers_) {
+    if (t.use_count() == 1) {
+      // Its last other holder let go with a release; see its writes.
+      std::atomic_thread_fence(std::memory_order_acquire);
+      *t = Transfer();
+      return t;
+    }
+  }
+  auto t = std::make_shared<Transfer>();
+  if (spareTransfers_.size() < kSpareTransfers) {
+    spareTransfers_.push_back(t);
+  } else {
+    spareTransfers_[sparesReplaced_++ % kSpareTransfers] = t;
+  }
+  return t;
+}
+
 TransferPtr Messenger::queueSend(int peer, const FrameHeader& header, const void* src,
                                  size_t bytes) {
   CLAWCOMM_CHECK(peer >= 0 && peer < size_ && peer != rank_, "send to rank ", peer);
-  auto t = std::make_shared<Transfer>();
+  auto t = newTransfer();
   t->mode = Transfer::Mode::kSend;
   t->peer = peer;
   t->src = static_cast<const uint8_t*>(src);
@@ -125,7 +143,7 @@ TransferPtr Messenger::sendCollective(int peer, const OpSignature& sig, uint32_t
 TransferPtr Messenger::recvCollective(int peer, const OpSignature& sig, uint32_t step,
                                       const ReceiveSink& sink, size_t bytes) {
   CLAWCOMM_CHECK(peer >= 0 && peer < size_ && peer != rank_, "recv from rank ", peer);
-  auto t = std::make_shared<Transfer>();
+  auto t = newTransfer();
   t->mode = Transfer::Mode::kRecv;
   t->peer = peer;
   t->expect = sig;

@@ -204,6 +204,9 @@ class Messenger {
     size_t referenceFill = 0;
   };
 
+  // A fresh transfer for a send or receive posted by an operation: one of
+  // spareTransfers_ that nobody else holds any more, reset, or a new one.
+  TransferPtr newTransfer();
   // Queues one outgoing frame; fills the header's magic and payload size.
   TransferPtr queueSend(int peer, const FrameHeader& header, const void* src, size_t bytes);
   bool progressSend(PeerState& ps);
@@ -262,6 +265,12 @@ class Messenger {
   std::string cancelReason_;  // guarded by cancelMutex_
   Traffic traffic_;
   std::vector<uint8_t> bounce_;  // a reference's chunk on its way into a reduce or decode sink
+  // The last transfers made (up to kSpareTransfers), for newTransfer(): a
+  // small collective used to allocate one for each send and receive
+  // (issue 62). Owned by the thread driving the messenger.
+  static constexpr size_t kSpareTransfers = 8;
+  std::vector<TransferPtr> spareTransfers_;
+  size_t sparesReplaced_ = 0;  // when all are held, the next made replaces one, in turn
 };
 
 }  // namespace clawcomm

@@ -230,6 +230,7 @@ class ClawcommBackend : public c10d::Backend {
 
  private:
   static std::function<void()> copyBack(const at::Tensor& buf, const at::Tensor& target) {
+    if (buf.is_same(target)) return nullptr;  // asBuffer() gave the tensor itself
     if (buf.data_ptr() == target.data_ptr() && target.is_contiguous()) return nullptr;
     return [buf, target] { target.copy_(buf.view(target.sizes())); };
   }
@@ -273,8 +274,8 @@ class ClawcommBackend : public c10d::Backend {
   // host mirrors when they live on a GPU: the `issue` callback reads them
   // after that), `finalize` runs on success before the future completes.
   template <typename Issue>
-  c10::intrusive_ptr<c10d::Work> launch(OpType type, TensorList outputs,
-                                        std::vector<EngineBuffer> buffers,
+  c10::intrusive_ptr<c10d::Work> launch(OpType type, c10::ArrayRef<at::Tensor> outputs,
+                                        c10::ArrayRef<EngineBuffer> buffers,
                                         std::function<void()> finalize, Issue issue) {
     std::vector<c10::Device> devices;
     for (const auto& b : buffers) {
@@ -283,6 +284,10 @@ class ClawcommBackend : public c10d::Backend {
         break;
       }
     }
+    const bool profiled = at::hasCallbacks();
+    if (devices.empty() && !coalescing_ && !profiled && Communicator::Blocking::active()) {
+      return launchBlocking(type, outputs, finalize, issue);
+    }
     auto completion = std::make_shared<Completion>(devices);
     // Inline only on the CPU and outside a coalesced group: a staged CUDA
     // collective leaves the host free while it runs, as before.
@@ -290,15 +295,16 @@ class ClawcommBackend : public c10d::Backend {
                                           !coalescing_);
     if (!devices.empty()) {
       auto staging = std::make_shared<DeviceStaging>(devices[0], device_->streamFor(devices[0]));
-      for (auto& b : buffers) *b.tensor = staging->mirror(*b.tensor, b.access);
+      for (const auto& b : buffers) *b.tensor = staging->mirror(*b.tensor, b.access);
       for (const auto& t : outputs) staging->touches(t);
       staging->fetch();
       completion->staging = std::move(staging);
     }
-    completion->outputs = std::move(outputs);
+    completion->outputs = outputs.vec();
     for (const auto& b : buffers) completion->keepAlive.push_back(*b.tensor);
     completion->finalize = std::move(finalize);
-    auto work = c10::make_intrusive<ClawcommWork>(getRank(), type, completion, completion->outputs);
+    auto work = c10::make_intrusive<ClawcommWork>(getRank(), type, completion, completion->outputs,
+                                                  profiled);
     completion->profilingEnd = work->takeProfilingEnd();
     Request::Callback cb = [completion](std::exception_ptr error) {
       // Often on the progress thread, whose grad mode is its own: copies into
@@ -326,6 +332,44 @@ class ClawcommBackend : public c10d::Backend {
     }
     if (coalescing_) coalesced_.push_back(work);
     return work;
+  }
+
+  // launch() for a blocking CPU call outside a coalesced group, with no
+  // profiler: the caller waits for it before it looks at the Work, so it
+  // is waited for here (it has usually run inline already: a small one
+  // always does when nothing is queued ahead of it), and its Work is made
+  // with the outcome (FinishedWork). Nothing outlives the call but that
+  // Work: the engine's callback captures one pointer into this frame, which
+  // std::function keeps without an allocation, and the buffers stay the
+  // caller's. A small call used to allocate a Completion, two callbacks'
+  // captures and a future, and to free its tensors under the GIL when its
+  // Work went (issue 62).
+  template <typename Issue>
+  c10::intrusive_ptr<c10d::Work> launchBlocking(OpType type, c10::ArrayRef<at::Tensor> outputs,
+                                                std::function<void()>& finalize, Issue& issue) {
+    Request::Callback cb = [&finalize](std::exception_ptr error) {
+      if (error || !finalize) return;
+      // No autograd on the copies into the caller's tensors (launch() says why).
+      const at::NoGradGuard noGrad;
+      finalize();  // a throw becomes the operation's error (comm/request.h)
+    };
+    RequestPtr request;
+    try {
+      request = issue(std::move(cb));
+    } catch (...) {
+      rethrowForTorch(std::current_exception());
+    }
+    std::exception_ptr error;
+    int source = -1;
+    if (!request->completedWith(error, source)) {
+      // Queued behind other work: wait without the GIL, which that work's
+      // completions may need (torch's binding has released it already).
+      std::optional<pybind11::gil_scoped_release> nogil;
+      if (PyGILState_Check()) nogil.emplace();
+      request->waitFor(std::chrono::milliseconds(-1));
+      request->completedWith(error, source);
+    }
+    return c10::make_intrusive<FinishedWork>(getRank(), type, outputs, std::move(error), source);
   }
 
   std::shared_ptr<StoreAdapter> store_;

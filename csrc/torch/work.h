@@ -5,6 +5,7 @@
 #pragma once
 
 #include <ATen/record_function.h>
+#include <c10/util/SmallVector.h>
 
 #include <atomic>
 #include <mutex>
@@ -214,13 +215,16 @@ inline const char* profilingTitle(OpType type) {
 
 class ClawcommWork : public c10d::Work {
  public:
-  // With torch.profiler on, c10d's Work opens a span titled
-  // profilingTitle(type) here; profilingEnd() closes it when the engine is done.
-  // (Without a profiler's callbacks there is no span to open: c10d's Work
-  // would still build a RecordFunction and copy the inputs to find that out.)
+  // With torch.profiler on (`profiled`: at::hasCallbacks()), c10d's Work
+  // opens a span titled profilingTitle(type) here; profilingEnd() closes it
+  // when the engine is done. (Without a profiler's callbacks there is no
+  // span to open: c10d's Work would still build a RecordFunction and copy
+  // the inputs to find that out.)
   ClawcommWork(int rank, OpType type, std::shared_ptr<Completion> completion,
-               const TensorList& inputs)
-      : ClawcommWork(rank, type, std::move(completion), inputs, at::hasCallbacks()) {}
+               const TensorList& inputs, bool profiled)
+      : Work(rank, type, profiled ? profilingTitle(type) : nullptr,
+             profiled ? std::optional<TensorList>(inputs) : std::nullopt),
+        completion_(std::move(completion)) {}
 
   // The profiler's end-of-span callback (empty when not profiling), handed
   // to the engine's completion callback.
@@ -256,16 +260,62 @@ class ClawcommWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return completion_->future(); }
 
  private:
-  ClawcommWork(int rank, OpType type, std::shared_ptr<Completion> completion,
-               const TensorList& inputs, bool profiled)
-      : Work(rank, type, profiled ? profilingTitle(type) : nullptr,
-             profiled ? std::optional<TensorList>(inputs) : std::nullopt),
-        completion_(std::move(completion)) {}
-
   bool isDone() const { return request_->isCompleted() || completion_->done(); }
 
   std::shared_ptr<Completion> completion_;
   RequestPtr request_;
+};
+
+// A blocking CPU call's Work (async_op=False, outside a coalesced group,
+// not profiled), made once the operation has ended: the caller waited for
+// it inside the call (the engine ran it inline, or launch() waited). It
+// holds the outcome and nothing shared: no request, no Completion, and no
+// future until one is asked for. torch's Python API waits on it and drops
+// it without handing it out, and drops it without the GIL, so its outputs
+// are held weakly: dropping the last C++ reference to a tensor that has a
+// Python object takes the GIL back (c10's PyObject preservation), a fifth
+// of a small call's instructions (issue 62). result() and the future give
+// the output tensors that are still alive elsewhere (undefined ones if the
+// caller has dropped them meanwhile).
+class FinishedWork : public c10d::Work {
+ public:
+  FinishedWork(int rank, OpType type, c10::ArrayRef<at::Tensor> outputs, std::exception_ptr error,
+               int source)
+      : Work(rank, type), error_(std::move(error)), source_(source) {
+    for (const auto& t : outputs) outputs_.emplace_back(t.getIntrusivePtr());
+  }
+
+  bool isCompleted() override { return true; }
+  bool isSuccess() const override { return !error_; }
+  std::exception_ptr exception() const override { return error_; }
+  int sourceRank() const override { return source_; }
+  void synchronize() override {}
+  std::vector<at::Tensor> result() override {
+    std::vector<at::Tensor> out;
+    for (const auto& w : outputs_) {
+      auto strong = w.lock();
+      out.push_back(strong ? at::Tensor(std::move(strong)) : at::Tensor());
+    }
+    return out;
+  }
+  bool wait(std::chrono::milliseconds) override {
+    if (error_) rethrowForTorch(error_);
+    return true;
+  }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    auto future = makeFuture();
+    if (error_) {
+      future->setError(error_);
+    } else {
+      future->markCompleted(c10::IValue(result()));
+    }
+    return future;
+  }
+
+ private:
+  std::exception_ptr error_;
+  int source_;
+  c10::SmallVector<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>, 1> outputs_;
 };
 
 // Completes when every child does (coalesced point-to-point and collectives).
