@@ -391,9 +391,10 @@ def test_searched_powersgd_is_costed_by_its_factors(gpt_plan):
                                   shapes=bucket)  # fmt: skip
     assert half == pytest.approx(ar(4 * 1024) + ar(2 * 256 * 2) + ar(2 * 1024 * 2))
     preds = {}
+    fixed = dict.fromkeys(codec, 1e-5)  # (the measured codec time follows the machine's load)
     for w in ("", "powersgd:4"):
         c = plan.Candidate(4, 1, "1f1b", 1, 1, 4, 0, w)
-        preds[w] = plan.predict(c, prof, 4, slow, hosts=2, codec=codec)
+        preds[w] = plan.predict(c, prof, 4, slow, hosts=2, codec=fixed)
         plan.apply(cfg, c).check(4)
     assert preds["powersgd:4"].comm_ms < preds[""].comm_ms
     assert preds["powersgd:4"].memory_mb == pytest.approx(preds[""].memory_mb + 4 * params / 2**20)

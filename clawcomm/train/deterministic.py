@@ -20,7 +20,7 @@ Where the bits of a step come from, and what this module fixes:
 - A weight used by two layers (the GPT's embedding and output projection):
   each use's gradient has its own tree and its own reduction over the
   replicas, and the two are added last, whether the layers sit on one rank
-  (``keep_head_apart``) or on two pipeline ranks (the trainer's ties).
+  (``keep_head_apart``, ``models.Head.keep_apart``) or on two pipeline ranks (the trainer's ties).
 - The loss and the squared gradient norm: summed exactly (integers per
   binary exponent, ``exact_totals``), so no rank boundary, shard boundary or
   order of addition shows; the clip factor follows.
@@ -101,21 +101,6 @@ def enter(world_size: int) -> None:
             )
 
 
-class KeptApart(torch.autograd.Function):
-    """The identity on a weight whose gradient goes to ``sink.append``
-    instead of the weight's ``.grad``."""
-
-    @staticmethod
-    def forward(ctx, weight, sink):
-        ctx.sink = sink
-        return weight.view_as(weight)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.sink.append(grad)
-        return None, None
-
-
 def keep_head_apart(local: dict[int, nn.Module]) -> list[tuple[nn.Parameter, list]]:
     """The GPT head's projection, tied to the embedding in the same stage on
     this rank, made to leave its gradient in a list of its own (see the
@@ -127,8 +112,7 @@ def keep_head_apart(local: dict[int, nn.Module]) -> list[tuple[nn.Parameter, lis
     out = []
     for m in mods:
         if isinstance(m, Head) and id(m.proj.weight) in tokens:
-            m.apart = []
-            out.append((m.proj.weight, m.apart))
+            out.append((m.proj.weight, m.keep_apart()))
     return out
 
 

@@ -174,16 +174,34 @@ class Head(nn.Module):
         super().__init__()
         self.norm = nn.LayerNorm(dim)
         self.proj = nn.Linear(dim, vocab, bias=False)
-        # deterministic mode, the projection tied to the embedding on this
-        # rank: its gradient is left here (clawcomm.train.deterministic)
-        self.apart: list | None = None
+        self.apart: list | None = None  # see keep_apart
+
+    def keep_apart(self) -> list:
+        """From now on the projection's weight gradient is appended to the
+        list returned instead of reaching ``.grad`` (deterministic training
+        adds it to the tied embedding's last: clawcomm.train.deterministic)."""
+        self.apart = []
+        return self.apart
 
     def forward(self, x):
         if self.apart is None:
             return self.proj(self.norm(x))
-        from clawcomm.train.deterministic import KeptApart
+        return nn.functional.linear(self.norm(x), _KeptApart.apply(self.proj.weight, self.apart))
 
-        return nn.functional.linear(self.norm(x), KeptApart.apply(self.proj.weight, self.apart))
+
+class _KeptApart(torch.autograd.Function):
+    """The identity on a weight whose gradient goes to ``sink.append``
+    instead of the weight's ``.grad``."""
+
+    @staticmethod
+    def forward(ctx, weight, sink):
+        ctx.sink = sink
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.sink.append(grad)
+        return None, None
 
 
 def gpt(
