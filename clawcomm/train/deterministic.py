@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from clawcomm.pipeline.actions import B
+from clawcomm.train.models import Embedding, Head, unique_params
 
 ENV = "CLAWCOMM_DETERMINISTIC"
 
@@ -105,8 +106,6 @@ def keep_head_apart(local: dict[int, nn.Module]) -> list[tuple[nn.Parameter, lis
     """The GPT head's projection, tied to the embedding in the same stage on
     this rank, made to leave its gradient in a list of its own (see the
     module docstring); returns [(weight, that list)]."""
-    from clawcomm.train.models import Embedding, Head
-
     mods = [m for s in sorted(local) for m in local[s].modules()]
     tokens = {id(m.tokens.weight) for m in mods if isinstance(m, Embedding)}
     out = []
@@ -123,13 +122,10 @@ class MicroBatchTree:
     it, ``inner`` (ZeRO-3's parameter units) hears every action."""
 
     def __init__(self, local: dict, per_replica: int, microbatches: int, apart, inner=None):
-        self.params = {}
-        for s, mod in local.items():
-            seen: dict[int, nn.Parameter] = {}
-            for p in mod.parameters():
-                if p.requires_grad:
-                    seen.setdefault(id(p), p)
-            self.params[s] = list(seen.values())
+        self.params = {
+            s: unique_params(p for p in mod.parameters() if p.requires_grad)
+            for s, mod in local.items()
+        }
         self.apart = apart  # [(weight, list of its kept-apart gradients)]
         self.per_replica = per_replica
         self.inner = inner

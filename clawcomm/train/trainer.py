@@ -333,7 +333,7 @@ class Trainer:
         return RankSample(
             # (every TP rank of the last stage has the loss: rank 0 of them counts it)
             loss=float(sum(float(v) for v in totals.losses)) if self.grid.tp_rank == 0 else 0.0,
-            sumsq=norms.owned_sumsq(self),
+            sumsq=0.0 if self.cfg.deterministic else norms.owned_sumsq(self),  # (exact: step)
             **Traffic.fields(sent),
             busy=totals.busy, span=span, recv_wait=totals.recv_wait, dp_wait=dp_wait,
             tp_wait=tensor_comm.EXPOSED.lap(), ep_wait=expert.EXPOSED.lap(),
