@@ -278,12 +278,31 @@ RequestPtr Communicator::enqueuePointToPoint(bool isSend, void* buf, size_t byte
   op->request = std::make_shared<Request>(std::move(cb));
   RequestPtr request = op->request;
   Traffic::add(messenger_->traffic().of(op->sig.type).calls, 1);
+  bool runHere;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     CLAWCOMM_ARG_CHECK(!stopping_, opPrefix(op->sig.type), "the communicator is shutting down");
     op->record = recorder_.queued(op->sig, peer, bytes);
-    queue_.push_back(std::move(op));
-    enqueued_.fetch_add(1, std::memory_order_release);
+    // Nothing ahead of it and nobody driving: post it here, with one pass
+    // that writes its frame (or reference), and leave it to the caller's
+    // wait (drive()). Posting never blocks, so unlike an inline collective
+    // this needs no check for other groups. CLAWCOMM_INLINE_BYTES=0 keeps
+    // it on the progress thread.
+    runHere = settings_.inlineMaxBytes > 0 && queue_.empty() && !threadBusy_ && !inlineBusy_;
+    if (runHere) {
+      inlineBusy_ = true;
+      inlineThread_ = std::this_thread::get_id();
+    } else {
+      queue_.push_back(std::move(op));
+      enqueued_.fetch_add(1, std::memory_order_release);
+    }
+  }
+  if (runHere) {
+    Clock::time_point idleSince = Clock::now();
+    startPointToPoint(std::move(op));
+    if (!pointToPoint_.empty()) progressPointToPoint(true, idleSince, Clock::time_point::max());
+    releaseDrive();
+    return request;
   }
   cv_.notify_one();
   // The progress thread may be asleep in messenger_->pause(), waiting for
@@ -291,6 +310,42 @@ RequestPtr Communicator::enqueuePointToPoint(bool isSend, void* buf, size_t byte
   // now would wait for the next health check (10 ms) before it is written.
   messenger_->wake();
   return request;
+}
+
+void Communicator::drive(const Request& request, Clock::time_point until) {
+  const uint64_t queued = enqueued_.load(std::memory_order_acquire);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!queue_.empty() || threadBusy_ || inlineBusy_ || pointToPoint_.empty() ||
+        request.isCompleted()) {
+      return;
+    }
+    inlineBusy_ = true;
+    inlineThread_ = std::this_thread::get_id();
+  }
+  Clock::time_point idleSince = Clock::now();
+  // Until it is done, or until work queued meanwhile (by another thread)
+  // needs the progress thread, or an abort, which that thread handles.
+  while (!pointToPoint_.empty() && !request.isCompleted() && !failed_.load() &&
+         enqueued_.load(std::memory_order_acquire) == queued && Clock::now() < until) {
+    progressPointToPoint(false, idleSince, until);
+  }
+  releaseDrive();
+}
+
+void Communicator::releaseDrive() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  inlineBusy_ = false;
+  inlineThread_ = std::thread::id();
+  callerDrove_ = Clock::now();
+  // Under the lock, as in enqueueCollective: once it is released the
+  // communicator may be destroyed by another thread.
+  // A thread that watches (nextWork) finds the sends and receives left in
+  // flight by itself.
+  if (!queue_.empty() || stopping_ || abortRequested_ ||
+      (!pointToPoint_.empty() && !threadWatching_)) {
+    cv_.notify_one();
+  }
 }
 
 void Communicator::abort(const std::string& reason) {

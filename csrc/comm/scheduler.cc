@@ -84,15 +84,38 @@ bool Communicator::nextWork(std::vector<std::unique_ptr<Op>>& ops, std::string& 
     if (op && !spareOp_) spareOp_ = std::move(op);
   }
   ops.clear();
-  if (queue_.empty() && pointToPoint_.empty()) {
+  bool spun = false;
+  while (true) {
+    // pointToPoint_ is read only while no caller drives (inlineBusy_).
+    if (!inlineBusy_) {
+      if (stopping_ || !queue_.empty() || (abortRequested_ && !abortHandled_)) break;
+      // Its own sends and receives, or ones a caller started and has not
+      // driven for kCallerGrace (it may never wait for them).
+      if (!pointToPoint_.empty() && (threadBusy_ || Clock::now() >= callerDrove_ + kCallerGrace)) {
+        break;
+      }
+    }
     threadBusy_ = false;
-    idleSpin(lock);
-    cv_.wait(lock, [&] {
-      return !inlineBusy_ && (stopping_ || !queue_.empty() || (abortRequested_ && !abortHandled_));
-    });
+    // While callers drive their sends and receives (and for a while after
+    // the last), look at them every kCallerGrace instead of sleeping until
+    // notified: a caller then posts and finishes one without waking this
+    // thread.
+    if (Clock::now() < callerDrove_ + kCallerWatch || (!inlineBusy_ && !pointToPoint_.empty())) {
+      threadWatching_ = true;
+      cv_.wait_for(lock, kCallerGrace);
+      threadWatching_ = false;
+      continue;
+    }
+    if (!spun && !inlineBusy_) {
+      spun = true;
+      idleSpin(lock);
+      continue;
+    }
+    cv_.wait(lock);
   }
-  // Here this thread drives the messenger (no inline op can run: it waited
-  // for none, or it has point-to-point work, which keeps threadBusy_ set).
+  // Here this thread drives the messenger (no caller can: threadBusy_ stays
+  // set while it has sends or receives in flight).
+  threadBusy_ = true;
   if (abortRequested_ && !abortHandled_) {
     abortHandled_ = true;
     abortNow = abortReason_;
@@ -110,7 +133,6 @@ bool Communicator::nextWork(std::vector<std::unique_ptr<Op>>& ops, std::string& 
       ops.push_back(std::move(queue_.front()));
       queue_.pop_front();
     } while (pointToPoint && !queue_.empty() && queue_.front()->pointToPoint);
-    threadBusy_ = true;
   } else if (stopping_) {
     if (pointToPoint_.empty()) return false;
     // Give in-flight sends and receives a grace period, then fail them.

@@ -452,14 +452,22 @@ void bindEngine(py::module_& m) {
           "send",
           [](Communicator& c, py::buffer buf, int dst, uint64_t tag) {
             Buffer b = takeBytes("send", "buffer", buf, false);
-            run([&] { return c.send(b.data, b.count, dst, tag); });
+            run([&] {
+              RequestPtr sent = c.send(b.data, b.count, dst, tag);
+              c.drive(*sent);  // on this thread, which waits for it anyway
+              return sent;
+            });
           },
           py::arg("buf"), py::arg("dst"), py::arg("tag") = 0)
       .def(
           "recv",
           [](Communicator& c, py::buffer buf, int src, uint64_t tag) {
             Buffer b = takeBytes("recv", "buffer", buf, true);
-            return run([&] { return c.recv(b.data, b.count, src, tag); });
+            return run([&] {
+              RequestPtr received = c.recv(b.data, b.count, src, tag);
+              c.drive(*received);
+              return received;
+            });
           },
           py::arg("buf"), py::arg("src") = -1, py::arg("tag") = 0,
           "Returns the rank the message came from (src=-1: any rank).")
@@ -476,6 +484,9 @@ void bindEngine(py::module_& m) {
               // reach the peer while this rank's receive is being posted.
               sent = c.send(s.data, s.count, dst, tag);
               received = c.recv(r.data, r.count, src, tag);
+              // Both on this thread, which waits for them anyway.
+              c.drive(*received);
+              c.drive(*sent);
             }
             finish(sent);
             finish(received);

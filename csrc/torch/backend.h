@@ -327,6 +327,9 @@ class ClawcommBackend : public c10d::Backend {
     };
     try {
       work->attach(issue(std::move(cb)));
+      const bool pointToPoint =
+          type == OpType::SEND || type == OpType::RECV || type == OpType::RECVANYSOURCE;
+      if (pointToPoint && devices.empty()) work->drivenBy(comm_);
     } catch (...) {
       rethrowForTorch(std::current_exception());
     }

@@ -231,6 +231,9 @@ class ClawcommWork : public c10d::Work {
   std::function<void()> takeProfilingEnd() { return std::move(recordFunctionEndCallback_); }
 
   void attach(RequestPtr request) { request_ = std::move(request); }
+  // A send or receive: wait() first lets the engine drive it on the
+  // waiting thread (Communicator::drive).
+  void drivenBy(std::weak_ptr<Communicator> comm) { driver_ = std::move(comm); }
 
   // The completion is recorded inside the engine's completion callback, where
   // the request is already done (comm/request.h: its callbacks may ask, and
@@ -247,6 +250,10 @@ class ClawcommWork : public c10d::Work {
   void synchronize() override {}
 
   bool wait(std::chrono::milliseconds timeout) override {
+    if (auto comm = driver_.lock()) {
+      comm->drive(*request_,
+                  timeout == kNoTimeout ? Clock::time_point::max() : Clock::now() + timeout);
+    }
     const bool done =
         request_->waitFor(timeout == kNoTimeout ? std::chrono::milliseconds(-1) : timeout);
     if (!done) throwWaitTimedOut(timeout);
@@ -264,6 +271,7 @@ class ClawcommWork : public c10d::Work {
 
   std::shared_ptr<Completion> completion_;
   RequestPtr request_;
+  std::weak_ptr<Communicator> driver_;
 };
 
 // A blocking CPU call's Work (async_op=False, outside a coalesced group,
