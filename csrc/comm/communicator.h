@@ -366,6 +366,9 @@ class Communicator {
   bool threadBusy_ = false;
   bool inlineBusy_ = false;
   Clock::time_point callerDrove_{};
+  // Whether callers post and drive their sends and receives: not where the
+  // host runs more ranks than cores (set once, in the constructor).
+  bool callersDrive_ = true;
   static constexpr auto kCallerGrace = std::chrono::microseconds(200);
   // How long after a caller last drove the progress thread keeps looking
   // every kCallerGrace rather than sleeping until notified.

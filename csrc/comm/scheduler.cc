@@ -224,4 +224,40 @@ void Communicator::progressLoop() {
   }
 }
 
+void Communicator::drive(const Request& request, Clock::time_point until) {
+  const uint64_t queued = enqueued_.load(std::memory_order_acquire);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!callersDrive_ || !queue_.empty() || threadBusy_ || inlineBusy_ || pointToPoint_.empty() ||
+        request.isCompleted()) {
+      return;
+    }
+    inlineBusy_ = true;
+    inlineThread_ = std::this_thread::get_id();
+  }
+  Clock::time_point idleSince = Clock::now();
+  // Until it is done, or until work queued meanwhile (by another thread)
+  // needs the progress thread, or an abort, which that thread handles.
+  while (!pointToPoint_.empty() && !request.isCompleted() && !failed_.load() &&
+         enqueued_.load(std::memory_order_acquire) == queued && Clock::now() < until) {
+    progressPointToPoint(false, idleSince, until);
+  }
+  releaseDrive();
+}
+
+void Communicator::releaseDrive() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  inlineBusy_ = false;
+  inlineThread_ = std::thread::id();
+  callerDrove_ = Clock::now();
+  // Under the lock, as in enqueueCollective: once it is released the
+  // communicator may be destroyed by another thread.
+  // A thread that watches (nextWork) finds the sends and receives left in
+  // flight by itself.
+  if (!queue_.empty() || stopping_ || abortRequested_ ||
+      (!pointToPoint_.empty() && !threadWatching_)) {
+    cv_.notify_one();
+  }
+}
+
 }  // namespace clawcomm

@@ -484,8 +484,7 @@ void bindEngine(py::module_& m) {
               // reach the peer while this rank's receive is being posted.
               sent = c.send(s.data, s.count, dst, tag);
               received = c.recv(r.data, r.count, src, tag);
-              // Both on this thread, which waits for them anyway.
-              c.drive(*received);
+              c.drive(*received);  // on this thread, which waits anyway
               c.drive(*sent);
             }
             finish(sent);
