@@ -391,13 +391,17 @@ class Engine:
         """
         Calls and bytes on the wire so far, per operation: whole frames (bytes_*) and payload only (payload_bytes_*); frames_*_single_copy: those whose payload the receiver read straight from the sender's memory (CLAWCOMM_SINGLE_COPY).
         """
+    def end_estimate(self) -> float:
+        """
+        The cost model's time, in seconds, for the operations since start_estimate().
+        """
     def flight_record(self) -> str:
         """
         The last operations of this communicator, oldest first, as JSON (the flight recorder; CLAWCOMM_RECORDER_ENTRIES sizes it).
         """
     def memory_stats(self) -> dict:
         """
-        Memory this communicator holds outside torch's allocators: device_ipc_bytes, the device memory of its CUDA IPC buffers on this rank (each device's, from its first call through CUDA IPC; CLAWCOMM_CUDA_IPC_BYTES, CLAWCOMM_CUDA_GRAPH_BYTES and CLAWCOMM_CUDA_P2P_BYTES size them).
+        Memory this communicator holds outside torch's allocators: shm_ring_bytes, the shared-memory rings this rank reads, and shm_ring_resident_bytes of them in memory now; scratch_bytes, the collectives' working memory; device_ipc_bytes, the device memory of its CUDA IPC buffers on this rank (each device's, from its first call through CUDA IPC; CLAWCOMM_CUDA_IPC_BYTES, CLAWCOMM_CUDA_GRAPH_BYTES and CLAWCOMM_CUDA_P2P_BYTES size them); suspended (suspend()).
         """
     def recv(
         self,
@@ -454,6 +458,19 @@ class Engine:
         """
         The smallest payload in bytes this rank sends to `peer` by single copy, or None
         """
+    def resume(self) -> None:
+        """
+        Ends suspend(): operations run again.
+        """
+    def shrink(
+        self,
+        excluded: list[int],
+        abort: bool = False,
+        timeout: typing.SupportsFloat | typing.SupportsIndex = 0.0,
+    ) -> Engine:
+        """
+        A new engine of this one's ranks but `excluded` (which may be dead or stuck in a collective), in this one's order, connected afresh through the store: only the ranks that stay call it, each with the same list. abort=True aborts this engine first, failing what it has in flight. timeout: seconds for the setup and the new engine's operations (0: this one's).
+        """
     def split(
         self,
         color: typing.SupportsInt | typing.SupportsIndex,
@@ -462,6 +479,14 @@ class Engine:
     ) -> Engine | None:
         """
         A new engine of the ranks that pass the same color (>= 0), ordered by key (default: this rank), set up over this engine's connections: every rank of this engine calls it, in the same order among its collectives; color=-1 joins none and returns None. timeout: seconds for the setup and the new engine's operations (0: this one's).
+        """
+    def start_estimate(self) -> None:
+        """
+        Until end_estimate(), this engine's operations move nothing and touch no buffer: each completes at once and the cost model prices it (torch's _time_estimator).
+        """
+    def suspend(self) -> None:
+        """
+        Frees the shared-memory rings' pages and the working memory between phases of a job, keeping the connections: every rank calls it, with no operation in flight. Operations are refused until resume().
         """
     def transport_of(self, peer: typing.SupportsInt | typing.SupportsIndex) -> str: ...
     @property

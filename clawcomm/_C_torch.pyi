@@ -35,6 +35,10 @@ class ClawcommBackend(dist.ProcessGroup):  # a c10d::Backend at run time
         """How this rank reaches `peer`: 'shm', 'tcp' or 'self'."""
     def all_reduce_algorithm(self, nbytes: int) -> str:
         """The algorithm all_reduce of `nbytes` bytes uses ('oneshot', 'twoshot', 'ring', 'tree', 'hierarchical'; 'deterministic' under CLAWCOMM_DETERMINISTIC=1)."""
+    def _start_time_estimate(self) -> None:
+        """torch's _time_estimator: the collectives issued until _end_time_estimate() move nothing; the cost model prices them."""
+    def _end_time_estimate(self) -> float:
+        """The cost model's time for the collectives since _start_time_estimate(), in microseconds."""
     def cuda_ipc_status(self) -> dict[int, str]:
         """Per CUDA device index used so far: 'ok' where collectives go through
         CUDA IPC, else why they are staged through host memory."""

@@ -138,6 +138,19 @@ const std::vector<CollectiveAlgorithm>& collectiveAlgorithms();
 double collectiveCost(OpType op, Algorithm algo, double bytes, const Topology& topo,
                       const CostModel& model);
 
+// The cost model's prediction, in seconds, for any collective as it runs:
+// collectiveCost's where `algo` has a formula there; the 16-bit-wire ring
+// as the ring on its 2-byte elements; a deterministic reduction as the
+// layout's reduce-scatter, then its all-gather (all-reduce) or a gather at
+// the root (reduce); gather and scatter as the root exchanging each piece
+// in turn; the barrier as ceil(log2 n) empty messages. `bytes` as for
+// collectiveCost (gather and scatter: all the pieces).
+double operationCost(OpType op, Algorithm algo, double bytes, const Topology& topo,
+                     const CostModel& model);
+// One message of `bytes` from rank `from` to rank `to`.
+double pointToPointCost(int from, int to, double bytes, const Topology& topo,
+                        const CostModel& model);
+
 // `op`'s algorithm for `bytes` over `topo`: under CLAWCOMM_DETERMINISTIC=1
 // the deterministic one for a reduction (all-reduce, reduce-scatter,
 // reduce), whatever CLAWCOMM_ALGO says; else the one CLAWCOMM_ALGO names for

@@ -47,6 +47,7 @@
 //                   (one alpha per step, however many messages share it)
 //                   does not price, so it never comes out cheaper
 #include <algorithm>
+#include <cmath>
 #include <limits>
 
 #include "algorithms/algorithms.h"
@@ -411,6 +412,45 @@ double allReduceCost(Algorithm algo, double bytes, const Topology& topo, const C
     case Algorithm::kTwoShot: return twoShotCost(bytes, topo, model);
     default: return kNever;
   }
+}
+
+double operationCost(OpType op, Algorithm algo, double bytes, const Topology& topo,
+                     const CostModel& model) {
+  const int n = topo.size();
+  if (n <= 1) return 0;
+  switch (algo) {
+    case Algorithm::kRing16BitWire:
+      // The ring's, on the 2-byte elements it sends.
+      return op == OpType::kAllReduce ? ringCost(bytes, topo, model)
+                                      : reduceScatterCost(Algorithm::kRing, bytes, topo, model);
+    case Algorithm::kDeterministic: {
+      // Each chunk's owner takes every rank's chunk (the layout's
+      // reduce-scatter), then the all-reduce gathers the sums back; the
+      // reduce gathers them at the root.
+      const double scatter = reduceScatterCost(layoutAlgorithm(topo), bytes, topo, model);
+      if (op == OpType::kReduceScatter) return scatter;
+      if (op == OpType::kReduce) return scatter + rootCost(topo, model, bytes / n);
+      return scatter + allGatherCost(layoutAlgorithm(topo), bytes, topo, model);
+    }
+    default: break;
+  }
+  switch (op) {
+    case OpType::kGather:
+    case OpType::kScatter:
+      // The root exchanges each rank's piece with it in turn.
+      return rootCost(topo, model, bytes / n);
+    case OpType::kBarrier: {
+      // The dissemination barrier: ceil(log2 n) rounds of empty messages.
+      const double alpha = topo.hosts() > 1 ? model.netAlpha : model.shmAlpha;
+      return std::ceil(std::log2(double(n))) * alpha;
+    }
+    default: return collectiveCost(op, algo, bytes, topo, model);
+  }
+}
+
+double pointToPointCost(int from, int to, double bytes, const Topology& topo,
+                        const CostModel& model) {
+  return linkCost(topo, model, from, to, bytes);
 }
 
 }  // namespace clawcomm

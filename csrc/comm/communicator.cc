@@ -213,6 +213,11 @@ RequestPtr Communicator::takeRequestLocked(Callback cb) {
 
 RequestPtr Communicator::enqueueCollective(const OpSignature& sig, size_t bytes,
                                            std::function<void(Channel&)> run, Callback cb) {
+  if (estimating_.load(std::memory_order_acquire)) {
+    return estimateOnly(
+        operationCost(sig.type, sig.algo, double(bytes), topology_, settings_.costModel),
+        std::move(cb));
+  }
   Traffic::add(messenger_->traffic().of(sig.type).calls, 1);
   std::unique_ptr<Op> op;
   RequestPtr request;
@@ -220,6 +225,8 @@ RequestPtr Communicator::enqueueCollective(const OpSignature& sig, size_t bytes,
   {
     std::lock_guard<std::mutex> lock(mutex_);
     CLAWCOMM_ARG_CHECK(!stopping_, opPrefix(sig.type), "the communicator is shutting down");
+    CLAWCOMM_ARG_CHECK(!suspended_, opPrefix(sig.type),
+                       "the group is suspended; every rank calls resume() first");
     op = takeOpLocked();
     op->sig = sig;
     op->run = std::move(run);
@@ -270,6 +277,11 @@ RequestPtr Communicator::enqueueCollective(const OpSignature& sig, size_t bytes,
 
 RequestPtr Communicator::enqueuePointToPoint(bool isSend, void* buf, size_t bytes, int peer,
                                              uint64_t tag, Callback cb) {
+  if (estimating_.load(std::memory_order_acquire)) {
+    return estimateOnly(pointToPointCost(isSend ? rank_ : farthestFrom(peer), isSend ? peer : rank_,
+                                         double(bytes), topology_, settings_.costModel),
+                        std::move(cb));
+  }
   auto op = std::make_unique<Op>();
   op->sig.type = isSend ? OpType::kSend : OpType::kRecv;
   op->pointToPoint = true;
@@ -285,6 +297,8 @@ RequestPtr Communicator::enqueuePointToPoint(bool isSend, void* buf, size_t byte
   {
     std::lock_guard<std::mutex> lock(mutex_);
     CLAWCOMM_ARG_CHECK(!stopping_, opPrefix(op->sig.type), "the communicator is shutting down");
+    CLAWCOMM_ARG_CHECK(!suspended_, opPrefix(op->sig.type),
+                       "the group is suspended; every rank calls resume() first");
     op->record = recorder_.queued(op->sig, peer, bytes);
     // Nothing ahead of it and nobody driving: post it here, with one pass
     // that writes its frame (or reference), and leave it to the caller's
@@ -382,6 +396,8 @@ uint64_t Communicator::beginExternal(OpSignature& sig, uint64_t bytes, int peer)
   Traffic::add(messenger_->traffic().of(sig.type).calls, 1);
   std::lock_guard<std::mutex> lock(mutex_);
   CLAWCOMM_ARG_CHECK(!stopping_, opPrefix(sig.type), "the communicator is shutting down");
+  CLAWCOMM_ARG_CHECK(!suspended_, opPrefix(sig.type),
+                     "the group is suspended; every rank calls resume() first");
   if (!failure_.empty()) {
     throw PeerError(CLAWCOMM_CONCAT(
         opPrefix(sig.type), "the communicator was aborted by an earlier error: ", failure_));

@@ -103,6 +103,62 @@ class Communicator {
   std::shared_ptr<Communicator> split(int color, int key, SplitOptions options);
   std::shared_ptr<Communicator> split(int color, int key) { return split(color, key, {}); }
 
+  // How a group shrinks (shrink()).
+  struct ShrinkOptions {
+    // Abort this group first (torch's SHRINK_ABORT): what it has in flight
+    // fails at once, on every rank, instead of waiting on an excluded rank.
+    bool abortFirst = false;
+    // For the new group's setup and its operations; zero: this group's.
+    std::chrono::milliseconds timeout{0};
+    // Where the new group's later setups key; null: this group's store.
+    std::shared_ptr<Store> store;
+  };
+
+  // A group of this one's ranks but `excluded`, which may be dead or stuck
+  // in a collective (torch's shrink_group, ncclCommShrink). Only the ranks
+  // that stay call it, each with the same ranks to exclude, in the same
+  // order among their shrinks; they keep this group's order. It connects
+  // them afresh through the store, with this group's hosts, settings and
+  // global ranks, and never waits on this group's connections
+  // (comm/shrink.cc says why). This group is left as it is, aborted first
+  // with options.abortFirst; without it, what it has in flight still waits
+  // on the excluded ranks. Blocks until every member has connected; fails
+  // on every member, naming the rank, if one does not come.
+  std::shared_ptr<Communicator> shrink(const std::vector<int>& excluded, ShrinkOptions options);
+
+  // Time estimates (torch's _time_estimator, NCCL's simulated groups):
+  // between startEstimate() and endEstimate() this communicator's operations
+  // move nothing and touch no buffer. Each is checked as usual, then
+  // completes at once, adding the cost model's prediction for it: the
+  // algorithm it would have run over this group's links
+  // (algorithms.h: operationCost, pointToPointCost), with the numbers
+  // CLAWCOMM_COST_MODEL calibrated if it is set. No sequence number is
+  // taken, so the ranks need not estimate the same operations.
+  // endEstimate() returns the sum, in seconds.
+  void startEstimate();
+  double endEstimate();
+  bool estimating() const { return estimating_.load(std::memory_order_acquire); }
+
+  // What this communicator holds in memory (torch's memory_stats): the
+  // shared-memory rings this rank reads (their size, and how much of it is
+  // in memory now), the collectives' working memory, and its CUDA IPC
+  // buffers (deviceBytes()).
+  struct MemoryStats {
+    size_t ringBytes = 0;
+    size_t ringResidentBytes = 0;
+    size_t scratchBytes = 0;
+    int64_t deviceIpcBytes = 0;
+    bool suspended = false;
+  };
+  MemoryStats memoryStats() const;
+  // Between phases of a job (torch's suspend and resume): suspend() frees
+  // the rings' pages and the working memory, keeping every mapping and
+  // connection. Every rank of the group calls it, with no operation in
+  // flight; it blocks until all have (comm/suspend.cc says why). Until
+  // resume() (local: nothing to set up again) every operation is refused.
+  void suspend();
+  void resume();
+
   // Calls shutdown(); on the progress thread it would have to join itself,
   // so there it reports the misuse and ends the process (use create()).
   ~Communicator();
@@ -292,6 +348,10 @@ class Communicator {
                                std::function<void(Channel&)> run, Callback cb);
   RequestPtr enqueuePointToPoint(bool isSend, void* buf, size_t bytes, int peer, uint64_t tag,
                                  Callback cb);
+  // An operation issued while estimating: adds `seconds` and completes.
+  RequestPtr estimateOnly(double seconds, Callback cb);
+  // `peer`, or for a receive from any rank (-1) the one it is priced from.
+  int farthestFrom(int peer) const;
   // Under mutex_: the spare op, or a new one; a request for `cb`, the spare
   // one if nobody else holds it (see spareOp_).
   std::unique_ptr<Op> takeOpLocked();
@@ -345,7 +405,7 @@ class Communicator {
   Scratch scratch_;  // the collectives' working memory (one collective runs at a time)
   std::unique_ptr<ChannelMemory> channelMemory_;  // their channels' (the same)
 
-  std::mutex mutex_;
+  mutable std::mutex mutex_;
   std::condition_variable cv_;
   std::deque<std::unique_ptr<Op>> queue_;
   // Kept for the next collective (guarded by mutex_), so that a run of
@@ -384,8 +444,12 @@ class Communicator {
   std::string failure_;              // guarded by mutex_: abortReason_ or the first failure
   std::atomic<bool> failed_{false};  // !failure_.empty()
   std::atomic<int64_t> deviceBytes_{0};
-  uint64_t setups_ = 0;  // guarded by mutex_: setupNamespace() calls so far
-  uint64_t splits_ = 0;  // guarded by mutex_: split() calls so far
+  uint64_t setups_ = 0;                  // guarded by mutex_: setupNamespace() calls so far
+  uint64_t splits_ = 0;                  // guarded by mutex_: split() calls so far
+  uint64_t shrinks_ = 0;                 // guarded by mutex_: shrink() calls so far
+  std::atomic<bool> estimating_{false};  // between startEstimate() and endEstimate()
+  double estimated_ = 0;                 // guarded by mutex_: their sum so far, in seconds
+  bool suspended_ = false;               // guarded by mutex_: between suspend() and resume()
 
   std::mutex listenersMutex_;  // held while listeners run
   std::map<int, std::function<void(const std::string&)>> listeners_;

@@ -36,6 +36,38 @@ Algorithm Communicator::algorithmFor(OpType op, size_t bytes) const {
   return algo;
 }
 
+void Communicator::startEstimate() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  estimated_ = 0;
+  estimating_.store(true, std::memory_order_release);
+}
+
+double Communicator::endEstimate() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  CLAWCOMM_ARG_CHECK(estimating_.load(), "clawcomm: endEstimate without startEstimate");
+  estimating_.store(false, std::memory_order_release);
+  return estimated_;
+}
+
+RequestPtr Communicator::estimateOnly(double seconds, Callback cb) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    estimated_ += seconds;
+  }
+  auto request = std::make_shared<Request>(std::move(cb));
+  request->complete(nullptr);
+  return request;
+}
+
+int Communicator::farthestFrom(int peer) const {
+  if (peer >= 0) return peer;
+  // A receive from any rank: priced as from one on another host, if any.
+  for (int p = 0; p < size_; ++p) {
+    if (topology_.hostOf(p) != topology_.hostOf(rank_)) return p;
+  }
+  return size_ > 1 ? (rank_ + 1) % size_ : rank_;
+}
+
 std::string Communicator::allReduceAlgorithm(size_t bytes) const {
   return algorithmName(algorithmFor(OpType::kAllReduce, bytes));
 }

@@ -223,7 +223,40 @@ Connections connectAll(Store& store, const std::string& ns, int rank, int size,
   return out;
 }
 
+// Posts `why` in place of every key this rank had yet to set: `keys`, its
+// addresses and its "connected" word (`published` holds those it set).
+void postFailure(Store& store, const std::string& ns, int rank, std::vector<std::string> keys,
+                 const std::vector<std::string>& published, const std::string& why) {
+  keys.push_back("connected/" + std::to_string(rank));
+  for (const auto& t : transportRegistry()) {
+    keys.push_back(CLAWCOMM_CONCAT("addr/", t.name, "/", rank));
+  }
+  for (const auto& key : keys) {
+    if (std::find(published.begin(), published.end(), key) != published.end()) continue;
+    try {
+      store.set(ns + key, bytesOf(kSetupFailed + why));
+    } catch (...) {  // the store is gone too: the others time out instead
+      return;
+    }
+  }
+}
+
 }  // namespace
+
+std::vector<std::unique_ptr<Connection>> connectThroughStore(Store& store, const std::string& ns,
+                                                             const GroupPlan& plan,
+                                                             const Settings& settings,
+                                                             Clock::time_point deadline) {
+  std::vector<std::string> published;
+  try {
+    StoreBoard board(store, ns, plan.rank, deadline, published);
+    StoreExchange exchange(board, plan.rank, plan.size);
+    return connectPeers(plan, settings, exchange, deadline);
+  } catch (const std::exception& e) {
+    postFailure(store, ns, plan.rank, {}, published, e.what());
+    throw;
+  }
+}
 
 std::string tokenHex(uint64_t token) {
   char hex[17];
@@ -362,22 +395,9 @@ Connections rendezvous(Store& store, int rank, int size, const Settings& setting
   try {
     return connectAll(store, ns, rank, size, settings, deadline, published);
   } catch (const std::exception& e) {
-    // Post the failure in place of every key this rank had yet to set.
-    std::vector<std::string> keys = {"host/" + std::to_string(rank),
-                                     "connected/" + std::to_string(rank)};
+    std::vector<std::string> keys = {"host/" + std::to_string(rank)};
     if (rank == 0) keys.push_back("token");
-    for (const auto& t : transportRegistry()) {
-      keys.push_back(CLAWCOMM_CONCAT("addr/", t.name, "/", rank));
-    }
-    const std::string why = kSetupFailed + e.what();
-    for (const auto& key : keys) {
-      if (std::find(published.begin(), published.end(), key) != published.end()) continue;
-      try {
-        store.set(ns + key, bytesOf(why));
-      } catch (...) {  // the store is gone too: the others time out instead
-        break;
-      }
-    }
+    postFailure(store, ns, rank, std::move(keys), published, e.what());
     // A rank that timed out waiting closes the generation: by now everybody
     // who will come has. One that failed on its own does not, since its
     // peers may still be on their way to read its notice.

@@ -75,6 +75,15 @@ std::vector<std::unique_ptr<Connection>> connectPeers(const GroupPlan& plan,
                                                       SetupExchange& exchange,
                                                       Clock::time_point deadline);
 
+// Connects the ranks of `plan`, whose members, hosts and token are known
+// already (a shrunk group's: Communicator::shrink), through the store's
+// keys under `ns`. On failure this rank posts why in place of each key it
+// had yet to set, so that the ranks waiting on it fail at once, naming it.
+std::vector<std::unique_ptr<Connection>> connectThroughStore(Store& store, const std::string& ns,
+                                                             const GroupPlan& plan,
+                                                             const Settings& settings,
+                                                             Clock::time_point deadline);
+
 // Connects this rank to every other through the transport registry
 // (transport/registry.h).
 Connections rendezvous(Store& store, int rank, int size, const Settings& settings,

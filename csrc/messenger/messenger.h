@@ -134,6 +134,13 @@ class Messenger {
   const char* transportOf(int peer) const;
   // The smallest frame payload sent to `peer` by reference (SIZE_MAX: none).
   size_t singleCopyFrom(int peer) const { return peers_[peer].conn->referenceMinBytes(); }
+  // The incoming rings of this rank's connections (Connection::ringBytes):
+  // their size and how much of it is in memory now. Any thread.
+  size_t ringBytes() const;
+  size_t ringResidentBytes() const;
+  // Gives their pages back (Communicator::suspend): only while no byte is
+  // in flight to this rank.
+  void releaseRings();
 
   TransferPtr sendCollective(int peer, const OpSignature& sig, uint32_t step, const void* src,
                              size_t bytes);

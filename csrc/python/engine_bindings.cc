@@ -269,6 +269,30 @@ void bindEngine(py::module_& m) {
           "this rank), set up over this engine's connections: every rank of this engine calls "
           "it, in the same order among its collectives; color=-1 joins none and returns None. "
           "timeout: seconds for the setup and the new engine's operations (0: this one's).")
+      .def("start_estimate", &Communicator::startEstimate,
+           "Until end_estimate(), this engine's operations move nothing and touch no buffer: "
+           "each completes at once and the cost model prices it (torch's _time_estimator).")
+      .def("end_estimate", &Communicator::endEstimate,
+           "The cost model's time, in seconds, for the operations since start_estimate().")
+      .def(
+          "shrink",
+          [](Communicator& c, std::vector<int> excluded, bool abortFirst, double timeoutSeconds) {
+            Communicator::ShrinkOptions options;
+            options.abortFirst = abortFirst;
+            options.timeout = std::chrono::milliseconds(int64_t(timeoutSeconds * 1000));
+            std::shared_ptr<Communicator> child;
+            {
+              py::gil_scoped_release release;
+              child = c.shrink(excluded, options);
+            }
+            return heldWithoutGil(child);
+          },
+          py::arg("excluded"), py::arg("abort") = false, py::arg("timeout") = 0.0,
+          "A new engine of this one's ranks but `excluded` (which may be dead or stuck in a "
+          "collective), in this one's order, connected afresh through the store: only the ranks "
+          "that stay call it, each with the same list. abort=True aborts this engine first, "
+          "failing what it has in flight. timeout: seconds for the setup and the new engine's "
+          "operations (0: this one's).")
       .def(
           "flight_record", [](const Communicator& c) { return c.flightRecord(); },
           "The last operations of this communicator, oldest first, as JSON (the flight "
@@ -306,14 +330,26 @@ void bindEngine(py::module_& m) {
       .def(
           "memory_stats",
           [](const Communicator& c) {
+            const Communicator::MemoryStats m = c.memoryStats();
             py::dict out;
-            out["device_ipc_bytes"] = c.deviceBytes();
+            out["shm_ring_bytes"] = m.ringBytes;
+            out["shm_ring_resident_bytes"] = m.ringResidentBytes;
+            out["scratch_bytes"] = m.scratchBytes;
+            out["device_ipc_bytes"] = m.deviceIpcBytes;
+            out["suspended"] = m.suspended;
             return out;
           },
-          "Memory this communicator holds outside torch's allocators: device_ipc_bytes, the "
-          "device memory of its CUDA IPC buffers on this rank (each device's, from its first "
-          "call through CUDA IPC; CLAWCOMM_CUDA_IPC_BYTES, CLAWCOMM_CUDA_GRAPH_BYTES and "
-          "CLAWCOMM_CUDA_P2P_BYTES size them).")
+          "Memory this communicator holds outside torch's allocators: shm_ring_bytes, the "
+          "shared-memory rings this rank reads, and shm_ring_resident_bytes of them in memory "
+          "now; scratch_bytes, the collectives' working memory; device_ipc_bytes, the device "
+          "memory of its CUDA IPC buffers on this rank (each device's, from its first call "
+          "through CUDA IPC; CLAWCOMM_CUDA_IPC_BYTES, CLAWCOMM_CUDA_GRAPH_BYTES and "
+          "CLAWCOMM_CUDA_P2P_BYTES size them); suspended (suspend()).")
+      .def("suspend", &Communicator::suspend, py::call_guard<py::gil_scoped_release>(),
+           "Frees the shared-memory rings' pages and the working memory between phases of a "
+           "job, keeping the connections: every rank calls it, with no operation in flight. "
+           "Operations are refused until resume().")
+      .def("resume", &Communicator::resume, "Ends suspend(): operations run again.")
       .def(
           "all_reduce",
           [](Communicator& c, py::buffer buf, Op op, py::object dtype) {

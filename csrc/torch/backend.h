@@ -125,6 +125,76 @@ class ClawcommBackend : public c10d::Backend {
     if (!child) return nullptr;
     return c10::make_intrusive<ClawcommBackend>(std::move(childStore), std::move(child));
   }
+  // torch's shrink_group: only the ranks that stay call it, each with the
+  // same ranks to exclude, which may be dead or stuck in a collective;
+  // SHRINK_ABORT (1) aborts this group first, failing what it has in
+  // flight. The new group connects afresh through the store
+  // (Communicator::shrink); torch then destroys this one. `opts` may set
+  // the new group's timeout; it keeps this one's settings otherwise.
+  bool supportsShrinking() const override { return true; }
+  c10::intrusive_ptr<c10d::Backend> shrink(const std::vector<int64_t>& ranksToExclude,
+                                           int shrinkFlags,
+                                           const c10::intrusive_ptr<Options>& opts) override {
+    constexpr int kShrinkAbort = 0x01;  // torch.distributed.SHRINK_ABORT
+    std::shared_ptr<Communicator> child;
+    try {
+      if (shrinkFlags & ~kShrinkAbort) {
+        throw InvalidArgument(CLAWCOMM_CONCAT("clawcomm: shrink: unknown shrink_flags ",
+                                              shrinkFlags,
+                                              " (SHRINK_DEFAULT 0 or SHRINK_ABORT 1)"));
+      }
+      Communicator::ShrinkOptions options;
+      options.abortFirst = (shrinkFlags & kShrinkAbort) != 0;
+      if (opts) options.timeout = opts->timeout;
+      const std::vector<int> excluded(ranksToExclude.begin(), ranksToExclude.end());
+      // It blocks on the other survivors: without the GIL.
+      std::optional<pybind11::gil_scoped_release> nogil;
+      if (PyGILState_Check()) nogil.emplace();
+      child = comm_->shrink(excluded, options);
+    } catch (...) {
+      rethrowForTorch(std::current_exception());
+    }
+    return c10::make_intrusive<ClawcommBackend>(store_, std::move(child));
+  }
+  // torch's memory_stats, suspend and resume (Communicator::memoryStats,
+  // suspend: every rank suspends, with nothing in flight; the CUDA IPC
+  // buffers stay).
+  std::unordered_map<std::string, uint64_t> getMemoryStats() override {
+    const Communicator::MemoryStats m = comm_->memoryStats();
+    return {{"shm_ring_bytes", m.ringBytes},
+            {"shm_ring_resident_bytes", m.ringResidentBytes},
+            {"scratch_bytes", m.scratchBytes},
+            {"device_ipc_bytes", uint64_t(m.deviceIpcBytes)},
+            {"suspended", m.suspended ? 1 : 0}};
+  }
+  void suspend() override {
+    try {
+      std::optional<pybind11::gil_scoped_release> nogil;
+      if (PyGILState_Check()) nogil.emplace();
+      comm_->suspend();
+    } catch (...) {
+      rethrowForTorch(std::current_exception());
+    }
+  }
+  void resume() override {
+    try {
+      comm_->resume();
+    } catch (...) {
+      rethrowForTorch(std::current_exception());
+    }
+  }
+  // torch's _time_estimator: between the two calls the group's collectives
+  // and sends move nothing; the second returns the cost model's time for
+  // them, in microseconds (as NCCL's simulated groups give it).
+  bool supportsTimeEstimation() const override { return true; }
+  void startTimeEstimate() { comm_->startEstimate(); }
+  float endTimeEstimate() {
+    try {
+      return float(comm_->endEstimate() * 1e6);
+    } catch (...) {
+      rethrowForTorch(std::current_exception());
+    }
+  }
   // What split_group copies when it is given no options: the name, the
   // timeout and the progress thread's nice value.
   c10::intrusive_ptr<Options> getBackendOptions() override {
@@ -283,6 +353,12 @@ class ClawcommBackend : public c10d::Backend {
         devices = {b.tensor->device()};
         break;
       }
+    }
+    if (comm_->estimating()) {
+      // torch's _time_estimator: the engine prices the call, moves nothing
+      // and completes it; no staging, and nothing is written back.
+      std::function<void()> none;
+      return launchBlocking(type, outputs, none, issue);
     }
     const bool profiled = at::hasCallbacks();
     if (devices.empty() && !coalescing_ && !profiled && Communicator::Blocking::active()) {

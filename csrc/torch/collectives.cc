@@ -40,6 +40,13 @@ c10::intrusive_ptr<c10d::Work> ClawcommBackend::allreduceSparse(
   const int64_t n = getSize(), sparseDim = in.sparse_dim(), nnz = in._nnz();
   int64_t perValue = 1;
   for (int64_t d = sparseDim; d < in.dim(); ++d) perValue *= in.size(d);
+  if (comm_->estimating()) {
+    // Priced as the values' all-gather, as if every rank had as many pairs:
+    // the other ranks' counts are not exchanged while nothing moves.
+    const std::vector<size_t> counts(size_t(n), size_t(nnz * perValue));
+    return launch(OpType::ALLREDUCE, {t}, {}, nullptr,
+                  [&](auto cb) { return comm_->allGather(nullptr, nullptr, counts, dt, cb); });
+  }
 
   // 1. Pair counts, and the shape, which must be the same everywhere.
   at::Tensor meta = at::empty({2 + in.dim()}, at::kLong);

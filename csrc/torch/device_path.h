@@ -244,7 +244,8 @@ class DevicePath {
   Route route(const at::Tensor& t, OpType type, size_t bytesPerRank, bool async,
               std::optional<c10::Stream> own = {}) {
     Route r;
-    if (!t.is_cuda() || !cuda::built()) return r;
+    // Estimating (torch's _time_estimator): nothing moves, not even here.
+    if (!t.is_cuda() || !cuda::built() || comm_->estimating()) return r;
     r.caller = c10::impl::VirtualGuardImpl(t.device().type()).getStream(t.device());
     const int index = t.device().index();
     auto it = devices_.find(index);

@@ -52,6 +52,12 @@ PYBIND11_MODULE(_C_torch, m) {
           py::arg("nbytes"),
           "The algorithm all_reduce of `nbytes` bytes uses ('oneshot', 'twoshot', 'ring', "
           "'tree', 'hierarchical'; 'deterministic' under CLAWCOMM_DETERMINISTIC=1).")
+      .def("_start_time_estimate", &ClawcommBackend::startTimeEstimate,
+           "torch's _time_estimator: the collectives issued until _end_time_estimate() move "
+           "nothing; the cost model prices them.")
+      .def("_end_time_estimate", &ClawcommBackend::endTimeEstimate,
+           "The cost model's time for the collectives since _start_time_estimate(), in "
+           "microseconds.")
       .def("cuda_ipc_status", &ClawcommBackend::cudaIpcStatus,
            "Per CUDA device index used so far: 'ok' where collectives go through CUDA IPC, "
            "else why they are staged through host memory.")

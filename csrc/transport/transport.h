@@ -56,6 +56,16 @@ class Connection {
   // Clean shutdown: tells the peer no more bytes follow.
   virtual void close() = 0;
 
+  // The memory that holds this connection's incoming bytes, where the
+  // transport keeps it itself (a shared-memory ring; a socket's buffers are
+  // the kernel's: 0), and how much of it is in memory now.
+  virtual size_t ringBytes() const { return 0; }
+  virtual size_t ringResidentBytes() const { return 0; }
+  // Gives the incoming ring's pages back to the system (Communicator::
+  // suspend); they come back, zeroed, when next written. Only while nothing
+  // is in the ring and nobody writes to it.
+  virtual void releaseRing() {}
+
   // A file descriptor to poll for readability, or -1 (shared memory); it
   // may change as bytes move (a striped stream reads its sockets in turn).
   virtual int pollFd() const { return -1; }
