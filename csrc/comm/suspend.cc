@@ -13,6 +13,9 @@
 //   3. every rank says so through the store, not the rings (a frame there
 //      could land in a ring a slower rank is freeing), and waits for all.
 // Between suspend() and resume() every operation is refused, naming why.
+// resume() takes the rings' pages back at once, as the segment's creation
+// reserved them (posix_fallocate): a /dev/shm that filled meanwhile is an
+// error there, not a SIGBUS at a later write.
 #include <thread>
 
 #include "comm/communicator.h"
@@ -67,8 +70,14 @@ void Communicator::suspend() {
 }
 
 void Communicator::resume() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    CLAWCOMM_ARG_CHECK(suspended_, "clawcomm: resume: the group is not suspended");
+  }
+  // The rings' pages again, reserved as at creation (a peer that resumed
+  // first may be writing into them: taking a page keeps what is in it).
+  messenger_->reserveRings();
   std::lock_guard<std::mutex> lock(mutex_);
-  CLAWCOMM_ARG_CHECK(suspended_, "clawcomm: resume: the group is not suspended");
   suspended_ = false;
 }
 

@@ -105,6 +105,12 @@ void Messenger::releaseRings() {
   }
 }
 
+void Messenger::reserveRings() {
+  for (PeerState& p : peers_) {
+    if (p.conn) p.conn->reserveRing();
+  }
+}
+
 const char* Messenger::transportOf(int peer) const {
   return peers_[peer].conn ? peers_[peer].conn->kind() : "self";
 }

@@ -141,6 +141,7 @@ class Messenger {
   // Gives their pages back (Communicator::suspend): only while no byte is
   // in flight to this rank.
   void releaseRings();
+  void reserveRings();  // Connection::reserveRing
 
   TransferPtr sendCollective(int peer, const OpSignature& sig, uint32_t step, const void* src,
                              size_t bytes);

@@ -65,6 +65,10 @@ class Connection {
   // suspend); they come back, zeroed, when next written. Only while nothing
   // is in the ring and nobody writes to it.
   virtual void releaseRing() {}
+  // Takes the ring's pages again (Communicator::resume), as the segment's
+  // creation reserved them: a /dev/shm filled meanwhile fails here, with
+  // the reason, instead of a SIGBUS at the next write. Throws Error.
+  virtual void reserveRing() {}
 
   // A file descriptor to poll for readability, or -1 (shared memory); it
   // may change as bytes move (a striped stream reads its sockets in turn).

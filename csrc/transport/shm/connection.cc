@@ -278,6 +278,18 @@ class ShmConnection : public Connection {
     const auto [start, length] = wholePages();
     if (length > 0) madvise(start, length, MADV_REMOVE);
   }
+  void reserveRing() override {
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23  // Linux 5.14
+#endif
+    const auto [start, length] = wholePages();
+    if (length == 0 || madvise(start, length, MADV_POPULATE_WRITE) == 0) return;
+    // EINVAL: a kernel without it; the pages then come back when written.
+    if (errno == EINVAL) return;
+    throw Error(CLAWCOMM_CONCAT("clawcomm shm: cannot take back the ", length,
+                                " bytes of the ring from rank ", peer_, ": ", std::strerror(errno),
+                                " (is /dev/shm full?)"));
+  }
 
   void checkPeer(bool waitingOnIt) override {
     if (in_->producerState.load(std::memory_order_acquire) == kAborted) {
