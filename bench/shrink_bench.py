@@ -18,7 +18,8 @@ ready when its last member is). The figure is the median over the trials,
 with the range. ``--mode dead`` kills the victim (SIGKILL) before the
 survivors shrink; a dead rank cannot take part in the next trial, so each
 dead trial is a run of its own, and the re-create time of the alive mode
-is the comparison.
+is the comparison. ``--mode engine`` times the engine's own ``Engine.shrink``
+(the victim alive) below torch's wrapping.
 """
 
 from __future__ import annotations
@@ -64,6 +65,24 @@ def _trial(rank, n, port, mode, trials):
             "clawcomm", store=dist.PrefixStore(f"{t}/s", store), rank=rank, world_size=n
         )
         dist.all_reduce(one)
+        if mode == "engine":
+            # The engine's own shrink, below torch: no old group to destroy,
+            # no new store connection, nothing to register.
+            import numpy as np
+
+            import clawcomm
+
+            eng = clawcomm.engine_of()
+            if rank != victim:
+                t0 = time.perf_counter()
+                child = eng.shrink([victim])
+                child.all_reduce(np.ones(2, np.float32))
+                times["shrink"] = time.perf_counter() - t0
+                del child
+            dist.destroy_process_group()
+            _barrier(store, f"{t}/after-engine", n)
+            out.append(times)
+            continue
         pending = None
         if mode == "stuck" and rank != victim:
             pending = dist.all_reduce(torch.ones(1 << 16), async_op=True)
@@ -110,7 +129,8 @@ def _trial(rank, n, port, mode, trials):
         out.append(times)
     # Rank 0 serves the store: it leaves last.
     store.add("left", 1)
-    while rank == 0 and int(store.add("left", 0)) < n:
+    stay = n - 1 if mode == "dead" else n  # a killed rank never leaves
+    while rank == 0 and int(store.add("left", 0)) < stay:
         time.sleep(0.001)
     return out
 
@@ -127,7 +147,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--nproc", type=int, default=8)
     p.add_argument("--trials", type=int, default=10)
-    p.add_argument("--mode", choices=["alive", "stuck", "dead"], nargs="+", default=["alive"])
+    p.add_argument(
+        "--mode", choices=["alive", "stuck", "dead", "engine"], nargs="+", default=["alive"]
+    )
     p.add_argument("--json")
     args = p.parse_args()
 

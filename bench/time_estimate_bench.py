@@ -81,7 +81,7 @@ def _measure(rank, n, ops, sizes, blocks):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--model", help="a model file from clawcomm bench --calibrate (default: make one)")
+    p.add_argument("--model", help="a model file from clawcomm bench --calibrate (default: new)")
     p.add_argument("--ops", default=",".join(OPS))
     p.add_argument("--sizes", default="64K,256K,1M,4M,16M,64M")
     p.add_argument("--blocks", type=int, default=5)

@@ -87,30 +87,6 @@ Messenger::~Messenger() {
   if (wakeFd_ >= 0) ::close(wakeFd_);
 }
 
-size_t Messenger::ringBytes() const {
-  size_t total = 0;
-  for (const PeerState& p : peers_) total += p.conn ? p.conn->ringBytes() : 0;
-  return total;
-}
-
-size_t Messenger::ringResidentBytes() const {
-  size_t total = 0;
-  for (const PeerState& p : peers_) total += p.conn ? p.conn->ringResidentBytes() : 0;
-  return total;
-}
-
-void Messenger::releaseRings() {
-  for (PeerState& p : peers_) {
-    if (p.conn) p.conn->releaseRing();
-  }
-}
-
-void Messenger::reserveRings() {
-  for (PeerState& p : peers_) {
-    if (p.conn) p.conn->reserveRing();
-  }
-}
-
 const char* Messenger::transportOf(int peer) const {
   return peers_[peer].conn ? peers_[peer].conn->kind() : "self";
 }

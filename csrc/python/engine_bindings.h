@@ -16,6 +16,10 @@ namespace clawcomm {
 
 // Adds `Engine` and the `kernels` and `compress` submodules to `m`.
 void bindEngine(pybind11::module_& m);
+// The `kernels` submodule and the cost model's functions
+// (python/kernel_bindings.cc).
+void bindKernels(pybind11::module_& m);
+void bindCostModel(pybind11::module_& m);
 // The `compress` submodule (python/compress_bindings.cc).
 void bindCompress(pybind11::module_& m);
 // The `cuda` submodule (python/cuda_bindings.cc; CUDA builds only).

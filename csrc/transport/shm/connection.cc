@@ -17,11 +17,10 @@
 #include <fstream>
 #include <functional>
 #include <thread>
-#include <utility>
-#include <vector>
 
 #include "common/errors.h"
 #include "transport/doorbell.h"
+#include "transport/shm/ring_pages.h"
 
 namespace clawcomm {
 namespace {
@@ -224,15 +223,6 @@ class ShmConnection : public Connection {
         cap_(own_->ringBytes()),
         policy_(policy) {}
 
-  static size_t pageSize() { return size_t(sysconf(_SC_PAGESIZE)); }
-  // The whole pages of the incoming ring's data.
-  std::pair<void*, size_t> wholePages() const {
-    const uintptr_t page = pageSize();
-    const uintptr_t begin = (reinterpret_cast<uintptr_t>(inData_) + page - 1) & ~(page - 1);
-    const uintptr_t end = (reinterpret_cast<uintptr_t>(inData_) + cap_) & ~(page - 1);
-    return {reinterpret_cast<void*>(begin), end > begin ? size_t(end - begin) : 0};
-  }
-
   // Producer side: copy into the peer's ring, wrapping at its end.
   size_t write(const void* data, size_t n) override {
     const uint64_t head = out_->head.load(std::memory_order_relaxed);
@@ -263,33 +253,9 @@ class ShmConnection : public Connection {
   Doorbell* doorbell() override { return &own_->header()->doorbell; }
 
   size_t ringBytes() const override { return cap_; }
-  size_t ringResidentBytes() const override {
-    const auto [start, length] = wholePages();
-    if (length == 0) return 0;
-    std::vector<unsigned char> pages(length / pageSize());
-    if (mincore(start, length, pages.data()) != 0) return 0;
-    size_t resident = 0;
-    for (unsigned char p : pages) resident += (p & 1) ? pageSize() : 0;
-    return resident;
-  }
-  void releaseRing() override {
-    // Shared memory: MADV_REMOVE frees the segment's pages themselves (a
-    // hole in the tmpfs file), not only this mapping of them.
-    const auto [start, length] = wholePages();
-    if (length > 0) madvise(start, length, MADV_REMOVE);
-  }
-  void reserveRing() override {
-#ifndef MADV_POPULATE_WRITE
-#define MADV_POPULATE_WRITE 23  // Linux 5.14
-#endif
-    const auto [start, length] = wholePages();
-    if (length == 0 || madvise(start, length, MADV_POPULATE_WRITE) == 0) return;
-    // EINVAL: a kernel without it; the pages then come back when written.
-    if (errno == EINVAL) return;
-    throw Error(CLAWCOMM_CONCAT("clawcomm shm: cannot take back the ", length,
-                                " bytes of the ring from rank ", peer_, ": ", std::strerror(errno),
-                                " (is /dev/shm full?)"));
-  }
+  size_t ringResidentBytes() const override { return residentBytes(inData_, cap_); }
+  void releaseRing() override { releasePages(inData_, cap_); }
+  void reserveRing() override { reservePages(inData_, cap_, peer_); }
 
   void checkPeer(bool waitingOnIt) override {
     if (in_->producerState.load(std::memory_order_acquire) == kAborted) {
