@@ -211,6 +211,23 @@ RequestPtr Communicator::takeRequestLocked(Callback cb) {
   return spareRequest_;
 }
 
+void Communicator::checkAcceptingLocked(OpType type) const {
+  CLAWCOMM_ARG_CHECK(!stopping_, opPrefix(type), "the communicator is shutting down");
+  CLAWCOMM_ARG_CHECK(!suspended_, opPrefix(type),
+                     "the group is suspended; every rank calls resume() first");
+}
+
+bool Communicator::runHereOrQueueLocked(bool allowed, std::unique_ptr<Op>& op) {
+  if (allowed && queue_.empty() && !threadBusy_ && !inlineBusy_) {
+    inlineBusy_ = true;
+    inlineThread_ = std::this_thread::get_id();
+    return true;
+  }
+  queue_.push_back(std::move(op));
+  enqueued_.fetch_add(1, std::memory_order_release);
+  return false;
+}
+
 RequestPtr Communicator::enqueueCollective(const OpSignature& sig, size_t bytes,
                                            std::function<void(Channel&)> run, Callback cb) {
   if (estimating_.load(std::memory_order_acquire)) {
@@ -224,9 +241,7 @@ RequestPtr Communicator::enqueueCollective(const OpSignature& sig, size_t bytes,
   bool runHere = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    CLAWCOMM_ARG_CHECK(!stopping_, opPrefix(sig.type), "the communicator is shutting down");
-    CLAWCOMM_ARG_CHECK(!suspended_, opPrefix(sig.type),
-                       "the group is suspended; every rank calls resume() first");
+    checkAcceptingLocked(sig.type);
     op = takeOpLocked();
     op->sig = sig;
     op->run = std::move(run);
@@ -243,14 +258,7 @@ RequestPtr Communicator::enqueueCollective(const OpSignature& sig, size_t bytes,
     const bool inlineAllowed = (Blocking::active() && settings_.inlineMaxBytes > 0) ||
                                (bytes <= settings_.inlineMaxBytes &&
                                 liveCommunicators.load(std::memory_order_relaxed) == 1);
-    runHere = inlineAllowed && queue_.empty() && !threadBusy_ && !inlineBusy_;
-    if (runHere) {
-      inlineBusy_ = true;
-      inlineThread_ = std::this_thread::get_id();
-    } else {
-      queue_.push_back(std::move(op));
-      enqueued_.fetch_add(1, std::memory_order_release);
-    }
+    runHere = runHereOrQueueLocked(inlineAllowed, op);
   }
   if (!runHere) {
     cv_.notify_one();
@@ -296,23 +304,14 @@ RequestPtr Communicator::enqueuePointToPoint(bool isSend, void* buf, size_t byte
   bool runHere;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    CLAWCOMM_ARG_CHECK(!stopping_, opPrefix(op->sig.type), "the communicator is shutting down");
-    CLAWCOMM_ARG_CHECK(!suspended_, opPrefix(op->sig.type),
-                       "the group is suspended; every rank calls resume() first");
+    checkAcceptingLocked(op->sig.type);
     op->record = recorder_.queued(op->sig, peer, bytes);
     // Nothing ahead of it and nobody driving: post it here, with one pass
     // that writes its frame (or reference), and leave it to the caller's
     // wait (drive()). Posting never blocks, so unlike an inline collective
     // this needs no check for other groups. CLAWCOMM_INLINE_BYTES=0, or
     // an oversubscribed host, keeps it on the progress thread.
-    runHere = callersDrive_ && queue_.empty() && !threadBusy_ && !inlineBusy_;
-    if (runHere) {
-      inlineBusy_ = true;
-      inlineThread_ = std::this_thread::get_id();
-    } else {
-      queue_.push_back(std::move(op));
-      enqueued_.fetch_add(1, std::memory_order_release);
-    }
+    runHere = runHereOrQueueLocked(callersDrive_, op);
   }
   if (runHere) {
     Clock::time_point idleSince = Clock::now();
@@ -395,9 +394,7 @@ std::string Communicator::setupNamespace(const std::string& what) {
 uint64_t Communicator::beginExternal(OpSignature& sig, uint64_t bytes, int peer) {
   Traffic::add(messenger_->traffic().of(sig.type).calls, 1);
   std::lock_guard<std::mutex> lock(mutex_);
-  CLAWCOMM_ARG_CHECK(!stopping_, opPrefix(sig.type), "the communicator is shutting down");
-  CLAWCOMM_ARG_CHECK(!suspended_, opPrefix(sig.type),
-                     "the group is suspended; every rank calls resume() first");
+  checkAcceptingLocked(sig.type);
   if (!failure_.empty()) {
     throw PeerError(CLAWCOMM_CONCAT(
         opPrefix(sig.type), "the communicator was aborted by an earlier error: ", failure_));

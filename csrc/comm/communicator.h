@@ -348,6 +348,13 @@ class Communicator {
                                std::function<void(Channel&)> run, Callback cb);
   RequestPtr enqueuePointToPoint(bool isSend, void* buf, size_t bytes, int peer, uint64_t tag,
                                  Callback cb);
+  // Under mutex_: throws, naming `type`, unless the communicator takes new
+  // operations (not shutting down, not suspended).
+  void checkAcceptingLocked(OpType type) const;
+  // Under mutex_: if `allowed` and nothing is queued or running, claims the
+  // messenger for the calling thread (inlineBusy_) and returns true; else
+  // queues `op` for the progress thread and returns false.
+  bool runHereOrQueueLocked(bool allowed, std::unique_ptr<Op>& op);
   // An operation issued while estimating: adds `seconds` and completes.
   RequestPtr estimateOnly(double seconds, Callback cb);
   // `peer`, or for a receive from any rank (-1) the one it is priced from.

@@ -258,6 +258,12 @@ std::vector<std::unique_ptr<Connection>> connectThroughStore(Store& store, const
   }
 }
 
+std::string describeRanks(const std::vector<int>& ranks) {
+  std::string out = "[";
+  for (size_t i = 0; i < ranks.size(); ++i) out += CLAWCOMM_CONCAT(i ? ", " : "", ranks[i]);
+  return out + "]";
+}
+
 std::string tokenHex(uint64_t token) {
   char hex[17];
   std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(token));

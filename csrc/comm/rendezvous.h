@@ -59,6 +59,9 @@ struct GroupPlan {
 // failed, followed by why: whoever reads it fails too, naming this rank.
 extern const std::string kSetupFailed;
 
+// Ranks as "[0, 2, 3]", for messages.
+std::string describeRanks(const std::vector<int>& ranks);
+
 // A group's random token as its 16 hex digits (Connections::jobToken).
 std::string tokenHex(uint64_t token);
 

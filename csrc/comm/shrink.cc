@@ -25,24 +25,9 @@
 #include "comm/communicator.h"
 #include "comm/rendezvous.h"
 #include "common/errors.h"
+#include "compress/quantize_math.h"  // splitmix64
 
 namespace clawcomm {
-namespace {
-
-uint64_t mix(uint64_t x) {  // splitmix64's finaliser
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
-std::string describe(const std::vector<int>& ranks) {
-  std::string out = "[";
-  for (size_t i = 0; i < ranks.size(); ++i) out += CLAWCOMM_CONCAT(i ? ", " : "", ranks[i]);
-  return out + "]";
-}
-
-}  // namespace
 
 std::shared_ptr<Communicator> Communicator::shrink(const std::vector<int>& excluded,
                                                    ShrinkOptions options) {
@@ -60,7 +45,7 @@ std::shared_ptr<Communicator> Communicator::shrink(const std::vector<int>& exclu
                      ") is among those excluded; only the ranks that stay call shrink");
   CLAWCOMM_ARG_CHECK(!onProgressThread(), "clawcomm: shrink: called from the progress thread");
   if (options.abortFirst) {
-    abort(CLAWCOMM_CONCAT("shrink excluding ranks ", describe(dropped), " aborted it"));
+    abort(CLAWCOMM_CONCAT("shrink excluding ranks ", describeRanks(dropped), " aborted it"));
   }
   const std::chrono::milliseconds timeout =
       options.timeout.count() > 0 ? options.timeout : this->timeout();
@@ -74,9 +59,9 @@ std::shared_ptr<Communicator> Communicator::shrink(const std::vector<int>& exclu
   for (int p = 0; p < size_; ++p) {
     if (!std::binary_search(dropped.begin(), dropped.end(), p)) members.push_back(p);
   }
-  uint64_t token =
-      mix(std::stoull(jobToken_.empty() ? "0" : jobToken_, nullptr, 16) ^ mix(generation + 1));
-  for (int p : dropped) token = mix(token ^ uint64_t(p));
+  uint64_t token = quant::splitmix64(std::stoull(jobToken_.empty() ? "0" : jobToken_, nullptr, 16) ^
+                                     quant::splitmix64(generation + 1));
+  for (int p : dropped) token = quant::splitmix64(token ^ uint64_t(p));
 
   GroupPlan plan;
   plan.rank = int(std::find(members.begin(), members.end(), rank_) - members.begin());

@@ -128,12 +128,6 @@ class ParentExchange final : public SetupExchange {
   int steps_ = 0;
 };
 
-std::string describe(const std::vector<int>& ranks) {
-  std::string out = "[";
-  for (size_t i = 0; i < ranks.size(); ++i) out += CLAWCOMM_CONCAT(i ? ", " : "", ranks[i]);
-  return out + "]";
-}
-
 }  // namespace
 
 std::shared_ptr<Communicator> Communicator::split(int color, int key, SplitOptions options) {
@@ -173,9 +167,9 @@ std::shared_ptr<Communicator> Communicator::split(int color, int key, SplitOptio
       return nullptr;
     }
     CLAWCOMM_ARG_CHECK(options.members.empty() || options.members == members,
-                       "clawcomm: split: this rank was to join ranks ", describe(options.members),
-                       " but its color (", color, ") and key (", key, ") put it with ",
-                       describe(members),
+                       "clawcomm: split: this rank was to join ranks ",
+                       describeRanks(options.members), " but its color (", color, ") and key (",
+                       key, ") put it with ", describeRanks(members),
                        "; every rank of a new group must name the same ranks, in the same order");
     const int rank = int(std::find(members.begin(), members.end(), rank_) - members.begin());
     GroupPlan plan;
