@@ -11,8 +11,11 @@ folder (or at one group's)::
 
     clawcomm flight /tmp/clawcomm-flight/1bcf244e98326bc3
 
-For each group that failed it reads every rank's record and reports the
-first collective that did not complete everywhere: the ranks that reached it (and whether they were
+The first line names the culprit where a rank's record names one: the
+rank, host and pid that held the group up (stopped, not yet at the call,
+or in another call; docs/reliability.md). Then, for each group that failed,
+it reads every rank's record and reports the first collective that did
+not complete everywhere: the ranks that reached it (and whether they were
 waiting in it or failed), the ranks that never called it and the last
 collective they did call, ranks that called a different collective under
 the same number, pending sends and receives, and ranks that wrote no record
@@ -25,6 +28,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import sys
 
 
@@ -122,6 +126,39 @@ def diagnose(records: dict[int, dict]) -> list[str]:
     return lines
 
 
+def culprit(groups: dict[str, dict[int, dict]]) -> str | None:
+    """Who held the job up, as the failing ranks' records name it: the
+    verdict most of them give (a rank that failed on a peer's word carries
+    that peer's verdict in its error)."""
+    said: dict[str, int] = {}
+    for records in groups.values():
+        for record in records.values():
+            text = record.get("culprit")
+            if not text:
+                found = re.search(r"held up by (.*?)(?: \(flight record: |$)", record["why"])
+                text = found.group(1) if found else None
+            if text:
+                text = text.removeprefix("held up by ")
+                said[text] = said.get(text, 0) + 1
+    return max(said, key=said.get) if said else None
+
+
+def report(directory: str) -> list[str]:
+    """What the command prints for a job's folder (or one group's)."""
+    groups = load_job(directory)
+    lines = []
+    named = culprit(groups)
+    if named:
+        lines.append(f"culprit: {named}")
+    for k, (name, records) in enumerate(groups.items()):
+        if len(groups) > 1:
+            lines.append(
+                ("" if k == 0 else "\n") + f"# group {name or 'of the job'}: {_members(records)}"
+            )
+        lines.extend(diagnose(records))
+    return lines
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("directory", help="the job's folder, named in the error (or one group's)")
 
@@ -131,16 +168,12 @@ def run(args) -> int:
         print(f"clawcomm flight: error: {args.directory} is not a folder (the error that named a "
               "flight record gives its job's folder)", file=sys.stderr)  # fmt: skip
         return 2
-    groups = load_job(args.directory)
-    if not groups:
+    if not load_job(args.directory):
         print(f"clawcomm flight: no flight records in {args.directory} (rank<r>.json, or "
               "group-*/rank<r>.json)", file=sys.stderr)  # fmt: skip
         return 1
-    for k, (name, records) in enumerate(groups.items()):
-        if len(groups) > 1:
-            print(("" if k == 0 else "\n") + f"# group {name or 'of the job'}: {_members(records)}")
-        for line in diagnose(records):
-            print(line)
+    for line in report(args.directory):
+        print(line)
     return 0
 
 

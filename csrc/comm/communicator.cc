@@ -11,7 +11,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <future>
 #include <numeric>
 #include <set>
@@ -76,6 +75,7 @@ Communicator::Communicator(std::shared_ptr<Store> store, int rank, int size,
   storeNamespace_ = conns.storeNamespace;
   topology_ = Topology(conns.hostOf);
   hosts_ = conns.hosts;
+  status_ = std::move(conns.status);
   transports_.resize(size_t(size));
   for (int p = 0; p < size; ++p) transports_[p] = p == rank ? "self" : conns.toRank[p]->kind();
   const int localRanks = conns.sameHostRanks;
@@ -248,6 +248,7 @@ RequestPtr Communicator::enqueueCollective(const OpSignature& sig, size_t bytes,
     op->request = request = takeRequestLocked(std::move(cb));
     op->sig.seq = nextSeq_++;
     op->record = recorder_.queued(op->sig, -1, bytes);
+    if (status_) status_->called(op->sig);
     // Small and nothing ahead of it: run it right here. The progress thread
     // stays parked until it is done (inlineBusy_), so one thread at a time
     // drives the messenger and issue order is kept.
@@ -399,7 +400,10 @@ uint64_t Communicator::beginExternal(OpSignature& sig, uint64_t bytes, int peer)
     throw PeerError(CLAWCOMM_CONCAT(
         opPrefix(sig.type), "the communicator was aborted by an earlier error: ", failure_));
   }
-  if (sig.type != OpType::kSend && sig.type != OpType::kRecv) sig.seq = nextSeq_++;
+  if (sig.type != OpType::kSend && sig.type != OpType::kRecv) {
+    sig.seq = nextSeq_++;
+    if (status_) status_->called(sig);
+  }
   const uint64_t id = recorder_.queued(sig, peer, bytes);
   recorder_.started(id, Clock::now());
   return id;
@@ -407,10 +411,6 @@ uint64_t Communicator::beginExternal(OpSignature& sig, uint64_t bytes, int peer)
 
 void Communicator::endExternal(uint64_t record, bool ok) {
   recorder_.finished(record, ok);
-}
-
-std::string Communicator::flightRecord(const std::string& why) const {
-  return recorder_.dumpJson(rank_, size_, why, globalRanks_);
 }
 
 void Communicator::setGlobalRanks(std::vector<int> ranks) {
@@ -421,76 +421,9 @@ void Communicator::setGlobalRanks(std::vector<int> ranks) {
   globalRanks_ = identity ? std::vector<int>{} : std::move(ranks);
 }
 
-std::string Communicator::inGlobalRanks(const std::string& text) const {
-  if (globalRanks_.empty()) return text;
-  std::string out;
-  size_t i = 0;
-  while (true) {
-    const size_t at = text.find("rank ", i);
-    if (at == std::string::npos) break;
-    size_t end = at + 5;
-    while (end < text.size() && std::isdigit(static_cast<unsigned char>(text[end]))) ++end;
-    const bool word = at == 0 || !std::isalpha(static_cast<unsigned char>(text[at - 1]));
-    out += text.substr(i, at + 5 - i);
-    i = end;
-    if (!word || end == at + 5 || end - at > 12) {
-      out += text.substr(at + 5, end - at - 5);
-      continue;
-    }
-    const int r = std::stoi(text.substr(at + 5, end - at - 5));
-    if (r >= size_) {
-      out += text.substr(at + 5, end - at - 5);
-      continue;
-    }
-    // "rank 1 (pid 42)" -> "rank 2 (group rank 1, pid 42)"; "rank 1" -> "rank 2 (group rank 1)"
-    out += CLAWCOMM_CONCAT(globalRank(r), " (group rank ", r);
-    if (text.compare(end, 2, " (") == 0) {
-      out += ", ";
-      i = end + 2;
-    } else {
-      out += ")";
-    }
-  }
-  return out + text.substr(i);
-}
-
 std::string Communicator::flightJobFolder() const {
   std::lock_guard<std::mutex> lock(registryMutex);
   return jobFolder.empty() ? jobToken_ : jobFolder;
-}
-
-// <dir>/<job>/rank<r>.json for the job's first group, and
-// <dir>/<job>/group-<token>/rank<r>.json for every other: one folder a job,
-// which `clawcomm flight` reads group by group.
-std::string Communicator::flightRecordPath() const {
-  const std::string job = flightJobFolder();
-  const std::string group = job == jobToken_ ? "" : CLAWCOMM_CONCAT("/group-", jobToken_);
-  return CLAWCOMM_CONCAT(settings_.flightDir, "/", job, group, "/rank", rank_, ".json");
-}
-
-// Writes the flight record where flightRecordPath() says (best effort: a
-// failure here must not hide the error being reported). Returns the path,
-// or "" if it could not be written.
-std::string Communicator::dumpFlightRecord(const std::string& why) noexcept {
-  if (!recorder_.enabled() || settings_.flightDir.empty()) return "";
-  try {
-    const std::string job = flightJobFolder();
-    const std::string path = flightRecordPath();
-    ::mkdir(settings_.flightDir.c_str(), 0777);
-    ::mkdir(CLAWCOMM_CONCAT(settings_.flightDir, "/", job).c_str(), 0777);
-    ::mkdir(path.substr(0, path.rfind('/')).c_str(), 0777);
-    const std::string tmp = path + ".tmp";
-    {
-      std::ofstream f(tmp);
-      f << flightRecord(why) << "\n";
-      if (!f) return "";
-    }
-    if (std::rename(tmp.c_str(), path.c_str()) != 0) return "";
-    pruneFlightRecords(settings_.flightDir, job, settings_.flightKeepDays, settings_.flightKeep);
-    return path;
-  } catch (...) {
-    return "";
-  }
 }
 
 }  // namespace clawcomm

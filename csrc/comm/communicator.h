@@ -31,6 +31,7 @@
 #include "comm/recorder.h"
 #include "comm/rendezvous.h"
 #include "comm/request.h"
+#include "comm/status_pages.h"
 #include "common/dtype.h"
 #include "common/op.h"
 #include "common/scratch.h"
@@ -387,6 +388,9 @@ class Communicator {
   void releaseDrive();
   bool completeIfBroken(Op& op);
   std::exception_ptr withFlightRecord(std::exception_ptr error);
+  // `error` (a timeout or a mismatch in collective `sig`) with the ranks
+  // that hold the group up named (comm/culprit.h), kept for the flight record.
+  std::exception_ptr withCulprits(std::exception_ptr error, const OpSignature& sig, bool timedOut);
   void fail(std::exception_ptr error);
   void notifyFailure(const std::string& reason);
   std::string dumpFlightRecord(const std::string& why) noexcept;
@@ -409,6 +413,8 @@ class Communicator {
   std::string inGlobalRanks(const std::string& text) const;
   std::string storeNamespace_;
   Recorder recorder_;
+  std::unique_ptr<StatusPages> status_;  // this rank's status page (null: a group of one)
+  std::string culprit_;                  // guarded by mutex_: withCulprits' verdict, if any
   Scratch scratch_;  // the collectives' working memory (one collective runs at a time)
   std::unique_ptr<ChannelMemory> channelMemory_;  // their channels' (the same)
 

@@ -86,6 +86,7 @@ void Recorder::finished(uint64_t id, bool ok) {
 }
 
 std::string Recorder::dumpJson(int rank, int size, const std::string& why,
+                               const std::string& culprit,
                                const std::vector<int>& globalRanks) const {
   std::ostringstream o;
   o << "{\"rank\":" << rank << ",\"size\":" << size;
@@ -94,7 +95,9 @@ std::string Recorder::dumpJson(int rank, int size, const std::string& why,
     for (size_t i = 0; i < globalRanks.size(); ++i) o << (i ? "," : "") << globalRanks[i];
     o << "]";
   }
-  o << ",\"why\":" << quoted(why) << ",\"ops\":[";
+  o << ",\"why\":" << quoted(why);
+  if (!culprit.empty()) o << ",\"culprit\":" << quoted(culprit);
+  o << ",\"ops\":[";
   uint64_t newest = 0;
   for (size_t i = 0; i < size_; ++i) newest = std::max(newest, slots_[i].id.load(kRelaxed));
   bool first = true;

@@ -40,12 +40,13 @@ class Recorder {
   void started(uint64_t id, std::chrono::steady_clock::time_point at);
   void finished(uint64_t id, bool ok);
 
-  // {"rank":..,"size":..,"why":..,"ops":[{"id","seq","op","dtype","count",
+  // {"rank":..,"size":..,"why":..,"culprit":..,"ops":[{"id","seq","op","dtype","count",
   //  "peer","root","algo","bytes","state","start_us","end_us"}, ...]} with
   // the records oldest first; times in microseconds of steady_clock. With
   // `globalRanks` (the job's rank of each group rank) also "global_rank"
-  // and "global_ranks".
-  std::string dumpJson(int rank, int size, const std::string& why,
+  // and "global_ranks". "culprit" (only where not empty): who held the
+  // group up (comm/culprit.h).
+  std::string dumpJson(int rank, int size, const std::string& why, const std::string& culprit,
                        const std::vector<int>& globalRanks = {}) const;
 
  private:

@@ -219,7 +219,7 @@ Connections connectAll(Store& store, const std::string& ns, int rank, int size,
 
   // 3-6. The endpoints, their addresses through the store, every pair.
   StoreExchange exchange(board, rank, size);
-  out.toRank = connectPeers(plan, settings, exchange, deadline);
+  connectPeers(plan, settings, exchange, deadline, out);
   return out;
 }
 
@@ -243,15 +243,13 @@ void postFailure(Store& store, const std::string& ns, int rank, std::vector<std:
 
 }  // namespace
 
-std::vector<std::unique_ptr<Connection>> connectThroughStore(Store& store, const std::string& ns,
-                                                             const GroupPlan& plan,
-                                                             const Settings& settings,
-                                                             Clock::time_point deadline) {
+void connectThroughStore(Store& store, const std::string& ns, const GroupPlan& plan,
+                         const Settings& settings, Clock::time_point deadline, Connections& out) {
   std::vector<std::string> published;
   try {
     StoreBoard board(store, ns, plan.rank, deadline, published);
     StoreExchange exchange(board, plan.rank, plan.size);
-    return connectPeers(plan, settings, exchange, deadline);
+    connectPeers(plan, settings, exchange, deadline, out);
   } catch (const std::exception& e) {
     postFailure(store, ns, plan.rank, {}, published, e.what());
     throw;
@@ -281,10 +279,8 @@ std::vector<int> hostNumbers(const std::vector<std::string>& hosts) {
   return out;
 }
 
-std::vector<std::unique_ptr<Connection>> connectPeers(const GroupPlan& plan,
-                                                      const Settings& settings,
-                                                      SetupExchange& exchange,
-                                                      Clock::time_point deadline) {
+void connectPeers(const GroupPlan& plan, const Settings& settings, SetupExchange& exchange,
+                  Clock::time_point deadline, Connections& out) {
   const int rank = plan.rank;
   const int size = plan.size;
   const auto& ranks = plan.ranks;
@@ -355,6 +351,10 @@ std::vector<std::unique_ptr<Connection>> connectPeers(const GroupPlan& plan,
     endpoints[i] = registry[i].makeEndpoint(setup);
     addresses[i] = endpoints[i]->address();
   }
+  // The group's status pages on this machine, opened before the addresses
+  // go out, so that every rank has opened them by the last step below
+  // (which unlinks their name).
+  auto status = std::make_unique<StatusPages>(plan.tokenHex, rank, size);
   exchange.publish(addresses);
 
   // 5. Connect every pair, each through its transport's endpoint.
@@ -376,7 +376,9 @@ std::vector<std::unique_ptr<Connection>> connectPeers(const GroupPlan& plan,
   for (auto& e : endpoints) {
     if (e) e->finishSetup();
   }
-  return conns;
+  status->unlink();
+  out.toRank = std::move(conns);
+  out.status = std::move(status);
 }
 
 Connections rendezvous(Store& store, int rank, int size, const Settings& settings,

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/status_pages.h"
 #include "common/settings.h"
 #include "common/store.h"
 #include "transport/registry.h"
@@ -27,6 +28,7 @@ struct Connections {
   std::string jobToken;            // the group's random token (hex)
   std::string storeNamespace;      // this group's store keys' prefix ("clawcomm/<generation>/")
   std::vector<std::string> hosts;  // each rank's host identity (RankInfo::host)
+  std::unique_ptr<StatusPages> status;  // this rank's status page (null for a group of one)
 };
 
 // What the ranks of a new group swap once they agree on who is where: each
@@ -71,21 +73,18 @@ std::vector<int> hostNumbers(const std::vector<std::string>& hosts);
 
 // Chooses each pair's transport, creates this rank's endpoints, swaps their
 // addresses through `exchange`, connects every pair, and drops the setup
-// resources once every rank has connected. Returns one connection per rank
-// (null for this rank).
-std::vector<std::unique_ptr<Connection>> connectPeers(const GroupPlan& plan,
-                                                      const Settings& settings,
-                                                      SetupExchange& exchange,
-                                                      Clock::time_point deadline);
+// resources once every rank has connected. Fills `out.toRank`, one
+// connection per rank (null for this rank), and `out.status`, this rank's
+// status page in the group's table.
+void connectPeers(const GroupPlan& plan, const Settings& settings, SetupExchange& exchange,
+                  Clock::time_point deadline, Connections& out);
 
 // Connects the ranks of `plan`, whose members, hosts and token are known
 // already (a shrunk group's: Communicator::shrink), through the store's
 // keys under `ns`. On failure this rank posts why in place of each key it
 // had yet to set, so that the ranks waiting on it fail at once, naming it.
-std::vector<std::unique_ptr<Connection>> connectThroughStore(Store& store, const std::string& ns,
-                                                             const GroupPlan& plan,
-                                                             const Settings& settings,
-                                                             Clock::time_point deadline);
+void connectThroughStore(Store& store, const std::string& ns, const GroupPlan& plan,
+                         const Settings& settings, Clock::time_point deadline, Connections& out);
 
 // Connects this rank to every other through the transport registry
 // (transport/registry.h).

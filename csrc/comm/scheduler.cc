@@ -13,19 +13,10 @@
 
 namespace clawcomm {
 
-std::exception_ptr Communicator::withFlightRecord(std::exception_ptr error) {
-  // The first failure leaves a flight record, named in the error, and names
-  // the job's ranks (setGlobalRanks).
-  if (broken_) return error;
-  if (!globalRanks_.empty()) error = retyped(error, inGlobalRanks(errorText(error)));
-  const std::string path = dumpFlightRecord(errorText(error));
-  if (path.empty()) return error;
-  return withSuffix(error, CLAWCOMM_CONCAT(" (flight record: ", path, ")"));
-}
-
 bool Communicator::completeIfBroken(Op& op) {
   if (!broken_) return false;
   recorder_.finished(op.record, false);
+  if (status_ && !op.pointToPoint) status_->completed(op.sig.seq, false);
   op.request->complete(
       withContext(broken_, CLAWCOMM_CONCAT(opPrefix(op.sig.type),
                                            "the communicator was aborted by an earlier error: ")));
@@ -35,6 +26,7 @@ bool Communicator::completeIfBroken(Op& op) {
 void Communicator::runCollective(Op& op) {
   if (completeIfBroken(op)) return;
   std::exception_ptr error;
+  bool timedOut = false, mismatched = false;
   const Clock::time_point start = Clock::now();
   recorder_.started(op.record, start);
   try {
@@ -47,10 +39,16 @@ void Communicator::runCollective(Op& op) {
     error = withContext(std::current_exception(),
                         CLAWCOMM_CONCAT(opPrefix(op.sig.type), "timeout after ",
                                         timeoutMs_.load() / 1000.0, " s: rank ", rank_, " "));
+    timedOut = true;
+  } catch (const MismatchError&) {
+    error = withContext(std::current_exception(), opPrefix(op.sig.type));
+    mismatched = true;
   } catch (...) {
     error = withContext(std::current_exception(), opPrefix(op.sig.type));
   }
   recorder_.finished(op.record, !error);
+  if (timedOut || mismatched) error = withCulprits(error, op.sig, timedOut);
+  if (status_) status_->completed(op.sig.seq, !error);
   const auto ran = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start);
   Traffic::add(messenger_->traffic().of(op.sig.type).busyUs, uint64_t(ran.count()));
   if (error) {

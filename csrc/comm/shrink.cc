@@ -79,8 +79,8 @@ std::shared_ptr<Communicator> Communicator::shrink(const std::vector<int>& exclu
   if (plan.size == 1) {
     conns.toRank.resize(1);
   } else {
-    conns.toRank = connectThroughStore(*store_, conns.storeNamespace + "setup/", plan, settings_,
-                                       Clock::now() + timeout);
+    connectThroughStore(*store_, conns.storeNamespace + "setup/", plan, settings_,
+                        Clock::now() + timeout, conns);
   }
   auto child = own(new Communicator(options.store ? options.store : store_, plan.rank, plan.size,
                                     timeout, settings_, std::move(conns)));

@@ -187,7 +187,7 @@ std::shared_ptr<Communicator> Communicator::split(int color, int key, SplitOptio
     conns.hostOf = hostNumbers(conns.hosts);
     // A group of one too: it makes no endpoint and connects nothing, but
     // still takes part in the exchange.
-    conns.toRank = connectPeers(plan, settings_, exchange, Clock::now() + timeout);
+    connectPeers(plan, settings_, exchange, Clock::now() + timeout, conns);
     auto child = own(new Communicator(options.store ? options.store : store_, rank, plan.size,
                                       timeout, settings_, std::move(conns)));
     std::vector<int> global;

@@ -298,6 +298,23 @@ class ClawcommBackend : public c10d::Backend {
     return launch(OpType::BARRIER, {}, {}, nullptr, [&](auto cb) { return comm_->barrier(cb); });
   }
 
+  // torch's monitored barrier (ProcessGroup.monitored_barrier; the Python
+  // dist.monitored_barrier admits gloo alone, by name): a barrier under
+  // `opts.timeout` whose failure names, on every rank, each rank that did
+  // not come and where it is (comm/culprit.h). Every such rank is named, so
+  // waitAllRanks changes nothing. As any timeout here, it ends the group.
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool /*waitAllRanks*/) override {
+    const std::chrono::milliseconds saved = comm_->timeout();
+    if (opts.timeout != c10d::kUnsetTimeout) comm_->setTimeout(opts.timeout);
+    try {
+      barrier(opts)->wait();
+    } catch (...) {
+      comm_->setTimeout(saved);
+      throw;
+    }
+    comm_->setTimeout(saved);
+  }
+
  private:
   static std::function<void()> copyBack(const at::Tensor& buf, const at::Tensor& target) {
     if (buf.is_same(target)) return nullptr;  // asBuffer() gave the tensor itself

@@ -14,6 +14,7 @@ from clawcomm.testing import chaos
     [
         ("kill", 12),
         ("mismatch", 12),
+        ("hang", 10),
         ("settings", 1),
         ("timeout", 2),
         ("soak", 20000),

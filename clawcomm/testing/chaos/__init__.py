@@ -17,6 +17,10 @@ Families:
             reduce op, or skips a call.
   settings  every numeric CLAWCOMM_* setting given nonsense, and arguments
             at their limits: refused at setup, or before any byte is sent.
+  hang      one rank holds the others up (SIGSTOP, asleep before a call,
+            another op, size or dtype), over shm and TCP: every other rank's
+            error names it by rank, host and pid, and so does the first line
+            of `clawcomm flight`.
   timeout   one rank stops calling; the other times out, then both destroy
             the group and exit cleanly.
   soak      random collectives on 2 ranks, results checked; RSS and open file
@@ -32,17 +36,19 @@ from __future__ import annotations
 
 from .endurance import floor_rise, rss_growth, soak, storm
 from .failures import kill, mismatch, settings, timeout
+from .hangs import hang
 from .harness import SLACK, SOAK_HEAP_GROWTH_LIMIT, SOAK_RSS_GROWTH_LIMIT, TIMEOUT, Score, segments
 
 __all__ = [
     "FAMILIES", "SLACK", "SOAK_HEAP_GROWTH_LIMIT", "SOAK_RSS_GROWTH_LIMIT", "TIMEOUT", "Score",
     "floor_rise", "rss_growth", "segments",
-    "kill", "mismatch", "settings", "timeout", "soak", "storm",
+    "kill", "mismatch", "hang", "settings", "timeout", "soak", "storm",
 ]  # fmt: skip
 
 FAMILIES = {
     "kill": kill,
     "mismatch": mismatch,
+    "hang": hang,
     "settings": settings,
     "timeout": timeout,
     "soak": soak,

@@ -19,6 +19,7 @@
 #include <thread>
 
 #include "common/errors.h"
+#include "common/process.h"
 #include "transport/doorbell.h"
 #include "transport/shm/ring_pages.h"
 
@@ -86,22 +87,6 @@ int slotOf(const std::vector<int>& peers, int writer) {
   CLAWCOMM_CHECK(it != peers.end() && *it == writer, "rank ", writer,
                  " has no ring in a segment whose peers do not include it");
   return int(it - peers.begin());
-}
-
-// True when `pid` has exited (gone, or a zombie not yet reaped).
-bool processGone(int pid) {
-  if (kill(pid, 0) != 0 && errno == ESRCH) return true;
-  errno = 0;
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  // Only a missing entry means gone: out of file descriptors (EMFILE) or
-  // memory, this rank cannot tell, and looks again at the next check.
-  if (!stat) return errno == ENOENT || errno == ESRCH;
-  std::string line;
-  std::getline(stat, line);
-  const size_t close = line.rfind(')');
-  if (close == std::string::npos || close + 2 >= line.size()) return false;
-  const char state = line[close + 2];
-  return state == 'Z' || state == 'X';
 }
 
 }  // namespace

@@ -1,0 +1,136 @@
+#include "comm/culprit.h"
+
+#include <algorithm>
+#include <cstdio>
+
+#include "comm/rendezvous.h"
+#include "common/errors.h"
+#include "common/process.h"
+
+namespace clawcomm {
+namespace {
+
+std::string seconds(int64_t ns) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.1f s", double(std::max<int64_t>(ns, 0)) / 1e9);
+  return buf;
+}
+
+// "rank 2 (host h, pid 7)": Communicator::inGlobalRanks turns it into
+// "rank 5 (group rank 2, host h, pid 7)" in a group that is not the world.
+std::string who(int rank, const std::vector<std::string>& hosts, const StatusPage& page) {
+  const std::string host = size_t(rank) < hosts.size() ? hosts[size_t(rank)] : "?";
+  return CLAWCOMM_CONCAT("rank ", rank, " (host ", host, ", pid ", page.pid, ")");
+}
+
+// What a rank last finished, and how long ago its page last changed.
+std::string lastDone(const StatusPage& p, int64_t now) {
+  if (!p.completedAny) {
+    return CLAWCOMM_CONCAT("it has completed no collective (", seconds(now - p.sinceNs),
+                           " since its last step)");
+  }
+  if (p.calledAny && p.called == p.completed) {
+    return CLAWCOMM_CONCAT("it last completed ", p.last.describe(), ", ", seconds(now - p.sinceNs),
+                           " ago");
+  }
+  return CLAWCOMM_CONCAT("it last completed collective #", p.completed);
+}
+
+}  // namespace
+
+Verdict findCulprits(const StatusPages& pages, int rank, const std::vector<std::string>& hosts,
+                     const OpSignature& waiting, bool timedOut) {
+  const int size = int(hosts.size());
+  const uint64_t s = waiting.seq;
+  const int64_t now = statusClockNs();
+  std::vector<StatusPage> page(static_cast<size_t>(size));
+  std::vector<int> unseen;
+  for (int q = 0; q < size; ++q) {
+    page[size_t(q)] = pages.read(q);
+    if (!page[size_t(q)].visible) unseen.push_back(q);
+  }
+
+  // 1. The call each rank made as number s, for those that made it; the
+  //    signature most ranks agree on (this rank's on a tie) is the call.
+  std::vector<int> atS;
+  for (int q = 0; q < size; ++q) {
+    const StatusPage& p = page[size_t(q)];
+    if (q == rank || (p.visible && p.calledAny && p.called == s)) atS.push_back(q);
+  }
+  const auto callOf = [&](int q) -> const OpSignature& {
+    return q == rank ? waiting : page[size_t(q)].last;
+  };
+  const auto agreeing = [&](int q) {
+    return int(
+        std::count_if(atS.begin(), atS.end(), [&](int o) { return callOf(o).sameAs(callOf(q)); }));
+  };
+  int model = rank;
+  for (int q : atS) {
+    if (agreeing(q) > agreeing(model)) model = q;
+  }
+  const bool tie = std::any_of(atS.begin(), atS.end(), [&](int q) {
+    return !callOf(q).sameAs(callOf(model)) && agreeing(q) == agreeing(model);
+  });
+
+  Verdict v;
+  std::vector<std::string> clauses;
+  for (int q = 0; q < size; ++q) {
+    const StatusPage& p = page[size_t(q)];
+    if (!p.visible) continue;
+    const bool differs = std::find(atS.begin(), atS.end(), q) != atS.end() &&
+                         (tie || !callOf(q).sameAs(callOf(model)));
+    if (differs) {
+      std::vector<int> others;
+      for (int o : atS) {
+        if (!callOf(o).sameAs(callOf(q))) others.push_back(o);
+      }
+      const std::string theirs = callOf(others.front()).describe();
+      clauses.push_back(CLAWCOMM_CONCAT(
+          who(q, hosts, p), ": called ", callOf(q).describe(), " where ",
+          others.size() == 1 ? "rank " : "ranks ",
+          others.size() == 1 ? std::to_string(others.front()) : describeRanks(others), " called ",
+          theirs));
+      v.culprits.push_back(q);
+      continue;
+    }
+    // A rank that failed on its own has told the others why.
+    if (q == rank || p.failed) continue;
+    const bool reached = p.calledAny && p.called >= s;
+    if (processStopped(p.pid)) {
+      clauses.push_back(CLAWCOMM_CONCAT(who(q, hosts, p),
+                                        ": stopped (SIGSTOP, or held by a debugger) ",
+                                        reached ? CLAWCOMM_CONCAT("in ", p.last.describe())
+                                                : CLAWCOMM_CONCAT("before its call #", s),
+                                        "; ", lastDone(p, now)));
+      v.culprits.push_back(q);
+    } else if (!reached && timedOut) {
+      const bool inEarlier = p.calledAny && (!p.completedAny || p.completed < p.called);
+      clauses.push_back(CLAWCOMM_CONCAT(
+          who(q, hosts, p), ": has not called collective #", s, ": ",
+          inEarlier ? CLAWCOMM_CONCAT("it is still in ", p.last.describe(), " (called ",
+                                      seconds(now - p.sinceNs), " ago)")
+                    : CLAWCOMM_CONCAT(lastDone(p, now), ", and has run its own code since")));
+      v.culprits.push_back(q);
+    }
+  }
+  if (!clauses.empty()) {
+    v.text = "held up by " + clauses.front();
+    for (size_t i = 1; i < clauses.size(); ++i) v.text += "; and by " + clauses[i];
+  } else if (timedOut && !unseen.empty()) {
+    // Only what this machine's table shows: ranks elsewhere cannot be seen.
+    std::vector<std::string> where;
+    for (int q : unseen) {
+      if (std::find(where.begin(), where.end(), hosts[size_t(q)]) == where.end()) {
+        where.push_back(hosts[size_t(q)]);
+      }
+    }
+    std::string names;
+    for (const auto& h : where) names += (names.empty() ? "" : ", ") + h;
+    v.text = CLAWCOMM_CONCAT("every rank seen from this host is in collective #", s, "; ranks ",
+                             describeRanks(unseen), " on ", names,
+                             " cannot be seen from here: look at their errors");
+  }
+  return v;
+}
+
+}  // namespace clawcomm
