@@ -5,7 +5,7 @@ in CI). Prints one scorecard line per family and writes them as JSON:
 
 Defaults are the figures issue 13 asks for: 100 kill trials (setup
 included), 120 mismatches, 200 hangs (each of the 5 faults 20 times on shared
-memory and 20 on TCP), every bad setting and argument, 10^5 random
+memory and 20 on TCP), 20 cut links, every bad setting and argument, 10^5 random
 collectives in the soak, 10^4 hostile connections. About 25 minutes on the
 2-core CI machine; --quick runs a tenth.
 """
@@ -23,6 +23,7 @@ AMOUNTS = {
     "kill": 100,
     "mismatch": 120,
     "hang": 200,
+    "link": 20,
     "settings": 1,
     "timeout": 5,
     "soak": 100_000,

@@ -20,6 +20,7 @@ std::string seconds(int64_t ns) {
 // "rank 5 (group rank 2, host h, pid 7)" in a group that is not the world.
 std::string who(int rank, const std::vector<std::string>& hosts, const StatusPage& page) {
   const std::string host = size_t(rank) < hosts.size() ? hosts[size_t(rank)] : "?";
+  if (!page.visible) return CLAWCOMM_CONCAT("rank ", rank, " (host ", host, ")");
   return CLAWCOMM_CONCAT("rank ", rank, " (host ", host, ", pid ", page.pid, ")");
 }
 
@@ -39,7 +40,7 @@ std::string lastDone(const StatusPage& p, int64_t now) {
 }  // namespace
 
 Verdict findCulprits(const StatusPages& pages, int rank, const std::vector<std::string>& hosts,
-                     const OpSignature& waiting, bool timedOut) {
+                     const OpSignature& waiting, bool timedOut, const LinkView& links) {
   const int size = int(hosts.size());
   const uint64_t s = waiting.seq;
   const int64_t now = statusClockNs();
@@ -113,6 +114,28 @@ Verdict findCulprits(const StatusPages& pages, int rank, const std::vector<std::
       v.culprits.push_back(q);
     }
   }
+  // 2. Links, on a timeout: one that looks cut names the rank behind it;
+  //    failing any other finding, so does the TCP peer this rank waited
+  //    for, where every rank seen here is in the collective.
+  const auto named = [&](int q) {
+    return std::find(v.culprits.begin(), v.culprits.end(), q) != v.culprits.end();
+  };
+  for (const auto& [q, why] : links.stalled) {
+    if (named(q)) continue;
+    clauses.push_back(CLAWCOMM_CONCAT(who(q, hosts, page[size_t(q)]), ": unreachable from rank ",
+                                      rank, " (host ", hosts[size_t(rank)], "): ", why));
+    v.culprits.push_back(q);
+  }
+  const int q = links.awaited;
+  if (clauses.empty() && timedOut && q >= 0 && q < size && size_t(q) < links.transports.size() &&
+      links.transports[size_t(q)] == "tcp") {
+    clauses.push_back(CLAWCOMM_CONCAT(who(q, hosts, page[size_t(q)]),
+                                      ": nothing came from it over TCP while every rank seen ",
+                                      "from host ", hosts[size_t(rank)], " is in collective #", s,
+                                      ": its link or its host may be down"));
+    v.culprits.push_back(q);
+  }
+  std::sort(v.culprits.begin(), v.culprits.end());
   if (!clauses.empty()) {
     v.text = "held up by " + clauses.front();
     for (size_t i = 1; i < clauses.size(); ++i) v.text += "; and by " + clauses[i];

@@ -9,7 +9,11 @@
 //     timeout only: on a mismatch the others may simply not be there yet);
 //   - a rank that called another collective under the same number: the
 //     ranks that agree on the call are taken as right, the others named
-//     (with two ranks, or a tie, every side is named).
+//     (with two ranks, or a tie, every side is named);
+//   - on a timeout, a rank whose link looks cut: bytes this rank sent it
+//     over TCP unacknowledged for a second or more (its kernel would
+//     acknowledge them even if it were stopped), or, where every rank seen
+//     here is in the collective, the TCP peer this rank waited for.
 //
 // The sentence goes into the error every rank raises (the first rank to
 // fail tells the others) and into the flight record, whose first line in
@@ -29,10 +33,18 @@ struct Verdict {
   std::string text;           // "held up by rank 2 (host h, pid 7): ...", or "" if nobody is named
 };
 
+// What this rank's own connections say (Messenger: timedOutOn,
+// stalledLinks; Communicator::transportOf).
+struct LinkView {
+  int awaited = -1;                                  // the peer the timed-out wait was for
+  std::vector<std::pair<int, std::string>> stalled;  // peers whose link looks cut, and why
+  std::vector<std::string> transports;               // how this rank reaches each rank
+};
+
 // The ranks of `pages`' group that hold up this rank's collective
 // `waiting`. `hosts` gives each rank's host; `timedOut` is whether the
 // wait ran out (rather than a mismatch found in a frame).
 Verdict findCulprits(const StatusPages& pages, int rank, const std::vector<std::string>& hosts,
-                     const OpSignature& waiting, bool timedOut);
+                     const OpSignature& waiting, bool timedOut, const LinkView& links);
 
 }  // namespace clawcomm

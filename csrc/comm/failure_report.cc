@@ -10,6 +10,7 @@
 #include "comm/communicator.h"
 #include "comm/culprit.h"
 #include "comm/op.h"
+#include "messenger/messenger.h"
 
 namespace clawcomm {
 
@@ -17,7 +18,13 @@ std::exception_ptr Communicator::withCulprits(std::exception_ptr error, const Op
                                               bool timedOut) {
   // Only the first failure: later ones follow from it.
   if (broken_ || !status_) return error;
-  const Verdict verdict = findCulprits(*status_, rank_, hosts_, sig, timedOut);
+  LinkView links;
+  if (timedOut) {
+    links.awaited = messenger_->timedOutOn();
+    links.stalled = messenger_->stalledLinks();
+    links.transports = transports_;
+  }
+  const Verdict verdict = findCulprits(*status_, rank_, hosts_, sig, timedOut, links);
   if (verdict.text.empty()) return error;
   {
     std::lock_guard<std::mutex> lock(mutex_);

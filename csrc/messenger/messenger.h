@@ -187,6 +187,11 @@ class Messenger {
   // Tells every peer that this rank gives up, with the reason.
   void abort(const std::string& reason) noexcept;
 
+  // After pause() threw TimeoutError: the peer the wait was for (-1: any).
+  int timedOutOn() const { return timedOutOn_; }
+  // Each peer whose link looks cut (Connection::stall), with why.
+  std::vector<std::pair<int, std::string>> stalledLinks() const;
+
   // Sends a close frame to every peer and flushes what is queued.
   void close(Clock::time_point deadline) noexcept;
 
@@ -247,6 +252,7 @@ class Messenger {
   void finishReceive(int peer, PeerState& ps, const TransferPtr& t);
   static void deliver(Transfer& stash, Transfer& recv);
   void checkPeers(const std::vector<TransferPtr>& waitingOn);
+  int timedOutOn_ = -1;  // see timedOutOn()
   std::string describeWait(const Transfer& t) const;
   std::string whatWasAwaited(int peer, const std::vector<TransferPtr>& waitingOn) const;
 

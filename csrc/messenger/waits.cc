@@ -180,6 +180,16 @@ void Messenger::checkPeers(const std::vector<TransferPtr>& waitingOn) {
   if (!failures.empty()) throw PeerError(failures);
 }
 
+std::vector<std::pair<int, std::string>> Messenger::stalledLinks() const {
+  std::vector<std::pair<int, std::string>> out;
+  for (int p = 0; p < size_; ++p) {
+    if (p == rank_ || !peers_[p].conn) continue;
+    std::string why = peers_[p].conn->stall();
+    if (!why.empty()) out.emplace_back(p, std::move(why));
+  }
+  return out;
+}
+
 int64_t Messenger::readSpinMicros(const std::vector<TransferPtr>& waitingOn) const {
   // A send by reference completes when its reader has copied the payload,
   // which takes the copy's time, not a peer's reaction time: a 1 MiB read
@@ -230,6 +240,7 @@ void Messenger::pause(Clock::time_point idleSince, Clock::time_point deadline,
           break;
         }
       }
+      timedOutOn_ = first ? first->peer : -1;
       throw TimeoutError(CLAWCOMM_CONCAT("timed out waiting for ",
                                          first ? describeWait(*first) : std::string("nothing")));
     }

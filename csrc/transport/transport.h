@@ -53,6 +53,12 @@ class Connection {
   // Marks the stream as aborted for the peer, with a reason it can report.
   virtual void abort(const std::string& reason) = 0;
 
+  // Why the link to the peer looks cut, or "" where it does not: over TCP,
+  // bytes sent that the peer's host has not acknowledged for a second or
+  // more. A stopped or busy peer's kernel still acknowledges, so this points
+  // at the link or the host, not at the process (comm/culprit.h).
+  virtual std::string stall() const { return {}; }
+
   // Clean shutdown: tells the peer no more bytes follow.
   virtual void close() = 0;
 

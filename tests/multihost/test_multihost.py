@@ -103,6 +103,11 @@ def test_dead_link_or_host_errors_on_every_rank(action, tmp_path):
         assert "error" in r, r
         took = r["error_at"] - t0
         assert took <= TIMEOUT_S + 2, f"rank {rank} took {took:.1f} s: {r['error']}"
+        if action == "cut":
+            # Each side names a rank of the other host, which it cannot reach
+            # (comm/culprit.h): the link between them is what is cut.
+            other = "netns-h1" if r["host"] == "netns-h0" else "netns-h0"
+            assert f"(host {other}" in r["error"].split("held up by ", 1)[-1], r["error"]
 
 
 def test_a_job_loses_a_host_rebuilds_and_goes_on(tmp_path):

@@ -21,6 +21,9 @@ Families:
             another op, size or dtype), over shm and TCP: every other rank's
             error names it by rank, host and pid, and so does the first line
             of `clawcomm flight`.
+  link      a namespace host's link cut mid-run (TCP; needs root and
+            iproute2): every rank on the other hosts names a rank of the cut
+            host, and so does `clawcomm flight`.
   timeout   one rank stops calling; the other times out, then both destroy
             the group and exit cleanly.
   soak      random collectives on 2 ranks, results checked; RSS and open file
@@ -36,19 +39,20 @@ from __future__ import annotations
 
 from .endurance import floor_rise, rss_growth, soak, storm
 from .failures import kill, mismatch, settings, timeout
-from .hangs import hang
+from .hangs import hang, link
 from .harness import SLACK, SOAK_HEAP_GROWTH_LIMIT, SOAK_RSS_GROWTH_LIMIT, TIMEOUT, Score, segments
 
 __all__ = [
     "FAMILIES", "SLACK", "SOAK_HEAP_GROWTH_LIMIT", "SOAK_RSS_GROWTH_LIMIT", "TIMEOUT", "Score",
     "floor_rise", "rss_growth", "segments",
-    "kill", "mismatch", "hang", "settings", "timeout", "soak", "storm",
+    "kill", "mismatch", "hang", "link", "settings", "timeout", "soak", "storm",
 ]  # fmt: skip
 
 FAMILIES = {
     "kill": kill,
     "mismatch": mismatch,
     "hang": hang,
+    "link": link,
     "settings": settings,
     "timeout": timeout,
     "soak": soak,

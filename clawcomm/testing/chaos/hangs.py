@@ -117,3 +117,85 @@ def hang(trials: int, seed: int = 0) -> Score:
     score.extra["named in every error"] = named
     score.extra["named by clawcomm flight"] = flight_named
     return score
+
+
+# --- link: a namespace host's link cut mid-run --------------------------------
+
+
+def _link_trial(hosts: int, per_host: int, cut: int, flights: str, out: str):
+    """Ranks all-reducing on `hosts` namespace hosts under torchrun; host
+    `cut`'s link is cut once all run. Returns (when, each rank's report)."""
+    import glob
+    import json
+
+    from clawcomm.launch.netns import Cluster
+
+    ranks = hosts * per_host
+    when = {}
+
+    def count(pattern: str) -> int:
+        return len(glob.glob(os.path.join(out, pattern)))
+
+    def wait(pattern: str, n: int, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while count(pattern) < n and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def during(cluster) -> bool:
+        wait("ready*", ranks, 120)
+        time.sleep(0.3)
+        when["t"] = time.time()
+        cluster.cut(cut)
+        wait("rank*.json", ranks, TIMEOUT + 15)
+        return True  # whatever still runs is killed
+
+    with Cluster(hosts) as cluster:
+        cluster.torchrun(
+            ["-m", "clawcomm.testing.chaos.link_job", out, str(TIMEOUT)],
+            per_host,
+            env={"CLAWCOMM_FLIGHT_DIR": flights},
+            timeout=180,
+            during=during,
+        )
+    reports = {}
+    for path in glob.glob(os.path.join(out, "rank*.json")):
+        with open(path) as f:
+            r = json.load(f)
+        reports[r["rank"]] = r
+    return when.get("t", 0.0), reports
+
+
+def link(trials: int, seed: int = 0) -> Score:
+    """A host's link cut (TCP across namespace hosts): every rank on the
+    other hosts names a rank of the cut host within the timeout + 1 s."""
+    from clawcomm.flight import report
+    from clawcomm.launch.netns import unavailable
+
+    score = Score("link")
+    why = unavailable()
+    if why:
+        score.extra["skipped"] = why
+        return score
+    rng = random.Random(seed)
+    flight_named = 0
+    for _ in range(trials):
+        hosts, per_host = rng.choice([(2, 1), (2, 2), (3, 1)])
+        cut = rng.randrange(1, hosts)  # host 0 serves torchrun's store
+        cut_host = f"(host netns-h{cut}"
+        with tempfile.TemporaryDirectory() as flights, tempfile.TemporaryDirectory() as out:
+            at, reports = _link_trial(hosts, per_host, cut, flights, out)
+            jobs = [os.path.join(flights, d) for d in os.listdir(flights)]
+            first = report(jobs[0])[0] if len(jobs) == 1 else f"{len(jobs)} job folders"
+        others = [r for r in reports.values() if r["host"] != f"netns-h{cut}"]
+        good = len(others) == (hosts - 1) * per_host and all(
+            "error" in r
+            and r["error_at"] - at <= TIMEOUT + SLACK
+            and cut_host in r["error"].split("held up by ", 1)[-1]
+            for r in others
+        )
+        in_flight = first.startswith("culprit: ") and cut_host in first
+        flight_named += in_flight
+        note = f"hosts={hosts}x{per_host} cut={cut} at={at:.2f}: {others} | flight: {first}"
+        score.add(good and in_flight, note=note)
+    score.extra["named by clawcomm flight"] = flight_named
+    return score

@@ -179,6 +179,20 @@ class TcpConnection : public Connection {
     }
   }
 
+  std::string stall() const override {
+    for (int fd : fds_) {
+      tcp_info info{};
+      socklen_t len = sizeof(info);
+      if (getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &len) != 0) continue;
+      if (info.tcpi_unacked > 0 && info.tcpi_last_ack_recv >= kStallMs) {
+        return CLAWCOMM_CONCAT(info.tcpi_unacked, " TCP segments unacknowledged, no ACK for ",
+                               info.tcpi_last_ack_recv / 1000.0, " s (", info.tcpi_total_retrans,
+                               " retransmissions)");
+      }
+    }
+    return {};
+  }
+
   void abort(const std::string&) override {
     for (int fd : fds_) shutdown(fd, SHUT_RDWR);
   }
@@ -193,6 +207,7 @@ class TcpConnection : public Connection {
   const char* kind() const override { return "tcp"; }
 
  private:
+  static constexpr uint32_t kStallMs = 1000;  // no ACK for this long: the link looks cut
   std::vector<int> fds_;
   int peer_;
   std::vector<uint8_t> staging_;
