@@ -13,6 +13,7 @@ EXTRAS = {
     "cupy": ("cuda", "GPU arrays"),
     "tensorboard": ("tensorboard", "TensorBoard logs"),
     "google": ("chakra", "Chakra execution traces (protobuf)"),
+    "torchft": ("torchft", "torchft's fault-tolerant replica groups"),
 }
 
 

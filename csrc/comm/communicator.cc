@@ -349,12 +349,20 @@ void Communicator::fail(std::exception_ptr error) {
   if (!broken_) {
     broken_ = error;
     const std::string why = errorText(error);
+    std::string culprit;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (failure_.empty()) failure_ = why;
       failed_ = true;
+      culprit = culprit_;
     }
-    messenger_->abort(CLAWCOMM_CONCAT("rank ", rank_, " failed: ", why));
+    // The peers read a reason of kAbortReasonBytes at most: where the
+    // whole error does not fit, the culprit goes first.
+    std::string told = CLAWCOMM_CONCAT("rank ", rank_, " failed: ", why);
+    if (told.size() >= kAbortReasonBytes && !culprit.empty()) {
+      told = CLAWCOMM_CONCAT("rank ", rank_, " failed, ", culprit, ": ", why);
+    }
+    messenger_->abort(told);
     notifyFailure(why);
   }
   for (auto& op : pointToPoint_) {

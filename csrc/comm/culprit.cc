@@ -81,16 +81,16 @@ Verdict findCulprits(const StatusPages& pages, int rank, const std::vector<std::
     const bool differs = std::find(atS.begin(), atS.end(), q) != atS.end() &&
                          (tie || !callOf(q).sameAs(callOf(model)));
     if (differs) {
+      // The frame's error has described both calls already: say whose.
       std::vector<int> others;
       for (int o : atS) {
         if (!callOf(o).sameAs(callOf(q))) others.push_back(o);
       }
-      const std::string theirs = callOf(others.front()).describe();
-      clauses.push_back(CLAWCOMM_CONCAT(
-          who(q, hosts, p), ": called ", callOf(q).describe(), " where ",
-          others.size() == 1 ? "rank " : "ranks ",
-          others.size() == 1 ? std::to_string(others.front()) : describeRanks(others), " called ",
-          theirs));
+      clauses.push_back(CLAWCOMM_CONCAT(who(q, hosts, p), ": its call #", s, " (",
+                                        opTypeName(callOf(q).type), ") differs from that of ",
+                                        others.size() == 1
+                                            ? CLAWCOMM_CONCAT("rank ", others.front())
+                                            : CLAWCOMM_CONCAT("ranks ", describeRanks(others))));
       v.culprits.push_back(q);
       continue;
     }

@@ -29,9 +29,9 @@ HANGS = ["stop", "sleep", "op", "size", "dtype"]
 SAYS = {
     "stop": "): stopped (SIGSTOP",
     "sleep": "): has not called",
-    "op": "): called broadcast",
-    "size": "): called all_reduce #6 of 65 float32",
-    "dtype": "): called all_reduce #6 of 64 float64",
+    "op": "): its call #6 (broadcast) differs",
+    "size": "): its call #6 (all_reduce) differs",
+    "dtype": "): its call #6 (all_reduce) differs",
 }
 CALLS = 6  # calls before the fault (sleep and the mismatches)
 
