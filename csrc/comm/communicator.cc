@@ -90,6 +90,10 @@ Communicator::Communicator(std::shared_ptr<Store> store, int rank, int size,
   messenger_ = std::make_unique<Messenger>(rank, size, std::move(conns.toRank),
                                            settings_.spinMicros, settings_.yieldMicros);
   messenger_->spinForReads(!oversubscribed && settings_.spinMicros > 0);
+  if (status_) {
+    StatusPages* pages = status_.get();
+    messenger_->setStallWatch([pages](int peer) { pages->stalled(peer); });
+  }
   // The group's epoch: its random token's low bits, new for every group (a
   // rebuilt one included).
   messenger_->setEpoch(uint32_t(std::stoull(jobToken_.empty() ? "0" : jobToken_, nullptr, 16)));

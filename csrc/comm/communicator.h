@@ -389,8 +389,10 @@ class Communicator {
   bool completeIfBroken(Op& op);
   std::exception_ptr withFlightRecord(std::exception_ptr error);
   // `error` (a timeout or a mismatch in collective `sig`) with the ranks
-  // that hold the group up named (comm/culprit.h), kept for the flight record.
-  std::exception_ptr withCulprits(std::exception_ptr error, const OpSignature& sig, bool timedOut);
+  // that hold the group up named (comm/culprit.h), kept for the flight
+  // record. `late`: seconds past its deadline the timeout was seen.
+  std::exception_ptr withCulprits(std::exception_ptr error, const OpSignature& sig, bool timedOut,
+                                  double late);
   void fail(std::exception_ptr error);
   void notifyFailure(const std::string& reason);
   std::string dumpFlightRecord(const std::string& why) noexcept;

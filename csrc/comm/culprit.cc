@@ -39,6 +39,18 @@ std::string lastDone(const StatusPage& p, int64_t now) {
 
 }  // namespace
 
+Verdict selfHeldUp(const StatusPages& pages, int rank, const std::vector<std::string>& hosts,
+                   double lateSeconds) {
+  Verdict v;
+  v.culprits = {rank};
+  char late[32];
+  std::snprintf(late, sizeof(late), "%.1f s", lateSeconds);
+  v.text = CLAWCOMM_CONCAT("held up by ", who(rank, hosts, pages.read(rank)),
+                           " itself: it did not run for ", late,
+                           " past its deadline (stopped, or starved of the CPU)");
+  return v;
+}
+
 Verdict findCulprits(const StatusPages& pages, int rank, const std::vector<std::string>& hosts,
                      const OpSignature& waiting, bool timedOut, const LinkView& links) {
   const int size = int(hosts.size());
@@ -73,8 +85,17 @@ Verdict findCulprits(const StatusPages& pages, int rank, const std::vector<std::
     return !callOf(q).sameAs(callOf(model)) && agreeing(q) == agreeing(model);
   });
 
-  Verdict v;
-  std::vector<std::string> clauses;
+  // 2. Each rank's finding. A rank still inside an earlier collective is
+  //    held up itself: it is named only where nothing else is found.
+  struct Finding {
+    int rank;
+    std::string clause;
+    bool primary;
+  };
+  std::vector<Finding> found;
+  const auto named = [&](int q) {
+    return std::any_of(found.begin(), found.end(), [&](const Finding& f) { return f.rank == q; });
+  };
   for (int q = 0; q < size; ++q) {
     const StatusPage& p = page[size_t(q)];
     if (!p.visible) continue;
@@ -86,54 +107,77 @@ Verdict findCulprits(const StatusPages& pages, int rank, const std::vector<std::
       for (int o : atS) {
         if (!callOf(o).sameAs(callOf(q))) others.push_back(o);
       }
-      clauses.push_back(CLAWCOMM_CONCAT(who(q, hosts, p), ": its call #", s, " (",
-                                        opTypeName(callOf(q).type), ") differs from that of ",
-                                        others.size() == 1
-                                            ? CLAWCOMM_CONCAT("rank ", others.front())
-                                            : CLAWCOMM_CONCAT("ranks ", describeRanks(others))));
-      v.culprits.push_back(q);
+      found.push_back(
+          {q,
+           CLAWCOMM_CONCAT(who(q, hosts, p), ": its call #", s, " (", opTypeName(callOf(q).type),
+                           ") differs from that of ",
+                           others.size() == 1 ? CLAWCOMM_CONCAT("rank ", others.front())
+                                              : CLAWCOMM_CONCAT("ranks ", describeRanks(others))),
+           true});
       continue;
     }
     // A rank that failed on its own has told the others why.
     if (q == rank || p.failed) continue;
     const bool reached = p.calledAny && p.called >= s;
     if (processStopped(p.pid)) {
-      clauses.push_back(CLAWCOMM_CONCAT(who(q, hosts, p),
-                                        ": stopped (SIGSTOP, or held by a debugger) ",
-                                        reached ? CLAWCOMM_CONCAT("in ", p.last.describe())
-                                                : CLAWCOMM_CONCAT("before its call #", s),
-                                        "; ", lastDone(p, now)));
-      v.culprits.push_back(q);
+      found.push_back(
+          {q,
+           CLAWCOMM_CONCAT(who(q, hosts, p), ": stopped (SIGSTOP, or held by a debugger) ",
+                           reached ? CLAWCOMM_CONCAT("in ", p.last.describe())
+                                   : CLAWCOMM_CONCAT("before its call #", s),
+                           "; ", lastDone(p, now)),
+           true});
     } else if (!reached && timedOut) {
       const bool inEarlier = p.calledAny && (!p.completedAny || p.completed < p.called);
-      clauses.push_back(CLAWCOMM_CONCAT(
-          who(q, hosts, p), ": has not called collective #", s, ": ",
-          inEarlier ? CLAWCOMM_CONCAT("it is still in ", p.last.describe(), " (called ",
-                                      seconds(now - p.sinceNs), " ago)")
-                    : CLAWCOMM_CONCAT(lastDone(p, now), ", and has run its own code since")));
-      v.culprits.push_back(q);
+      found.push_back(
+          {q,
+           CLAWCOMM_CONCAT(
+               who(q, hosts, p), ": has not called collective #", s, ": ",
+               inEarlier ? CLAWCOMM_CONCAT("it is still in ", p.last.describe(), " (called ",
+                                           seconds(now - p.sinceNs), " ago)")
+                         : CLAWCOMM_CONCAT(lastDone(p, now), ", and has run its own code since")),
+           !inEarlier});
     }
   }
-  // 2. Links, on a timeout: one that looks cut names the rank behind it;
-  //    failing any other finding, so does the TCP peer this rank waited
-  //    for, where every rank seen here is in the collective.
-  const auto named = [&](int q) {
-    return std::find(v.culprits.begin(), v.culprits.end(), q) != v.culprits.end();
+  // 3. Links, on a timeout: one that looks cut, to this rank or to a rank
+  //    of this host (its page says so), names the rank behind it; failing
+  //    any other finding, so does the TCP peer this rank waited for, where
+  //    every rank seen here is in the collective.
+  const auto unreachable = [&](int q, int from, const std::string& why) {
+    found.push_back({q,
+                     CLAWCOMM_CONCAT(who(q, hosts, page[size_t(q)]), ": unreachable from rank ",
+                                     from, " (host ", hosts[size_t(from)], "): ", why),
+                     true});
   };
   for (const auto& [q, why] : links.stalled) {
-    if (named(q)) continue;
-    clauses.push_back(CLAWCOMM_CONCAT(who(q, hosts, page[size_t(q)]), ": unreachable from rank ",
-                                      rank, " (host ", hosts[size_t(rank)], "): ", why));
-    v.culprits.push_back(q);
+    if (!named(q)) unreachable(q, rank, why);
   }
+  for (int from = 0; from < size && timedOut; ++from) {
+    const int q = page[size_t(from)].stalledPeer;
+    if (page[size_t(from)].visible && q >= 0 && q < size && !named(q)) {
+      unreachable(q, from, "its TCP link got no ACK for a second or more");
+    }
+  }
+  const bool primary =
+      std::any_of(found.begin(), found.end(), [](const Finding& f) { return f.primary; });
   const int q = links.awaited;
-  if (clauses.empty() && timedOut && q >= 0 && q < size && size_t(q) < links.transports.size() &&
-      links.transports[size_t(q)] == "tcp") {
-    clauses.push_back(CLAWCOMM_CONCAT(who(q, hosts, page[size_t(q)]),
-                                      ": nothing came from it over TCP while every rank seen ",
-                                      "from host ", hosts[size_t(rank)], " is in collective #", s,
-                                      ": its link or its host may be down"));
-    v.culprits.push_back(q);
+  if (!primary && timedOut && q >= 0 && q < size && size_t(q) < links.transports.size() &&
+      links.transports[size_t(q)] == "tcp" && !named(q)) {
+    found.push_back({q,
+                     CLAWCOMM_CONCAT(who(q, hosts, page[size_t(q)]),
+                                     ": nothing came from it over TCP while every rank seen ",
+                                     "from host ", hosts[size_t(rank)], " is in collective #", s,
+                                     ": its link or its host may be down"),
+                     true});
+  }
+  Verdict v;
+  std::vector<std::string> clauses;
+  const bool anyPrimary =
+      std::any_of(found.begin(), found.end(), [](const Finding& f) { return f.primary; });
+  for (const Finding& f : found) {
+    if (anyPrimary && !f.primary) continue;
+    clauses.push_back(f.clause);
+    v.culprits.push_back(f.rank);
   }
   std::sort(v.culprits.begin(), v.culprits.end());
   if (!clauses.empty()) {
@@ -142,9 +186,9 @@ Verdict findCulprits(const StatusPages& pages, int rank, const std::vector<std::
   } else if (timedOut && !unseen.empty()) {
     // Only what this machine's table shows: ranks elsewhere cannot be seen.
     std::vector<std::string> where;
-    for (int q : unseen) {
-      if (std::find(where.begin(), where.end(), hosts[size_t(q)]) == where.end()) {
-        where.push_back(hosts[size_t(q)]);
+    for (int u : unseen) {
+      if (std::find(where.begin(), where.end(), hosts[size_t(u)]) == where.end()) {
+        where.push_back(hosts[size_t(u)]);
       }
     }
     std::string names;

@@ -10,10 +10,14 @@
 //   - a rank that called another collective under the same number: the
 //     ranks that agree on the call are taken as right, the others named
 //     (with two ranks, or a tie, every side is named);
-//   - on a timeout, a rank whose link looks cut: bytes this rank sent it
-//     over TCP unacknowledged for a second or more (its kernel would
-//     acknowledge them even if it were stopped), or, where every rank seen
-//     here is in the collective, the TCP peer this rank waited for.
+//   - on a timeout, a rank whose link looks cut: bytes this rank, or a rank
+//     of its host (its page says so), sent it over TCP unacknowledged for a
+//     second or more (its kernel would acknowledge them even if it were
+//     stopped), or, where nothing else is found, the TCP peer this rank
+//     waited for.
+//
+// A rank still inside an earlier collective is held up itself, and is named
+// only where nothing else is.
 //
 // The sentence goes into the error every rank raises (the first rank to
 // fail tells the others) and into the flight record, whose first line in
@@ -46,5 +50,11 @@ struct LinkView {
 // wait ran out (rather than a mismatch found in a frame).
 Verdict findCulprits(const StatusPages& pages, int rank, const std::vector<std::string>& hosts,
                      const OpSignature& waiting, bool timedOut, const LinkView& links);
+
+// Where this rank's own wait ran `lateSeconds` past its deadline before it
+// could look (its process was stopped, or starved of the CPU): it is the
+// one that held the others up, whatever the pages say now.
+Verdict selfHeldUp(const StatusPages& pages, int rank, const std::vector<std::string>& hosts,
+                   double lateSeconds);
 
 }  // namespace clawcomm

@@ -13,9 +13,12 @@
 #include "messenger/messenger.h"
 
 namespace clawcomm {
+namespace {
+constexpr double kLateSeconds = 1.0;
+}  // namespace
 
 std::exception_ptr Communicator::withCulprits(std::exception_ptr error, const OpSignature& sig,
-                                              bool timedOut) {
+                                              bool timedOut, double late) {
   // Only the first failure: later ones follow from it.
   if (broken_ || !status_) return error;
   LinkView links;
@@ -24,7 +27,11 @@ std::exception_ptr Communicator::withCulprits(std::exception_ptr error, const Op
     links.stalled = messenger_->stalledLinks();
     links.transports = transports_;
   }
-  const Verdict verdict = findCulprits(*status_, rank_, hosts_, sig, timedOut, links);
+  // A wait checks its deadline every 10 ms: one seen a second late means
+  // this process did not run meanwhile (it was the stopped one).
+  const Verdict verdict = timedOut && late > kLateSeconds
+                              ? selfHeldUp(*status_, rank_, hosts_, late)
+                              : findCulprits(*status_, rank_, hosts_, sig, timedOut, links);
   if (verdict.text.empty()) return error;
   {
     std::lock_guard<std::mutex> lock(mutex_);

@@ -27,6 +27,7 @@ void Communicator::runCollective(Op& op) {
   if (completeIfBroken(op)) return;
   std::exception_ptr error;
   bool timedOut = false, mismatched = false;
+  double late = 0;  // seconds the timeout was seen past its deadline
   const Clock::time_point start = Clock::now();
   recorder_.started(op.record, start);
   try {
@@ -40,6 +41,7 @@ void Communicator::runCollective(Op& op) {
                         CLAWCOMM_CONCAT(opPrefix(op.sig.type), "timeout after ",
                                         timeoutMs_.load() / 1000.0, " s: rank ", rank_, " "));
     timedOut = true;
+    late = std::chrono::duration<double>(Clock::now() - (start + this->timeout())).count();
   } catch (const MismatchError&) {
     error = withContext(std::current_exception(), opPrefix(op.sig.type));
     mismatched = true;
@@ -47,7 +49,7 @@ void Communicator::runCollective(Op& op) {
     error = withContext(std::current_exception(), opPrefix(op.sig.type));
   }
   recorder_.finished(op.record, !error);
-  if (timedOut || mismatched) error = withCulprits(error, op.sig, timedOut);
+  if (timedOut || mismatched) error = withCulprits(error, op.sig, timedOut, late);
   if (status_) status_->completed(op.sig.seq, !error);
   const auto ran = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start);
   Traffic::add(messenger_->traffic().of(op.sig.type).busyUs, uint64_t(ran.count()));

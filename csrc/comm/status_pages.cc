@@ -40,6 +40,7 @@ struct alignas(64) StatusPages::Slot {
   std::atomic<uint8_t> dtype{0};
   std::atomic<uint8_t> redop{0};
   std::atomic<uint8_t> algo{0};
+  std::atomic<int32_t> stalledPeer{0};  // peer + 1 (0: none)
   // The owner's writers on two threads (a call, and an earlier op's
   // completion) take turns here; readers never touch it.
   std::atomic<bool> writing{false};
@@ -129,6 +130,11 @@ void StatusPages::completed(uint64_t seq, bool ok) noexcept {
   s.writing.store(false, std::memory_order_release);
 }
 
+void StatusPages::stalled(int peer) noexcept {
+  // One word, read on its own: no sequence count needed.
+  slot(rank_)->stalledPeer.store(peer + 1, std::memory_order_relaxed);
+}
+
 StatusPage StatusPages::read(int rank) const noexcept {
   StatusPage out;
   if (rank < 0 || rank >= size_ || (!shared_ && rank != rank_)) return out;
@@ -155,6 +161,7 @@ StatusPage StatusPages::read(int rank) const noexcept {
     std::atomic_thread_fence(std::memory_order_acquire);
     if ((v1 & 1) == 0 && s.version.load(kRelaxed) == v1) break;
   }
+  out.stalledPeer = s.stalledPeer.load(kRelaxed) - 1;
   out.visible = out.pid != 0;
   return out;
 }

@@ -32,9 +32,10 @@ struct StatusPage {
   uint64_t called = 0;     // the sequence number of the last collective it called
   uint64_t completed = 0;  // of the last it completed (valid where completedAny)
   bool completedAny = false;
-  bool failed = false;  // its communicator failed
-  OpSignature last;     // the last collective called (last.seq == called)
-  int64_t sinceNs = 0;  // CLOCK_MONOTONIC of its last change
+  bool failed = false;       // its communicator failed
+  OpSignature last;          // the last collective called (last.seq == called)
+  int32_t stalledPeer = -1;  // a peer whose link it last found cut (-1: none)
+  int64_t sinceNs = 0;       // CLOCK_MONOTONIC of its last change
 };
 
 class StatusPages {
@@ -53,6 +54,9 @@ class StatusPages {
   // its progress thread, which never race on the same update).
   void called(const OpSignature& sig) noexcept;
   void completed(uint64_t seq, bool ok) noexcept;
+  // A peer whose link this rank found cut while it waited (Messenger's
+  // stall watch), for the verdicts of its host's other ranks.
+  void stalled(int peer) noexcept;
 
   // A copy of `rank`'s page (visible = false where it cannot be read).
   StatusPage read(int rank) const noexcept;

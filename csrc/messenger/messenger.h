@@ -36,6 +36,7 @@
 
 #include <atomic>
 #include <deque>
+#include <functional>
 #include <list>
 #include <memory>
 #include <mutex>
@@ -189,6 +190,10 @@ class Messenger {
 
   // After pause() threw TimeoutError: the peer the wait was for (-1: any).
   int timedOutOn() const { return timedOutOn_; }
+  // Called (on the waiting thread) with a peer whose link looks cut
+  // (Connection::stall), every kStallCheckInterval of a wait that has been
+  // idle for kStallCheckAfter: the communicator shows it on its status page.
+  void setStallWatch(std::function<void(int peer)> watch) { stallWatch_ = std::move(watch); }
   // Each peer whose link looks cut (Connection::stall), with why.
   std::vector<std::pair<int, std::string>> stalledLinks() const;
 
@@ -253,6 +258,8 @@ class Messenger {
   static void deliver(Transfer& stash, Transfer& recv);
   void checkPeers(const std::vector<TransferPtr>& waitingOn);
   int timedOutOn_ = -1;  // see timedOutOn()
+  std::function<void(int)> stallWatch_;
+  Clock::time_point nextStallCheck_{};
   std::string describeWait(const Transfer& t) const;
   std::string whatWasAwaited(int peer, const std::vector<TransferPtr>& waitingOn) const;
 

@@ -30,6 +30,10 @@ namespace {
 constexpr size_t kHeaderBytes = sizeof(FrameHeader);
 // How often a sleeping wait wakes to check that its peers are alive.
 constexpr auto kHealthCheckInterval = std::chrono::milliseconds(10);
+// A wait idle this long looks at its links (setStallWatch), this often: a
+// link that gets no ACK for a second looks cut (Connection::stall).
+constexpr auto kStallCheckAfter = std::chrono::seconds(1);
+constexpr auto kStallCheckInterval = std::chrono::milliseconds(100);
 
 }  // namespace
 
@@ -232,6 +236,10 @@ void Messenger::pause(Clock::time_point idleSince, Clock::time_point deadline,
   if (now >= nextHealthCheck_) {
     nextHealthCheck_ = now + kHealthCheckInterval;
     checkPeers(waitingOn);
+    if (stallWatch_ && idle >= kStallCheckAfter && now >= nextStallCheck_) {
+      nextStallCheck_ = now + kStallCheckInterval;
+      for (const auto& [peer, why] : stalledLinks()) stallWatch_(peer);
+    }
     if (now >= deadline) {
       const Transfer* first = nullptr;
       for (const auto& t : waitingOn) {
