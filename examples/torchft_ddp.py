@@ -36,7 +36,7 @@ def replica(args) -> None:
     """One replica group of one rank: trains until the Manager's step count
     reaches --steps, logging (step, time, weights' sum) after each."""
     from torch.distributed import TCPStore
-    from torchft import DistributedDataParallel, Manager, OptimizerWrapper
+    from torchft import DistributedDataParallel, Manager, Optimizer
 
     from clawcomm.torchft_group import ProcessGroupClawcomm
 
@@ -67,7 +67,7 @@ def replica(args) -> None:
         quorum_timeout=timedelta(seconds=10),
     )
     ddp = DistributedDataParallel(manager, model)
-    optimizer = OptimizerWrapper(manager, inner)
+    optimizer = Optimizer(manager, inner)
     log = open(args.log, "a") if args.log else None
     while manager.current_step() < args.steps:
         # The data of a step depends on the step alone: every group draws the same.
@@ -79,9 +79,9 @@ def replica(args) -> None:
         loss.backward()
         optimizer.step()
         if log:
-            weights = sum(float(p.double().sum()) for p in model.parameters())
+            weights = sum(float(p.detach().double().sum()) for p in model.parameters())
             log.write(json.dumps({"step": manager.current_step(), "t": time.time(),
-                                  "loss": float(loss), "weights": weights,
+                                  "loss": loss.item(), "weights": weights,
                                   "participants": manager.num_participants()}) + "\n")  # fmt: skip
             log.flush()
         time.sleep(args.step_s)
@@ -102,6 +102,7 @@ def demo(args) -> dict:
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=200,
                                   heartbeat_timeout_ms=1000)  # fmt: skip
     folder = args.log_dir or "."
+    os.makedirs(folder, exist_ok=True)
     logs = [os.path.join(folder, f"group{r}.jsonl") for r in range(2)]
     for path in logs:
         if os.path.exists(path):
@@ -118,6 +119,8 @@ def demo(args) -> dict:
     deadline = time.monotonic() + args.limit_s
     try:
         while time.monotonic() < deadline:
+            if any(p.poll() is not None for p in procs):
+                raise RuntimeError(f"a replica group exited early: {[p.poll() for p in procs]}")
             one = _steps(logs[1])
             if one and one[-1]["step"] >= args.kill_at:
                 procs[1].send_signal(signal.SIGKILL)
@@ -148,8 +151,8 @@ def main() -> None:
     p.add_argument("--demo", action="store_true", help="lighthouse, two groups, a kill, a heal")
     p.add_argument("--lighthouse", help="HOST:PORT of torchft's Lighthouse")
     p.add_argument("--replica-id", type=int, default=0)
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--step-s", type=float, default=0.05, help="sleep after each step (s)")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--step-s", type=float, default=0.2, help="sleep after each step (s)")
     p.add_argument("--kill-at", type=int, default=10, help="--demo: kill group 1 at this step")
     p.add_argument("--limit-s", type=float, default=120.0)
     p.add_argument("--log", help="a JSON line per step to this file")
