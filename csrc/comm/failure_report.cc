@@ -69,9 +69,13 @@ std::string Communicator::inGlobalRanks(const std::string& text) const {
     size_t end = at + 5;
     while (end < text.size() && std::isdigit(static_cast<unsigned char>(text[end]))) ++end;
     const bool word = at == 0 || !std::isalpha(static_cast<unsigned char>(text[at - 1]));
+    // Text a peer wrote in global ranks already (its abort's reason) stays
+    // as it is: "rank 3 (group rank 2, ...)", and the "group rank 2" in it.
+    const bool mapped = text.compare(end, 13, " (group rank ") == 0 ||
+                        (at >= 6 && text.compare(at - 6, 6, "group ") == 0);
     out += text.substr(i, at + 5 - i);
     i = end;
-    if (!word || end == at + 5 || end - at > 12) {
+    if (!word || mapped || end == at + 5 || end - at > 12) {
       out += text.substr(at + 5, end - at - 5);
       continue;
     }
