@@ -130,16 +130,19 @@ def culprit(groups: dict[str, dict[int, dict]]) -> str | None:
     """Who held the job up, as the failing ranks' records name it: the
     verdict most of them give (a rank that failed on a peer's word carries
     that peer's verdict in its error)."""
+    records = [r for group in groups.values() for r in group.values()]
     said: dict[str, int] = {}
-    for records in groups.values():
-        for record in records.values():
-            text = record.get("culprit")
-            if not text:
-                found = re.search(r"held up by (.*?)(?: \(flight record: |$)", record["why"])
-                text = found.group(1) if found else None
-            if text:
-                text = text.removeprefix("held up by ")
-                said[text] = said.get(text, 0) + 1
+    # The verdicts ranks gave themselves first; only without any, the one a
+    # rank carries in its error from the peer that failed first.
+    for record in records:
+        if record.get("culprit"):
+            text = record["culprit"].removeprefix("held up by ")
+            said[text] = said.get(text, 0) + 1
+    if not said:
+        for record in records:
+            found = re.search(r"held up by (.*?)(?: \(flight record: |$)", record["why"])
+            if found:
+                said[found.group(1)] = said.get(found.group(1), 0) + 1
     return max(said, key=said.get) if said else None
 
 

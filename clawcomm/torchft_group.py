@@ -44,8 +44,9 @@ class ProcessGroupClawcomm(ProcessGroupWrapper):
         pg = BaseProcessGroup(store, rank, world_size)
         pg._set_default_backend(BaseProcessGroup.BackendType.CUSTOM)
         backend = _C_torch.ClawcommBackend(store, rank, world_size, self._timeout, -1)
-        if self._global_ranks and len(self._global_ranks) == world_size:
-            backend._set_global_ranks(list(self._global_ranks))
+        ranks = getattr(self, "_global_ranks", None)  # set by torchft 0.2's configure
+        if ranks and len(ranks) == world_size:
+            backend._set_global_ranks(list(ranks))
         pg._register_backend(torch.device("cpu"), BaseProcessGroup.BackendType.CUSTOM, backend)
         return pg
 

@@ -412,17 +412,28 @@ uint64_t Communicator::beginExternal(OpSignature& sig, uint64_t bytes, int peer)
     throw PeerError(CLAWCOMM_CONCAT(
         opPrefix(sig.type), "the communicator was aborted by an earlier error: ", failure_));
   }
-  if (sig.type != OpType::kSend && sig.type != OpType::kRecv) {
-    sig.seq = nextSeq_++;
-    if (status_) status_->called(sig);
-  }
+  const bool collective = sig.type != OpType::kSend && sig.type != OpType::kRecv;
+  if (collective) sig.seq = nextSeq_++;
   const uint64_t id = recorder_.queued(sig, peer, bytes);
   recorder_.started(id, Clock::now());
+  // The page shows it called, and endExternal completed, by the record's id
+  // (none with the recorder off: then the page leaves device calls out).
+  if (collective && status_ && id != 0) {
+    status_->called(sig);
+    std::lock_guard<std::mutex> seqs(externalMutex_);
+    externalSeqs_[id] = sig.seq;
+  }
   return id;
 }
 
 void Communicator::endExternal(uint64_t record, bool ok) {
   recorder_.finished(record, ok);
+  if (!status_ || record == 0) return;
+  std::lock_guard<std::mutex> seqs(externalMutex_);
+  const auto it = externalSeqs_.find(record);
+  if (it == externalSeqs_.end()) return;
+  status_->completed(it->second, ok);
+  externalSeqs_.erase(it);
 }
 
 void Communicator::setGlobalRanks(std::vector<int> ranks) {

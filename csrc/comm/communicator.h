@@ -417,6 +417,10 @@ class Communicator {
   Recorder recorder_;
   std::unique_ptr<StatusPages> status_;  // this rank's status page (null: a group of one)
   std::string culprit_;                  // guarded by mutex_: withCulprits' verdict, if any
+  // Device collectives in flight (beginExternal's record -> its sequence
+  // number), for their completion on the status page.
+  std::mutex externalMutex_;
+  std::unordered_map<uint64_t, uint64_t> externalSeqs_;
   Scratch scratch_;  // the collectives' working memory (one collective runs at a time)
   std::unique_ptr<ChannelMemory> channelMemory_;  // their channels' (the same)
 

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cstdio>
 
-#include "comm/rendezvous.h"
 #include "common/errors.h"
 #include "common/process.h"
 
@@ -22,6 +21,17 @@ std::string who(int rank, const std::vector<std::string>& hosts, const StatusPag
   const std::string host = size_t(rank) < hosts.size() ? hosts[size_t(rank)] : "?";
   if (!page.visible) return CLAWCOMM_CONCAT("rank ", rank, " (host ", host, ")");
   return CLAWCOMM_CONCAT("rank ", rank, " (host ", host, ", pid ", page.pid, ")");
+}
+
+// "rank 0", "rank 0 and rank 2", "rank 0, rank 1 and rank 3": each rank
+// written out, so that a sub-group's error names each by its global rank
+// (Communicator::inGlobalRanks rewrites every "rank N").
+std::string rankList(const std::vector<int>& ranks) {
+  std::string out;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    out += CLAWCOMM_CONCAT(i == 0 ? "" : i + 1 == ranks.size() ? " and " : ", ", "rank ", ranks[i]);
+  }
+  return out;
 }
 
 // What a rank last finished, and how long ago its page last changed.
@@ -81,7 +91,9 @@ Verdict findCulprits(const StatusPages& pages, int rank, const std::vector<std::
   for (int q : atS) {
     if (agreeing(q) > agreeing(model)) model = q;
   }
-  const bool tie = std::any_of(atS.begin(), atS.end(), [&](int q) {
+  // Ranks this host cannot see may hold the majority: then every side is
+  // named, as on a tie.
+  const bool tie = !unseen.empty() || std::any_of(atS.begin(), atS.end(), [&](int q) {
     return !callOf(q).sameAs(callOf(model)) && agreeing(q) == agreeing(model);
   });
 
@@ -110,9 +122,7 @@ Verdict findCulprits(const StatusPages& pages, int rank, const std::vector<std::
       found.push_back(
           {q,
            CLAWCOMM_CONCAT(who(q, hosts, p), ": its call #", s, " (", opTypeName(callOf(q).type),
-                           ") differs from that of ",
-                           others.size() == 1 ? CLAWCOMM_CONCAT("rank ", others.front())
-                                              : CLAWCOMM_CONCAT("ranks ", describeRanks(others))),
+                           ") differs from that of ", rankList(others)),
            true});
       continue;
     }
@@ -193,8 +203,8 @@ Verdict findCulprits(const StatusPages& pages, int rank, const std::vector<std::
     }
     std::string names;
     for (const auto& h : where) names += (names.empty() ? "" : ", ") + h;
-    v.text = CLAWCOMM_CONCAT("every rank seen from this host is in collective #", s, "; ranks ",
-                             describeRanks(unseen), " on ", names,
+    v.text = CLAWCOMM_CONCAT("every rank seen from this host is in collective #", s, "; ",
+                             rankList(unseen), " on ", names,
                              " cannot be seen from here: look at their errors");
   }
   return v;

@@ -67,8 +67,8 @@ StatusPages::StatusPages(const std::string& tokenHex, int rank, int size)
     }
     close(fd);
   }
+  if (fd < 0) unlinked_ = true;  // no name was made
   if (!shared_) {
-    unlinked_ = true;  // nothing of ours to remove
     base_ = ::operator new(bytes_, std::align_val_t(64));
     std::memset(base_, 0, bytes_);
   }
@@ -110,6 +110,7 @@ void StatusPages::called(const OpSignature& sig) noexcept {
   s.algo.store(uint8_t(sig.algo), kRelaxed);
   s.root.store(sig.root, kRelaxed);
   s.count.store(sig.count, kRelaxed);
+  s.stalledPeer.store(0, kRelaxed);  // a link found cut in an earlier wait is old news
   s.flags.store(s.flags.load(kRelaxed) | kCalledAny, kRelaxed);
   s.sinceNs.store(coarseNowNs(), kRelaxed);
   s.version.store(v + 2, std::memory_order_release);

@@ -44,9 +44,11 @@ def _hang_trial(rank, ws, store_path, kind, victim, stop_after):
     store = dist.distributed_c10d._get_default_store()
     store.set(f"pid/{rank}", str(os.getpid()))
     stopper = (victim + 1) % ws
+    timer = None
     if kind == "stop" and rank == stopper:
         victim_pid = int(store.get(f"pid/{victim}"))
-        threading.Timer(stop_after, os.kill, (victim_pid, signal.SIGSTOP)).start()
+        timer = threading.Timer(stop_after, os.kill, (victim_pid, signal.SIGSTOP))
+        timer.start()
     x = torch.ones(1 << 18 if kind == "stop" else 64)
     me = rank == victim
     began = time.monotonic()
@@ -73,7 +75,9 @@ def _hang_trial(rank, ws, store_path, kind, victim, stop_after):
     except Exception as e:  # noqa: BLE001
         return (str(e), time.monotonic() - start, os.getpid())
     finally:
-        if kind == "stop" and rank == stopper:
+        if timer is not None:  # a stop that has not come must not come after the SIGCONT
+            timer.cancel()
+            timer.join()
             os.kill(int(store.get(f"pid/{victim}")), signal.SIGCONT)
 
 
