@@ -143,7 +143,9 @@ def culprit(groups: dict[str, dict[int, dict]]) -> str | None:
             found = re.search(r"held up by (.*?)(?: \(flight record: |$)", record["why"])
             if found:
                 said[found.group(1)] = said.get(found.group(1), 0) + 1
-    return max(said, key=said.get) if said else None
+    # As in the engine's verdict, a rank still inside an earlier collective
+    # is held up itself: a verdict naming only such ranks comes last.
+    return max(said, key=lambda t: ("it is still in " not in t, said[t])) if said else None
 
 
 def report(directory: str) -> list[str]:

@@ -162,9 +162,12 @@ Verdict findCulprits(const StatusPages& pages, int rank, const std::vector<std::
   for (const auto& [q, why] : links.stalled) {
     if (!named(q)) unreachable(q, rank, why);
   }
+  // Only a host-mate's mark: across a cut both sides mark each other, and
+  // a mark that names this rank says only that it is on the other side.
   for (int from = 0; from < size && timedOut; ++from) {
     const int q = page[size_t(from)].stalledPeer;
-    if (page[size_t(from)].visible && q >= 0 && q < size && !named(q)) {
+    if (page[size_t(from)].visible && hosts[size_t(from)] == hosts[size_t(rank)] && q >= 0 &&
+        q < size && q != rank && !named(q)) {
       unreachable(q, from, "its TCP link got no ACK for a second or more");
     }
   }

@@ -73,11 +73,19 @@ def _hang_trial(rank, ws, store_path, kind, victim, stop_after):
                 break
         return ("no error", 0.0, os.getpid())
     except Exception as e:  # noqa: BLE001
+        if not me:
+            store.add("errored", 1)
         return (str(e), time.monotonic() - start, os.getpid())
     finally:
         if timer is not None:  # a stop that has not come must not come after the SIGCONT
             timer.cancel()
             timer.join()
+            # The victim stays stopped until every other rank has its error,
+            # as a stopped process would (a SIGCONT sooner let a late rank
+            # find it running again).
+            until = time.monotonic() + TIMEOUT + 2 * SLACK
+            while store.add("errored", 0) < ws - 1 and time.monotonic() < until:
+                time.sleep(0.01)
             os.kill(int(store.get(f"pid/{victim}")), signal.SIGCONT)
 
 
