@@ -127,25 +127,37 @@ def diagnose(records: dict[int, dict]) -> list[str]:
 
 
 def culprit(groups: dict[str, dict[int, dict]]) -> str | None:
-    """Who held the job up, as the failing ranks' records name it: the
-    verdict most of them give (a rank that failed on a peer's word carries
-    that peer's verdict in its error)."""
+    """Who held the job up, as the failing ranks' records name it. Each
+    record's verdict is a vote for the rank its first clause names; the
+    rank with the strongest evidence wins, then the most votes. Evidence,
+    strongest first: what a rank saw of the culprit itself (stopped, not
+    called, another call, a link's unacknowledged bytes); only that nothing
+    came from it over TCP (both sides of a cut say so of each other); only
+    that it is still inside an earlier collective (held up itself). A rank
+    that failed on a peer's word carries that peer's verdict; those count
+    only where no rank gave its own."""
     records = [r for group in groups.values() for r in group.values()]
-    said: dict[str, int] = {}
-    # The verdicts ranks gave themselves first; only without any, the one a
-    # rank carries in its error from the peer that failed first.
-    for record in records:
-        if record.get("culprit"):
-            text = record["culprit"].removeprefix("held up by ")
-            said[text] = said.get(text, 0) + 1
-    if not said:
+    texts = [r["culprit"].removeprefix("held up by ") for r in records if r.get("culprit")]
+    if not texts:
         for record in records:
             found = re.search(r"held up by (.*?)(?: \(flight record: |$)", record["why"])
             if found:
-                said[found.group(1)] = said.get(found.group(1), 0) + 1
-    # As in the engine's verdict, a rank still inside an earlier collective
-    # is held up itself: a verdict naming only such ranks comes last.
-    return max(said, key=lambda t: ("it is still in " not in t, said[t])) if said else None
+                texts.append(found.group(1))
+    if not texts:
+        return None
+
+    def strength(text: str) -> int:
+        first = text.split("; and by ", 1)[0]
+        if "it is still in " in first:
+            return 0
+        return 1 if "nothing came from it over TCP" in first else 2
+
+    votes: dict[str, list[str]] = {}
+    for text in texts:
+        who = re.match(r"(rank \d+ \([^)]*\))", text)
+        votes.setdefault(who.group(1) if who else text, []).append(text)
+    best = max(votes.values(), key=lambda ts: (max(map(strength, ts)), len(ts)))
+    return max(best, key=strength)
 
 
 def report(directory: str) -> list[str]:
