@@ -134,12 +134,13 @@ def culprit(groups: dict[str, dict[int, dict]]) -> str | None:
     called, another call, a link's unacknowledged bytes); only that nothing
     came from it over TCP (both sides of a cut say so of each other); only
     that it is still inside an earlier collective (held up itself). A rank
-    that failed on a peer's word carries that peer's verdict; those count
-    only where no rank gave its own."""
-    records = [r for group in groups.values() for r in group.values()]
-    texts = [r["culprit"].removeprefix("held up by ") for r in records if r.get("culprit")]
-    if not texts:
-        for record in records:
+    that failed on a peer's word votes with the verdict it carries."""
+    texts = []
+    for records in groups.values():
+        for record in records.values():  # one vote a rank: its own verdict, or the one it carries
+            if record.get("culprit"):
+                texts.append(record["culprit"].removeprefix("held up by "))
+                continue
             found = re.search(r"held up by (.*?)(?: \(flight record: |$)", record["why"])
             if found:
                 texts.append(found.group(1))
