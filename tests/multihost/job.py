@@ -31,7 +31,6 @@ def _write(out_dir: str, rank: int, payload: dict) -> None:
 
 def main() -> None:
     what, out_dir = sys.argv[1], sys.argv[2]
-    import torch
     import torch.distributed as dist
 
     import clawcomm  # noqa: F401
@@ -60,15 +59,10 @@ def main() -> None:
     elif what == "fault":
         # All-reduce until something breaks; the test cuts a link or kills
         # a host once every rank has written its ready file.
-        t = torch.ones(4 << 20)
-        dist.all_reduce(t)
-        open(os.path.join(out_dir, f"ready{rank}"), "w").close()
-        try:
-            while True:
-                dist.all_reduce(t)
-        except Exception as e:  # noqa: BLE001 - the error is the result
-            result["error"] = str(e)[:4000]
-            result["error_at"] = time.time()
+        from clawcomm.testing.chaos.link_job import reduce_until_error
+
+        result.update(reduce_until_error(out_dir, rank, 4 << 20))
+        result["error"] = result["error"][:4000]
         _write(out_dir, rank, result)
         os._exit(0)  # no goodbye to peers that are gone
     _write(out_dir, rank, result)

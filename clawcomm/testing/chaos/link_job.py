@@ -14,9 +14,26 @@ import sys
 import time
 
 
+def reduce_until_error(out_dir: str, rank: int, count: int) -> dict:
+    """All-reduces `count` floats until a collective fails, once the first
+    has passed and this rank's ready file is written (a fault is injected
+    once every rank has one); returns the error and when it came. The
+    multihost tests' fault job runs the same loop."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(count)
+    dist.all_reduce(t)
+    open(os.path.join(out_dir, f"ready{rank}"), "w").close()
+    try:
+        while True:
+            dist.all_reduce(t)
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        return {"error": str(e), "error_at": time.time()}
+
+
 def main() -> None:
     out_dir, timeout = sys.argv[1], float(sys.argv[2])
-    import torch
     import torch.distributed as dist
 
     import clawcomm  # noqa: F401
@@ -24,14 +41,7 @@ def main() -> None:
     dist.init_process_group("clawcomm", timeout=datetime.timedelta(seconds=timeout))
     rank = dist.get_rank()
     result = {"rank": rank, "host": os.environ.get("CLAWCOMM_HOST_ID"), "pid": os.getpid()}
-    t = torch.ones(1 << 20)
-    dist.all_reduce(t)
-    open(os.path.join(out_dir, f"ready{rank}"), "w").close()
-    try:
-        while True:
-            dist.all_reduce(t)
-    except Exception as e:  # noqa: BLE001 - the error is the result
-        result["error"], result["error_at"] = str(e), time.time()
+    result.update(reduce_until_error(out_dir, rank, 1 << 20))
     with open(os.path.join(out_dir, f"rank{rank}.json.tmp"), "w") as f:
         json.dump(result, f)
     os.replace(
